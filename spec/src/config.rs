@@ -1,0 +1,311 @@
+//! The layer's shape and the run's schedule: the graded configuration of TASK.md and small named
+//! configurations for tests, with validation that names the offending field.
+
+use serde::{Deserialize, Serialize};
+
+use crate::SpecError;
+
+/// One decoder layer's dimensions and the run's schedule. Every field is normative for its config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Name shown in reports (`graded`, `tiny`, `small`, or the file a config came from).
+    pub name: String,
+    /// Layers in the model; the task grades exactly one.
+    pub layers: usize,
+    /// Hidden size.
+    pub d: usize,
+    /// MLP intermediate size.
+    pub ffn: usize,
+    /// Query heads.
+    pub n_q: usize,
+    /// Key/value heads (grouped-query attention: `n_q / n_kv` query heads share one).
+    pub n_kv: usize,
+    /// Head dimension.
+    pub hd: usize,
+    /// RMSNorm epsilon, inside the square root.
+    pub eps: f32,
+    /// RoPE base.
+    pub theta: f64,
+    /// Batch size; the task is batch 1.
+    pub batch: usize,
+    /// Cached positions filled before the first step: slots `[0, prefill)`.
+    pub prefill: usize,
+    /// Cache capacity in positions.
+    pub max_seq_len: usize,
+    /// Timed decode steps, at positions `prefill ..`.
+    pub timed_steps: usize,
+    /// Untimed steps compared before timing starts, at positions `prefill ..`.
+    pub correctness_steps: usize,
+    /// Steps profiled with CUPTI, at positions `prefill ..`.
+    pub profiled_steps: usize,
+}
+
+/// Names accepted by [`Config::named`], in the order `--help` lists them.
+pub const CONFIG_NAMES: [&str; 3] = ["graded", "small", "tiny"];
+
+impl Config {
+    /// The graded configuration: one layer of a 70B-class model (TASK.md, "The regime").
+    pub fn graded() -> Self {
+        Self {
+            name: "graded".into(),
+            layers: 1,
+            d: 8192,
+            ffn: 28672,
+            n_q: 64,
+            n_kv: 8,
+            hd: 128,
+            eps: 1e-5,
+            theta: 500_000.0,
+            batch: 1,
+            prefill: 4096,
+            max_seq_len: 4224,
+            timed_steps: 32,
+            correctness_steps: 8,
+            profiled_steps: 4,
+        }
+    }
+
+    /// A few-kilobyte layer for unit tests and CPU-only checks.
+    pub fn tiny() -> Self {
+        Self {
+            name: "tiny".into(),
+            d: 256,
+            ffn: 768,
+            n_q: 8,
+            n_kv: 2,
+            hd: 32,
+            prefill: 64,
+            max_seq_len: 128,
+            timed_steps: 8,
+            correctness_steps: 4,
+            profiled_steps: 2,
+            ..Self::graded()
+        }
+    }
+
+    /// A layer a few times larger than `tiny`, with the graded head size and GQA ratio.
+    pub fn small() -> Self {
+        Self {
+            name: "small".into(),
+            d: 1024,
+            ffn: 3584,
+            n_q: 8,
+            n_kv: 1,
+            hd: 128,
+            prefill: 512,
+            max_seq_len: 640,
+            timed_steps: 16,
+            correctness_steps: 4,
+            profiled_steps: 2,
+            ..Self::graded()
+        }
+    }
+
+    /// A named configuration (see [`CONFIG_NAMES`]).
+    pub fn named(name: &str) -> Result<Self, SpecError> {
+        match name {
+            "graded" => Ok(Self::graded()),
+            "small" => Ok(Self::small()),
+            "tiny" => Ok(Self::tiny()),
+            _ => Err(SpecError::UnknownConfig {
+                name: name.into(),
+                known: CONFIG_NAMES.join(", "),
+            }),
+        }
+    }
+
+    /// A configuration from JSON text (every field required, unknown fields refused), validated.
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, SpecError> {
+        let cfg: Self = serde_json::from_str(text).map_err(|e| SpecError::BadConfigFile {
+            path: origin.into(),
+            reason: e.to_string(),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// A name from [`CONFIG_NAMES`] or the path of a JSON file, validated.
+    pub fn load(name_or_path: &str) -> Result<Self, SpecError> {
+        if CONFIG_NAMES.contains(&name_or_path) {
+            let cfg = Self::named(name_or_path)?;
+            cfg.validate()?;
+            return Ok(cfg);
+        }
+        if !name_or_path.ends_with(".json") && !std::path::Path::new(name_or_path).exists() {
+            return Self::named(name_or_path);
+        }
+        let text = std::fs::read_to_string(name_or_path).map_err(|e| SpecError::BadConfigFile {
+            path: name_or_path.into(),
+            reason: e.to_string(),
+        })?;
+        Self::from_json(&text, name_or_path)
+    }
+
+    /// Refuses a configuration that cannot work, naming the field.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let bad = |field: &'static str, reason: String| Err(SpecError::InvalidConfig { field, reason });
+        let positive = [
+            ("layers", self.layers),
+            ("d", self.d),
+            ("ffn", self.ffn),
+            ("n_q", self.n_q),
+            ("n_kv", self.n_kv),
+            ("hd", self.hd),
+            ("batch", self.batch),
+            ("prefill", self.prefill),
+            ("max_seq_len", self.max_seq_len),
+            ("timed_steps", self.timed_steps),
+            ("correctness_steps", self.correctness_steps),
+            ("profiled_steps", self.profiled_steps),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return bad(field, "must be at least 1".into());
+            }
+        }
+        if self.layers != 1 {
+            return bad("layers", format!("the task grades exactly one layer, not {}", self.layers));
+        }
+        if self.batch != 1 {
+            return bad("batch", format!("the task is batch 1, not {}", self.batch));
+        }
+        if self.n_q % self.n_kv != 0 {
+            return bad(
+                "n_q",
+                format!("{} query heads cannot be shared evenly by {} KV heads", self.n_q, self.n_kv),
+            );
+        }
+        if self.hd % 2 != 0 {
+            return bad("hd", format!("RoPE rotates pairs, so the head size must be even, not {}", self.hd));
+        }
+        // 8 bf16 = 16 bytes: every row must split into whole 16-byte vectors for vectorised kernels.
+        for (field, value) in [("d", self.d), ("ffn", self.ffn), ("hd", self.hd)] {
+            if value % 8 != 0 {
+                return bad(field, format!("must be a multiple of 8 (16-byte rows), not {value}"));
+            }
+        }
+        if !(self.eps > 0.0 && self.eps.is_finite()) {
+            return bad("eps", format!("must be a positive finite number, not {}", self.eps));
+        }
+        if !(self.theta > 1.0 && self.theta.is_finite()) {
+            return bad("theta", format!("must be a finite number above 1, not {}", self.theta));
+        }
+        let needed = self.prefill + self.steps_per_phase_max();
+        if needed > self.max_seq_len {
+            return bad(
+                "max_seq_len",
+                format!(
+                    "{} slots cannot hold {} prefilled positions plus {} steps",
+                    self.max_seq_len,
+                    self.prefill,
+                    self.steps_per_phase_max()
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.n_q / self.n_kv
+    }
+
+    /// Width of the concatenated query heads (`n_q * hd`).
+    pub fn q_dim(&self) -> usize {
+        self.n_q * self.hd
+    }
+
+    /// Width of the concatenated key (or value) heads (`n_kv * hd`).
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv * self.hd
+    }
+
+    /// Every phase of the run (correctness, timed, profiled) starts at `prefill`; the deepest
+    /// position any phase reaches is `prefill + this - 1`.
+    pub fn steps_per_phase_max(&self) -> usize {
+        self.timed_steps.max(self.correctness_steps).max(self.profiled_steps)
+    }
+
+    /// The deepest position a timed step attends from.
+    pub fn deepest_timed_pos(&self) -> usize {
+        self.prefill + self.timed_steps - 1
+    }
+
+    /// Elements of one cache tensor, K or V: `(batch, n_kv, max_seq_len, hd)`.
+    pub fn cache_elems(&self) -> usize {
+        self.batch * self.n_kv * self.max_seq_len * self.hd
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(err: SpecError) -> &'static str {
+        match err {
+            SpecError::InvalidConfig { field, .. } => field,
+            other => panic!("expected InvalidConfig, got {other}"),
+        }
+    }
+
+    #[test]
+    fn named_configs_are_valid() {
+        for name in CONFIG_NAMES {
+            Config::named(name).unwrap().validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn graded_matches_task_md() {
+        let c = Config::graded();
+        assert_eq!((c.d, c.ffn, c.n_q, c.n_kv, c.hd), (8192, 28672, 64, 8, 128));
+        assert_eq!((c.prefill, c.max_seq_len), (4096, 4224));
+        assert_eq!((c.timed_steps, c.correctness_steps, c.profiled_steps), (32, 8, 4));
+        assert_eq!(c.eps, 1e-5);
+        assert_eq!(c.theta, 500_000.0);
+        assert_eq!(c.deepest_timed_pos(), 4127);
+    }
+
+    #[test]
+    fn bad_configs_name_the_field() {
+        let mut c = Config::tiny();
+        c.n_q = 7;
+        assert_eq!(field_of(c.validate().unwrap_err()), "n_q");
+        let mut c = Config::tiny();
+        c.hd = 33;
+        assert_eq!(field_of(c.validate().unwrap_err()), "hd");
+        let mut c = Config::tiny();
+        c.max_seq_len = c.prefill + 2;
+        assert_eq!(field_of(c.validate().unwrap_err()), "max_seq_len");
+        let mut c = Config::tiny();
+        c.batch = 2;
+        assert_eq!(field_of(c.validate().unwrap_err()), "batch");
+        let mut c = Config::tiny();
+        c.d = 260;
+        assert_eq!(field_of(c.validate().unwrap_err()), "d");
+        let mut c = Config::tiny();
+        c.eps = 0.0;
+        assert_eq!(field_of(c.validate().unwrap_err()), "eps");
+        let mut c = Config::tiny();
+        c.timed_steps = 0;
+        assert_eq!(field_of(c.validate().unwrap_err()), "timed_steps");
+    }
+
+    #[test]
+    fn json_round_trip_and_refusals() {
+        let c = Config::small();
+        let text = serde_json::to_string(&c).unwrap();
+        assert_eq!(Config::from_json(&text, "mem").unwrap(), c);
+        let unknown = text.replacen("{", "{\"dd\":1,", 1);
+        assert!(matches!(Config::from_json(&unknown, "mem"), Err(SpecError::BadConfigFile { .. })));
+        let invalid = text.replace("\"n_kv\":1", "\"n_kv\":3");
+        assert_eq!(field_of(Config::from_json(&invalid, "mem").unwrap_err()), "n_q");
+    }
+
+    #[test]
+    fn unknown_name_lists_known_ones() {
+        let msg = Config::load("huge").unwrap_err().to_string();
+        assert!(msg.contains("graded") && msg.contains("tiny"), "{msg}");
+    }
+}
