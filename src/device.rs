@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::CUdevice_attribute as Attr;
+use cudarc::driver::sys::{CUdevice_attribute as Attr, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 use serde::Serialize;
@@ -120,6 +120,15 @@ impl Device {
             });
         }
         Ok(())
+    }
+
+    /// GPU time of the work `f` enqueues on [`Device::stream`], in milliseconds, from two events.
+    pub fn time_ms(&self, f: impl FnOnce() -> Result<(), CudaError>) -> Result<f32, CudaError> {
+        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(timing).context("recording a start event")?;
+        f()?;
+        let end = self.stream.record_event(timing).context("recording an end event")?;
+        start.elapsed_ms(&end).context("reading an event pair's elapsed time")
     }
 
     /// Waits for all work on the device, every stream included.

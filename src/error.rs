@@ -20,6 +20,8 @@ pub enum CudaError {
     LoadModule { file: &'static str, source: DriverError },
     #[error("kernel {function} is missing from {file}.cu: {source}")]
     MissingKernel { file: &'static str, function: String, source: DriverError },
+    #[error("the GPU computed a wrong result: {0}")]
+    WrongResult(String),
     #[error("CUDA call failed while {context}: {source}")]
     Driver { context: String, source: DriverError },
 }

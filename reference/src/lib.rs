@@ -1,1 +1,4 @@
-//! placeholder
+//! The CPU golden model of the layer and the eager GPU reference.
+
+pub mod golden;
+pub mod gpu;

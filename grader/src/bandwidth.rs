@@ -1,0 +1,140 @@
+//! HBM bandwidth, the denominator of the roofline floor: a 16-byte stream copy (bytes read plus bytes
+//! written), a read-only stream beside it, and the driver's device-to-device copy as a cross-check,
+//! over buffers far larger than L2, warmed up and repeated.
+
+use cuda::cudarc::driver::{CudaSlice, PushKernelArg};
+use cuda::kernels::BANDWIDTH;
+use cuda::{Context, CudaError, Device, grid_1d};
+use half::bf16;
+use serde::Serialize;
+
+use crate::cli::BandwidthArgs;
+use crate::error::{GraderError, Outcome};
+use crate::stats::Summary;
+
+/// Threads per block of the stream kernels.
+const STREAM_BLOCK: u32 = 512;
+/// Untimed repetitions before timing.
+const WARMUP: usize = 3;
+/// The driver's copy may differ from the kernel's by this much before the report warns.
+const AGREEMENT: f64 = 0.10;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Bandwidth {
+    /// Bytes of each of the two buffers.
+    pub buffer_bytes: u64,
+    /// The 16-byte copy kernel, TB/s counting bytes read plus bytes written: the floor's denominator.
+    pub copy_tbps: Summary,
+    /// The read-only stream, TB/s of bytes read.
+    pub read_tbps: Summary,
+    /// The driver's device-to-device copy, TB/s counting read plus written.
+    pub driver_copy_tbps: Summary,
+}
+
+impl Bandwidth {
+    /// The copy bandwidth in bytes per second that the floor divides by.
+    pub fn floor_bytes_per_s(&self) -> f64 {
+        self.copy_tbps.median * 1e12
+    }
+
+    /// Relative difference of the driver's copy from the kernel's.
+    pub fn driver_disagreement(&self) -> f64 {
+        (self.driver_copy_tbps.median / self.copy_tbps.median - 1.0).abs()
+    }
+}
+
+/// Measures the three streams over two buffers of `buffer_bytes` each.
+pub fn measure(dev: &Device, buffer_bytes: u64, reps: usize) -> Result<Bandwidth, CudaError> {
+    let vectors = (buffer_bytes / 16) as usize;
+    let bytes = vectors as u64 * 16;
+    dev.require_free(2 * bytes + (64 << 20), "the bandwidth buffers")?;
+    // Random source data: never measure on zeros.
+    let src = reference::gpu::data::fill_normal(dev, vectors * 8, 0xB4_4D, 0.0, 1.0)?;
+    // SAFETY: written by the first copy before anything reads it.
+    let mut dst = unsafe { dev.stream().alloc::<bf16>(vectors * 8) }.context("allocating the copy destination")?;
+    let cfg = grid_1d(vectors, STREAM_BLOCK, dev.facts().sms);
+    let mut sink = dev.stream().alloc_zeros::<u32>(cfg.grid_dim.0 as usize).context("allocating the sink")?;
+    let copy = dev.function(&BANDWIDTH, "copy_u4")?;
+    let read = dev.function(&BANDWIDTH, "read_u4")?;
+    let n = vectors as u64;
+
+    let copy_once = |dst: &mut CudaSlice<bf16>| -> Result<(), CudaError> {
+        let mut b = dev.stream().launch_builder(&copy);
+        b.arg(dst).arg(&src).arg(&n);
+        // SAFETY: copy_u4(dst, src, n): both buffers hold n 16-byte vectors.
+        unsafe { b.launch(cfg) }.map(drop).context("launching copy_u4")
+    };
+    let read_once = |sink: &mut CudaSlice<u32>| -> Result<(), CudaError> {
+        let mut b = dev.stream().launch_builder(&read);
+        b.arg(sink).arg(&src).arg(&n);
+        // SAFETY: read_u4(sink, src, n): sink holds one word per block.
+        unsafe { b.launch(cfg) }.map(drop).context("launching read_u4")
+    };
+
+    let copy_tbps = timed(dev, reps, 2 * bytes, || copy_once(&mut dst))?;
+    check_copy(dev, &src, &dst)?;
+    let read_tbps = timed(dev, reps, bytes, || read_once(&mut sink))?;
+    let driver_copy_tbps = timed(dev, reps, 2 * bytes, || {
+        dev.stream().memcpy_dtod(&src, &mut dst).context("driver device-to-device copy")
+    })?;
+    Ok(Bandwidth { buffer_bytes: bytes, copy_tbps, read_tbps, driver_copy_tbps })
+}
+
+/// TB/s of `reps` timed runs of `f` after [`WARMUP`] untimed ones, each moving `bytes`.
+fn timed(dev: &Device, reps: usize, bytes: u64, mut f: impl FnMut() -> Result<(), CudaError>) -> Result<Summary, CudaError> {
+    for _ in 0..WARMUP {
+        f()?;
+    }
+    let mut tbps = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let ms = dev.time_ms(&mut f)? as f64;
+        tbps.push(bytes as f64 / (ms * 1e-3) / 1e12);
+    }
+    Ok(Summary::of(&tbps).expect("event timings are finite"))
+}
+
+/// The copy must have copied: compare the first and last MiB of the two buffers.
+fn check_copy(dev: &Device, src: &CudaSlice<bf16>, dst: &CudaSlice<bf16>) -> Result<(), CudaError> {
+    let window = (1 << 19).min(src.len());
+    for start in [0, src.len() - window] {
+        let a = dev.stream().clone_dtoh(&src.slice(start..start + window)).context("reading the copy source")?;
+        let b = dev.stream().clone_dtoh(&dst.slice(start..start + window)).context("reading the copy")?;
+        if a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits()) {
+            return Err(CudaError::WrongResult(format!("copy_u4 did not copy elements {start}..{}", start + window)));
+        }
+    }
+    Ok(())
+}
+
+pub fn command(device: usize, args: &BandwidthArgs) -> Result<Outcome, GraderError> {
+    let dev = Device::open(device)?;
+    let f = dev.facts();
+    eprintln!("grader: {} ({} SMs, L2 {} MiB), measuring {:.2} GiB buffers x {} reps", f.name, f.sms, f.l2_bytes >> 20, args.gib, args.reps);
+    let bw = measure(&dev, (args.gib * (1u64 << 30) as f64) as u64, args.reps as usize)?;
+    eprintln!("{}", table(&bw));
+    if bw.driver_disagreement() > AGREEMENT {
+        eprintln!(
+            "Warn: the driver's copy ({:.3} TB/s) differs from the copy kernel ({:.3} TB/s) by {:.0}%",
+            bw.driver_copy_tbps.median,
+            bw.copy_tbps.median,
+            100.0 * bw.driver_disagreement()
+        );
+    }
+    if let Some(path) = &args.json {
+        crate::write_output(path, &(serde_json::to_string_pretty(&bw).expect("serialises") + "\n"))?;
+    }
+    Ok(Outcome::Pass)
+}
+
+/// The human table: one row per stream.
+pub fn table(bw: &Bandwidth) -> String {
+    let mut s = format!("{:<34} {:>8} {:>8} {:>8} {:>8}\n", "stream (TB/s)", "median", "p10", "p90", "spread");
+    for (name, sum) in [
+        ("copy kernel, read + write (floor)", &bw.copy_tbps),
+        ("read-only kernel", &bw.read_tbps),
+        ("driver copy, read + write", &bw.driver_copy_tbps),
+    ] {
+        s += &format!("{name:<34} {:>8.3} {:>8.3} {:>8.3} {:>7.1}%\n", sum.median, sum.p10, sum.p90, 100.0 * sum.spread());
+    }
+    s
+}

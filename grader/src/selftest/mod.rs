@@ -1,0 +1,82 @@
+//! `grader selftest`: the grader's own GPU code checked against the CPU, one named check at a time.
+//! Each check prints one `Pass:` or `FAIL:` line; the last line is `N passed, M failed`.
+
+mod data;
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use cuda::{CudaError, Device};
+
+use crate::cli::SelftestArgs;
+use crate::error::{GraderError, Outcome};
+
+/// What every check gets: the device and the public seed.
+pub struct Ctx {
+    pub dev: Device,
+    pub seed: u64,
+}
+
+/// A check's failure: what was expected and what was seen.
+#[derive(Debug)]
+pub struct Failure(pub String);
+
+impl From<CudaError> for Failure {
+    fn from(e: CudaError) -> Self {
+        Failure(e.to_string())
+    }
+}
+
+/// `Ok(detail)` on a pass, with the figures that show it passed.
+pub type CheckResult = Result<String, Failure>;
+
+pub struct Check {
+    pub name: &'static str,
+    pub run: fn(&mut Ctx) -> CheckResult,
+}
+
+/// Fails with `msg` unless `cond`.
+pub fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Failure> {
+    if cond { Ok(()) } else { Err(Failure(msg())) }
+}
+
+/// Every check, in the order they run: cheap and foundational first.
+fn checks() -> Vec<Check> {
+    data::checks()
+}
+
+pub fn command(device: usize, args: &SelftestArgs) -> Result<Outcome, GraderError> {
+    let dev = Device::open(device)?;
+    let f = dev.facts();
+    eprintln!("grader selftest on {} (sm_{}{}, {} SMs)", f.name, f.compute_capability.0, f.compute_capability.1, f.sms);
+    let mut ctx = Ctx { dev, seed: args.seed };
+    let selected: Vec<Check> = checks()
+        .into_iter()
+        .filter(|c| args.filter.as_deref().is_none_or(|t| c.name.contains(t)))
+        .collect();
+    if selected.is_empty() {
+        return Err(GraderError::Usage(format!(
+            "no selftest check matches --filter {:?}",
+            args.filter.as_deref().unwrap_or("")
+        )));
+    }
+    let (mut passed, mut failed, mut log) = (0, 0, String::new());
+    for check in &selected {
+        let start = Instant::now();
+        let result = (check.run)(&mut ctx);
+        let secs = start.elapsed().as_secs_f64();
+        let line = match &result {
+            Ok(detail) => format!("Pass: {:<36} {:>6.2}s  {detail}", check.name, secs),
+            Err(Failure(why)) => format!("FAIL: {:<36} {:>6.2}s  {why}", check.name, secs),
+        };
+        eprintln!("{line}");
+        let _ = writeln!(log, "{line}");
+        if result.is_ok() { passed += 1 } else { failed += 1 }
+    }
+    if let Some(path) = &args.log {
+        crate::write_output(path, &log)?;
+    }
+    // The closing line CI and people read: counts only.
+    println!("{passed} passed, {failed} failed");
+    Ok(if failed == 0 { Outcome::Pass } else { Outcome::Fail })
+}

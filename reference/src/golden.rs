@@ -1,0 +1,508 @@
+//! The CPU golden model of one decode step, rounding where the eager GPU reference rounds, and the
+//! same step in exact f64 arithmetic to cross-check it.
+//!
+//! Each op of the eager reference reads bf16 tensors and stores its result as bf16. The rounding
+//! points of a step, in order:
+//!
+//! 1. `h = rmsnorm(x, in_norm)`
+//! 2. `q`, `k`, `v`, the three GEMV outputs
+//! 3. `q` and `k` after RoPE
+//! 4. the K and V cache rows at `pos` (the roped `k` and `v`, already bf16, stored unchanged)
+//! 5. `a`, the attention output
+//! 6. `o = a @ Wo^T`
+//! 7. `x1 = x + o`
+//! 8. `h2 = rmsnorm(x1, post_norm)`
+//! 9. `gate` and `up`
+//! 10. `act = silu(gate) * up`
+//! 11. `down = act @ Wdown^T`
+//! 12. `x_out = x1 + down`
+//!
+//! Attention scores and softmax weights stay f32, never bf16. Every reduction (the norm's sum of
+//! squares, dot products, the softmax sums) accumulates in f64, so the model's own summation error
+//! is negligible next to the bf16 rounding it models.
+//!
+//! One body serves both models: values travel as f64 and [`Rounding`] decides what a rounding point
+//! does. f32 arithmetic is emulated as f64 arithmetic rounded to f32, which is the f32 result bit for
+//! bit for `+ - * /` and `sqrt` of f32 operands (53 >= 2 * 24 + 2 makes the double rounding
+//! innocuous).
+
+use std::ops::Range;
+use std::thread;
+
+use half::bf16;
+use spec::Config;
+use spec::data::{self, Tensor};
+
+#[cfg(test)]
+mod tests;
+
+/// One layer's weights, row-major with the shapes of [`Tensor::shape`]: matrices are `(out, in)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Weights {
+    pub in_norm: Vec<bf16>,
+    pub post_norm: Vec<bf16>,
+    pub q: Vec<bf16>,
+    pub k: Vec<bf16>,
+    pub v: Vec<bf16>,
+    pub o: Vec<bf16>,
+    pub gate: Vec<bf16>,
+    pub up: Vec<bf16>,
+    pub down: Vec<bf16>,
+}
+
+impl Weights {
+    /// The seeded weights of [`spec::data`], bit for bit what the GPU fill kernels produce.
+    pub fn generate(cfg: &Config, seed: u64) -> Self {
+        let w = |tensor| data::weight(cfg, seed, tensor);
+        Self {
+            in_norm: w(Tensor::InNorm),
+            post_norm: w(Tensor::PostNorm),
+            q: w(Tensor::Wq),
+            k: w(Tensor::Wk),
+            v: w(Tensor::Wv),
+            o: w(Tensor::Wo),
+            gate: w(Tensor::Wgate),
+            up: w(Tensor::Wup),
+            down: w(Tensor::Wdown),
+        }
+    }
+}
+
+/// The KV cache: K and V, each `(batch = 1, n_kv, max_seq_len, hd)` bf16.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvCache {
+    pub k: Vec<bf16>,
+    pub v: Vec<bf16>,
+}
+
+impl KvCache {
+    /// The seeded prefix of [`spec::data`]: slots `[0, prefill)` filled, anchor keys included, zeros
+    /// after.
+    pub fn generate(cfg: &Config, seed: u64) -> Self {
+        let anchors = data::anchor_positions(cfg, seed);
+        Self {
+            k: data::cache(cfg, seed, Tensor::KCache, &anchors),
+            v: data::cache(cfg, seed, Tensor::VCache, &anchors),
+        }
+    }
+}
+
+/// The flat range of slot `pos` of KV head `head` in a cache tensor (batch 1).
+fn slot_range(cfg: &Config, head: usize, pos: usize) -> Range<usize> {
+    let start = (head * cfg.max_seq_len + pos) * cfg.hd;
+    start..start + cfg.hd
+}
+
+/// RoPE's cos and sin for every position, `(max_seq_len, hd / 2)` row-major. The GPU reference
+/// uploads this table, so both rotate by the same f32 bits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeTable {
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+    /// `hd / 2`: the row length.
+    pub half: usize,
+}
+
+impl RopeTable {
+    /// cos and sin of the exact f64 angles, each rounded once to f32.
+    pub fn new(cfg: &Config) -> Self {
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for pos in 0..cfg.max_seq_len {
+            let exact = Rotation::exact(cfg, pos);
+            cos.extend(exact.cos.iter().map(|&c| c as f32));
+            sin.extend(exact.sin.iter().map(|&s| s as f32));
+        }
+        Self {
+            cos,
+            sin,
+            half: cfg.hd / 2,
+        }
+    }
+
+    /// The table's row for `pos`.
+    fn rotation(&self, pos: usize) -> Rotation {
+        let row = |t: &[f32]| {
+            t[pos * self.half..(pos + 1) * self.half]
+                .iter()
+                .map(|&v| f64::from(v))
+                .collect()
+        };
+        Rotation {
+            cos: row(&self.cos),
+            sin: row(&self.sin),
+        }
+    }
+}
+
+/// cos and sin of one position's `hd / 2` angles.
+struct Rotation {
+    cos: Vec<f64>,
+    sin: Vec<f64>,
+}
+
+impl Rotation {
+    /// Angle `i` is `pos * theta^(-2i / hd)`, all in f64.
+    fn exact(cfg: &Config, pos: usize) -> Self {
+        let hd = cfg.hd as f64;
+        let (cos, sin) = (0..cfg.hd / 2)
+            .map(|i| {
+                let angle = pos as f64 * cfg.theta.powf(-2.0 * i as f64 / hd);
+                (angle.cos(), angle.sin())
+            })
+            .unzip();
+        Self { cos, sin }
+    }
+}
+
+/// Which cached slots a step attends over. The layer is [`AttentionSpan::Full`]; the others are
+/// wrong answers, kept to show that the correctness gate rejects a step that cuts attention short.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionSpan {
+    /// Slots `0..=pos`: the layer.
+    Full,
+    /// No slots: the attention output is zero, so `x1 = x`.
+    Skip,
+    /// The most recent quarter only: slots `(pos + 1) - (pos + 1) / 4 ..= pos`.
+    RecentQuarter,
+}
+
+impl AttentionSpan {
+    pub fn slots(self, pos: usize) -> Range<usize> {
+        let end = pos + 1;
+        match self {
+            AttentionSpan::Full => 0..end,
+            AttentionSpan::Skip => end..end,
+            AttentionSpan::RecentQuarter => end - end / 4..end,
+        }
+    }
+}
+
+/// What a rounding point does: what the eager reference does, or nothing.
+#[derive(Debug, Clone, Copy)]
+enum Rounding {
+    Eager,
+    Exact,
+}
+
+impl Rounding {
+    /// An f32 intermediate.
+    fn f32(self, x: f64) -> f64 {
+        match self {
+            Rounding::Eager => f64::from(x as f32),
+            Rounding::Exact => x,
+        }
+    }
+
+    /// An op's result at its boundary: computed in f32, stored as bf16.
+    fn store(self, x: f64) -> f64 {
+        match self {
+            Rounding::Eager => bf16::from_f32(x as f32).to_f64(),
+            Rounding::Exact => x,
+        }
+    }
+}
+
+fn to_f64(x: &[bf16]) -> Vec<f64> {
+    x.iter().map(|v| v.to_f64()).collect()
+}
+
+/// Exact for values that have passed [`Rounding::store`] under [`Rounding::Eager`].
+fn to_bf16(x: &[f64]) -> Vec<bf16> {
+    x.iter().map(|&v| bf16::from_f64(v)).collect()
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(a, b)| a * b).sum()
+}
+
+/// `x * (1 / sqrt(mean(x^2) + eps)) * g`: the mean in f64, the inverse root rounded to f32, the two
+/// products in f32.
+fn norm(r: Rounding, x: &[f64], g: &[bf16], eps: f32) -> Vec<f64> {
+    assert_eq!(x.len(), g.len(), "rmsnorm: x and g differ in length");
+    let mean_square = dot(x, x) / x.len() as f64;
+    let inv_rms = r.f32(1.0 / (mean_square + f64::from(eps)).sqrt());
+    // Op boundary: the eager reference stores the normalised vector as bf16.
+    x.iter()
+        .zip(g)
+        .map(|(&v, g)| r.store(r.f32(v * inv_rms) * g.to_f64()))
+        .collect()
+}
+
+/// Below this many weights per thread, spawning costs more than it saves.
+const MIN_WEIGHTS_PER_THREAD: usize = 1 << 18;
+
+/// `y = W h` for row-major `W (rows, cols)`. Rows are split across threads, but each row's dot product
+/// runs sequentially in one fixed order, so the result does not depend on the thread count.
+fn matvec(r: Rounding, w: &[bf16], rows: usize, cols: usize, h: &[f64]) -> Vec<f64> {
+    assert_eq!(
+        (w.len(), h.len()),
+        (rows * cols, cols),
+        "gemv: matrix or vector of the wrong size"
+    );
+    let threads = thread::available_parallelism().map_or(1, |n| n.get());
+    let chunk = rows
+        .div_ceil(threads)
+        .max(MIN_WEIGHTS_PER_THREAD.div_ceil(cols));
+    let mut y = vec![0.0; rows];
+    thread::scope(|s| {
+        for (ys, ws) in y.chunks_mut(chunk).zip(w.chunks(chunk * cols)) {
+            s.spawn(move || {
+                for (y, row) in ys.iter_mut().zip(ws.chunks_exact(cols)) {
+                    // Op boundary: the eager reference's GEMV accumulates in f32 and stores bf16.
+                    *y = r.store(row.iter().zip(h).map(|(w, h)| w.to_f64() * h).sum());
+                }
+            });
+        }
+    });
+    y
+}
+
+/// Rotate-half RoPE of every `hd`-long head of `v`: element `i < hd / 2` pairs with `i + hd / 2`.
+fn rotate(r: Rounding, v: &mut [f64], hd: usize, rot: &Rotation) {
+    for head in v.chunks_exact_mut(hd) {
+        let (lo, hi) = head.split_at_mut(hd / 2);
+        for (((a, b), &c), &s) in lo.iter_mut().zip(hi).zip(&rot.cos).zip(&rot.sin) {
+            let (x, y) = (*a, *b);
+            // Op boundary: the eager reference stores the roped q and k as bf16.
+            *a = r.store(r.f32(x * c) - r.f32(y * s));
+            *b = r.store(r.f32(y * c) + r.f32(x * s));
+        }
+    }
+}
+
+/// What a step attends over: the cache, except that slot `pos` of every KV head holds this step's
+/// own `k` and `v` (`n_kv * hd` each), which the exact model never writes into the bf16 cache.
+struct Context<'a> {
+    cfg: &'a Config,
+    cache: &'a KvCache,
+    pos: usize,
+    k: &'a [f64],
+    v: &'a [f64],
+}
+
+impl Context<'_> {
+    /// Slots `slots` of KV head `head` of the cache tensor `tensor`, `(slots.len(), hd)`, with slot
+    /// `pos` taken from `own`.
+    fn rows(&self, tensor: &[bf16], own: &[f64], head: usize, slots: Range<usize>) -> Vec<f64> {
+        let hd = self.cfg.hd;
+        let start = slot_range(self.cfg, head, slots.start).start;
+        let mut rows = to_f64(&tensor[start..start + slots.len() * hd]);
+        if slots.contains(&self.pos) {
+            let at = (self.pos - slots.start) * hd;
+            rows[at..at + hd].copy_from_slice(&own[head * hd..(head + 1) * hd]);
+        }
+        rows
+    }
+}
+
+/// Softmax attention of every query head over `slots` of its KV head; an empty span contributes
+/// nothing (zeros). The softmax subtracts the maximum score before exponentiating: a GPU's one-pass
+/// running maximum with rescaling computes the same function and differs only in f32 rounding.
+fn attend(r: Rounding, ctx: &Context, q: &[f64], slots: Range<usize>) -> Vec<f64> {
+    let (cfg, hd) = (ctx.cfg, ctx.cfg.hd);
+    let mut out = vec![0.0; cfg.q_dim()];
+    if slots.is_empty() {
+        return out;
+    }
+    let scale = (hd as f64).sqrt();
+    for head in 0..cfg.n_kv {
+        let keys = ctx.rows(&ctx.cache.k, ctx.k, head, slots.clone());
+        let values = ctx.rows(&ctx.cache.v, ctx.v, head, slots.clone());
+        for j in head * cfg.group()..(head + 1) * cfg.group() {
+            let out = &mut out[j * hd..(j + 1) * hd];
+            // Scores and weights are f32 and never rounded to bf16.
+            let scores: Vec<f64> = keys
+                .chunks_exact(hd)
+                .map(|k| r.f32(dot(&q[j * hd..(j + 1) * hd], k) / scale))
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores
+                .iter()
+                .map(|&s| r.f32(r.f32(s - max).exp()))
+                .collect();
+            for (w, v) in weights.iter().zip(values.chunks_exact(hd)) {
+                out.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+            }
+            let total: f64 = weights.iter().sum();
+            // Op boundary: the eager reference stores the attention output as bf16.
+            out.iter_mut().for_each(|o| *o = r.store(*o / total));
+        }
+    }
+    out
+}
+
+fn residual(r: Rounding, a: &[f64], b: &[f64]) -> Vec<f64> {
+    assert_eq!(a.len(), b.len(), "add: operands differ in length");
+    // Op boundary: the eager reference stores the residual stream as bf16.
+    a.iter().zip(b).map(|(a, b)| r.store(a + b)).collect()
+}
+
+/// `silu(gate) * up` with `silu(g) = g / (1 + exp(-g))`, every operation in f32.
+fn swiglu(r: Rounding, gate: &[f64], up: &[f64]) -> Vec<f64> {
+    assert_eq!(gate.len(), up.len(), "silu_mul: operands differ in length");
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| {
+            let silu = r.f32(g / r.f32(1.0 + r.f32((-g).exp())));
+            // Op boundary: the eager reference stores the activation as bf16.
+            r.store(silu * u)
+        })
+        .collect()
+}
+
+/// The step up to attention: rmsnorm, the Q, K and V GEMVs and RoPE. Returns `[q, k, v]`.
+fn qkv(r: Rounding, cfg: &Config, w: &Weights, x: &[f64], rot: &Rotation) -> [Vec<f64>; 3] {
+    let h = norm(r, x, &w.in_norm, cfg.eps);
+    let mut q = matvec(r, &w.q, cfg.q_dim(), cfg.d, &h);
+    let mut k = matvec(r, &w.k, cfg.kv_dim(), cfg.d, &h);
+    let v = matvec(r, &w.v, cfg.kv_dim(), cfg.d, &h);
+    rotate(r, &mut q, cfg.hd, rot);
+    rotate(r, &mut k, cfg.hd, rot);
+    [q, k, v]
+}
+
+/// The step after attention: the output projection and its residual, then the MLP and its residual.
+fn output(r: Rounding, cfg: &Config, w: &Weights, x: &[f64], a: &[f64]) -> Vec<f64> {
+    let x1 = residual(r, x, &matvec(r, &w.o, cfg.d, cfg.q_dim(), a));
+    let h = norm(r, &x1, &w.post_norm, cfg.eps);
+    let gate = matvec(r, &w.gate, cfg.ffn, cfg.d, &h);
+    let up = matvec(r, &w.up, cfg.ffn, cfg.d, &h);
+    let act = swiglu(r, &gate, &up);
+    residual(r, &x1, &matvec(r, &w.down, cfg.d, cfg.ffn, &act))
+}
+
+/// `rmsnorm(x, g)` as the eager reference computes it: `mean(x^2)` in f64, `1 / sqrt(mean + eps)`
+/// rounded to f32, `(x * that) * g` in f32, stored as bf16.
+pub fn rmsnorm(x: &[bf16], g: &[bf16], eps: f32) -> Vec<bf16> {
+    to_bf16(&norm(Rounding::Eager, &to_f64(x), g, eps))
+}
+
+/// `y = W h` for row-major `W (rows, cols)`: each sum in f64, rounded to f32, stored as bf16.
+pub fn gemv(w: &[bf16], rows: usize, cols: usize, h: &[bf16]) -> Vec<bf16> {
+    to_bf16(&matvec(Rounding::Eager, w, rows, cols, &to_f64(h)))
+}
+
+/// Rotate-half RoPE at `pos` of `heads` heads of size `hd`, in place, in f32 (no fused multiply-add)
+/// by the table's cos and sin, stored as bf16.
+pub fn rope(v: &mut [bf16], heads: usize, hd: usize, table: &RopeTable, pos: usize) {
+    assert_eq!(v.len(), heads * hd, "rope: vector is not heads * hd long");
+    let mut x = to_f64(v);
+    rotate(Rounding::Eager, &mut x, hd, &table.rotation(pos));
+    v.copy_from_slice(&to_bf16(&x));
+}
+
+/// Writes `k` and `v` (`n_kv * hd` each) into slot `pos` of every KV head, and nothing else.
+pub fn append(cache: &mut KvCache, cfg: &Config, k: &[bf16], v: &[bf16], pos: usize) {
+    assert_eq!(
+        (k.len(), v.len()),
+        (cfg.kv_dim(), cfg.kv_dim()),
+        "append: k or v is not n_kv * hd long"
+    );
+    for head in 0..cfg.n_kv {
+        let own = head * cfg.hd..(head + 1) * cfg.hd;
+        cache.k[slot_range(cfg, head, pos)].copy_from_slice(&k[own.clone()]);
+        cache.v[slot_range(cfg, head, pos)].copy_from_slice(&v[own]);
+    }
+}
+
+/// Slot `pos` of every KV head of a cache tensor, `(n_kv * hd)`.
+fn slot_rows(cfg: &Config, tensor: &[bf16], pos: usize) -> Vec<f64> {
+    (0..cfg.n_kv)
+        .flat_map(|head| to_f64(&tensor[slot_range(cfg, head, pos)]))
+        .collect()
+}
+
+/// `softmax(q . K[0..=pos] / sqrt(hd)) @ V[0..=pos]` per query head (query head `j` reads KV head
+/// `j / group`), `(n_q * hd)`. Scores are f64 dot products rounded to f32, the softmax is f32 and the
+/// weighted sum of values f64, stored as bf16. The cache must already hold slot `pos`.
+pub fn attention(cfg: &Config, q: &[bf16], cache: &KvCache, pos: usize) -> Vec<bf16> {
+    let (k, v) = (slot_rows(cfg, &cache.k, pos), slot_rows(cfg, &cache.v, pos));
+    let ctx = Context {
+        cfg,
+        cache,
+        pos,
+        k: &k,
+        v: &v,
+    };
+    to_bf16(&attend(
+        Rounding::Eager,
+        &ctx,
+        &to_f64(q),
+        AttentionSpan::Full.slots(pos),
+    ))
+}
+
+/// `a + b` in f32, stored as bf16.
+pub fn add(a: &[bf16], b: &[bf16]) -> Vec<bf16> {
+    to_bf16(&residual(Rounding::Eager, &to_f64(a), &to_f64(b)))
+}
+
+/// `silu(gate) * up` in f32, stored as bf16 once (the activation is one op boundary).
+pub fn silu_mul(gate: &[bf16], up: &[bf16]) -> Vec<bf16> {
+    to_bf16(&swiglu(Rounding::Eager, &to_f64(gate), &to_f64(up)))
+}
+
+/// One decode step at `pos` with the eager reference's rounding points: writes K and V at `pos` into
+/// `cache` and returns `x_out` (`d`).
+pub fn step(
+    cfg: &Config,
+    w: &Weights,
+    cache: &mut KvCache,
+    table: &RopeTable,
+    x: &[bf16],
+    pos: usize,
+) -> Vec<bf16> {
+    step_with(cfg, w, cache, table, x, pos, AttentionSpan::Full)
+}
+
+/// [`step`], attending over `span` instead of every cached slot.
+pub fn step_with(
+    cfg: &Config,
+    w: &Weights,
+    cache: &mut KvCache,
+    table: &RopeTable,
+    x: &[bf16],
+    pos: usize,
+    span: AttentionSpan,
+) -> Vec<bf16> {
+    let r = Rounding::Eager;
+    let x = to_f64(x);
+    let [q, k, v] = qkv(r, cfg, w, &x, &table.rotation(pos));
+    // Op boundary: the cache rows are the roped k and v, already bf16.
+    append(cache, cfg, &to_bf16(&k), &to_bf16(&v), pos);
+    let a = attend(
+        r,
+        &Context {
+            cfg,
+            cache,
+            pos,
+            k: &k,
+            v: &v,
+        },
+        &q,
+        span.slots(pos),
+    );
+    to_bf16(&output(r, cfg, w, &x, &a))
+}
+
+/// [`step`] in exact f64 arithmetic, with no rounding anywhere and RoPE by exact angles rather than
+/// the f32 table: the weights, the cache and `x` are taken as exact values. Slot `pos` holds the
+/// step's own unrounded k and v; `cache` is not written.
+pub fn step_f64(cfg: &Config, w: &Weights, cache: &KvCache, x: &[bf16], pos: usize) -> Vec<f64> {
+    let r = Rounding::Exact;
+    let x = to_f64(x);
+    let [q, k, v] = qkv(r, cfg, w, &x, &Rotation::exact(cfg, pos));
+    let a = attend(
+        r,
+        &Context {
+            cfg,
+            cache,
+            pos,
+            k: &k,
+            v: &v,
+        },
+        &q,
+        AttentionSpan::Full.slots(pos),
+    );
+    output(r, cfg, w, &x, &a)
+}
