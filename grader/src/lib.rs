@@ -3,6 +3,7 @@
 pub mod bandwidth;
 pub mod cli;
 pub mod error;
+pub mod metrics;
 pub mod selftest;
 pub mod stats;
 

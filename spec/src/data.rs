@@ -157,7 +157,25 @@ pub fn weight(cfg: &Config, seed: u64, tensor: Tensor) -> Vec<bf16> {
     let dist = tensor.dist(cfg);
     let key = stream_key(seed, tensor.stream());
     let (mean, scale) = (dist.mean, dist.scale());
-    (0..tensor.elems(cfg) as u64).map(|i| normal_bf16(key, i, mean, scale)).collect()
+    generate_parallel(tensor.elems(cfg), |i| normal_bf16(key, i, mean, scale))
+}
+
+/// `(0..n).map(f)`, split over the machine's cores: a full-size layer is 856 M elements. Each
+/// element depends only on its index, so the split cannot change a bit.
+fn generate_parallel(n: usize, f: impl Fn(u64) -> bf16 + Sync) -> Vec<bf16> {
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let mut out = vec![bf16::ZERO; n];
+    let chunk = n.div_ceil(threads).max(1 << 16);
+    std::thread::scope(|s| {
+        for (c, part) in out.chunks_mut(chunk).enumerate() {
+            let f = &f;
+            s.spawn(move || {
+                let base = (c * chunk) as u64;
+                part.iter_mut().enumerate().for_each(|(i, v)| *v = f(base + i as u64));
+            });
+        }
+    });
+    out
 }
 
 /// A whole cache tensor on the CPU: the prefix in slots `[0, prefill)`, zeros after. Element

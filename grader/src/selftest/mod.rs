@@ -2,6 +2,7 @@
 //! Each check prints one `Pass:` or `FAIL:` line; the last line is `N passed, M failed`.
 
 mod data;
+mod reference;
 
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -42,7 +43,9 @@ pub fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Failure> {
 
 /// Every check, in the order they run: cheap and foundational first.
 fn checks() -> Vec<Check> {
-    data::checks()
+    let mut all = data::checks();
+    all.extend(reference::checks());
+    all
 }
 
 pub fn command(device: usize, args: &SelftestArgs) -> Result<Outcome, GraderError> {

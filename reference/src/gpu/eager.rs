@@ -179,7 +179,8 @@ pub struct Ops {
 impl Ops {
     /// Loads the kernels, uploads the RoPE table and allocates the scratch, for a valid `cfg`.
     pub fn new(dev: &Device, cfg: &Config) -> Result<Self, CudaError> {
-        let valid = cfg.hd % VEC == 0 && cfg.n_q % cfg.n_kv == 0 && cfg.batch == 1;
+        let valid =
+            cfg.hd.is_multiple_of(VEC) && cfg.n_q.is_multiple_of(cfg.n_kv) && cfg.batch == 1;
         assert!(valid, "{}: not a valid configuration", cfg.name);
         let table = RopeTable::new(cfg);
         let table_len = cfg.max_seq_len * cfg.hd / 2;
@@ -245,7 +246,7 @@ impl Ops {
     ) -> Result<(), CudaError> {
         let (rows, cols) = (y.len(), h.len());
         assert!(
-            cols % VEC == 0,
+            cols.is_multiple_of(VEC),
             "gemv: rows of {cols} are not whole 16-byte vectors"
         );
         check_len("gemv", &[("W", w.len())], rows * cols);
@@ -263,7 +264,7 @@ impl Ops {
     pub fn rope(&self, dev: &Device, v: &mut CudaSlice<bf16>, pos: usize) -> Result<(), CudaError> {
         let hd = self.cfg.hd;
         assert!(
-            v.len() % hd == 0,
+            v.len().is_multiple_of(hd),
             "rope: {} is not whole heads of {hd}",
             v.len()
         );

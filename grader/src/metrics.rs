@@ -1,0 +1,96 @@
+//! How far an output is from the reference: relative L2 error in f64, NaN/Inf detection, and bf16
+//! distances in units in the last place.
+
+use half::bf16;
+use serde::Serialize;
+
+/// `||out - reference|| / ||reference||` in f64; `None` when `out` holds a NaN or an Inf, or the
+/// lengths differ. A zero reference with a zero output gives 0.
+pub fn rel_err(out: &[f32], reference: &[f32]) -> Option<f64> {
+    if out.len() != reference.len() || out.iter().any(|v| !v.is_finite()) {
+        return None;
+    }
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&o, &r) in out.iter().zip(reference) {
+        num += (o as f64 - r as f64).powi(2);
+        den += (r as f64).powi(2);
+    }
+    Some(if num == 0.0 { 0.0 } else { (num / den).sqrt() })
+}
+
+/// bf16 values as f32.
+pub fn to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// bf16 bits mapped so that consecutive values are consecutive integers (-0 and +0 coincide).
+fn ordered(v: bf16) -> i32 {
+    let b = v.to_bits() as i32;
+    if b & 0x8000 != 0 { -(b & 0x7FFF) } else { b }
+}
+
+/// How two bf16 tensors differ.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Diff {
+    /// Largest distance in bf16 units in the last place (`u32::MAX` for NaN/Inf or a length mismatch).
+    pub max_ulp: u32,
+    /// Elements whose bits differ.
+    pub differing: usize,
+    /// Relative L2 error (`f64::INFINITY` for NaN/Inf).
+    pub rel_err: f64,
+}
+
+impl Diff {
+    pub fn of(out: &[bf16], reference: &[bf16]) -> Self {
+        let finite = out.iter().chain(reference).all(|v| v.is_finite());
+        if out.len() != reference.len() || !finite {
+            return Self { max_ulp: u32::MAX, differing: out.len().max(reference.len()), rel_err: f64::INFINITY };
+        }
+        let max_ulp = out.iter().zip(reference).map(|(&a, &b)| ordered(a).abs_diff(ordered(b))).max().unwrap_or(0);
+        let differing = out.iter().zip(reference).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        let rel_err = rel_err(&to_f32(out), &to_f32(reference)).unwrap_or(f64::INFINITY);
+        Self { max_ulp, differing, rel_err }
+    }
+}
+
+impl std::fmt::Display for Diff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "max {} ulp, {} differ, rel {:.1e}", self.max_ulp, self.differing, self.rel_err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rel_err_of_known_vectors() {
+        assert_eq!(rel_err(&[1.0, 2.0], &[1.0, 2.0]), Some(0.0));
+        let e = rel_err(&[3.0, 4.0], &[0.0, 5.0]).unwrap();
+        assert!((e - (10f64).sqrt() / 5.0).abs() < 1e-12);
+        assert_eq!(rel_err(&[0.0], &[0.0]), Some(0.0));
+        assert_eq!(rel_err(&[1.0], &[0.0]), Some(f64::INFINITY));
+    }
+
+    #[test]
+    fn nan_and_inf_never_pass() {
+        assert_eq!(rel_err(&[f32::NAN, 1.0], &[1.0, 1.0]), None);
+        assert_eq!(rel_err(&[f32::INFINITY], &[1.0]), None);
+        assert_eq!(rel_err(&[1.0], &[1.0, 2.0]), None);
+        let d = Diff::of(&[bf16::NAN], &[bf16::ONE]);
+        assert_eq!(d.max_ulp, u32::MAX);
+        assert!(d.rel_err.is_infinite());
+    }
+
+    #[test]
+    fn ulp_distance_crosses_zero() {
+        let one = bf16::ONE;
+        let next = bf16::from_bits(one.to_bits() + 1);
+        assert_eq!(Diff::of(&[next], &[one]).max_ulp, 1);
+        let tiny_pos = bf16::from_bits(1);
+        let tiny_neg = bf16::from_bits(0x8001);
+        assert_eq!(Diff::of(&[tiny_pos], &[tiny_neg]).max_ulp, 2);
+        assert_eq!(Diff::of(&[bf16::ZERO], &[bf16::NEG_ZERO]).max_ulp, 0);
+        assert_eq!(Diff::of(&[one, one], &[one, next]).differing, 1);
+    }
+}

@@ -1,0 +1,228 @@
+//! Checks of the eager GPU reference against the CPU golden model: each op at `tiny` and `small`,
+//! whole steps at `tiny`, `small` and the graded size, and that wrong attention misses the gate.
+//!
+//! Bounds, and why they are not zero: the GPU accumulates in f32 in its own order where the golden
+//! model accumulates in f64, and rounds some results f32 -> bf16 where the golden model rounds once.
+//! Either changes a bf16 result by at most one unit in the last place except after long sums, where
+//! the order of f32 additions can move a value across two rounding boundaries (gemv, attention: 2).
+//! Pure data movement (the cache append) must be bitwise.
+
+use cuda::cudarc::driver::CudaSlice;
+use cuda::{Context, CudaError, Device};
+use half::bf16;
+use reference::golden::{self, AttentionSpan, KvCache, RopeTable, Weights};
+use reference::gpu::eager::{Eager, Ops};
+use reference::gpu::{DeviceCache, DeviceWeights};
+use spec::data::input;
+use spec::rng::{normal_bf16, scale_for_std, stream_key};
+use spec::{Config, Gates};
+
+use super::{Check, CheckResult, Ctx, Failure, ensure};
+use crate::metrics::{Diff, rel_err, to_f32};
+
+/// Any op's output may differ from the golden model's by at most this relative L2 error (about one
+/// bf16 rounding, 2^-8, spread over a few elements).
+const OP_REL_TOL: f64 = 4e-3;
+/// A whole step of the eager reference may differ from the golden model's by at most this.
+const STEP_REL_TOL: f64 = 1e-3;
+/// Wrong answers must miss the correctness gate by at least this factor.
+const GATE_MARGIN: f64 = 3.0;
+
+pub fn checks() -> Vec<Check> {
+    vec![
+        Check { name: "eager ops match golden (tiny)", run: |c| ops_match(c, Config::tiny()) },
+        Check { name: "eager ops match golden (small)", run: |c| ops_match(c, Config::small()) },
+        Check { name: "eager steps match golden (tiny)", run: |c| steps_match(c, Config::tiny(), 4) },
+        Check { name: "eager steps match golden (small)", run: |c| steps_match(c, Config::small(), 3) },
+        Check { name: "eager step matches golden (graded)", run: |c| steps_match(c, Config::graded(), 1) },
+        Check { name: "wrong attention misses the gate (graded)", run: |c| wrong_answers_fail(c, Config::graded()) },
+    ]
+}
+
+/// The layer on both sides, from the same public seed.
+struct Pair {
+    cfg: Config,
+    gpu_w: DeviceWeights,
+    gpu_cache: DeviceCache,
+    cpu_w: Weights,
+    cpu_cache: KvCache,
+    table: RopeTable,
+}
+
+impl Pair {
+    fn new(ctx: &Ctx, cfg: Config) -> Result<Self, CudaError> {
+        Ok(Self {
+            gpu_w: DeviceWeights::generate(&ctx.dev, &cfg, ctx.seed)?,
+            gpu_cache: DeviceCache::generate(&ctx.dev, &cfg, ctx.seed)?,
+            cpu_w: Weights::generate(&cfg, ctx.seed),
+            cpu_cache: KvCache::generate(&cfg, ctx.seed),
+            table: RopeTable::new(&cfg),
+            cfg,
+        })
+    }
+}
+
+fn upload(dev: &Device, v: &[bf16]) -> Result<CudaSlice<bf16>, CudaError> {
+    dev.stream().clone_htod(v).context("uploading a test tensor")
+}
+
+fn download(dev: &Device, v: &CudaSlice<bf16>) -> Result<Vec<bf16>, CudaError> {
+    dev.stream().clone_dtoh(v).context("reading a result")
+}
+
+/// An output buffer full of NaN, so an element the kernel fails to write cannot pass.
+fn poisoned(dev: &Device, n: usize) -> Result<CudaSlice<bf16>, CudaError> {
+    upload(dev, &vec![bf16::NAN; n])
+}
+
+/// A fresh unit-normal vector: a new seed per check, so the ops are tested on new inputs every run.
+fn fresh(seed: u64, which: u64, n: usize) -> Vec<bf16> {
+    let key = stream_key(seed, which);
+    (0..n as u64).map(|i| normal_bf16(key, i, 0.0, scale_for_std(1.0))).collect()
+}
+
+/// Fails unless `gpu` is within `max_ulp` and [`OP_REL_TOL`] of `cpu`.
+fn within(op: &str, gpu: &[bf16], cpu: &[bf16], max_ulp: u32) -> Result<String, Failure> {
+    let d = Diff::of(gpu, cpu);
+    ensure(d.max_ulp <= max_ulp && d.rel_err <= OP_REL_TOL, || {
+        format!("{op}: {d} (allowed {max_ulp} ulp, rel {OP_REL_TOL:.0e})")
+    })?;
+    Ok(format!("{op} {}ulp", d.max_ulp))
+}
+
+/// Each op of the eager reference on fresh inputs against the golden model's.
+fn ops_match(ctx: &mut Ctx, cfg: Config) -> CheckResult {
+    let mut p = Pair::new(ctx, cfg)?;
+    let (dev, cfg) = (&ctx.dev, p.cfg.clone());
+    let seed: u64 = rand::random();
+    let mut ops = Ops::new(dev, &cfg)?;
+    let pos = cfg.prefill;
+    let mut shown = Vec::new();
+
+    let x = fresh(seed, 1, cfg.d);
+    let mut out = poisoned(dev, cfg.d)?;
+    ops.rmsnorm(dev, &upload(dev, &x)?, &p.gpu_w.in_norm, &mut out)?;
+    let h = golden::rmsnorm(&x, &p.cpu_w.in_norm, cfg.eps);
+    shown.push(within("rmsnorm", &download(dev, &out)?, &h, 1)?);
+
+    let mut q = poisoned(dev, cfg.q_dim())?;
+    ops.gemv(dev, &p.gpu_w.q, &upload(dev, &h)?, &mut q)?;
+    let cpu_q = golden::gemv(&p.cpu_w.q, cfg.q_dim(), cfg.d, &h);
+    shown.push(within("gemv q", &download(dev, &q)?, &cpu_q, 2)?);
+
+    let act = fresh(seed, 2, cfg.ffn);
+    let mut down = poisoned(dev, cfg.d)?;
+    ops.gemv(dev, &p.gpu_w.down, &upload(dev, &act)?, &mut down)?;
+    let cpu_down = golden::gemv(&p.cpu_w.down, cfg.d, cfg.ffn, &act);
+    shown.push(within("gemv down", &download(dev, &down)?, &cpu_down, 2)?);
+
+    let mut v = fresh(seed, 3, cfg.q_dim());
+    let mut gpu_v = upload(dev, &v)?;
+    ops.rope(dev, &mut gpu_v, pos)?;
+    golden::rope(&mut v, cfg.n_q, cfg.hd, &p.table, pos);
+    shown.push(within("rope", &download(dev, &gpu_v)?, &v, 1)?);
+
+    let (k_row, v_row) = (fresh(seed, 4, cfg.kv_dim()), fresh(seed, 5, cfg.kv_dim()));
+    ops.append(dev, &upload(dev, &k_row)?, &upload(dev, &v_row)?, &mut p.gpu_cache, pos)?;
+    golden::append(&mut p.cpu_cache, &cfg, &k_row, &v_row, pos);
+    within("append K", &download(dev, &p.gpu_cache.k)?, &p.cpu_cache.k, 0)?;
+    shown.push(within("append V", &download(dev, &p.gpu_cache.v)?, &p.cpu_cache.v, 0)?);
+
+    // Queries as large as the model's, so the anchor keys dominate some heads' softmax.
+    let qa = fresh(seed, 6, cfg.q_dim());
+    let mut a = poisoned(dev, cfg.q_dim())?;
+    ops.attention(dev, &upload(dev, &qa)?, &p.gpu_cache, pos, AttentionSpan::Full, &mut a)?;
+    let cpu_a = golden::attention(&cfg, &qa, &p.cpu_cache, pos);
+    shown.push(within("attention", &download(dev, &a)?, &cpu_a, 2)?);
+
+    let (l, r) = (fresh(seed, 7, cfg.ffn), fresh(seed, 8, cfg.ffn));
+    let (gl, gr) = (upload(dev, &l)?, upload(dev, &r)?);
+    let mut sum = poisoned(dev, cfg.ffn)?;
+    ops.add(dev, &gl, &gr, &mut sum)?;
+    shown.push(within("add", &download(dev, &sum)?, &golden::add(&l, &r), 1)?);
+    let mut prod = poisoned(dev, cfg.ffn)?;
+    ops.silu_mul(dev, &gl, &gr, &mut prod)?;
+    shown.push(within("silu_mul", &download(dev, &prod)?, &golden::silu_mul(&l, &r), 1)?);
+    Ok(format!("{}; input seed {seed:#x}", shown.join(", ")))
+}
+
+/// `steps` eager steps against the golden model's with fresh inputs: `x_out` within
+/// [`STEP_REL_TOL`], the appended cache rows within one ulp, the prefix untouched, and the last step
+/// bitwise identical when run again.
+fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
+    let mut p = Pair::new(ctx, cfg)?;
+    let (dev, cfg) = (&ctx.dev, p.cfg.clone());
+    let seed: u64 = rand::random();
+    let mut eager = Eager::new(dev, &cfg)?;
+    let mut worst = 0f64;
+    let mut last = (Vec::new(), Vec::new());
+    for s in 0..steps {
+        let pos = cfg.prefill + s;
+        let x = input(&cfg, seed, s);
+        let gx = upload(dev, &x)?;
+        let mut out = poisoned(dev, cfg.d)?;
+        eager.step(dev, &p.gpu_w, &mut p.gpu_cache, &gx, pos, &mut out)?;
+        let want = golden::step(&cfg, &p.cpu_w, &mut p.cpu_cache, &p.table, &x, pos);
+        let got = download(dev, &out)?;
+        let err = rel_err(&to_f32(&got), &to_f32(&want)).unwrap_or(f64::INFINITY);
+        ensure(err <= STEP_REL_TOL, || format!("step at pos {pos}: rel error {err:.2e} > {STEP_REL_TOL:.0e}"))?;
+        worst = worst.max(err);
+        last = (x, got);
+    }
+    let (gk, gv) = (download(dev, &p.gpu_cache.k)?, download(dev, &p.gpu_cache.v)?);
+    let fresh_cache = KvCache::generate(&cfg, ctx.seed);
+    for (name, gpu, cpu, prefix) in [("K", &gk, &p.cpu_cache.k, &fresh_cache.k), ("V", &gv, &p.cpu_cache.v, &fresh_cache.v)] {
+        for (row, (g, c)) in gpu.chunks(cfg.hd).zip(cpu.chunks(cfg.hd)).enumerate() {
+            let slot = row % cfg.max_seq_len;
+            // Appended slots hold the step's rows (one rounding apart); every other slot is untouched.
+            let appended = slot >= cfg.prefill && slot < cfg.prefill + steps;
+            let (reference, bound) = if appended { (c, 1) } else { (&prefix[row * cfg.hd..(row + 1) * cfg.hd], 0) };
+            let d = Diff::of(g, reference);
+            ensure(d.max_ulp <= bound, || format!("{name} cache slot {slot} (row {row}): {d}, allowed {bound} ulp"))?;
+        }
+    }
+    // Run the last step again: same inputs, same position, same bits.
+    let pos = cfg.prefill + steps - 1;
+    let mut again = poisoned(dev, cfg.d)?;
+    eager.step(dev, &p.gpu_w, &mut p.gpu_cache, &upload(dev, &last.0)?, pos, &mut again)?;
+    let repeat = download(dev, &again)?;
+    ensure(repeat.iter().zip(&last.1).all(|(a, b)| a.to_bits() == b.to_bits()), || {
+        format!("step at pos {pos} is not bitwise reproducible: {}", Diff::of(&repeat, &last.1))
+    })?;
+    Ok(format!("{steps} steps, worst rel error {worst:.1e}; cache rows within 1 ulp, prefix untouched; repeat bitwise; input seed {seed:#x}"))
+}
+
+/// Pass-through, skipped attention and attention over the recent quarter each miss the correctness
+/// gate by [`GATE_MARGIN`] at least, on the GPU at the given size.
+fn wrong_answers_fail(ctx: &mut Ctx, cfg: Config) -> CheckResult {
+    let dev = &ctx.dev;
+    let w = DeviceWeights::generate(dev, &cfg, ctx.seed)?;
+    let mut cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;
+    let mut eager = Eager::new(dev, &cfg)?;
+    let seed: u64 = rand::random();
+    let need = GATE_MARGIN * Gates::TASK.rel_err_tol;
+    let mut least = [f64::INFINITY; 3];
+    for s in 0..2 {
+        let pos = cfg.prefill + s;
+        let x = input(&cfg, seed, s);
+        let gx = upload(dev, &x)?;
+        let mut run = |span| -> Result<Vec<f32>, CudaError> {
+            let mut out = poisoned(dev, cfg.d)?;
+            eager.step_with(dev, &w, &mut cache, &gx, pos, &mut out, span)?;
+            Ok(to_f32(&download(dev, &out)?))
+        };
+        let right = run(AttentionSpan::Full)?;
+        let wrong = [to_f32(&x), run(AttentionSpan::Skip)?, run(AttentionSpan::RecentQuarter)?];
+        for (l, w) in least.iter_mut().zip(&wrong) {
+            *l = l.min(rel_err(w, &right).unwrap_or(f64::INFINITY));
+        }
+    }
+    let names = ["pass-through", "attention skipped", "recent quarter only"];
+    for (name, err) in names.iter().zip(least) {
+        ensure(err >= need, || format!("{name}: rel error only {err:.3}, needs {need:.3} to show the gate is meaningful"))?;
+    }
+    Ok(format!(
+        "least rel errors: pass-through {:.3}, skipped {:.3}, recent quarter {:.3} (need {need:.3})",
+        least[0], least[1], least[2]
+    ))
+}
