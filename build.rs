@@ -20,10 +20,8 @@ const PORTABLE_TARGETS: &[&str] = &[
     "-gencode=arch=compute_90a,code=sm_90a",
     "-gencode=arch=compute_80,code=compute_80",
 ];
-const HOPPER_TARGETS: &[&str] = &[
-    "-gencode=arch=compute_90a,code=sm_90a",
-    "-gencode=arch=compute_90a,code=compute_90a",
-];
+const HOPPER_TARGETS: &[&str] =
+    &["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90a,code=compute_90a"];
 
 fn main() {
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
@@ -68,8 +66,7 @@ fn main() {
             report.display()
         );
     }
-    let names: Vec<String> =
-        sources.iter().map(|s| s.file_stem().unwrap().to_str().unwrap().to_uppercase()).collect();
+    let names: Vec<String> = sources.iter().map(|s| s.file_stem().unwrap().to_str().unwrap().to_uppercase()).collect();
     let _ = writeln!(generated, "/// Every embedded kernel file.\npub const ALL: &[Kernel] = &[{}];", names.join(", "));
     std::fs::write(out.join("kernels.rs"), generated).unwrap();
 }
@@ -102,7 +99,12 @@ fn find_nvcc(root: &Path) -> Option<PathBuf> {
         .iter()
         .filter_map(|v| env::var(v).ok())
         .map(|home| PathBuf::from(home).join("bin/nvcc"))
-        .chain(env::var_os("PATH").into_iter().flat_map(|p| env::split_paths(&p).collect::<Vec<_>>()).map(|d| d.join("nvcc")))
+        .chain(
+            env::var_os("PATH")
+                .into_iter()
+                .flat_map(|p| env::split_paths(&p).collect::<Vec<_>>())
+                .map(|d| d.join("nvcc")),
+        )
         .chain(venv_nvcc(root));
     candidates.into_iter().find(|p| p.is_file())
 }

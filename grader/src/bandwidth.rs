@@ -58,8 +58,13 @@ pub fn measure(dev: &Device, buffer_bytes: u64, reps: usize) -> Result<Bandwidth
     let copy = dev.function(&BANDWIDTH, "copy_u4")?;
     let read = dev.function(&BANDWIDTH, "read_u4")?;
     // One wave of resident blocks: a second, partial wave would leave SMs idle at the end.
-    let resident = copy.occupancy_max_active_blocks_per_multiprocessor(STREAM_BLOCK, 0, None).context("reading occupancy")?;
-    let cfg = LaunchConfig { grid_dim: (resident * dev.facts().sms as u32, 1, 1), block_dim: (STREAM_BLOCK, 1, 1), shared_mem_bytes: 0 };
+    let resident =
+        copy.occupancy_max_active_blocks_per_multiprocessor(STREAM_BLOCK, 0, None).context("reading occupancy")?;
+    let cfg = LaunchConfig {
+        grid_dim: (resident * dev.facts().sms as u32, 1, 1),
+        block_dim: (STREAM_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let mut sink = dev.stream().alloc_zeros::<u32>(cfg.grid_dim.0 as usize).context("allocating the sink")?;
     let n = vectors as u64;
 
@@ -87,7 +92,12 @@ pub fn measure(dev: &Device, buffer_bytes: u64, reps: usize) -> Result<Bandwidth
 }
 
 /// TB/s of `reps` timed runs of `f` after [`WARMUP`] untimed ones, each moving `bytes`.
-fn timed(dev: &Device, reps: usize, bytes: u64, mut f: impl FnMut() -> Result<(), CudaError>) -> Result<Summary, CudaError> {
+fn timed(
+    dev: &Device,
+    reps: usize,
+    bytes: u64,
+    mut f: impl FnMut() -> Result<(), CudaError>,
+) -> Result<Summary, CudaError> {
     for _ in 0..WARMUP {
         f()?;
     }
@@ -115,7 +125,14 @@ fn check_copy(dev: &Device, src: &CudaSlice<bf16>, dst: &CudaSlice<bf16>) -> Res
 pub fn command(device: usize, args: &BandwidthArgs) -> Result<Outcome, GraderError> {
     let dev = Device::open(device)?;
     let f = dev.facts();
-    eprintln!("grader: {} ({} SMs, L2 {} MiB), measuring {:.2} GiB buffers x {} reps", f.name, f.sms, f.l2_bytes >> 20, args.gib, args.reps);
+    eprintln!(
+        "grader: {} ({} SMs, L2 {} MiB), measuring {:.2} GiB buffers x {} reps",
+        f.name,
+        f.sms,
+        f.l2_bytes >> 20,
+        args.gib,
+        args.reps
+    );
     let bw = measure(&dev, (args.gib * (1u64 << 30) as f64) as u64, args.reps as usize)?;
     eprintln!("{}", table(&bw));
     if bw.driver_disagreement() > AGREEMENT {
@@ -140,7 +157,13 @@ pub fn table(bw: &Bandwidth) -> String {
         ("driver copy, read + write", &bw.driver_copy_tbps),
         ("read-only kernel", &bw.read_tbps),
     ] {
-        s += &format!("{name:<28} {:>8.3} {:>8.3} {:>8.3} {:>7.1}%\n", sum.median, sum.p10, sum.p90, 100.0 * sum.spread());
+        s += &format!(
+            "{name:<28} {:>8.3} {:>8.3} {:>8.3} {:>7.1}%\n",
+            sum.median,
+            sum.p10,
+            sum.p90,
+            100.0 * sum.spread()
+        );
     }
     s + &format!("floor bandwidth (faster copy): {:.3} TB/s\n", bw.floor_tbps)
 }

@@ -112,25 +112,13 @@ impl RopeTable {
             cos.extend(exact.cos.iter().map(|&c| c as f32));
             sin.extend(exact.sin.iter().map(|&s| s as f32));
         }
-        Self {
-            cos,
-            sin,
-            half: cfg.hd / 2,
-        }
+        Self { cos, sin, half: cfg.hd / 2 }
     }
 
     /// The table's row for `pos`.
     fn rotation(&self, pos: usize) -> Rotation {
-        let row = |t: &[f32]| {
-            t[pos * self.half..(pos + 1) * self.half]
-                .iter()
-                .map(|&v| f64::from(v))
-                .collect()
-        };
-        Rotation {
-            cos: row(&self.cos),
-            sin: row(&self.sin),
-        }
+        let row = |t: &[f32]| t[pos * self.half..(pos + 1) * self.half].iter().map(|&v| f64::from(v)).collect();
+        Rotation { cos: row(&self.cos), sin: row(&self.sin) }
     }
 }
 
@@ -222,10 +210,7 @@ fn norm(r: Rounding, x: &[f64], g: &[bf16], eps: f32) -> Vec<f64> {
     let mean_square = dot(x, x) / x.len() as f64;
     let inv_rms = r.f32(1.0 / (mean_square + f64::from(eps)).sqrt());
     // Op boundary: the eager reference stores the normalised vector as bf16.
-    x.iter()
-        .zip(g)
-        .map(|(&v, g)| r.store(r.f32(v * inv_rms) * g.to_f64()))
-        .collect()
+    x.iter().zip(g).map(|(&v, g)| r.store(r.f32(v * inv_rms) * g.to_f64())).collect()
 }
 
 /// Below this many weights per thread, spawning costs more than it saves.
@@ -234,15 +219,9 @@ const MIN_WEIGHTS_PER_THREAD: usize = 1 << 18;
 /// `y = W h` for row-major `W (rows, cols)`. Rows are split across threads, but each row's dot product
 /// runs sequentially in one fixed order, so the result does not depend on the thread count.
 fn matvec(r: Rounding, w: &[bf16], rows: usize, cols: usize, h: &[f64]) -> Vec<f64> {
-    assert_eq!(
-        (w.len(), h.len()),
-        (rows * cols, cols),
-        "gemv: matrix or vector of the wrong size"
-    );
+    assert_eq!((w.len(), h.len()), (rows * cols, cols), "gemv: matrix or vector of the wrong size");
     let threads = thread::available_parallelism().map_or(1, |n| n.get());
-    let chunk = rows
-        .div_ceil(threads)
-        .max(MIN_WEIGHTS_PER_THREAD.div_ceil(cols));
+    let chunk = rows.div_ceil(threads).max(MIN_WEIGHTS_PER_THREAD.div_ceil(cols));
     let mut y = vec![0.0; rows];
     thread::scope(|s| {
         for (ys, ws) in y.chunks_mut(chunk).zip(w.chunks(chunk * cols)) {
@@ -311,15 +290,10 @@ fn attend(r: Rounding, ctx: &Context, q: &[f64], slots: Range<usize>) -> Vec<f64
         for j in head * cfg.group()..(head + 1) * cfg.group() {
             let out = &mut out[j * hd..(j + 1) * hd];
             // Scores and weights are f32 and never rounded to bf16.
-            let scores: Vec<f64> = keys
-                .chunks_exact(hd)
-                .map(|k| r.f32(dot(&q[j * hd..(j + 1) * hd], k) / scale))
-                .collect();
+            let scores: Vec<f64> =
+                keys.chunks_exact(hd).map(|k| r.f32(dot(&q[j * hd..(j + 1) * hd], k) / scale)).collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let weights: Vec<f64> = scores
-                .iter()
-                .map(|&s| r.f32(r.f32(s - max).exp()))
-                .collect();
+            let weights: Vec<f64> = scores.iter().map(|&s| r.f32(r.f32(s - max).exp())).collect();
             for (w, v) in weights.iter().zip(values.chunks_exact(hd)) {
                 out.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
             }
@@ -393,11 +367,7 @@ pub fn rope(v: &mut [bf16], heads: usize, hd: usize, table: &RopeTable, pos: usi
 
 /// Writes `k` and `v` (`n_kv * hd` each) into slot `pos` of every KV head, and nothing else.
 pub fn append(cache: &mut KvCache, cfg: &Config, k: &[bf16], v: &[bf16], pos: usize) {
-    assert_eq!(
-        (k.len(), v.len()),
-        (cfg.kv_dim(), cfg.kv_dim()),
-        "append: k or v is not n_kv * hd long"
-    );
+    assert_eq!((k.len(), v.len()), (cfg.kv_dim(), cfg.kv_dim()), "append: k or v is not n_kv * hd long");
     for head in 0..cfg.n_kv {
         let own = head * cfg.hd..(head + 1) * cfg.hd;
         cache.k[slot_range(cfg, head, pos)].copy_from_slice(&k[own.clone()]);
@@ -407,9 +377,7 @@ pub fn append(cache: &mut KvCache, cfg: &Config, k: &[bf16], v: &[bf16], pos: us
 
 /// Slot `pos` of every KV head of a cache tensor, `(n_kv * hd)`.
 fn slot_rows(cfg: &Config, tensor: &[bf16], pos: usize) -> Vec<f64> {
-    (0..cfg.n_kv)
-        .flat_map(|head| to_f64(&tensor[slot_range(cfg, head, pos)]))
-        .collect()
+    (0..cfg.n_kv).flat_map(|head| to_f64(&tensor[slot_range(cfg, head, pos)])).collect()
 }
 
 /// `softmax(q . K[0..=pos] / sqrt(hd)) @ V[0..=pos]` per query head (query head `j` reads KV head
@@ -417,19 +385,8 @@ fn slot_rows(cfg: &Config, tensor: &[bf16], pos: usize) -> Vec<f64> {
 /// weighted sum of values f64, stored as bf16. The cache must already hold slot `pos`.
 pub fn attention(cfg: &Config, q: &[bf16], cache: &KvCache, pos: usize) -> Vec<bf16> {
     let (k, v) = (slot_rows(cfg, &cache.k, pos), slot_rows(cfg, &cache.v, pos));
-    let ctx = Context {
-        cfg,
-        cache,
-        pos,
-        k: &k,
-        v: &v,
-    };
-    to_bf16(&attend(
-        Rounding::Eager,
-        &ctx,
-        &to_f64(q),
-        AttentionSpan::Full.slots(pos),
-    ))
+    let ctx = Context { cfg, cache, pos, k: &k, v: &v };
+    to_bf16(&attend(Rounding::Eager, &ctx, &to_f64(q), AttentionSpan::Full.slots(pos)))
 }
 
 /// `a + b` in f32, stored as bf16.
@@ -444,14 +401,7 @@ pub fn silu_mul(gate: &[bf16], up: &[bf16]) -> Vec<bf16> {
 
 /// One decode step at `pos` with the eager reference's rounding points: writes K and V at `pos` into
 /// `cache` and returns `x_out` (`d`).
-pub fn step(
-    cfg: &Config,
-    w: &Weights,
-    cache: &mut KvCache,
-    table: &RopeTable,
-    x: &[bf16],
-    pos: usize,
-) -> Vec<bf16> {
+pub fn step(cfg: &Config, w: &Weights, cache: &mut KvCache, table: &RopeTable, x: &[bf16], pos: usize) -> Vec<bf16> {
     step_with(cfg, w, cache, table, x, pos, AttentionSpan::Full)
 }
 
@@ -470,18 +420,7 @@ pub fn step_with(
     let [q, k, v] = qkv(r, cfg, w, &x, &table.rotation(pos));
     // Op boundary: the cache rows are the roped k and v, already bf16.
     append(cache, cfg, &to_bf16(&k), &to_bf16(&v), pos);
-    let a = attend(
-        r,
-        &Context {
-            cfg,
-            cache,
-            pos,
-            k: &k,
-            v: &v,
-        },
-        &q,
-        span.slots(pos),
-    );
+    let a = attend(r, &Context { cfg, cache, pos, k: &k, v: &v }, &q, span.slots(pos));
     to_bf16(&output(r, cfg, w, &x, &a))
 }
 
@@ -492,17 +431,6 @@ pub fn step_f64(cfg: &Config, w: &Weights, cache: &KvCache, x: &[bf16], pos: usi
     let r = Rounding::Exact;
     let x = to_f64(x);
     let [q, k, v] = qkv(r, cfg, w, &x, &Rotation::exact(cfg, pos));
-    let a = attend(
-        r,
-        &Context {
-            cfg,
-            cache,
-            pos,
-            k: &k,
-            v: &v,
-        },
-        &q,
-        AttentionSpan::Full.slots(pos),
-    );
+    let a = attend(r, &Context { cfg, cache, pos, k: &k, v: &v }, &q, AttentionSpan::Full.slots(pos));
     output(r, cfg, w, &x, &a)
 }

@@ -108,19 +108,14 @@ impl Config {
             "graded" => Ok(Self::graded()),
             "small" => Ok(Self::small()),
             "tiny" => Ok(Self::tiny()),
-            _ => Err(SpecError::UnknownConfig {
-                name: name.into(),
-                known: CONFIG_NAMES.join(", "),
-            }),
+            _ => Err(SpecError::UnknownConfig { name: name.into(), known: CONFIG_NAMES.join(", ") }),
         }
     }
 
     /// A configuration from JSON text (every field required, unknown fields refused), validated.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, SpecError> {
-        let cfg: Self = serde_json::from_str(text).map_err(|e| SpecError::BadConfigFile {
-            path: origin.into(),
-            reason: e.to_string(),
-        })?;
+        let cfg: Self = serde_json::from_str(text)
+            .map_err(|e| SpecError::BadConfigFile { path: origin.into(), reason: e.to_string() })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -135,10 +130,8 @@ impl Config {
         if !name_or_path.ends_with(".json") && !std::path::Path::new(name_or_path).exists() {
             return Self::named(name_or_path);
         }
-        let text = std::fs::read_to_string(name_or_path).map_err(|e| SpecError::BadConfigFile {
-            path: name_or_path.into(),
-            reason: e.to_string(),
-        })?;
+        let text = std::fs::read_to_string(name_or_path)
+            .map_err(|e| SpecError::BadConfigFile { path: name_or_path.into(), reason: e.to_string() })?;
         Self::from_json(&text, name_or_path)
     }
 
@@ -170,13 +163,10 @@ impl Config {
         if self.batch != 1 {
             return bad("batch", format!("the task is batch 1, not {}", self.batch));
         }
-        if self.n_q % self.n_kv != 0 {
-            return bad(
-                "n_q",
-                format!("{} query heads cannot be shared evenly by {} KV heads", self.n_q, self.n_kv),
-            );
+        if !self.n_q.is_multiple_of(self.n_kv) {
+            return bad("n_q", format!("{} query heads cannot be shared evenly by {} KV heads", self.n_q, self.n_kv));
         }
-        if self.hd % 2 != 0 {
+        if !self.hd.is_multiple_of(2) {
             return bad("hd", format!("RoPE rotates pairs, so the head size must be even, not {}", self.hd));
         }
         // 8 bf16 = 16 bytes: every row must split into whole 16-byte vectors for vectorised kernels.

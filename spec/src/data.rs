@@ -140,9 +140,7 @@ impl Tensor {
 pub fn anchor_positions(cfg: &Config, seed: u64) -> Vec<u32> {
     let key = stream_key(seed, ANCHOR_STREAM);
     let far = (3 * cfg.prefill / 4).max(1) as u64;
-    (0..cfg.n_kv * ANCHORS_PER_HEAD)
-        .map(|i| (crate::rng::bits(key, i as u64) % far) as u32)
-        .collect()
+    (0..cfg.n_kv * ANCHORS_PER_HEAD).map(|i| (crate::rng::bits(key, i as u64) % far) as u32).collect()
 }
 
 /// Element `index` of a weight tensor (not a cache tensor).

@@ -15,10 +15,6 @@ pub struct Gates {
 }
 
 impl Gates {
-    pub const TASK: Gates = Gates {
-        rel_err_tol: 1.5e-2,
-        max_kernels_per_step: 2.0,
-        min_dominant_share: 0.95,
-        implausible_x_floor: 0.9,
-    };
+    pub const TASK: Gates =
+        Gates { rel_err_tol: 1.5e-2, max_kernels_per_step: 2.0, min_dominant_share: 0.95, implausible_x_floor: 0.9 };
 }

@@ -49,7 +49,8 @@ pub fn statement(cfg: &Config) -> String {
     let _ = writeln!(s, "  layer_step(handle, x, pos, out)                         timed, one token");
     let _ = writeln!(s, "  weights and x are read-only; the cache is written only at slot pos\n");
     let _ = writeln!(s, "gates:");
-    let _ = writeln!(s, "  1. relative error ||x_out - ref|| / ||ref|| <= {:e} at every step, no NaN/Inf", g.rel_err_tol);
+    let _ =
+        writeln!(s, "  1. relative error ||x_out - ref|| / ||ref|| <= {:e} at every step, no NaN/Inf", g.rel_err_tol);
     let _ = writeln!(s, "  2. kernels per step (CUPTI) <= {}", g.max_kernels_per_step);
     let _ = writeln!(s, "  3. largest kernel's share of a step's kernel time >= {}\n", g.min_dominant_share);
     let _ = writeln!(s, "byte model (one step):");

@@ -39,8 +39,13 @@ fn compare(what: &str, gpu: &[bf16], cpu: &[bf16]) -> Result<(), Failure> {
 
 /// Plain fills of several sizes (odd ones included), seeds, means and scales.
 fn fill_bitwise(ctx: &mut Ctx) -> CheckResult {
-    let cases: [(usize, u64, f32, f64); 5] =
-        [(1, 1, 0.0, 1.0), (1000, 2, 1.0, 0.1), ((1 << 20) + 3, 3, 0.0, 0.011), (10_000_019, 0xDEAD_BEEF, -2.0, 3.0), (77, u64::MAX, 0.0, 1e-3)];
+    let cases: [(usize, u64, f32, f64); 5] = [
+        (1, 1, 0.0, 1.0),
+        (1000, 2, 1.0, 0.1),
+        ((1 << 20) + 3, 3, 0.0, 0.011),
+        (10_000_019, 0xDEAD_BEEF, -2.0, 3.0),
+        (77, u64::MAX, 0.0, 1e-3),
+    ];
     let mut total = 0;
     for (n, seed, mean, std) in cases {
         let key = stream_key(seed, 42);

@@ -53,10 +53,8 @@ pub fn command(device: usize, args: &SelftestArgs) -> Result<Outcome, GraderErro
     let f = dev.facts();
     eprintln!("grader selftest on {} (sm_{}{}, {} SMs)", f.name, f.compute_capability.0, f.compute_capability.1, f.sms);
     let mut ctx = Ctx { dev, seed: args.seed };
-    let selected: Vec<Check> = checks()
-        .into_iter()
-        .filter(|c| args.filter.as_deref().is_none_or(|t| c.name.contains(t)))
-        .collect();
+    let selected: Vec<Check> =
+        checks().into_iter().filter(|c| args.filter.as_deref().is_none_or(|t| c.name.contains(t))).collect();
     if selected.is_empty() {
         return Err(GraderError::Usage(format!(
             "no selftest check matches --filter {:?}",

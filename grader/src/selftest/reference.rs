@@ -171,7 +171,9 @@ fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
     }
     let (gk, gv) = (download(dev, &p.gpu_cache.k)?, download(dev, &p.gpu_cache.v)?);
     let fresh_cache = KvCache::generate(&cfg, ctx.seed);
-    for (name, gpu, cpu, prefix) in [("K", &gk, &p.cpu_cache.k, &fresh_cache.k), ("V", &gv, &p.cpu_cache.v, &fresh_cache.v)] {
+    for (name, gpu, cpu, prefix) in
+        [("K", &gk, &p.cpu_cache.k, &fresh_cache.k), ("V", &gv, &p.cpu_cache.v, &fresh_cache.v)]
+    {
         for (row, (g, c)) in gpu.chunks(cfg.hd).zip(cpu.chunks(cfg.hd)).enumerate() {
             let slot = row % cfg.max_seq_len;
             // Appended slots hold the step's rows (one rounding apart); every other slot is untouched.
@@ -189,7 +191,9 @@ fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
     ensure(repeat.iter().zip(&last.1).all(|(a, b)| a.to_bits() == b.to_bits()), || {
         format!("step at pos {pos} is not bitwise reproducible: {}", Diff::of(&repeat, &last.1))
     })?;
-    Ok(format!("{steps} steps, worst rel error {worst:.1e}; cache rows within 1 ulp, prefix untouched; repeat bitwise; input seed {seed:#x}"))
+    Ok(format!(
+        "{steps} steps, worst rel error {worst:.1e}; cache rows within 1 ulp, prefix untouched; repeat bitwise; input seed {seed:#x}"
+    ))
 }
 
 /// Pass-through, skipped attention and attention over the recent quarter each miss the correctness
@@ -219,7 +223,9 @@ fn wrong_answers_fail(ctx: &mut Ctx, cfg: Config) -> CheckResult {
     }
     let names = ["pass-through", "attention skipped", "recent quarter only"];
     for (name, err) in names.iter().zip(least) {
-        ensure(err >= need, || format!("{name}: rel error only {err:.3}, needs {need:.3} to show the gate is meaningful"))?;
+        ensure(err >= need, || {
+            format!("{name}: rel error only {err:.3}, needs {need:.3} to show the gate is meaningful")
+        })?;
     }
     Ok(format!(
         "least rel errors: pass-through {:.3}, skipped {:.3}, recent quarter {:.3} (need {need:.3})",

@@ -12,20 +12,14 @@ fn rel_err(a: &[f64], b: &[f64]) -> f64 {
 /// A fresh seeded layer at `tiny`: config, weights, cache and RoPE table.
 fn tiny(seed: u64) -> (Config, Weights, KvCache, RopeTable) {
     let cfg = Config::tiny();
-    let (w, cache, table) = (
-        Weights::generate(&cfg, seed),
-        KvCache::generate(&cfg, seed),
-        RopeTable::new(&cfg),
-    );
+    let (w, cache, table) = (Weights::generate(&cfg, seed), KvCache::generate(&cfg, seed), RopeTable::new(&cfg));
     (cfg, w, cache, table)
 }
 
 /// `len` normal bf16 values of standard deviation `std` from a test-only stream.
 fn normal(len: usize, stream: u64, std: f64) -> Vec<bf16> {
     let key = stream_key(0x7E57, stream);
-    (0..len as u64)
-        .map(|i| normal_bf16(key, i, 0.0, scale_for_std(std)))
-        .collect()
+    (0..len as u64).map(|i| normal_bf16(key, i, 0.0, scale_for_std(std))).collect()
 }
 
 #[test]
@@ -40,17 +34,11 @@ fn step_agrees_with_exact_arithmetic() {
             let rounded = to_f64(&step(&cfg, &w, &mut cache, &table, &x, pos));
             let err = rel_err(&rounded, &exact);
             // bf16 rounding must show, yet stay well inside the gate.
-            assert!(
-                err > 1e-4 && err < 1e-2,
-                "seed {seed} pos {pos}: relative error {err:e}"
-            );
+            assert!(err > 1e-4 && err < 1e-2, "seed {seed} pos {pos}: relative error {err:e}");
             errs.push(err);
         }
     }
-    let (least, most) = (
-        errs.iter().copied().fold(f64::INFINITY, f64::min),
-        errs.iter().copied().fold(0.0, f64::max),
-    );
+    let (least, most) = (errs.iter().copied().fold(f64::INFINITY, f64::min), errs.iter().copied().fold(0.0, f64::max));
     println!("rounded vs exact step: relative error {least:.3e} to {most:.3e}");
 }
 
@@ -66,15 +54,8 @@ fn rmsnorm_normalises_and_ignores_scale() {
         // eps breaks exact scale invariance, so this bitwise check leaves it out.
         let base = rmsnorm(&x, &w.in_norm, 0.0);
         for scale in [0.125, 4.0, 1024.0] {
-            let scaled: Vec<bf16> = x
-                .iter()
-                .map(|v| bf16::from_f32(v.to_f32() * scale))
-                .collect();
-            assert_eq!(
-                rmsnorm(&scaled, &w.in_norm, 0.0),
-                base,
-                "x scaled by {scale}"
-            );
+            let scaled: Vec<bf16> = x.iter().map(|v| bf16::from_f32(v.to_f32() * scale)).collect();
+            assert_eq!(rmsnorm(&scaled, &w.in_norm, 0.0), base, "x scaled by {scale}");
         }
     }
 }
@@ -83,9 +64,7 @@ fn rmsnorm_normalises_and_ignores_scale() {
 fn attention_of_equal_values_is_that_value() {
     let (cfg, _, mut cache, _) = tiny(1);
     let (hd, pos) = (cfg.hd, cfg.prefill + 3);
-    let per_head: Vec<Vec<bf16>> = (0..cfg.n_kv as u64)
-        .map(|head| normal(hd, head, 1.0))
-        .collect();
+    let per_head: Vec<Vec<bf16>> = (0..cfg.n_kv as u64).map(|head| normal(hd, head, 1.0)).collect();
     for (head, c) in per_head.iter().enumerate() {
         for p in 0..=pos {
             cache.v[slot_range(&cfg, head, p)].copy_from_slice(c);
@@ -96,21 +75,13 @@ fn attention_of_equal_values_is_that_value() {
         let a = attention(&cfg, &q, &cache, pos);
         // sum(w V) / sum(w) is c to f64 precision, so rounding to bf16 gives c exactly.
         for (j, out) in a.chunks_exact(hd).enumerate() {
-            assert_eq!(
-                out,
-                per_head[j / cfg.group()],
-                "query head {j}, q std {std}"
-            );
+            assert_eq!(out, per_head[j / cfg.group()], "query head {j}, q std {std}");
         }
     }
     // At pos 0 the only weight is exp(0) = 1.
     let a = attention(&cfg, &normal(cfg.q_dim(), 12, 8.0), &cache, 0);
     for (j, out) in a.chunks_exact(hd).enumerate() {
-        assert_eq!(
-            out,
-            &cache.v[slot_range(&cfg, j / cfg.group(), 0)],
-            "query head {j}"
-        );
+        assert_eq!(out, &cache.v[slot_range(&cfg, j / cfg.group(), 0)], "query head {j}");
     }
 }
 
@@ -134,9 +105,7 @@ fn rope_rotates_pairs_by_position() {
         let e = roped(e, 1, pos);
         let angle = pos as f64 * cfg.theta.powf(-2.0 * i as f64 / hd as f64);
         let (c, s) = (table.cos[pos * half + i], table.sin[pos * half + i]);
-        assert!(
-            (f64::from(c) - angle.cos()).abs() < 1e-7 && (f64::from(s) - angle.sin()).abs() < 1e-7
-        );
+        assert!((f64::from(c) - angle.cos()).abs() < 1e-7 && (f64::from(s) - angle.sin()).abs() < 1e-7);
         let mut want = vec![bf16::ZERO; hd];
         (want[i], want[i + half]) = (bf16::from_f32(c), bf16::from_f32(s));
         assert_eq!(e, want, "e_{i} at pos {pos}");
@@ -150,10 +119,7 @@ fn rope_rotates_pairs_by_position() {
     };
     for j in 0..cfg.n_q * half {
         let (before, after) = (pair_norm(&v, j), pair_norm(&r, j));
-        assert!(
-            (after - before).abs() <= before / 128.0,
-            "pair {j}: {before} -> {after}"
-        );
+        assert!((after - before).abs() <= before / 128.0, "pair {j}: {before} -> {after}");
     }
 
     // q . k depends only on the positions' difference (unrounded, so only the f32 table errs).
@@ -172,25 +138,13 @@ fn rope_rotates_pairs_by_position() {
 }
 
 /// `after` is `before` with slot `pos` of every KV head replaced by `k` and `v`, bit for bit.
-fn assert_only_slot_written(
-    cfg: &Config,
-    before: &KvCache,
-    after: &KvCache,
-    pos: usize,
-    k: &[bf16],
-    v: &[bf16],
-) {
-    for (name, before, after, new) in [("K", &before.k, &after.k, k), ("V", &before.v, &after.v, v)]
-    {
+fn assert_only_slot_written(cfg: &Config, before: &KvCache, after: &KvCache, pos: usize, k: &[bf16], v: &[bf16]) {
+    for (name, before, after, new) in [("K", &before.k, &after.k, k), ("V", &before.v, &after.v, v)] {
         for (i, (b, a)) in before.iter().zip(after).enumerate() {
             let (row, e) = (i / cfg.hd, i % cfg.hd);
             let (head, p) = (row / cfg.max_seq_len, row % cfg.max_seq_len);
             let want = if p == pos { new[head * cfg.hd + e] } else { *b };
-            assert_eq!(
-                a.to_bits(),
-                want.to_bits(),
-                "{name} head {head} slot {p} element {e}"
-            );
+            assert_eq!(a.to_bits(), want.to_bits(), "{name} head {head} slot {p} element {e}");
         }
     }
 }
@@ -222,11 +176,7 @@ fn wrong_answers_fail_the_gate_by_a_margin() {
     let margin = 3.0 * Gates::TASK.rel_err_tol;
     for seed in [1, 2, spec::DEFAULT_SEED] {
         let (cfg, w, cache, table) = tiny(seed);
-        let spans = [
-            AttentionSpan::Full,
-            AttentionSpan::Skip,
-            AttentionSpan::RecentQuarter,
-        ];
+        let spans = [AttentionSpan::Full, AttentionSpan::Skip, AttentionSpan::RecentQuarter];
         let mut caches = spans.map(|_| cache.clone());
         // Smallest error over the steps of: pass-through, attention skipped, recent quarter only.
         let mut least = [f64::INFINITY; 3];
@@ -243,17 +193,9 @@ fn wrong_answers_fail_the_gate_by_a_margin() {
             }
         }
         let least_text = least.map(|e| format!("{e:.3e}")).join(", ");
-        println!(
-            "seed {seed:#x}: least relative error of pass-through, skip, recent quarter: {least_text}"
-        );
-        for (name, err) in ["pass-through", "attention skipped", "recent quarter only"]
-            .iter()
-            .zip(least)
-        {
-            assert!(
-                err >= margin,
-                "seed {seed}: {name} is only {err:e} from the reference (margin {margin:e})"
-            );
+        println!("seed {seed:#x}: least relative error of pass-through, skip, recent quarter: {least_text}");
+        for (name, err) in ["pass-through", "attention skipped", "recent quarter only"].iter().zip(least) {
+            assert!(err >= margin, "seed {seed}: {name} is only {err:e} from the reference (margin {margin:e})");
         }
     }
 }

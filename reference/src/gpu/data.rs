@@ -50,7 +50,9 @@ impl DeviceWeights {
 
     /// Generates every weight from `seed`.
     pub fn generate(dev: &Device, cfg: &Config, seed: u64) -> Result<Self, CudaError> {
-        let g = |t: Tensor| fill_normal(dev, t.elems(cfg), stream_key(seed, t.stream()), t.dist(cfg).mean, t.dist(cfg).scale());
+        let g = |t: Tensor| {
+            fill_normal(dev, t.elems(cfg), stream_key(seed, t.stream()), t.dist(cfg).mean, t.dist(cfg).scale())
+        };
         Ok(Self {
             in_norm: g(Tensor::InNorm)?,
             post_norm: g(Tensor::PostNorm)?,
@@ -75,7 +77,8 @@ impl DeviceCache {
             // SAFETY: the kernel writes all n elements before anything reads them.
             let mut out = unsafe { dev.stream().alloc::<bf16>(n) }.context("allocating the KV cache")?;
             let f = dev.function(&RNG, "fill_cache_bf16")?;
-            let (n64, n_kv, msl, hd, pre) = (n as u64, cfg.n_kv as u32, cfg.max_seq_len as u32, cfg.hd as u32, cfg.prefill as u32);
+            let (n64, n_kv, msl, hd, pre) =
+                (n as u64, cfg.n_kv as u32, cfg.max_seq_len as u32, cfg.hd as u32, cfg.prefill as u32);
             let (key, scale, anchor) = (stream_key(seed, t.stream()), t.dist(cfg).scale(), scale_for_std(anchor_std));
             let mut b = dev.stream().launch_builder(&f);
             b.arg(&mut out).arg(&anchors).arg(&n64).arg(&n_kv).arg(&msl).arg(&hd).arg(&pre);

@@ -61,10 +61,7 @@ struct Func {
 
 impl Func {
     fn load(dev: &Device, name: &'static str) -> Result<Self, CudaError> {
-        Ok(Self {
-            f: dev.function(&REFERENCE, name)?,
-            name,
-        })
+        Ok(Self { f: dev.function(&REFERENCE, name)?, name })
     }
 
     /// An empty argument list for a launch of this kernel on the device's stream.
@@ -79,18 +76,11 @@ impl Func {
 ///
 /// `args` must match `func`'s parameter list in `kernels/reference.cu`, in order and in type, and each
 /// buffer must hold every element the kernel indexes with those sizes.
-unsafe fn launch(
-    func: &Func,
-    mut args: LaunchArgs<'_>,
-    cfg: LaunchConfig,
-) -> Result<(), CudaError> {
+unsafe fn launch(func: &Func, mut args: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<(), CudaError> {
     // SAFETY: the caller's contract.
     unsafe { args.launch(cfg) }
         .map(|_| ())
-        .map_err(|source| CudaError::Driver {
-            context: format!("launching {}", func.name),
-            source,
-        })
+        .map_err(|source| CudaError::Driver { context: format!("launching {}", func.name), source })
 }
 
 /// Every kernel of `kernels/reference.cu`.
@@ -139,20 +129,12 @@ fn check_len(op: &str, buffers: &[(&str, usize)], want: usize) {
 
 /// A launch of one block.
 fn one_block(threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    LaunchConfig { grid_dim: (1, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// A launch of a `grid` of blocks of `warps` warps.
 fn warps_grid(grid: (u32, u32), warps: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid.0.max(1), grid.1.max(1), 1),
-        block_dim: (warps * WARP, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (warps * WARP, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// The ops of the eager reference, one method each, with what they need beyond their operands: the
@@ -179,16 +161,11 @@ pub struct Ops {
 impl Ops {
     /// Loads the kernels, uploads the RoPE table and allocates the scratch, for a valid `cfg`.
     pub fn new(dev: &Device, cfg: &Config) -> Result<Self, CudaError> {
-        let valid =
-            cfg.hd.is_multiple_of(VEC) && cfg.n_q.is_multiple_of(cfg.n_kv) && cfg.batch == 1;
+        let valid = cfg.hd.is_multiple_of(VEC) && cfg.n_q.is_multiple_of(cfg.n_kv) && cfg.batch == 1;
         assert!(valid, "{}: not a valid configuration", cfg.name);
         let table = RopeTable::new(cfg);
         let table_len = cfg.max_seq_len * cfg.hd / 2;
-        check_len(
-            "rope table",
-            &[("cos", table.cos.len()), ("sin", table.sin.len())],
-            table_len,
-        );
+        check_len("rope table", &[("cos", table.cos.len()), ("sin", table.sin.len())], table_len);
         let s = dev.stream();
         Ok(Self {
             f: Funcs::load(dev)?,
@@ -197,16 +174,10 @@ impl Ops {
             n_kv: u32_of(cfg.n_kv),
             hd: u32_of(cfg.hd),
             max_seq_len: u32_of(cfg.max_seq_len),
-            cos: s
-                .clone_htod(&table.cos)
-                .context("uploading the RoPE cos table")?,
-            sin: s
-                .clone_htod(&table.sin)
-                .context("uploading the RoPE sin table")?,
+            cos: s.clone_htod(&table.cos).context("uploading the RoPE cos table")?,
+            sin: s.clone_htod(&table.sin).context("uploading the RoPE sin table")?,
             mean_square: s.alloc_zeros(1).context("allocating the norm's scratch")?,
-            scores: s
-                .alloc_zeros(cfg.n_q * cfg.max_seq_len)
-                .context("allocating the attention scores")?,
+            scores: s.alloc_zeros(cfg.n_q * cfg.max_seq_len).context("allocating the attention scores")?,
         })
     }
 
@@ -245,10 +216,7 @@ impl Ops {
         y: &mut CudaSlice<bf16>,
     ) -> Result<(), CudaError> {
         let (rows, cols) = (y.len(), h.len());
-        assert!(
-            cols.is_multiple_of(VEC),
-            "gemv: rows of {cols} are not whole 16-byte vectors"
-        );
+        assert!(cols.is_multiple_of(VEC), "gemv: rows of {cols} are not whole 16-byte vectors");
         check_len("gemv", &[("W", w.len())], rows * cols);
         let (r, c) = (u32_of(rows), u32_of(cols));
         let grid = warps_grid((r.div_ceil(GEMV_WARPS), 1), GEMV_WARPS);
@@ -263,15 +231,8 @@ impl Ops {
     /// Rotate-half RoPE at `pos`, in place, of every `hd`-long head of `v` (`q` or `k`).
     pub fn rope(&self, dev: &Device, v: &mut CudaSlice<bf16>, pos: usize) -> Result<(), CudaError> {
         let hd = self.cfg.hd;
-        assert!(
-            v.len().is_multiple_of(hd),
-            "rope: {} is not whole heads of {hd}",
-            v.len()
-        );
-        assert!(
-            pos < self.cfg.max_seq_len,
-            "rope: position {pos} is past the table"
-        );
+        assert!(v.len().is_multiple_of(hd), "rope: {} is not whole heads of {hd}", v.len());
+        assert!(pos < self.cfg.max_seq_len, "rope: position {pos} is past the table");
         let (heads, p) = (u32_of(v.len() / hd), u32_of(pos));
         let grid = grid_1d(v.len() / 2, ELEMENTWISE_BLOCK, dev.facts().sms);
         let mut b = self.f.rope.args(dev);
@@ -296,19 +257,13 @@ impl Ops {
         check_len("append", &[("k", k.len()), ("v", v.len())], cfg.kv_dim());
         let cache_lens = [("K cache", cache.k.len()), ("V cache", cache.v.len())];
         check_len("append", &cache_lens, cfg.cache_elems());
-        assert!(
-            pos < cfg.max_seq_len,
-            "append: position {pos} is past the cache"
-        );
+        assert!(pos < cfg.max_seq_len, "append: position {pos} is past the cache");
         let p = u32_of(pos);
         let grid = grid_1d(cfg.kv_dim(), ELEMENTWISE_BLOCK, dev.facts().sms);
         for (tensor, row) in [(&mut cache.k, k), (&mut cache.v, v)] {
             let mut b = self.f.cache_write.args(dev);
             b.arg(tensor).arg(row);
-            b.arg(&self.n_kv)
-                .arg(&self.max_seq_len)
-                .arg(&self.hd)
-                .arg(&p);
+            b.arg(&self.n_kv).arg(&self.max_seq_len).arg(&self.hd).arg(&p);
             // SAFETY: cache_write_bf16(cache (n_kv, max_seq_len, hd), row (n_kv, hd), n_kv: u32,
             // max_seq_len: u32, hd: u32, pos: u32); lengths checked above, pos < max_seq_len.
             unsafe { launch(&self.f.cache_write, b, grid) }?;
@@ -330,17 +285,10 @@ impl Ops {
     ) -> Result<(), CudaError> {
         let cfg = &self.cfg;
         let slots: Range<usize> = span.slots(pos);
-        check_len(
-            "attention",
-            &[("q", q.len()), ("out", out.len())],
-            cfg.q_dim(),
-        );
+        check_len("attention", &[("q", q.len()), ("out", out.len())], cfg.q_dim());
         let cache_lens = [("K cache", cache.k.len()), ("V cache", cache.v.len())];
         check_len("attention", &cache_lens, cfg.cache_elems());
-        assert!(
-            slots.end <= cfg.max_seq_len,
-            "attention: slots {slots:?} run past the cache"
-        );
+        assert!(slots.end <= cfg.max_seq_len, "attention: slots {slots:?} run past the cache");
         let (first, end) = (u32_of(slots.start), u32_of(slots.end));
         let len = u32_of(slots.len());
         let (n_q, n_kv, msl, hd) = (&self.n_q, &self.n_kv, &self.max_seq_len, &self.hd);
@@ -356,11 +304,7 @@ impl Ops {
 
         let grid = warps_grid((*n_q, 1), SOFTMAX_BLOCK / WARP);
         let mut b = self.f.softmax.args(dev);
-        b.arg(&mut self.scores)
-            .arg(n_q)
-            .arg(msl)
-            .arg(&first)
-            .arg(&end);
+        b.arg(&mut self.scores).arg(n_q).arg(msl).arg(&first).arg(&end);
         // SAFETY: softmax_f32(s (n_q, max_seq_len), n_q, max_seq_len, first, end: u32); as above.
         unsafe { launch(&self.f.softmax, b, grid) }?;
 
@@ -440,11 +384,7 @@ pub struct Eager {
 impl Eager {
     /// Loads the kernels and allocates every buffer a step needs, for a valid `cfg`.
     pub fn new(dev: &Device, cfg: &Config) -> Result<Self, CudaError> {
-        let buf = |len: usize| {
-            dev.stream()
-                .alloc_zeros::<bf16>(len)
-                .context("allocating an activation")
-        };
+        let buf = |len: usize| dev.stream().alloc_zeros::<bf16>(len).context("allocating an activation");
         let (d, qd, kvd, ffn) = (cfg.d, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
         let act = Activations {
             h: buf(d)?,
@@ -460,10 +400,7 @@ impl Eager {
             act: buf(ffn)?,
             down: buf(d)?,
         };
-        Ok(Self {
-            ops: Ops::new(dev, cfg)?,
-            act,
-        })
+        Ok(Self { ops: Ops::new(dev, cfg)?, act })
     }
 
     /// The per-op launchers, for checking each op on its own.
@@ -522,18 +459,12 @@ mod tests {
     #[test]
     fn every_kernel_is_loaded() {
         let cu = include_str!("../../../kernels/reference.cu");
-        let names: Vec<&str> = cu
-            .split("__global__ void ")
-            .skip(1)
-            .map(|s| s.split('(').next().unwrap().trim())
-            .collect();
+        let names: Vec<&str> =
+            cu.split("__global__ void ").skip(1).map(|s| s.split('(').next().unwrap().trim()).collect();
         assert!(!names.is_empty(), "no kernel found in kernels/reference.cu");
         let rs = include_str!("eager.rs");
         for name in names {
-            assert!(
-                rs.contains(&format!("f(\"{name}\")")),
-                "{name} is not loaded"
-            );
+            assert!(rs.contains(&format!("f(\"{name}\")")), "{name} is not loaded");
         }
     }
 }
