@@ -14,70 +14,15 @@
 //
 // Batch 1: the KV cache tensors are (n_kv, max_seq_len, hd). Sizes are uint32_t; offsets into the
 // matrices and the cache are computed in 64 bits.
-#include <cuda_bf16.h>
 #include <math_constants.h>
 #include <stdint.h>
 
-typedef __nv_bfloat16 bf16;
-typedef __nv_bfloat162 bf162;
+#include "layer_math.cuh"
 
-constexpr uint32_t WARP = 32;
-constexpr unsigned FULL_MASK = 0xffffffffu;
-// The most warps a block can hold (1024 threads): the size of the shared partial-sum arrays.
-constexpr uint32_t MAX_WARPS = 1024 / WARP;
-// bf16 per 16-byte vector load in the GEMV.
-constexpr uint32_t VEC = 8;
 // Independent 16-byte loads a GEMV lane keeps in flight: enough to cover HBM latency.
 constexpr int GEMV_UNROLL = 4;
 // Independent V loads an attention-sum warp keeps in flight.
 constexpr int WSUM_UNROLL = 4;
-
-// ---------------------------------------------------------------------------------------------------
-// Reductions
-// ---------------------------------------------------------------------------------------------------
-
-struct Add {
-    __device__ float operator()(float a, float b) const { return a + b; }
-};
-struct Max {
-    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-
-// A xor butterfly: every lane ends with the same value, because each pairwise step computes
-// op(a, b) and op(b, a), which are equal for + and max.
-template <typename Op>
-__device__ inline float warp_reduce(float v, Op op) {
-    for (uint32_t offset = WARP / 2; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(FULL_MASK, v, offset));
-    return v;
-}
-
-// The block's total, returned to every thread: each warp's butterfly, then the warps' partials combined
-// in warp order by every thread (the same order everywhere). Every thread of the block must call it.
-template <typename Op>
-__device__ float block_reduce(float v, Op op) {
-    __shared__ float partials[MAX_WARPS];  // (warps)
-    const uint32_t warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
-    v = warp_reduce(v, op);
-    if (lane == 0) partials[warp] = v;
-    __syncthreads();  // every warp's partial is written before any thread reads them
-    float total = partials[0];
-    for (uint32_t w = 1; w < warps; ++w) total = op(total, partials[w]);
-    __syncthreads();  // every thread has read the partials before a later call overwrites them
-    return total;
-}
-
-// acc + dot of two 16-byte vectors of 8 bf16, in f32.
-__device__ inline float dot8(uint4 a, uint4 b, float acc) {
-    const bf162* x = reinterpret_cast<const bf162*>(&a);
-    const bf162* y = reinterpret_cast<const bf162*>(&b);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float2 fx = __bfloat1622float2(x[j]), fy = __bfloat1622float2(y[j]);
-        acc = fmaf(fx.x, fy.x, acc);
-        acc = fmaf(fx.y, fy.y, acc);
-    }
-    return acc;
-}
 
 // Slots in the range [first, end); 0 when end <= first (attention over nothing).
 __device__ inline uint32_t span_len(uint32_t first, uint32_t end) { return end > first ? end - first : 0; }
@@ -107,10 +52,9 @@ extern "C" __global__ void rms_scale_bf16(
     const bf16* __restrict__ g,    // (n)
     const float* __restrict__ ms,  // (1)
     uint32_t n, float eps) {
-    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms[0], eps)));
+    const float r = inv_rms(ms[0], eps);
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        const float xr = __fmul_rn(__bfloat162float(x[i]), r);
-        out[i] = __float2bfloat16_rn(__fmul_rn(xr, __bfloat162float(g[i])));
+        out[i] = rms_scale(__bfloat162float(x[i]), r, __bfloat162float(g[i]));
     }
 }
 
@@ -156,8 +100,7 @@ extern "C" __global__ void rope_bf16(
         bf16* row = v + (size_t)head * hd;  // (hd)
         const float a = __bfloat162float(row[j]), b = __bfloat162float(row[j + half]);
         const float c = cos_table[(size_t)pos * half + j], s = sin_table[(size_t)pos * half + j];
-        row[j] = __float2bfloat16_rn(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
-        row[j + half] = __float2bfloat16_rn(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+        rope_pair(a, b, c, s, &row[j], &row[j + half]);
     }
 }
 
@@ -275,7 +218,7 @@ extern "C" __global__ void add_bf16(
     const bf16* __restrict__ b,  // (n)
     uint32_t n) {
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        out[i] = __float2bfloat16_rn(__fadd_rn(__bfloat162float(a[i]), __bfloat162float(b[i])));
+        out[i] = add_round(__bfloat162float(a[i]), __bfloat162float(b[i]));
     }
 }
 
@@ -286,8 +229,6 @@ extern "C" __global__ void silu_mul_bf16(
     const bf16* __restrict__ up,    // (n)
     uint32_t n) {
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        const float g = __bfloat162float(gate[i]);
-        const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
-        out[i] = __float2bfloat16_rn(__fmul_rn(silu, __bfloat162float(up[i])));
+        out[i] = silu_mul(__bfloat162float(gate[i]), __bfloat162float(up[i]));
     }
 }

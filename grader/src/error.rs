@@ -16,6 +16,10 @@ pub enum GraderError {
     Spec(#[from] spec::SpecError),
     #[error(transparent)]
     Cuda(#[from] cuda::CudaError),
+    #[error(transparent)]
+    Submission(#[from] submission::SubmissionError),
+    #[error(transparent)]
+    Cupti(#[from] crate::cupti::CuptiError),
     #[error("`grader {command}` is not built yet: {plan}")]
     NotBuilt { command: &'static str, plan: &'static str },
     #[error("could not write {path}: {source}")]

@@ -2,8 +2,11 @@
 
 pub mod bandwidth;
 pub mod cli;
+pub mod cupti;
 pub mod error;
+pub mod launches;
 pub mod metrics;
+pub mod run;
 pub mod selftest;
 pub mod stats;
 
@@ -21,14 +24,8 @@ pub fn run(cli: Cli) -> Result<Outcome, GraderError> {
         Command::Spec(args) => spec_command(&Config::load(&args.config.config)?, args.json),
         Command::Bandwidth(args) => bandwidth::command(cli.device, &args),
         Command::Selftest(args) => selftest::command(cli.device, &args),
-        Command::Run(_) => Err(GraderError::NotBuilt {
-            command: "run",
-            plan: "judging submissions end to end lands with issue 4 (correctness, CUPTI gates, timing)",
-        }),
-        Command::Launches(_) => Err(GraderError::NotBuilt {
-            command: "launches",
-            plan: "the per-step kernel table lands with issue 4 (CUPTI)",
-        }),
+        Command::Run(args) => run::command(cli.device, &args),
+        Command::Launches(args) => launches::command(cli.device, &args),
         Command::Profile(_) => Err(GraderError::NotBuilt {
             command: "profile",
             plan: "per-phase timing lands with the megakernel (issue 5)",

@@ -66,6 +66,22 @@ impl Weights {
             down: w(Tensor::Wdown),
         }
     }
+
+    /// The weight tensor `t` (not a cache tensor).
+    pub fn get(&self, t: Tensor) -> &[bf16] {
+        match t {
+            Tensor::InNorm => &self.in_norm,
+            Tensor::PostNorm => &self.post_norm,
+            Tensor::Wq => &self.q,
+            Tensor::Wk => &self.k,
+            Tensor::Wv => &self.v,
+            Tensor::Wo => &self.o,
+            Tensor::Wgate => &self.gate,
+            Tensor::Wup => &self.up,
+            Tensor::Wdown => &self.down,
+            Tensor::KCache | Tensor::VCache => panic!("{} is a cache tensor", t.name()),
+        }
+    }
 }
 
 /// The KV cache: K and V, each `(batch = 1, n_kv, max_seq_len, hd)` bf16.

@@ -1,0 +1,78 @@
+//! `grader launches`: the kernels of one step of a submission, as CUPTI saw them.
+
+use std::fmt::Write as _;
+
+use cuda::{Context, Device};
+use reference::gpu::data::generate_input;
+use reference::gpu::{DeviceCache, DeviceWeights};
+use spec::Config;
+use submission::Layer;
+
+use crate::cli::SubmissionArgs;
+use crate::cupti::{Activity, ActivityKind, Recorder};
+use crate::error::{GraderError, Outcome};
+use crate::run::Progress;
+
+/// Untimed steps before the recorded one, so module loads and first-touch costs stay out of it.
+const WARMUP_STEPS: usize = 2;
+
+pub fn command(device: usize, args: &SubmissionArgs) -> Result<Outcome, GraderError> {
+    let cfg = Config::load(&args.config.config)?;
+    let mut sub = submission::builtin(&args.submission)?;
+    let dev = Device::open(device)?;
+    let progress = Progress::new(args.quiet);
+    progress.say(&format!("generating the '{}' layer on the GPU", cfg.name));
+    let weights = DeviceWeights::generate(&dev, &cfg, args.seed)?;
+    let mut cache = DeviceCache::generate(&dev, &cfg, args.seed)?;
+    sub.build_layer(&dev, Layer { weights: &weights, cache: &mut cache }, &cfg)?;
+    let input_seed: u64 = rand::random();
+    let mut out = dev.stream().alloc_zeros(cfg.batch * cfg.d).context("allocating the output")?;
+    let mut activities = Vec::new();
+    for s in 0..=WARMUP_STEPS {
+        let x = generate_input(&dev, &cfg, input_seed, s)?;
+        dev.synchronize()?;
+        let recorder = (s == WARMUP_STEPS).then(Recorder::start).transpose()?;
+        sub.layer_step(&dev, Layer { weights: &weights, cache: &mut cache }, &x, cfg.prefill + s, &mut out)?;
+        dev.synchronize()?;
+        if let Some(r) = recorder {
+            activities = r.stop()?;
+        }
+    }
+    sub.teardown();
+    eprint!("{}", table(sub.name(), &activities));
+    Ok(Outcome::Pass)
+}
+
+/// One row per activity of the step, with each kernel's share of the step's kernel time.
+pub fn table(submission: &str, activities: &[Activity]) -> String {
+    let kernel_ns: u64 = activities.iter().filter(|a| a.kind == ActivityKind::Kernel).map(|a| a.end_ns - a.start_ns).sum();
+    let mut s = format!("\nkernels of one step of '{submission}' ({} activities)\n", activities.len());
+    let _ = writeln!(
+        s,
+        "  {:<3} {:<28} {:>16} {:>14} {:>5} {:>9} {:>10} {:>7}",
+        "#", "name", "grid", "block", "regs", "smem B", "time us", "share"
+    );
+    for (i, a) in activities.iter().enumerate() {
+        let ns = a.end_ns - a.start_ns;
+        let share = if a.kind == ActivityKind::Kernel && kernel_ns > 0 { ns as f64 / kernel_ns as f64 } else { 0.0 };
+        let dims = |d: (i32, i32, i32)| format!("{}x{}x{}", d.0, d.1, d.2);
+        let _ = writeln!(
+            s,
+            "  {:<3} {:<28} {:>16} {:>14} {:>5} {:>9} {:>10.2} {:>7.3}",
+            i,
+            truncate(&a.name, 28),
+            dims(a.grid),
+            dims(a.block),
+            a.registers,
+            a.static_smem + a.dynamic_smem,
+            ns as f64 / 1e3,
+            share
+        );
+    }
+    let _ = writeln!(s, "  total kernel time {:.2} us", kernel_ns as f64 / 1e3);
+    s
+}
+
+fn truncate(name: &str, width: usize) -> String {
+    if name.chars().count() <= width { name.into() } else { name.chars().take(width - 1).collect::<String>() + "~" }
+}

@@ -1,0 +1,73 @@
+//! After a run, on the device: the submission's cache against the reference's, and the read-only
+//! buffers (weights, inputs) against the judge's own copies.
+
+use cuda::cudarc::driver::{CudaSlice, PushKernelArg};
+use cuda::kernels::VERIFY;
+use cuda::{Context, CudaError, Device, grid_1d};
+use half::bf16;
+use reference::gpu::{DeviceCache, DeviceWeights};
+use spec::{Config, Tensor};
+
+use super::verdict::{CacheCheck, Integrity};
+use crate::metrics::{rel_err, to_f32};
+
+/// Threads per block of the comparison kernel.
+const VERIFY_BLOCK: u32 = 256;
+
+/// 16-byte vectors in which `a` and `b` differ, counted on the device.
+pub fn vectors_differing(dev: &Device, a: &CudaSlice<bf16>, b: &CudaSlice<bf16>) -> Result<u64, CudaError> {
+    assert_eq!(a.len(), b.len(), "compared buffers differ in length");
+    assert_eq!(a.len() % 8, 0, "compared buffers are whole 16-byte vectors");
+    let mut count = dev.stream().alloc_zeros::<u64>(1).context("allocating a counter")?;
+    let f = dev.function(&VERIFY, "count_differences_u4")?;
+    let n = (a.len() / 8) as u64;
+    let mut b_ = dev.stream().launch_builder(&f);
+    b_.arg(&mut count).arg(a).arg(b).arg(&n);
+    // SAFETY: count_differences_u4(count (1), a (n), b (n), n): both buffers hold n 16-byte vectors.
+    unsafe { b_.launch(grid_1d(n as usize, VERIFY_BLOCK, dev.facts().sms)) }.context("launching count_differences_u4")?;
+    Ok(dev.stream().clone_dtoh(&count).context("reading the counter")?[0])
+}
+
+/// The weights against the judge's pristine copy, and each input `x` against the judge's copy.
+pub fn integrity(
+    dev: &Device,
+    weights: &DeviceWeights,
+    pristine: &DeviceWeights,
+    inputs: &[CudaSlice<bf16>],
+    judge_inputs: &[CudaSlice<bf16>],
+) -> Result<Integrity, CudaError> {
+    let mut weight_vectors_changed = 0;
+    for t in Tensor::WEIGHTS {
+        weight_vectors_changed += vectors_differing(dev, weights.get(t), pristine.get(t))?;
+    }
+    let mut inputs_changed = 0;
+    for (x, judge) in inputs.iter().zip(judge_inputs) {
+        inputs_changed += usize::from(vectors_differing(dev, x, judge)? > 0);
+    }
+    Ok(Integrity { weight_vectors_changed, inputs_changed })
+}
+
+/// The submission's cache against the reference's after the same calls: the prefix bitwise, the
+/// slots the calls wrote within the relative tolerance, the rest still zero.
+pub fn cache(dev: &Device, cfg: &Config, cache: &DeviceCache, reference: &DeviceCache) -> Result<CacheCheck, CudaError> {
+    let written = cfg.prefill..cfg.prefill + cfg.steps_per_phase_max();
+    let mut check = CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(0.0) };
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for (mine, theirs) in [(&cache.k, &reference.k), (&cache.v, &reference.v)] {
+        let mine = dev.stream().clone_dtoh(mine).context("reading the submission's cache")?;
+        let theirs = dev.stream().clone_dtoh(theirs).context("reading the reference's cache")?;
+        for (row, (m, t)) in mine.chunks(cfg.hd).zip(theirs.chunks(cfg.hd)).enumerate() {
+            let slot = row % cfg.max_seq_len;
+            if slot < cfg.prefill {
+                check.prefix_differing += m.iter().zip(t).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            } else if written.contains(&slot) {
+                got.extend(to_f32(m));
+                want.extend(to_f32(t));
+            } else {
+                check.unused_differing += m.iter().filter(|v| v.to_bits() != 0).count();
+            }
+        }
+    }
+    check.written_rel_err = rel_err(&got, &want);
+    Ok(check)
+}

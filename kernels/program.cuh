@@ -1,0 +1,24 @@
+// The megakernel's program format, mirrored from submission/src/megakernel/program.rs (the one
+// source of truth; a test there checks every constant below against this file). A program is an
+// int64 table of PROGRAM_ROW_WORDS words per phase: word 0 the opcode, the rest the op's operands.
+// The step's own arguments (x, out, pos) are kernel parameters, not table entries: QKV and OPROJ read
+// x, DOWN writes out.
+#pragma once
+#include <stdint.h>
+
+constexpr int PROGRAM_ROW_WORDS = 16;
+
+// Opcodes: 0 is a no-op; an unknown opcode traps.
+constexpr int64_t OP_NOP = 0;
+constexpr int64_t OP_QKV = 1;       // h = rmsnorm(x); [q|k|v] = W h; rope q, k; append k, v at pos
+constexpr int64_t OP_ATTENTION = 2; // chunked attention of q over the cache, combined into a
+constexpr int64_t OP_O_PROJ = 3;    // x1 = x + Wo a
+constexpr int64_t OP_GATE_UP = 4;   // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2)
+constexpr int64_t OP_DOWN = 5;      // out = x1 + Wd act
+
+// Operand words of each opcode (word 0 is the opcode); the names are those of the Rust enums.
+namespace qkv { enum : int { W = 1, Norm, QOut, KCache, VCache, Cos, Sin, D, NQ, NKv, Hd, MaxSeq, EpsBits }; }
+namespace attn { enum : int { Q = 1, KCache, VCache, PartO, PartMl, Counters, AOut, NQ, NKv, Hd, MaxSeq, Chunk }; }
+namespace oproj { enum : int { W = 1, A, X1Out, Rows, Cols }; }
+namespace gateup { enum : int { W = 1, Norm, X1, ActOut, D, Ffn, EpsBits }; }
+namespace down { enum : int { W = 1, Act, X1, Rows, Cols }; }

@@ -1,0 +1,230 @@
+//! The CPU executor of a megakernel program: the same table, interpreted on the host over an arena
+//! whose addresses stand in for device pointers, each op done by the golden model's functions. It
+//! checks the compiler and the packing (every pointer, size and layout the table names) without a
+//! GPU: its output must equal the golden model's step bit for bit.
+
+use half::bf16;
+use reference::golden::{self, KvCache, RopeTable, Weights};
+use spec::{Config, Tensor};
+
+use super::pack::{gateup_source, qkv_rows, qkv_source};
+use super::program::{self, Buffers, Op, Row, attn, down, gateup, oproj, qkv};
+
+/// Host buffers addressed like device memory: region `i` starts at `(i + 1) << REGION_SHIFT`.
+#[derive(Default)]
+pub struct Arena {
+    regions: Vec<Vec<u8>>,
+}
+
+/// Room for regions of up to 1 TiB each.
+const REGION_SHIFT: u32 = 40;
+
+impl Arena {
+    pub fn alloc(&mut self, bytes: &[u8]) -> u64 {
+        self.regions.push(bytes.to_vec());
+        (self.regions.len() as u64) << REGION_SHIFT
+    }
+
+    pub fn alloc_bf16(&mut self, v: &[bf16]) -> u64 {
+        self.alloc(&v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
+    }
+
+    pub fn alloc_f32(&mut self, v: &[f32]) -> u64 {
+        self.alloc(&v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
+    }
+
+    fn bytes(&self, addr: u64, len: usize) -> &[u8] {
+        let (region, offset) = ((addr >> REGION_SHIFT) as usize - 1, (addr & ((1 << REGION_SHIFT) - 1)) as usize);
+        &self.regions[region][offset..offset + len]
+    }
+
+    fn bytes_mut(&mut self, addr: u64, len: usize) -> &mut [u8] {
+        let (region, offset) = ((addr >> REGION_SHIFT) as usize - 1, (addr & ((1 << REGION_SHIFT) - 1)) as usize);
+        &mut self.regions[region][offset..offset + len]
+    }
+
+    pub fn bf16(&self, addr: i64, n: usize) -> Vec<bf16> {
+        self.bytes(addr as u64, 2 * n).chunks(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect()
+    }
+
+    pub fn f32(&self, addr: i64, n: usize) -> Vec<f32> {
+        self.bytes(addr as u64, 4 * n).chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    }
+
+    pub fn write_bf16(&mut self, addr: i64, v: &[bf16]) {
+        let dst = self.bytes_mut(addr as u64, 2 * v.len());
+        for (d, x) in dst.chunks_mut(2).zip(v) {
+            d.copy_from_slice(&x.to_le_bytes());
+        }
+    }
+}
+
+/// A layer built for the CPU executor: packed weights, tables and scratch in an arena, and the program.
+pub struct CpuLayer {
+    pub cfg: Config,
+    pub arena: Arena,
+    pub buffers: Buffers,
+    pub program: Vec<Row>,
+}
+
+/// Rows of `w` gathered in the order `source` gives.
+fn pack(w: &Weights, rows: usize, cols: usize, source: impl Fn(usize) -> (Tensor, usize)) -> Vec<bf16> {
+    (0..rows)
+        .flat_map(|p| {
+            let (t, r) = source(p);
+            w.get(t)[r * cols..(r + 1) * cols].iter().copied()
+        })
+        .collect()
+}
+
+impl CpuLayer {
+    /// Packs and compiles exactly as the GPU `build_layer` does, over host buffers.
+    pub fn build(cfg: &Config, w: &Weights, cache: &KvCache) -> Self {
+        let mut a = Arena::default();
+        let rope = RopeTable::new(cfg);
+        let zeros = |n: usize| vec![0u8; n];
+        let chunks = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
+        let buffers = Buffers {
+            w_qkv: a.alloc_bf16(&pack(w, qkv_rows(cfg), cfg.d, |p| qkv_source(cfg, p))),
+            in_norm: a.alloc_bf16(&w.in_norm),
+            q: a.alloc(&zeros(2 * cfg.q_dim())),
+            k_cache: a.alloc_bf16(&cache.k),
+            v_cache: a.alloc_bf16(&cache.v),
+            cos: a.alloc_f32(&rope.cos),
+            sin: a.alloc_f32(&rope.sin),
+            part_o: a.alloc(&zeros(4 * chunks * cfg.hd)),
+            part_ml: a.alloc(&zeros(4 * chunks * 2)),
+            counters: a.alloc(&zeros(4 * cfg.n_kv)),
+            a: a.alloc(&zeros(2 * cfg.q_dim())),
+            w_o: a.alloc_bf16(&w.o),
+            x1: a.alloc(&zeros(2 * cfg.d)),
+            w_gateup: a.alloc_bf16(&pack(w, 2 * cfg.ffn, cfg.d, gateup_source)),
+            post_norm: a.alloc_bf16(&w.post_norm),
+            act: a.alloc(&zeros(2 * cfg.ffn)),
+            w_down: a.alloc_bf16(&w.down),
+        };
+        let program = program::compile(cfg, &buffers);
+        Self { cfg: cfg.clone(), arena: a, buffers, program }
+    }
+
+    /// The cache as the program left it.
+    pub fn cache(&self) -> KvCache {
+        let n = self.cfg.cache_elems();
+        KvCache { k: self.arena.bf16(self.buffers.k_cache as i64, n), v: self.arena.bf16(self.buffers.v_cache as i64, n) }
+    }
+
+    /// One step: every row of the program in order; returns `out`.
+    pub fn step(&mut self, x: &[bf16], pos: usize) -> Vec<bf16> {
+        let mut out = Vec::new();
+        for row in self.program.clone() {
+            match Op::from_word(row[0]).unwrap_or_else(|| panic!("unknown opcode {}", row[0])) {
+                Op::Nop => {}
+                Op::Qkv => self.qkv(&row, x, pos),
+                Op::Attention => self.attention(&row, pos),
+                Op::OProj => self.oproj(&row, x),
+                Op::GateUp => self.gateup(&row),
+                Op::Down => out = self.down(&row),
+            }
+        }
+        out
+    }
+
+    fn qkv(&mut self, r: &Row, x: &[bf16], pos: usize) {
+        let w = |i: qkv::Word| r[i as usize];
+        let dim = |i: qkv::Word| r[i as usize] as usize;
+        let (d, n_q, n_kv, hd, max_seq) = (dim(qkv::D), dim(qkv::NQ), dim(qkv::NKv), dim(qkv::Hd), dim(qkv::MaxSeq));
+        let cfg = &self.cfg;
+        assert_eq!((d, n_q, n_kv, hd, max_seq), (cfg.d, cfg.n_q, cfg.n_kv, cfg.hd, cfg.max_seq_len));
+        let eps = f32::from_bits(w(qkv::EpsBits) as u32);
+        let h = golden::rmsnorm(x, &self.arena.bf16(w(qkv::Norm), d), eps);
+        let rows = (n_q + 2 * n_kv) * hd;
+        let y = golden::gemv(&self.arena.bf16(w(qkv::W), rows * d), rows, d, &h);
+        // Unpack the pairs into q, k and v in their natural order.
+        let (mut q, mut k, mut v) = (vec![bf16::ZERO; n_q * hd], vec![bf16::ZERO; n_kv * hd], vec![bf16::ZERO; n_kv * hd]);
+        for (p, &value) in y.iter().enumerate() {
+            let (t, row) = qkv_source(cfg, p);
+            match t {
+                Tensor::Wq => q[row] = value,
+                Tensor::Wk => k[row] = value,
+                _ => v[row] = value,
+            }
+        }
+        let half = hd / 2;
+        let table = RopeTable { cos: self.arena.f32(w(qkv::Cos), max_seq * half), sin: self.arena.f32(w(qkv::Sin), max_seq * half), half };
+        golden::rope(&mut q, n_q, hd, &table, pos);
+        golden::rope(&mut k, n_kv, hd, &table, pos);
+        self.arena.write_bf16(w(qkv::QOut), &q);
+        for head in 0..n_kv {
+            let slot = 2 * ((head * max_seq + pos) * hd) as i64;
+            self.arena.write_bf16(w(qkv::KCache) + slot, &k[head * hd..(head + 1) * hd]);
+            self.arena.write_bf16(w(qkv::VCache) + slot, &v[head * hd..(head + 1) * hd]);
+        }
+    }
+
+    fn attention(&mut self, r: &Row, pos: usize) {
+        let w = |i: attn::Word| r[i as usize];
+        let cfg = &self.cfg;
+        assert_eq!(w(attn::Chunk) as usize, program::ATTN_CHUNK);
+        let n = cfg.cache_elems();
+        let cache = KvCache { k: self.arena.bf16(w(attn::KCache), n), v: self.arena.bf16(w(attn::VCache), n) };
+        let a = golden::attention(cfg, &self.arena.bf16(w(attn::Q), cfg.q_dim()), &cache, pos);
+        self.arena.write_bf16(w(attn::AOut), &a);
+    }
+
+    fn oproj(&mut self, r: &Row, x: &[bf16]) {
+        let w = |i: oproj::Word| r[i as usize];
+        let (rows, cols) = (w(oproj::Rows) as usize, w(oproj::Cols) as usize);
+        let y = golden::gemv(&self.arena.bf16(w(oproj::W), rows * cols), rows, cols, &self.arena.bf16(w(oproj::A), cols));
+        self.arena.write_bf16(w(oproj::X1Out), &golden::add(x, &y));
+    }
+
+    fn gateup(&mut self, r: &Row) {
+        let w = |i: gateup::Word| r[i as usize];
+        let (d, ffn) = (w(gateup::D) as usize, w(gateup::Ffn) as usize);
+        let eps = f32::from_bits(w(gateup::EpsBits) as u32);
+        let h2 = golden::rmsnorm(&self.arena.bf16(w(gateup::X1), d), &self.arena.bf16(w(gateup::Norm), d), eps);
+        let y = golden::gemv(&self.arena.bf16(w(gateup::W), 2 * ffn * d), 2 * ffn, d, &h2);
+        let (gate, up): (Vec<bf16>, Vec<bf16>) = y.chunks(2).map(|p| (p[0], p[1])).unzip();
+        self.arena.write_bf16(w(gateup::ActOut), &golden::silu_mul(&gate, &up));
+    }
+
+    fn down(&mut self, r: &Row) -> Vec<bf16> {
+        let w = |i: down::Word| r[i as usize];
+        let (rows, cols) = (w(down::Rows) as usize, w(down::Cols) as usize);
+        let y = golden::gemv(&self.arena.bf16(w(down::W), rows * cols), rows, cols, &self.arena.bf16(w(down::Act), cols));
+        golden::add(&self.arena.bf16(w(down::X1), rows), &y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The program, run by the executor, is the golden model's step bit for bit, cache included.
+    fn matches_golden(cfg: Config, steps: usize) {
+        let seed: u64 = 0x5EED ^ cfg.d as u64;
+        let (w, cache) = (Weights::generate(&cfg, seed), KvCache::generate(&cfg, seed));
+        let mut layer = CpuLayer::build(&cfg, &w, &cache);
+        let (mut golden_cache, table) = (cache.clone(), RopeTable::new(&cfg));
+        let input_seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        for s in 0..steps {
+            let x = spec::data::input(&cfg, input_seed, s);
+            let pos = cfg.prefill + s;
+            let got = layer.step(&x, pos);
+            let want = golden::step(&cfg, &w, &mut golden_cache, &table, &x, pos);
+            assert!(want.iter().any(|v| v.to_f32() != 0.0));
+            assert_eq!(got, want, "{} step {s} (input seed {input_seed:#x})", cfg.name);
+        }
+        assert_eq!(layer.cache(), golden_cache, "{}: caches differ", cfg.name);
+    }
+
+    #[test]
+    fn executor_matches_golden_at_tiny() {
+        matches_golden(Config::tiny(), 3);
+    }
+
+    #[test]
+    fn executor_matches_golden_at_small() {
+        matches_golden(Config::small(), 2);
+    }
+}

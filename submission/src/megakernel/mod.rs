@@ -1,0 +1,288 @@
+//! The reference submission: the layer compiled into a program (`program`) that one persistent kernel
+//! (`kernels/megakernel.cu`) interprets, one cooperative launch per token. `build_layer` packs the
+//! weights (`pack`), uploads the RoPE tables, allocates the scratch the phases share and compiles the
+//! program; `layer_step` only launches.
+//!
+//! [`Mode::PerPhase`] runs the same device code one phase per launch, for debugging and per-phase
+//! timing; its results are bitwise those of [`Mode::Fused`].
+
+pub mod cpu;
+pub mod pack;
+pub mod program;
+
+use cuda::cudarc::driver::sys::CUfunction_attribute;
+use cuda::cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cuda::kernels::MEGAKERNEL;
+use cuda::{Context, CudaError, Device};
+use half::bf16;
+use reference::golden::RopeTable;
+use reference::gpu::DeviceWeights;
+use spec::{Config, Tensor};
+
+use crate::{Layer, Submission, SubmissionError};
+use program::Buffers;
+
+/// Mirrors of `kernels/megakernel.cu` (a test checks them against the file).
+pub const THREADS: u32 = 512;
+const WARPS: u32 = THREADS / 32;
+const RING_BYTES: u32 = 3 * 64 * 1024;
+const MAX_VPT: usize = 7;
+const ATTN_MAX_HD: usize = 128;
+const ATTN_MAX_GROUP: usize = 8;
+/// Threads per block of the packing gather.
+const GATHER_BLOCK: u32 = 256;
+
+/// How `layer_step` runs the program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// One cooperative launch, grid barriers between phases: the submission.
+    Fused,
+    /// One launch per phase, no grid barrier: for debugging and per-phase timing.
+    PerPhase,
+}
+
+/// Everything `build_layer` made; dropped by `teardown`.
+struct Built {
+    program: CudaSlice<i64>,
+    phases: u32,
+    func: CudaFunction,
+    grid: u32,
+    smem: u32,
+    red_rows: u32,
+    barrier: CudaSlice<u32>,
+    /// The barrier counter's value after every launch so far: it only grows.
+    barrier_base: u32,
+    // Owned for the program's pointers to stay valid.
+    _buffers: Vec<CudaSlice<bf16>>,
+    _tables: Vec<CudaSlice<f32>>,
+    _counters: CudaSlice<u32>,
+}
+
+pub struct Megakernel {
+    mode: Mode,
+    built: Option<Built>,
+}
+
+impl Megakernel {
+    pub fn new(mode: Mode) -> Self {
+        Self { mode, built: None }
+    }
+
+    /// Phases of the compiled program (after `build_layer`).
+    pub fn phases(&self) -> Option<u32> {
+        self.built.as_ref().map(|b| b.phases)
+    }
+
+    /// Launches phases `[begin, end)` once, with grid barriers between them.
+    pub fn launch_phases(
+        &mut self,
+        dev: &Device,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+        begin: u32,
+        end: u32,
+    ) -> Result<(), SubmissionError> {
+        let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
+        let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
+        let pos = pos as u32;
+        let mut args = dev.stream().launch_builder(&b.func);
+        args.arg(&b.program).arg(&begin).arg(&end).arg(x).arg(out).arg(&pos);
+        args.arg(&mut b.barrier).arg(&b.barrier_base).arg(&b.red_rows);
+        // SAFETY: megakernel_bf16(program, phase_begin: u32, phase_end: u32, x, out, pos: u32,
+        // barrier, barrier_base: u32, red_rows: u32); the grid is co-resident (occupancy-sized, and
+        // the cooperative launch fails rather than run it otherwise), smem as build_layer sized it.
+        unsafe { args.launch_cooperative(cfg) }.context("launching megakernel_bf16")?;
+        b.barrier_base = b.barrier_base.wrapping_add((end - begin - 1) * b.grid);
+        Ok(())
+    }
+}
+
+/// The device address of a buffer, for the program table.
+fn addr<T>(dev: &Device, s: &CudaSlice<T>) -> u64 {
+    s.device_ptr(dev.stream()).0
+}
+
+/// A packed copy of `rows` rows of `w`, row `p` taken from `source(p)`.
+fn gather(
+    dev: &Device,
+    w: &DeviceWeights,
+    rows: usize,
+    cols: usize,
+    source: impl Fn(usize) -> (Tensor, usize),
+) -> Result<CudaSlice<bf16>, CudaError> {
+    let table: Vec<u64> = (0..rows)
+        .map(|p| {
+            let (t, r) = source(p);
+            addr(dev, w.get(t)) + (r * cols * 2) as u64
+        })
+        .collect();
+    let table = dev.stream().clone_htod(&table).context("uploading a packing table")?;
+    // SAFETY: the gather writes every element before anything reads it.
+    let mut out = unsafe { dev.stream().alloc::<bf16>(rows * cols) }.context("allocating a packed matrix")?;
+    let f = dev.function(&MEGAKERNEL, "gather_rows_u4")?;
+    let (r, vecs) = (rows as u32, (cols / 8) as u32);
+    let mut args = dev.stream().launch_builder(&f);
+    args.arg(&mut out).arg(&table).arg(&r).arg(&vecs);
+    // SAFETY: gather_rows_u4(dst (rows, vecs), src_rows (rows), rows: u32, vecs: u32); every table
+    // entry is the start of a row of `cols` bf16 inside a weight.
+    unsafe { args.launch(cuda::grid_1d(rows * cols / 8, GATHER_BLOCK, dev.facts().sms)) }.context("launching gather_rows_u4")?;
+    Ok(out)
+}
+
+/// The largest row share any block gets in a GEMV phase of `rows` rows over `grid` blocks.
+fn max_block_rows(rows: usize, grid: usize) -> usize {
+    2 * (rows / 2).div_ceil(grid)
+}
+
+/// Refuses configurations the kernel's fixed limits cannot hold, naming the limit.
+fn check_fits(cfg: &Config) -> Result<(), SubmissionError> {
+    let max_cols = MAX_VPT * THREADS as usize * 8;
+    for (name, cols) in [("d", cfg.d), ("ffn", cfg.ffn), ("n_q * hd", cfg.q_dim())] {
+        if cols > max_cols {
+            return Err(SubmissionError::Refused(format!("{name} = {cols} is over the megakernel's {max_cols}")));
+        }
+    }
+    if cfg.hd > ATTN_MAX_HD || cfg.group() > ATTN_MAX_GROUP {
+        return Err(SubmissionError::Refused(format!(
+            "attention needs hd <= {ATTN_MAX_HD} and at most {ATTN_MAX_GROUP} query heads per KV head"
+        )));
+    }
+    Ok(())
+}
+
+impl Submission for Megakernel {
+    fn name(&self) -> &str {
+        match self.mode {
+            Mode::Fused => "megakernel",
+            Mode::PerPhase => "megakernel-phases",
+        }
+    }
+
+    fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
+        let (major, minor) = dev.facts().compute_capability;
+        if !dev.is_hopper() {
+            return Err(CudaError::NeedsHopper { what: "the megakernel".into(), kernel_file: "megakernel", major, minor }.into());
+        }
+        check_fits(cfg)?;
+        let s = dev.stream();
+        let w = layer.weights;
+        let w_qkv = gather(dev, w, pack::qkv_rows(cfg), cfg.d, |p| pack::qkv_source(cfg, p))?;
+        let w_gateup = gather(dev, w, 2 * cfg.ffn, cfg.d, pack::gateup_source)?;
+        let rope = RopeTable::new(cfg);
+        let (cos, sin) = (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
+        let zeros = |n: usize| s.alloc_zeros::<bf16>(n).context("allocating megakernel scratch");
+        let (q, a, x1, act) = (zeros(cfg.q_dim())?, zeros(cfg.q_dim())?, zeros(cfg.d)?, zeros(cfg.ffn)?);
+        let partials = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
+        let part_o = s.alloc_zeros::<f32>(partials * cfg.hd).context("allocating attention partials")?;
+        let part_ml = s.alloc_zeros::<f32>(partials * 2).context("allocating attention partials")?;
+        let counters = s.alloc_zeros::<u32>(cfg.n_kv).context("allocating attention counters")?;
+        let buffers = Buffers {
+            w_qkv: addr(dev, &w_qkv),
+            in_norm: addr(dev, &w.in_norm),
+            q: addr(dev, &q),
+            k_cache: addr(dev, &layer.cache.k),
+            v_cache: addr(dev, &layer.cache.v),
+            cos: addr(dev, &cos),
+            sin: addr(dev, &sin),
+            part_o: addr(dev, &part_o),
+            part_ml: addr(dev, &part_ml),
+            counters: addr(dev, &counters),
+            a: addr(dev, &a),
+            w_o: addr(dev, &w.o),
+            x1: addr(dev, &x1),
+            w_gateup: addr(dev, &w_gateup),
+            post_norm: addr(dev, &w.post_norm),
+            act: addr(dev, &act),
+            w_down: addr(dev, &w.down),
+        };
+        let rows = program::compile(cfg, &buffers);
+        let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+
+        let func = dev.function(&MEGAKERNEL, "megakernel_bf16")?;
+        let grid_guess = dev.facts().sms as usize;
+        let red_rows = [pack::qkv_rows(cfg), cfg.d, 2 * cfg.ffn].into_iter().map(|r| max_block_rows(r, grid_guess)).max().unwrap();
+        let smem = RING_BYTES + (red_rows as u32) * WARPS * 4;
+        if smem as i32 > dev.facts().max_smem_optin_bytes {
+            return Err(SubmissionError::Refused(format!(
+                "the megakernel needs {smem} bytes of shared memory per block; this card allows {}",
+                dev.facts().max_smem_optin_bytes
+            )));
+        }
+        func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .context("raising the megakernel's shared memory limit")?;
+        let per_sm = func.occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None).context("reading occupancy")?;
+        if per_sm == 0 {
+            return Err(SubmissionError::Refused("the megakernel cannot fit one block on an SM".into()));
+        }
+        // One block per SM: red_rows was sized for that grid.
+        let grid = dev.facts().sms as u32;
+        self.built = Some(Built {
+            program: s.clone_htod(&flat).context("uploading the program")?,
+            phases: rows.len() as u32,
+            func,
+            grid,
+            smem,
+            red_rows: red_rows as u32,
+            barrier: s.alloc_zeros::<u32>(1).context("allocating the grid barrier")?,
+            barrier_base: 0,
+            _buffers: vec![w_qkv, w_gateup, q, a, x1, act],
+            _tables: vec![cos, sin, part_o, part_ml],
+            _counters: counters,
+        });
+        Ok(())
+    }
+
+    fn layer_step(
+        &mut self,
+        dev: &Device,
+        _layer: Layer<'_>,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), SubmissionError> {
+        let phases = self.phases().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
+        match self.mode {
+            Mode::Fused => self.launch_phases(dev, x, pos, out, 0, phases),
+            Mode::PerPhase => (0..phases).try_for_each(|p| self.launch_phases(dev, x, pos, out, p, p + 1)),
+        }
+    }
+
+    fn teardown(&mut self) {
+        self.built = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CU: &str = include_str!("../../../kernels/megakernel.cu");
+
+    #[test]
+    fn constants_mirror_the_kernel() {
+        for line in [
+            format!("constexpr uint32_t THREADS = {THREADS};"),
+            format!("constexpr uint32_t STAGES = {};", RING_BYTES / (64 * 1024)),
+            "constexpr uint32_t STAGE_BYTES = 64 * 1024;".to_string(),
+            format!("constexpr uint32_t MAX_VPT = {MAX_VPT};"),
+            format!("constexpr uint32_t ATTN_MAX_HD = {ATTN_MAX_HD};"),
+            format!("constexpr uint32_t ATTN_MAX_GROUP = {ATTN_MAX_GROUP};"),
+            format!("constexpr uint32_t ATTN_CHUNK = {};", program::ATTN_CHUNK),
+        ] {
+            assert!(CU.contains(&line), "kernels/megakernel.cu lacks `{line}`");
+        }
+    }
+
+    #[test]
+    fn graded_config_fits_and_block_rows_cover_every_row() {
+        check_fits(&Config::graded()).unwrap();
+        assert_eq!(max_block_rows(8192, 132), 64);
+        assert_eq!(max_block_rows(57344, 132), 436);
+        let smem = RING_BYTES + 436 * WARPS * 4;
+        assert!(smem <= 232_448, "{smem} bytes of shared memory");
+        let mut bad = Config::graded();
+        bad.ffn = 32768;
+        assert!(check_fits(&bad).is_err());
+    }
+}
