@@ -182,7 +182,8 @@ pub fn judge(
     dev.synchronize()?;
     let build_s = t.elapsed().as_secs_f64();
 
-    let mine = drive(dev, &calls, progress, sub.name(), |c| {
+    let name = sub.name().to_string();
+    let mine = drive(dev, &calls, progress, &name, |c| {
         let layer = Layer { weights: &d.weights, cache: &mut d.cache };
         sub.layer_step(dev, layer, &d.inputs[c.index], c.pos, &mut d.outputs[c.index])?;
         Ok(())
@@ -231,5 +232,5 @@ pub fn judge(
         verdict::share_gate(&mine.launches, &gates),
         verdict::plausibility_gate(performance.x_floor, profiled_span_us, performance.us_per_call, &gates),
     ];
-    Ok(Report::new(cfg.clone(), facts, seeds, sub.name(), gate_list, performance, steps, cache, integrity, mine.launches, theirs.launches, mine.step_us))
+    Ok(Report::new(cfg.clone(), facts, seeds, &name, gate_list, performance, steps, cache, integrity, mine.launches, theirs.launches, mine.step_us))
 }

@@ -2,6 +2,7 @@
 //! Each check prints one `Pass:` or `FAIL:` line; the last line is `N passed, M failed`.
 
 mod data;
+mod megakernel;
 mod reference;
 
 use std::fmt::Write as _;
@@ -28,6 +29,12 @@ impl From<CudaError> for Failure {
     }
 }
 
+impl From<submission::SubmissionError> for Failure {
+    fn from(e: submission::SubmissionError) -> Self {
+        Failure(e.to_string())
+    }
+}
+
 /// `Ok(detail)` on a pass, with the figures that show it passed.
 pub type CheckResult = Result<String, Failure>;
 
@@ -45,6 +52,7 @@ pub fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Failure> {
 fn checks() -> Vec<Check> {
     let mut all = data::checks();
     all.extend(reference::checks());
+    all.extend(megakernel::checks());
     all
 }
 

@@ -1,0 +1,81 @@
+//! Checks of the megakernel on the GPU: its output against the eager reference's, the fused launch
+//! against the phase-per-launch mode bit for bit, and a repeated step bit for bit.
+
+use cuda::Context;
+use cuda::cudarc::driver::CudaSlice;
+use half::bf16;
+use reference::gpu::{DeviceCache, DeviceWeights, Eager};
+use spec::data::input;
+use spec::{Config, Gates};
+use submission::megakernel::{Megakernel, Mode};
+use submission::{Layer, Submission};
+
+use super::{Check, CheckResult, Ctx, Failure, ensure};
+use crate::metrics::{Diff, rel_err, to_f32};
+
+pub fn checks() -> Vec<Check> {
+    vec![
+        Check { name: "megakernel matches eager (tiny)", run: |c| matches(c, Config::tiny(), 3) },
+        Check { name: "megakernel matches eager (small)", run: |c| matches(c, Config::small(), 3) },
+        Check { name: "megakernel matches eager (graded)", run: |c| matches(c, Config::graded(), 3) },
+    ]
+}
+
+/// `steps` steps of the fused megakernel, the phase-per-launch mode and the eager reference on
+/// fresh inputs, each on its own cache: fused and per-phase outputs and caches bitwise equal, within
+/// the gate of the eager reference, and the last step bitwise equal when repeated.
+fn matches(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
+    let dev = &ctx.dev;
+    if !dev.is_hopper() {
+        return Err(Failure("the megakernel needs an sm_90 (Hopper) card".into()));
+    }
+    let w = DeviceWeights::generate(dev, &cfg, ctx.seed)?;
+    let mut fused_cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;
+    let mut phases_cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;
+    let mut eager_cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;
+    let mut fused = Megakernel::new(Mode::Fused);
+    let mut phases = Megakernel::new(Mode::PerPhase);
+    fused.build_layer(dev, Layer { weights: &w, cache: &mut fused_cache }, &cfg)?;
+    phases.build_layer(dev, Layer { weights: &w, cache: &mut phases_cache }, &cfg)?;
+    let mut eager = Eager::new(dev, &cfg)?;
+    let seed: u64 = rand::random();
+    let poisoned = || dev.stream().clone_htod(&vec![bf16::NAN; cfg.d]).context("allocating an output");
+    let read = |v: &CudaSlice<bf16>| dev.stream().clone_dtoh(v).context("reading an output");
+    let mut worst = 0f64;
+    for s in 0..steps {
+        let pos = cfg.prefill + s;
+        let x = dev.stream().clone_htod(&input(&cfg, seed, s)).context("uploading x")?;
+        let (mut of, mut op, mut oe) = (poisoned()?, poisoned()?, poisoned()?);
+        fused.layer_step(dev, Layer { weights: &w, cache: &mut fused_cache }, &x, pos, &mut of)?;
+        phases.layer_step(dev, Layer { weights: &w, cache: &mut phases_cache }, &x, pos, &mut op)?;
+        eager.step(dev, &w, &mut eager_cache, &x, pos, &mut oe)?;
+        let (f, p, e) = (read(&of)?, read(&op)?, read(&oe)?);
+        ensure(bits(&f) == bits(&p), || format!("pos {pos}: fused and per-phase outputs differ: {}", Diff::of(&f, &p)))?;
+        let err = rel_err(&to_f32(&f), &to_f32(&e)).unwrap_or(f64::INFINITY);
+        ensure(err <= Gates::TASK.rel_err_tol, || format!("pos {pos}: rel error {err:.3e} against the eager reference"))?;
+        worst = worst.max(err);
+        if s + 1 == steps {
+            // The same step again: same input, same position, same bits.
+            let mut again = poisoned()?;
+            fused.layer_step(dev, Layer { weights: &w, cache: &mut fused_cache }, &x, pos, &mut again)?;
+            let again = read(&again)?;
+            ensure(bits(&again) == bits(&f), || format!("pos {pos}: a repeated step differs: {}", Diff::of(&again, &f)))?;
+        }
+    }
+    let cache = |c: &DeviceCache| -> Result<Vec<bf16>, Failure> {
+        let mut kv = dev.stream().clone_dtoh(&c.k).context("reading K")?;
+        kv.extend(dev.stream().clone_dtoh(&c.v).context("reading V")?);
+        Ok(kv)
+    };
+    let (cf, cp, ce) = (cache(&fused_cache)?, cache(&phases_cache)?, cache(&eager_cache)?);
+    ensure(bits(&cf) == bits(&cp), || format!("fused and per-phase caches differ: {}", Diff::of(&cf, &cp)))?;
+    let cache_err = rel_err(&to_f32(&cf), &to_f32(&ce)).unwrap_or(f64::INFINITY);
+    ensure(cache_err <= 1e-3, || format!("cache differs from the eager reference's by {cache_err:.2e}"))?;
+    Ok(format!(
+        "{steps} steps: worst rel error {worst:.2e} vs eager; fused == per-phase bitwise; repeat bitwise; cache rel {cache_err:.1e}; input seed {seed:#x}"
+    ))
+}
+
+fn bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
