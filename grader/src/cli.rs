@@ -36,8 +36,8 @@ pub enum Command {
     Bandwidth(BandwidthArgs),
     /// List the kernels of one step of a submission (name, grid, block, registers, time, share).
     Launches(SubmissionArgs),
-    /// Time each phase of a submission's phase-per-launch mode against its own floor.
-    Profile(SubmissionArgs),
+    /// Time each phase of the megakernel's phase-per-launch mode against its own floor.
+    Profile(ProfileArgs),
     /// Print the task statement, gates and byte model of a configuration.
     Spec(SpecArgs),
     /// Check the grader's GPU code (RNG, reference ops, full-size step) against the CPU golden model.
@@ -67,6 +67,15 @@ pub struct SubmissionArgs {
     /// Print only the verdict line on stderr.
     #[arg(long)]
     pub quiet: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ProfileArgs {
+    #[command(flatten)]
+    pub submission: SubmissionArgs,
+    /// Also draw the phases as an SVG bar chart into this file.
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -45,7 +45,8 @@ pub fn command(device: usize, args: &SubmissionArgs) -> Result<Outcome, GraderEr
 
 /// One row per activity of the step, with each kernel's share of the step's kernel time.
 pub fn table(submission: &str, activities: &[Activity]) -> String {
-    let kernel_ns: u64 = activities.iter().filter(|a| a.kind == ActivityKind::Kernel).map(|a| a.end_ns - a.start_ns).sum();
+    let kernel_ns: u64 =
+        activities.iter().filter(|a| a.kind == ActivityKind::Kernel).map(|a| a.end_ns - a.start_ns).sum();
     let mut s = format!("\nkernels of one step of '{submission}' ({} activities)\n", activities.len());
     let _ = writeln!(
         s,

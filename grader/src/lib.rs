@@ -6,6 +6,7 @@ pub mod cupti;
 pub mod error;
 pub mod launches;
 pub mod metrics;
+pub mod profile;
 pub mod run;
 pub mod selftest;
 pub mod stats;
@@ -26,10 +27,7 @@ pub fn run(cli: Cli) -> Result<Outcome, GraderError> {
         Command::Selftest(args) => selftest::command(cli.device, &args),
         Command::Run(args) => run::command(cli.device, &args),
         Command::Launches(args) => launches::command(cli.device, &args),
-        Command::Profile(_) => Err(GraderError::NotBuilt {
-            command: "profile",
-            plan: "per-phase timing lands with the megakernel (issue 5)",
-        }),
+        Command::Profile(args) => profile::command(cli.device, &args),
     }
 }
 

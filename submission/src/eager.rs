@@ -32,7 +32,8 @@ impl Submission for EagerSubmission {
         pos: usize,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError> {
-        let eager = self.eager.as_mut().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
+        let eager =
+            self.eager.as_mut().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
         Ok(eager.step(dev, layer.weights, layer.cache, x, pos, out)?)
     }
 

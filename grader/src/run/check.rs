@@ -24,7 +24,8 @@ pub fn vectors_differing(dev: &Device, a: &CudaSlice<bf16>, b: &CudaSlice<bf16>)
     let mut b_ = dev.stream().launch_builder(&f);
     b_.arg(&mut count).arg(a).arg(b).arg(&n);
     // SAFETY: count_differences_u4(count (1), a (n), b (n), n): both buffers hold n 16-byte vectors.
-    unsafe { b_.launch(grid_1d(n as usize, VERIFY_BLOCK, dev.facts().sms)) }.context("launching count_differences_u4")?;
+    unsafe { b_.launch(grid_1d(n as usize, VERIFY_BLOCK, dev.facts().sms)) }
+        .context("launching count_differences_u4")?;
     Ok(dev.stream().clone_dtoh(&count).context("reading the counter")?[0])
 }
 
@@ -49,7 +50,12 @@ pub fn integrity(
 
 /// The submission's cache against the reference's after the same calls: the prefix bitwise, the
 /// slots the calls wrote within the relative tolerance, the rest still zero.
-pub fn cache(dev: &Device, cfg: &Config, cache: &DeviceCache, reference: &DeviceCache) -> Result<CacheCheck, CudaError> {
+pub fn cache(
+    dev: &Device,
+    cfg: &Config,
+    cache: &DeviceCache,
+    reference: &DeviceCache,
+) -> Result<CacheCheck, CudaError> {
     let written = cfg.prefill..cfg.prefill + cfg.steps_per_phase_max();
     let mut check = CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(0.0) };
     let (mut got, mut want) = (Vec::new(), Vec::new());

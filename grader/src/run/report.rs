@@ -120,7 +120,10 @@ impl Report {
     /// The last line of the table, alone with `--quiet`.
     pub fn verdict_line(&self) -> String {
         if self.verdict.passed {
-            format!("VERDICT: PASS  {:.1} tokens/s, {:.3}x floor\n", self.performance.tokens_per_s, self.performance.x_floor)
+            format!(
+                "VERDICT: PASS  {:.1} tokens/s, {:.3}x floor\n",
+                self.performance.tokens_per_s, self.performance.x_floor
+            )
         } else {
             format!("VERDICT: FAIL  ({})\n", self.verdict.failed_gates.join(", "))
         }
@@ -130,11 +133,16 @@ impl Report {
     pub fn table(&self) -> String {
         let (m, p) = (&self.meta, &self.performance);
         let mut s = String::new();
-        let _ = writeln!(s, "\npersistent-layer: submission '{}' on {}, config '{}'", m.submission, m.device.name, m.config.name);
+        let _ = writeln!(
+            s,
+            "\npersistent-layer: submission '{}' on {}, config '{}'",
+            m.submission, m.device.name, m.config.name
+        );
         let _ = writeln!(s, "  {:<18} {:>10} {:>10}  {:<6} detail", "gate", "measured", "limit", "status");
         for g in &self.gates {
             let status = if g.passed { "PASS" } else { "FAIL" };
-            let _ = writeln!(s, "  {:<18} {:>10} {:>10}  {:<6} {}", g.name, num(g.value), num(g.limit), status, g.detail);
+            let _ =
+                writeln!(s, "  {:<18} {:>10} {:>10}  {:<6} {}", g.name, num(g.value), num(g.limit), status, g.detail);
         }
         let st = &p.step_us;
         let _ = writeln!(
@@ -148,7 +156,8 @@ impl Report {
             p.floor_us, p.bytes.total, p.bandwidth.floor_tbps, p.x_floor, p.achieved_tbps
         );
         let _ = writeln!(s, "  back-to-back {:.1} us/call; build_layer {:.2} s", p.throughput_us_per_call, p.build_s);
-        let mean = |l: &[StepLaunches], f: fn(&StepLaunches) -> f64| l.iter().map(f).sum::<f64>() / l.len().max(1) as f64;
+        let mean =
+            |l: &[StepLaunches], f: fn(&StepLaunches) -> f64| l.iter().map(f).sum::<f64>() / l.len().max(1) as f64;
         let (mine, theirs) = (&self.launches.submission, &self.launches.reference);
         let _ = writeln!(
             s,

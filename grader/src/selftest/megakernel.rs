@@ -50,16 +50,22 @@ fn matches(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
         phases.layer_step(dev, Layer { weights: &w, cache: &mut phases_cache }, &x, pos, &mut op)?;
         eager.step(dev, &w, &mut eager_cache, &x, pos, &mut oe)?;
         let (f, p, e) = (read(&of)?, read(&op)?, read(&oe)?);
-        ensure(bits(&f) == bits(&p), || format!("pos {pos}: fused and per-phase outputs differ: {}", Diff::of(&f, &p)))?;
+        ensure(bits(&f) == bits(&p), || {
+            format!("pos {pos}: fused and per-phase outputs differ: {}", Diff::of(&f, &p))
+        })?;
         let err = rel_err(&to_f32(&f), &to_f32(&e)).unwrap_or(f64::INFINITY);
-        ensure(err <= Gates::TASK.rel_err_tol, || format!("pos {pos}: rel error {err:.3e} against the eager reference"))?;
+        ensure(err <= Gates::TASK.rel_err_tol, || {
+            format!("pos {pos}: rel error {err:.3e} against the eager reference")
+        })?;
         worst = worst.max(err);
         if s + 1 == steps {
             // The same step again: same input, same position, same bits.
             let mut again = poisoned()?;
             fused.layer_step(dev, Layer { weights: &w, cache: &mut fused_cache }, &x, pos, &mut again)?;
             let again = read(&again)?;
-            ensure(bits(&again) == bits(&f), || format!("pos {pos}: a repeated step differs: {}", Diff::of(&again, &f)))?;
+            ensure(bits(&again) == bits(&f), || {
+                format!("pos {pos}: a repeated step differs: {}", Diff::of(&again, &f))
+            })?;
         }
     }
     let cache = |c: &DeviceCache| -> Result<Vec<bf16>, Failure> {

@@ -23,8 +23,14 @@ use crate::metrics::{Diff, rel_err, to_f32};
 /// Any op's output may differ from the golden model's by at most this relative L2 error (about one
 /// bf16 rounding, 2^-8, spread over a few elements).
 const OP_REL_TOL: f64 = 4e-3;
-/// A whole step of the eager reference may differ from the golden model's by at most this.
+/// A whole step of the eager reference may differ from the golden model's by at most this, or by
+/// [`SENSITIVITY_FACTOR`] times the golden model's own change when one element of `x` moves by one
+/// ulp, whichever is larger. At the graded size that change is about 3e-3 (measured: a single-ulp
+/// nudge of one input element flips ~40% of the output's bf16 roundings through the cascade of
+/// roundings in the 28672-wide MLP and the peaked attention), so no two correct implementations
+/// can agree to 1e-3 there; at `tiny` and `small` the 1e-3 bound is the one that holds.
 const STEP_REL_TOL: f64 = 1e-3;
+const SENSITIVITY_FACTOR: f64 = 2.0;
 /// Wrong answers must miss the correctness gate by at least this factor.
 const GATE_MARGIN: f64 = 3.0;
 
@@ -154,6 +160,8 @@ fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
     let (dev, cfg) = (&ctx.dev, p.cfg.clone());
     let seed: u64 = rand::random();
     let mut eager = Eager::new(dev, &cfg)?;
+    let sensitivity = golden_sensitivity(&p, &input(&cfg, seed, 0));
+    let tol = STEP_REL_TOL.max(SENSITIVITY_FACTOR * sensitivity);
     let mut worst = 0f64;
     let mut last = (Vec::new(), Vec::new());
     for s in 0..steps {
@@ -165,7 +173,9 @@ fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
         let want = golden::step(&cfg, &p.cpu_w, &mut p.cpu_cache, &p.table, &x, pos);
         let got = download(dev, &out)?;
         let err = rel_err(&to_f32(&got), &to_f32(&want)).unwrap_or(f64::INFINITY);
-        ensure(err <= STEP_REL_TOL, || format!("step at pos {pos}: rel error {err:.2e} > {STEP_REL_TOL:.0e}"))?;
+        ensure(err <= tol, || {
+            format!("step at pos {pos}: rel error {err:.2e} > {tol:.1e} (golden's own sensitivity {sensitivity:.1e})")
+        })?;
         worst = worst.max(err);
         last = (x, got);
     }
@@ -194,6 +204,16 @@ fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
     Ok(format!(
         "{steps} steps, worst rel error {worst:.1e}; cache rows within 1 ulp, prefix untouched; repeat bitwise; input seed {seed:#x}"
     ))
+}
+
+/// How far the golden model's own output moves when one element of `x` moves by one ulp: the
+/// smallest disagreement two correct implementations can have on this data.
+fn golden_sensitivity(p: &Pair, x: &[bf16]) -> f64 {
+    let cfg = &p.cfg;
+    let mut nudged = x.to_vec();
+    nudged[cfg.d / 3] = bf16::from_bits(nudged[cfg.d / 3].to_bits() + 1);
+    let run = |x: &[bf16]| to_f32(&golden::step(cfg, &p.cpu_w, &mut p.cpu_cache.clone(), &p.table, x, cfg.prefill));
+    rel_err(&run(&nudged), &run(x)).unwrap_or(f64::INFINITY)
 }
 
 /// Pass-through, skipped attention and attention over the recent quarter each miss the correctness

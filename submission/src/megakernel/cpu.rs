@@ -110,7 +110,10 @@ impl CpuLayer {
     /// The cache as the program left it.
     pub fn cache(&self) -> KvCache {
         let n = self.cfg.cache_elems();
-        KvCache { k: self.arena.bf16(self.buffers.k_cache as i64, n), v: self.arena.bf16(self.buffers.v_cache as i64, n) }
+        KvCache {
+            k: self.arena.bf16(self.buffers.k_cache as i64, n),
+            v: self.arena.bf16(self.buffers.v_cache as i64, n),
+        }
     }
 
     /// One step: every row of the program in order; returns `out`.
@@ -140,7 +143,8 @@ impl CpuLayer {
         let rows = (n_q + 2 * n_kv) * hd;
         let y = golden::gemv(&self.arena.bf16(w(qkv::W), rows * d), rows, d, &h);
         // Unpack the pairs into q, k and v in their natural order.
-        let (mut q, mut k, mut v) = (vec![bf16::ZERO; n_q * hd], vec![bf16::ZERO; n_kv * hd], vec![bf16::ZERO; n_kv * hd]);
+        let (mut q, mut k, mut v) =
+            (vec![bf16::ZERO; n_q * hd], vec![bf16::ZERO; n_kv * hd], vec![bf16::ZERO; n_kv * hd]);
         for (p, &value) in y.iter().enumerate() {
             let (t, row) = qkv_source(cfg, p);
             match t {
@@ -150,7 +154,11 @@ impl CpuLayer {
             }
         }
         let half = hd / 2;
-        let table = RopeTable { cos: self.arena.f32(w(qkv::Cos), max_seq * half), sin: self.arena.f32(w(qkv::Sin), max_seq * half), half };
+        let table = RopeTable {
+            cos: self.arena.f32(w(qkv::Cos), max_seq * half),
+            sin: self.arena.f32(w(qkv::Sin), max_seq * half),
+            half,
+        };
         golden::rope(&mut q, n_q, hd, &table, pos);
         golden::rope(&mut k, n_kv, hd, &table, pos);
         self.arena.write_bf16(w(qkv::QOut), &q);
@@ -174,7 +182,8 @@ impl CpuLayer {
     fn oproj(&mut self, r: &Row, x: &[bf16]) {
         let w = |i: oproj::Word| r[i as usize];
         let (rows, cols) = (w(oproj::Rows) as usize, w(oproj::Cols) as usize);
-        let y = golden::gemv(&self.arena.bf16(w(oproj::W), rows * cols), rows, cols, &self.arena.bf16(w(oproj::A), cols));
+        let y =
+            golden::gemv(&self.arena.bf16(w(oproj::W), rows * cols), rows, cols, &self.arena.bf16(w(oproj::A), cols));
         self.arena.write_bf16(w(oproj::X1Out), &golden::add(x, &y));
     }
 
@@ -191,7 +200,8 @@ impl CpuLayer {
     fn down(&mut self, r: &Row) -> Vec<bf16> {
         let w = |i: down::Word| r[i as usize];
         let (rows, cols) = (w(down::Rows) as usize, w(down::Cols) as usize);
-        let y = golden::gemv(&self.arena.bf16(w(down::W), rows * cols), rows, cols, &self.arena.bf16(w(down::Act), cols));
+        let y =
+            golden::gemv(&self.arena.bf16(w(down::W), rows * cols), rows, cols, &self.arena.bf16(w(down::Act), cols));
         golden::add(&self.arena.bf16(w(down::X1), rows), &y)
     }
 }

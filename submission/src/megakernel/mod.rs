@@ -126,7 +126,8 @@ fn gather(
     args.arg(&mut out).arg(&table).arg(&r).arg(&vecs);
     // SAFETY: gather_rows_u4(dst (rows, vecs), src_rows (rows), rows: u32, vecs: u32); every table
     // entry is the start of a row of `cols` bf16 inside a weight.
-    unsafe { args.launch(cuda::grid_1d(rows * cols / 8, GATHER_BLOCK, dev.facts().sms)) }.context("launching gather_rows_u4")?;
+    unsafe { args.launch(cuda::grid_1d(rows * cols / 8, GATHER_BLOCK, dev.facts().sms)) }
+        .context("launching gather_rows_u4")?;
     Ok(out)
 }
 
@@ -162,7 +163,13 @@ impl Submission for Megakernel {
     fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
         let (major, minor) = dev.facts().compute_capability;
         if !dev.is_hopper() {
-            return Err(CudaError::NeedsHopper { what: "the megakernel".into(), kernel_file: "megakernel", major, minor }.into());
+            return Err(CudaError::NeedsHopper {
+                what: "the megakernel".into(),
+                kernel_file: "megakernel",
+                major,
+                minor,
+            }
+            .into());
         }
         check_fits(cfg)?;
         let s = dev.stream();
@@ -170,7 +177,8 @@ impl Submission for Megakernel {
         let w_qkv = gather(dev, w, pack::qkv_rows(cfg), cfg.d, |p| pack::qkv_source(cfg, p))?;
         let w_gateup = gather(dev, w, 2 * cfg.ffn, cfg.d, pack::gateup_source)?;
         let rope = RopeTable::new(cfg);
-        let (cos, sin) = (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
+        let (cos, sin) =
+            (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
         let zeros = |n: usize| s.alloc_zeros::<bf16>(n).context("allocating megakernel scratch");
         let (q, a, x1, act) = (zeros(cfg.q_dim())?, zeros(cfg.q_dim())?, zeros(cfg.d)?, zeros(cfg.ffn)?);
         let partials = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
@@ -201,7 +209,8 @@ impl Submission for Megakernel {
 
         let func = dev.function(&MEGAKERNEL, "megakernel_bf16")?;
         let grid_guess = dev.facts().sms as usize;
-        let red_rows = [pack::qkv_rows(cfg), cfg.d, 2 * cfg.ffn].into_iter().map(|r| max_block_rows(r, grid_guess)).max().unwrap();
+        let red_rows =
+            [pack::qkv_rows(cfg), cfg.d, 2 * cfg.ffn].into_iter().map(|r| max_block_rows(r, grid_guess)).max().unwrap();
         let smem = RING_BYTES + (red_rows as u32) * WARPS * 4;
         if smem as i32 > dev.facts().max_smem_optin_bytes {
             return Err(SubmissionError::Refused(format!(
@@ -211,7 +220,9 @@ impl Submission for Megakernel {
         }
         func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .context("raising the megakernel's shared memory limit")?;
-        let per_sm = func.occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None).context("reading occupancy")?;
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None)
+            .context("reading occupancy")?;
         if per_sm == 0 {
             return Err(SubmissionError::Refused("the megakernel cannot fit one block on an SM".into()));
         }

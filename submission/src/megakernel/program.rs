@@ -99,6 +99,20 @@ pub fn max_chunks(cfg: &Config) -> usize {
     cfg.max_seq_len.div_ceil(ATTN_CHUNK)
 }
 
+/// The fewest bytes each phase must move at position `pos`: its weights (read once), the cache it
+/// reads, the activations it reads and writes. Per-phase x floors divide these by the bandwidth.
+pub fn phase_bytes(cfg: &Config, pos: usize) -> Vec<(Op, u64)> {
+    const BF16: u64 = 2;
+    let (d, ffn, q, kv) = (cfg.d as u64, cfg.ffn as u64, cfg.q_dim() as u64, cfg.kv_dim() as u64);
+    vec![
+        (Op::Qkv, BF16 * ((q + 2 * kv) * d + 2 * d + q + 2 * kv)),
+        (Op::Attention, BF16 * (2 * kv * (pos as u64 + 1) + 2 * q)),
+        (Op::OProj, BF16 * (d * q + q + 2 * d)),
+        (Op::GateUp, BF16 * (2 * ffn * d + 2 * d + ffn)),
+        (Op::Down, BF16 * (d * ffn + ffn + 2 * d)),
+    ]
+}
+
 /// A row with `op` in word 0 and `words` set.
 fn row<W: Copy + Into<usize>>(op: Op, words: &[(W, i64)]) -> Row {
     let mut r = [0i64; ROW_WORDS];
