@@ -223,6 +223,43 @@ __device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, uint4*
     }
 }
 
+// The last block to finish a KV head's chunks: a = sum_c o_c e^(m_c - M) / sum_c l_c e^(m_c - M) for
+// each query head of the group, chunks in order (deterministic). Every chunk's scale is computed
+// once into shared memory, so the sums below are streams of independent loads.
+__device__ void combine(uint32_t kv, uint32_t n_chunks, uint32_t max_chunks, uint32_t group, uint32_t hd,
+                        unsigned* counters, const float* part_o, const float* part_ml, bf16* a_out, float* scale) {
+    const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    // Acquire: the other chunks' partials were released before their arrivals.
+    __threadfence();
+    const float* pm = part_ml + (size_t)kv * max_chunks * group * 2;  // (n_chunks, group, 2)
+    const float* po = part_o + (size_t)kv * max_chunks * group * hd;  // (n_chunks, group, hd)
+    for (uint32_t g = warp; g < group; g += WARPS) {
+        float m = -CUDART_INF_F;
+        for (uint32_t c = lane; c < n_chunks; c += WARP) m = fmaxf(m, __ldcg(pm + (c * group + g) * 2));
+        m = warp_reduce(m, Max{});
+        float l = 0.0f;
+        for (uint32_t c = lane; c < n_chunks; c += WARP) {
+            const float e = expf(__fsub_rn(__ldcg(pm + (c * group + g) * 2), m));
+            scale[c * ATTN_MAX_GROUP + g] = e;
+            l = fmaf(__ldcg(pm + (c * group + g) * 2 + 1), e, l);
+        }
+        l = warp_reduce(l, Add{});
+        // Each lane rescales only the entries it wrote itself: no synchronisation needed.
+        for (uint32_t c = lane; c < n_chunks; c += WARP) scale[c * ATTN_MAX_GROUP + g] = __fdiv_rn(scale[c * ATTN_MAX_GROUP + g], l);
+    }
+    __syncthreads();  // every chunk's scale is in shared memory
+    for (uint32_t i = t; i < group * hd; i += THREADS) {
+        const uint32_t g = i / hd;
+        float o = 0.0f;
+#pragma unroll 8
+        for (uint32_t c = 0; c < n_chunks; ++c) o = fmaf(__ldcg(po + (size_t)c * group * hd + i), scale[c * ATTN_MAX_GROUP + g], o);
+        a_out[(size_t)kv * group * hd + i] = __float2bfloat16_rn(o);
+    }
+    // Every chunk of this head has arrived: reset for the next step (the launch boundary, or the
+    // next grid barrier, orders it before any later arrival).
+    if (t == 0) counters[kv] = 0;
+}
+
 // Attention: work item (KV head, chunk of ATTN_CHUNK slots) -> partial softmax numerator and its
 // running max and sum for each query head of the group; the block that finishes a KV head's last
 // chunk combines that head's partials into a.
@@ -250,6 +287,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* ring) {
         const uint32_t kv = item / n_chunks, c = item % n_chunks, first = c * ATTN_CHUNK;
         const uint32_t len = min(ATTN_CHUNK, pos + 1 - first);
         const size_t base = ((size_t)kv * max_seq + first) * hd;
+#pragma unroll 4
         for (uint32_t i = t; i < len * hd / VEC; i += THREADS) {
             reinterpret_cast<uint4*>(ks)[i] = load_cg(k_cache + base, i);
             reinterpret_cast<uint4*>(vs)[i] = load_cg(v_cache + base, i);
@@ -303,27 +341,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* ring) {
             last = atomicAdd(&counters[kv], 1u) == n_chunks - 1;
         }
         __syncthreads();  // every thread sees `last`
-        if (last) {
-            // Acquire: the other chunks' partials were released before their arrivals.
-            __threadfence();
-            const float* pm = part_ml + (size_t)kv * max_chunks * group * 2;
-            const float* pov = part_o + (size_t)kv * max_chunks * group * hd;
-            for (uint32_t i = t; i < group * hd; i += THREADS) {
-                const uint32_t g = i / hd;
-                float m = -CUDART_INF_F;
-                for (uint32_t cc = 0; cc < n_chunks; ++cc) m = fmaxf(m, __ldcg(pm + (cc * group + g) * 2));
-                float l = 0.0f, o = 0.0f;
-                for (uint32_t cc = 0; cc < n_chunks; ++cc) {
-                    const float scale = expf(__fsub_rn(__ldcg(pm + (cc * group + g) * 2), m));
-                    l = fmaf(__ldcg(pm + (cc * group + g) * 2 + 1), scale, l);
-                    o = fmaf(__ldcg(pov + (size_t)cc * group * hd + i), scale, o);
-                }
-                a_out[(size_t)kv * group * hd + i] = __float2bfloat16_rn(__fdiv_rn(o, l));
-            }
-            // Every chunk of this head has arrived: reset for the next step (the launch boundary, or
-            // the next grid barrier, orders it before any later arrival).
-            if (t == 0) counters[kv] = 0;
-        }
+        if (last) combine(kv, n_chunks, max_chunks, group, hd, counters, part_o, part_ml, a_out, ps);
     }
 }
 

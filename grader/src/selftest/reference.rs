@@ -186,9 +186,10 @@ fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
     {
         for (row, (g, c)) in gpu.chunks(cfg.hd).zip(cpu.chunks(cfg.hd)).enumerate() {
             let slot = row % cfg.max_seq_len;
-            // Appended slots hold the step's rows (one rounding apart); every other slot is untouched.
+            // Appended slots hold the step's rows, two roundings deep (the projection, then RoPE), so
+            // within 2 ulp; every other slot is untouched.
             let appended = slot >= cfg.prefill && slot < cfg.prefill + steps;
-            let (reference, bound) = if appended { (c, 1) } else { (&prefix[row * cfg.hd..(row + 1) * cfg.hd], 0) };
+            let (reference, bound) = if appended { (c, 2) } else { (&prefix[row * cfg.hd..(row + 1) * cfg.hd], 0) };
             let d = Diff::of(g, reference);
             ensure(d.max_ulp <= bound, || format!("{name} cache slot {slot} (row {row}): {d}, allowed {bound} ulp"))?;
         }
@@ -202,7 +203,7 @@ fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
         format!("step at pos {pos} is not bitwise reproducible: {}", Diff::of(&repeat, &last.1))
     })?;
     Ok(format!(
-        "{steps} steps, worst rel error {worst:.1e}; cache rows within 1 ulp, prefix untouched; repeat bitwise; input seed {seed:#x}"
+        "{steps} steps, worst rel error {worst:.1e}; cache rows within 2 ulp, prefix untouched; repeat bitwise; input seed {seed:#x}"
     ))
 }
 

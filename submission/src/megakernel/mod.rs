@@ -144,6 +144,14 @@ fn check_fits(cfg: &Config) -> Result<(), SubmissionError> {
             return Err(SubmissionError::Refused(format!("{name} = {cols} is over the megakernel's {max_cols}")));
         }
     }
+    // The combine keeps one scale per (chunk, query head) where a chunk's scores were.
+    if program::max_chunks(cfg) > program::ATTN_CHUNK {
+        return Err(SubmissionError::Refused(format!(
+            "max_seq_len {} needs more than {} attention chunks",
+            cfg.max_seq_len,
+            program::ATTN_CHUNK
+        )));
+    }
     if cfg.hd > ATTN_MAX_HD || cfg.group() > ATTN_MAX_GROUP {
         return Err(SubmissionError::Refused(format!(
             "attention needs hd <= {ATTN_MAX_HD} and at most {ATTN_MAX_GROUP} query heads per KV head"
