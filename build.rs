@@ -73,7 +73,8 @@ fn main() {
 
 fn compile(nvcc: &Path, include: &Path, src: &Path, targets: &[&str], fatbin: &Path, report: &Path) {
     let output = Command::new(nvcc)
-        .args(["--fatbin", "-O3", "-std=c++17", "-Xptxas", "-v", "--extended-lambda"])
+        // Warnings are errors: an unused variable in a kernel is usually a bug in the making.
+        .args(["--fatbin", "-O3", "-std=c++17", "-Xptxas", "-v", "--extended-lambda", "-Werror", "all-warnings"])
         .args(targets)
         .arg("-I")
         .arg(include)

@@ -34,6 +34,12 @@ constexpr uint32_t MAX_VPT = 7;
 constexpr uint32_t ATTN_CHUNK = 128;
 constexpr uint32_t ATTN_MAX_HD = 128;
 constexpr uint32_t ATTN_MAX_GROUP = 8;
+// bf16 of padding after each K row in shared memory (see the scores in phase_attention).
+constexpr uint32_t KS_PAD = 8;
+// Query heads each thread scores: THREADS / ATTN_CHUNK threads share a slot.
+constexpr uint32_t SCORE_HEADS = ATTN_MAX_GROUP / (THREADS / ATTN_CHUNK);
+static_assert(ATTN_CHUNK * ((ATTN_MAX_HD + KS_PAD) + ATTN_MAX_HD) * 2 + 2 * ATTN_MAX_GROUP * ATTN_MAX_HD * 4 <= RING_BYTES,
+              "the attention's shared memory must fit in the ring");
 
 // ---------------------------------------------------------------------------------------------------
 // Memory helpers
@@ -104,50 +110,125 @@ struct Partials {
     uint32_t rows;
 };
 
-// red[r - r0][warp] = warp's partial dot product of row r of w with the slice, for r in [r0, r1).
-__device__ void gemv_rows(const bf16* __restrict__ w,  // (rows, s.vecs * VEC)
-                          const Slice& s, uint32_t r0, uint32_t r1, uint4* ring, Partials part) {
-    const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
-    if (r1 - r0 > part.rows) __trap();  // the launcher sized red for fewer rows than this block got
-    float* red = part.red;
-    const uint32_t row_slots = THREADS * s.vpt;  // ring slots of one row
-    const uint32_t stage_rows = max(1u, STAGE_BYTES / 16 / row_slots);
-    const uint32_t n = r1 - r0, nstages = (n + stage_rows - 1) / stage_rows;
+// A GEMV's stream of weight rows [r0, r1) through the ring, for a row of VPT vectors per thread.
+// Rows per ring stage: as many whole rows as fit.
+template <uint32_t VPT>
+struct RowStream {
+    static constexpr uint32_t STAGE_ROWS = STAGE_BYTES / 16 / (THREADS * VPT) > 0 ? STAGE_BYTES / 16 / (THREADS * VPT) : 1;
+    static_assert(STAGE_ROWS * THREADS * VPT * 16 <= STAGE_BYTES, "a row must fit a ring stage");
+    const bf16* w;  // (rows, vecs * VEC)
+    uint32_t vecs, r0, n, nstages;
 
-    auto issue = [&](uint32_t st) {
+    __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_)
+        : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), nstages((r1_ - r0_ + STAGE_ROWS - 1) / STAGE_ROWS) {}
+
+    // Copies this thread's vectors of stage st into its ring slot, as one cp.async group.
+    __device__ void issue(uint4* ring, uint32_t st) const {
+        const uint32_t t = threadIdx.x;
         if (st < nstages) {
             uint4* slot = ring + (st % STAGES) * (STAGE_BYTES / 16);
-            for (uint32_t i = 0; i < stage_rows && st * stage_rows + i < n; ++i) {
-                const uint4* src = reinterpret_cast<const uint4*>(w + (size_t)(r0 + st * stage_rows + i) * s.vecs * VEC);
 #pragma unroll
-                for (uint32_t v = 0; v < MAX_VPT; ++v) {
-                    if (owns(s, v)) cp_async16(slot + (i * s.vpt + v) * THREADS + t, src + t + v * THREADS);
+            for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
+                if (st * STAGE_ROWS + i >= n) break;
+                const uint4* src = reinterpret_cast<const uint4*>(w + (size_t)(r0 + st * STAGE_ROWS + i) * vecs * VEC);
+#pragma unroll
+                for (uint32_t v = 0; v < VPT; ++v) {
+                    if (t + v * THREADS < vecs) cp_async16(slot + (i * VPT + v) * THREADS + t, src + t + v * THREADS);
                 }
             }
         }
         // Every thread commits a group per stage, empty or not, so wait_group counts alike everywhere.
         cp_async_commit();
-    };
-
-    for (uint32_t st = 0; st < STAGES - 1; ++st) issue(st);
-    for (uint32_t st = 0; st < nstages; ++st) {
-        // Reusing the slot of stage st - 1 is safe: this thread's reads of it fed the reduction below,
-        // which completed before this point.
-        issue(st + STAGES - 1);
-        cp_async_wait<STAGES - 1>();  // this thread's copies of stage st have landed
-        const uint4* slot = ring + (st % STAGES) * (STAGE_BYTES / 16);
-        for (uint32_t i = 0; i < stage_rows && st * stage_rows + i < n; ++i) {
-            float acc = 0.0f;
-#pragma unroll
-            for (uint32_t v = 0; v < MAX_VPT; ++v) {
-                if (owns(s, v)) acc = dot8(slot[(i * s.vpt + v) * THREADS + t], s.h[v], acc);
-            }
-            acc = warp_reduce(acc, Add{});
-            if (lane == 0) red[(st * stage_rows + i) * WARPS + warp] = acc;
-        }
     }
-    cp_async_wait<0>();  // drain the trailing empty groups
-    __syncthreads();     // every warp's partials are in red before any thread adds them up
+
+    // The first STAGES - 1 stages. Weights do not depend on anything the layer computes, so this runs
+    // before the phase's input exists: before its norm, and before the grid barrier in front of it.
+    __device__ void prime(uint4* ring) const {
+        for (uint32_t st = 0; st < STAGES - 1; ++st) issue(ring, st);
+    }
+
+    // red[r - r0][warp] = the warp's partial dot product of row r with the slice; needs prime() first.
+    __device__ void run(const Slice& s, uint4* ring, Partials part) const {
+        const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+        if (n > part.rows) __trap();  // the launcher sized red for fewer rows than this block got
+        for (uint32_t st = 0; st < nstages; ++st) {
+            // Reusing the slot of stage st - 1 is safe: this thread's reads of it fed the reductions
+            // below, which completed before this point.
+            issue(ring, st + STAGES - 1);
+            cp_async_wait<STAGES - 1>();  // this thread's copies of stage st have landed
+            const uint4* slot = ring + (st % STAGES) * (STAGE_BYTES / 16);
+            float acc[STAGE_ROWS];
+#pragma unroll
+            for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
+                acc[i] = 0.0f;
+#pragma unroll
+                for (uint32_t v = 0; v < VPT; ++v) {
+                    if (t + v * THREADS < vecs) acc[i] = dot8(slot[(i * VPT + v) * THREADS + t], s.h[v], acc[i]);
+                }
+            }
+            // Independent butterflies, one per row, so their shuffles overlap.
+#pragma unroll
+            for (uint32_t i = 0; i < STAGE_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
+            if (lane == 0) {
+#pragma unroll
+                for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
+                    if (st * STAGE_ROWS + i < n) part.red[(st * STAGE_ROWS + i) * WARPS + warp] = acc[i];
+                }
+            }
+        }
+        cp_async_wait<0>();  // drain the trailing empty groups
+        __syncthreads();     // every warp's partials are in red before any thread adds them up
+    }
+};
+
+// Calls f(RowStream<VPT>) for the VPT of rows of `cols` bf16: the loops above unroll at compile time.
+template <typename F>
+__device__ void with_stream(const bf16* w, uint32_t cols, uint32_t r0, uint32_t r1, F f) {
+    const uint32_t vecs = cols / VEC;
+    switch ((vecs + THREADS - 1) / THREADS) {
+        case 1: f(RowStream<1>(w, vecs, r0, r1)); break;
+        case 2: f(RowStream<2>(w, vecs, r0, r1)); break;
+        case 3: f(RowStream<3>(w, vecs, r0, r1)); break;
+        case 4: f(RowStream<4>(w, vecs, r0, r1)); break;
+        case 5: f(RowStream<5>(w, vecs, r0, r1)); break;
+        case 6: f(RowStream<6>(w, vecs, r0, r1)); break;
+        case 7: f(RowStream<7>(w, vecs, r0, r1)); break;
+        default: __trap();  // the launcher refuses rows longer than MAX_VPT vectors per thread
+    }
+}
+
+// The GEMV of a phase: matrix, row length and rows, as the program row names them.
+struct Gemv {
+    const bf16* w;
+    uint32_t cols, rows;
+};
+
+// Where each GEMV phase's matrix is; attention has none.
+__device__ inline bool gemv_of(const int64_t* op, Gemv& g) {
+    switch (op[0]) {
+        case OP_QKV: g = {reinterpret_cast<const bf16*>(op[qkv::W]), (uint32_t)op[qkv::D], (uint32_t)((op[qkv::NQ] + 2 * op[qkv::NKv]) * op[qkv::Hd])}; return true;
+        case OP_O_PROJ: g = {reinterpret_cast<const bf16*>(op[oproj::W]), (uint32_t)op[oproj::Cols], (uint32_t)op[oproj::Rows]}; return true;
+        case OP_GATE_UP: g = {reinterpret_cast<const bf16*>(op[gateup::W]), (uint32_t)op[gateup::D], (uint32_t)(2 * op[gateup::Ffn])}; return true;
+        case OP_DOWN: g = {reinterpret_cast<const bf16*>(op[down::W]), (uint32_t)op[down::Cols], (uint32_t)op[down::Rows]}; return true;
+        default: return false;
+    }
+}
+
+// Starts streaming the weights of phase `op` into the ring (nothing for a phase without a GEMV).
+__device__ void prime_phase(const int64_t* op, uint4* ring) {
+    Gemv g;
+    if (!gemv_of(op, g)) return;
+    uint32_t r0, r1;
+    block_rows(g.rows, r0, r1);
+    with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.prime(ring); });
+}
+
+// This block's rows of phase `op`'s GEMV against the slice, into red (the ring already primed).
+__device__ void gemv_phase(const int64_t* op, const Slice& s, uint4* ring, Partials part, uint32_t& r0, uint32_t& r1) {
+    Gemv g;
+    if (!gemv_of(op, g)) __trap();
+    block_rows(g.rows, r0, r1);
+    with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.run(s, ring, part); });
 }
 
 // The sum of row r's warp partials, in warp order.
@@ -181,6 +262,20 @@ __device__ inline Slice rmsnorm_slice(const bf16* x, const bf16* g, uint32_t d, 
     return s;
 }
 
+// acc + dot of a 16-byte vector of 8 bf16 with 8 f32 in shared memory.
+__device__ inline float dot8_f32(uint4 a, const float* b, float acc) {
+    const bf162* x = reinterpret_cast<const bf162*>(&a);
+    const float4 lo = reinterpret_cast<const float4*>(b)[0], hi = reinterpret_cast<const float4*>(b)[1];
+    const float y[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 fx = __bfloat1622float2(x[j]);
+        acc = fmaf(fx.x, y[2 * j], acc);
+        acc = fmaf(fx.y, y[2 * j + 1], acc);
+    }
+    return acc;
+}
+
 __device__ inline float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // ---------------------------------------------------------------------------------------------------
@@ -189,7 +284,6 @@ __device__ inline float bf(float v) { return __bfloat162float(__float2bfloat16_r
 
 // h = rmsnorm(x); [q|k|v] = W h over pair-interleaved rows; rope q and k; append k and v at pos.
 __device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, uint4* ring, Partials part) {
-    const bf16* w = reinterpret_cast<const bf16*>(op[qkv::W]);
     const uint32_t d = (uint32_t)op[qkv::D], n_q = (uint32_t)op[qkv::NQ], n_kv = (uint32_t)op[qkv::NKv];
     const uint32_t hd = (uint32_t)op[qkv::Hd], max_seq = (uint32_t)op[qkv::MaxSeq], half = hd / 2;
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
@@ -201,8 +295,7 @@ __device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, uint4*
 
     const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(op[qkv::Norm]), d, eps);
     uint32_t r0, r1;
-    block_rows((n_q + 2 * n_kv) * hd, r0, r1);
-    gemv_rows(w, s, r0, r1, ring, part);
+    gemv_phase(op, s, ring, part, r0, r1);
 
     // Pair p of the packed matrix is (row i, row i + hd/2) of one head: q heads, then k, then v.
     const uint32_t q_pairs = n_q * half, k_pairs = n_kv * half;
@@ -262,7 +355,7 @@ __device__ void combine(uint32_t kv, uint32_t n_chunks, uint32_t max_chunks, uin
 
 // Attention: work item (KV head, chunk of ATTN_CHUNK slots) -> partial softmax numerator and its
 // running max and sum for each query head of the group; the block that finishes a KV head's last
-// chunk combines that head's partials into a.
+// chunk combines that head's partials into a. Each KV chunk is loaded once for all of its query heads.
 __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* ring) {
     const bf16* q = reinterpret_cast<const bf16*>(op[attn::Q]);
     const bf16* k_cache = reinterpret_cast<const bf16*>(op[attn::KCache]);
@@ -276,11 +369,12 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* ring) {
     const uint32_t n_chunks = (pos + ATTN_CHUNK) / ATTN_CHUNK, max_chunks = (max_seq + ATTN_CHUNK - 1) / ATTN_CHUNK;
     const float inv_sqrt_hd = __fdiv_rn(1.0f, __fsqrt_rn((float)hd));
     const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    const uint32_t row_vecs = hd / VEC, ks_row = hd + KS_PAD;  // 16-byte vectors per row; K row stride
 
-    bf16* ks = reinterpret_cast<bf16*>(ring);                 // (ATTN_CHUNK, hd)
-    bf16* vs = ks + ATTN_CHUNK * ATTN_MAX_HD;                  // (ATTN_CHUNK, hd)
-    float* qs = reinterpret_cast<float*>(vs + ATTN_CHUNK * ATTN_MAX_HD);  // (group, hd)
-    float* ps = qs + ATTN_MAX_GROUP * ATTN_MAX_HD;             // (group, ATTN_CHUNK)
+    bf16* ks = reinterpret_cast<bf16*>(ring);                              // (ATTN_CHUNK, hd + KS_PAD)
+    bf16* vs = ks + ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD);                   // (ATTN_CHUNK, hd)
+    float* qs = reinterpret_cast<float*>(vs + ATTN_CHUNK * ATTN_MAX_HD);   // (group, hd)
+    float* ps = qs + ATTN_MAX_GROUP * ATTN_MAX_HD;                         // (group, ATTN_CHUNK)
     __shared__ bool last;
 
     for (uint32_t item = blockIdx.x; item < n_kv * n_chunks; item += gridDim.x) {
@@ -288,20 +382,35 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* ring) {
         const uint32_t len = min(ATTN_CHUNK, pos + 1 - first);
         const size_t base = ((size_t)kv * max_seq + first) * hd;
 #pragma unroll 4
-        for (uint32_t i = t; i < len * hd / VEC; i += THREADS) {
-            reinterpret_cast<uint4*>(ks)[i] = load_cg(k_cache + base, i);
+        for (uint32_t i = t; i < len * row_vecs; i += THREADS) {
+            const uint32_t row = i / row_vecs, col = i % row_vecs;
+            reinterpret_cast<uint4*>(ks + row * ks_row)[col] = load_cg(k_cache + base, i);
             reinterpret_cast<uint4*>(vs)[i] = load_cg(v_cache + base, i);
         }
         for (uint32_t i = t; i < group * hd; i += THREADS) qs[i] = __bfloat162float(__ldcg(q + (size_t)kv * group * hd + i));
         __syncthreads();  // the chunk and the queries are in shared memory
 
-        // Scores: one warp per (query head, slot), lanes over the head dimension.
-        for (uint32_t i = warp; i < group * len; i += WARPS) {
-            const uint32_t g = i / len, j = i % len;
-            float acc = 0.0f;
-            for (uint32_t e = lane; e < hd; e += WARP) acc = fmaf(qs[g * hd + e], __bfloat162float(ks[j * hd + e]), acc);
-            acc = warp_reduce(acc, Add{});
-            if (lane == 0) ps[g * ATTN_CHUNK + j] = __fmul_rn(acc, inv_sqrt_hd);
+        // Scores: thread (slot j, every SCORE_HEADS-th query head from g0). A warp's lanes read 32
+        // consecutive K rows: the padded stride puts each quarter-warp's 16-byte reads in distinct
+        // banks; every lane reads the same query vector (a broadcast).
+        {
+            const uint32_t j = t % ATTN_CHUNK, g0 = t / ATTN_CHUNK;
+            float acc[SCORE_HEADS] = {};
+            if (j < len) {
+                for (uint32_t col = 0; col < row_vecs; ++col) {
+                    const uint4 k = reinterpret_cast<const uint4*>(ks + j * ks_row)[col];
+#pragma unroll
+                    for (uint32_t h = 0; h < SCORE_HEADS; ++h) {
+                        const uint32_t g = g0 + h * (THREADS / ATTN_CHUNK);
+                        if (g < group) acc[h] = dot8_f32(k, qs + g * hd + col * VEC, acc[h]);
+                    }
+                }
+#pragma unroll
+                for (uint32_t h = 0; h < SCORE_HEADS; ++h) {
+                    const uint32_t g = g0 + h * (THREADS / ATTN_CHUNK);
+                    if (g < group) ps[g * ATTN_CHUNK + j] = __fmul_rn(acc[h], inv_sqrt_hd);
+                }
+            }
         }
         __syncthreads();  // every score is in ps
 
@@ -325,13 +434,21 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* ring) {
         }
         __syncthreads();  // the exponentials are in ps
 
-        // Partial numerator: thread per (query head, column), slots in order.
+        // Partial numerator: thread per (query head, column pair), slots in order. A warp's lanes read
+        // consecutive column pairs of one V row and the same weight (a broadcast).
         float* po = part_o + (((size_t)kv * max_chunks + c) * group) * hd;
-        for (uint32_t i = t; i < group * hd; i += THREADS) {
-            const uint32_t g = i / hd, e = i % hd;
-            float acc = 0.0f;
-            for (uint32_t j = 0; j < len; ++j) acc = fmaf(ps[g * ATTN_CHUNK + j], __bfloat162float(vs[j * hd + e]), acc);
-            po[i] = acc;
+        for (uint32_t i = t; i < group * hd / 2; i += THREADS) {
+            const uint32_t g = i / (hd / 2), e = i % (hd / 2);
+            const float* pg = ps + g * ATTN_CHUNK;
+            const bf162* vcol = reinterpret_cast<const bf162*>(vs) + e;
+            float2 acc = make_float2(0.0f, 0.0f);
+#pragma unroll 8
+            for (uint32_t j = 0; j < len; ++j) {
+                const float2 v = __bfloat1622float2(vcol[j * (hd / 2)]);
+                acc.x = fmaf(pg[j], v.x, acc.x);
+                acc.y = fmaf(pg[j], v.y, acc.y);
+            }
+            reinterpret_cast<float2*>(po + g * hd)[e] = acc;
         }
         __syncthreads();  // all of this block's partials are written (and shared memory is free again)
 
@@ -347,12 +464,11 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* ring) {
 
 // x1 = x + Wo a.
 __device__ void phase_oproj(const int64_t* op, const bf16* x, uint4* ring, Partials part) {
-    const uint32_t rows = (uint32_t)op[oproj::Rows], cols = (uint32_t)op[oproj::Cols];
+    const uint32_t cols = (uint32_t)op[oproj::Cols];
     bf16* x1 = reinterpret_cast<bf16*>(op[oproj::X1Out]);
     const Slice s = load_slice(reinterpret_cast<const bf16*>(op[oproj::A]), cols);
     uint32_t r0, r1;
-    block_rows(rows, r0, r1);
-    gemv_rows(reinterpret_cast<const bf16*>(op[oproj::W]), s, r0, r1, ring, part);
+    gemv_phase(op, s, ring, part, r0, r1);
     for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
         x1[r0 + r] = add_round(__bfloat162float(x[r0 + r]), bf(row_sum(part.red, r)));
     }
@@ -360,13 +476,12 @@ __device__ void phase_oproj(const int64_t* op, const bf16* x, uint4* ring, Parti
 
 // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2) over gate/up-interleaved rows.
 __device__ void phase_gateup(const int64_t* op, uint4* ring, Partials part) {
-    const uint32_t d = (uint32_t)op[gateup::D], ffn = (uint32_t)op[gateup::Ffn];
+    const uint32_t d = (uint32_t)op[gateup::D];
     const float eps = __int_as_float((int)op[gateup::EpsBits]);
     bf16* act = reinterpret_cast<bf16*>(op[gateup::ActOut]);
     const Slice s = rmsnorm_slice(reinterpret_cast<const bf16*>(op[gateup::X1]), reinterpret_cast<const bf16*>(op[gateup::Norm]), d, eps);
     uint32_t r0, r1;
-    block_rows(2 * ffn, r0, r1);
-    gemv_rows(reinterpret_cast<const bf16*>(op[gateup::W]), s, r0, r1, ring, part);
+    gemv_phase(op, s, ring, part, r0, r1);
     for (uint32_t p = threadIdx.x; p < (r1 - r0) / 2; p += THREADS) {
         act[r0 / 2 + p] = silu_mul(bf(row_sum(part.red, 2 * p)), bf(row_sum(part.red, 2 * p + 1)));
     }
@@ -374,12 +489,11 @@ __device__ void phase_gateup(const int64_t* op, uint4* ring, Partials part) {
 
 // out = x1 + Wd act.
 __device__ void phase_down(const int64_t* op, bf16* out, uint4* ring, Partials part) {
-    const uint32_t rows = (uint32_t)op[down::Rows], cols = (uint32_t)op[down::Cols];
+    const uint32_t cols = (uint32_t)op[down::Cols];
     const bf16* x1 = reinterpret_cast<const bf16*>(op[down::X1]);
     const Slice s = load_slice(reinterpret_cast<const bf16*>(op[down::Act]), cols);
     uint32_t r0, r1;
-    block_rows(rows, r0, r1);
-    gemv_rows(reinterpret_cast<const bf16*>(op[down::W]), s, r0, r1, ring, part);
+    gemv_phase(op, s, ring, part, r0, r1);
     for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
         out[r0 + r] = add_round(__bfloat162float(__ldcg(x1 + r0 + r)), bf(row_sum(part.red, r)));
     }
@@ -405,6 +519,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     uint4* ring = smem;                                                  // (RING_BYTES / 16)
     const Partials part{reinterpret_cast<float*>(smem + RING_BYTES / 16), red_rows};  // (red_rows, WARPS)
     if (blockDim.x != THREADS) __trap();
+    if (phase_begin < phase_end) prime_phase(program + (size_t)phase_begin * PROGRAM_ROW_WORDS, ring);
     for (uint32_t p = phase_begin; p < phase_end; ++p) {
         const int64_t* op = program + (size_t)p * PROGRAM_ROW_WORDS;
         switch (op[0]) {
@@ -416,7 +531,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
             case OP_DOWN: phase_down(op, out, ring, part); break;
             default: __trap();  // an unknown opcode is a broken program
         }
-        if (p + 1 < phase_end) grid_barrier(barrier, barrier_base + (p - phase_begin + 1) * gridDim.x);
+        if (p + 1 < phase_end) {
+            // The next phase's first weights stream in while blocks wait at the barrier. The ring is
+            // free once every thread is past this phase (attention's combine reads shared memory).
+            __syncthreads();
+            prime_phase(op + PROGRAM_ROW_WORDS, ring);
+            grid_barrier(barrier, barrier_base + (p - phase_begin + 1) * gridDim.x);
+        }
     }
 }
 
