@@ -5,12 +5,14 @@
 // per-phase timing; the results are bitwise identical because nothing else changes.
 //
 // Weight streaming (the 1.71 GB that decide the score): a GEMV phase splits its rows evenly over the
-// blocks, in RoPE / gate-up pairs. Within a block, thread t owns the 16-byte vectors t, t + THREADS,
-// ... of every row, holds the matching vectors of the input in registers, and streams its vectors of
-// STAGES row groups ahead through a per-thread cp.async ring in shared memory. A thread reads back
-// only what it copied itself, so the ring needs no block barrier; each warp reduces a row with a
-// shuffle butterfly and the warps' partials meet in shared memory once, at the end of the phase, where
-// they are added in warp order. No float atomics anywhere: outputs are bitwise reproducible.
+// blocks, in RoPE / gate-up pairs. A block streams its rows through a ring of STAGES shared-memory
+// slots, each filled by one bulk copy of whole consecutive rows (the copy engine, completing on the
+// slot's mbarrier), STAGES - 1 slots ahead of use. Thread t owns the 16-byte vectors t, t + THREADS,
+// ... of every row and holds the matching vectors of the input in registers; each warp reduces a row
+// with a shuffle butterfly and the warps' partials meet in shared memory once, at the end of the
+// phase, where they are added in warp order. A phase's first slots are filled before its input
+// exists (before the norm, before the grid barrier), so the stream does not stop between phases. No
+// float atomics anywhere: outputs are bitwise reproducible.
 //
 // Rounding follows the eager reference: q, k, v, a, o, x1, h, h2, gate, up, act and down are rounded to
 // bf16 where the reference stores them; scores and softmax weights stay f32.
@@ -24,7 +26,7 @@
 // Threads per block; one block per SM (__launch_bounds__ below) leaves 128 registers per thread.
 constexpr uint32_t THREADS = 512;
 constexpr uint32_t WARPS = THREADS / WARP;
-// The per-thread cp.async ring: STAGES groups of rows, STAGE_BYTES each, in flight ahead of use.
+// The ring: STAGES slots of STAGE_BYTES, STAGES - 1 of them in flight ahead of use.
 constexpr uint32_t STAGES = 3;
 constexpr uint32_t STAGE_BYTES = 64 * 1024;
 constexpr uint32_t RING_BYTES = STAGES * STAGE_BYTES;
@@ -45,18 +47,34 @@ static_assert(ATTN_CHUNK * ((ATTN_MAX_HD + KS_PAD) + ATTN_MAX_HD) * 2 + 2 * ATTN
 // Memory helpers
 // ---------------------------------------------------------------------------------------------------
 
-// A 16-byte global -> shared copy that completes asynchronously (cached in L2 only: weights are read
-// once).
-__device__ inline void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+__device__ inline unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// mbarriers (one per ring slot) that count the bytes of a bulk copy landing in shared memory.
+__device__ inline void mbar_init(uint64_t* bar, unsigned arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
 }
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ inline void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+// The producer's arrival, announcing how many bytes the slot's copy will deliver.
+__device__ inline void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
+// Waits until the barrier's phase `parity` has completed (all bytes landed).
+__device__ inline void mbar_wait(uint64_t* bar, unsigned parity) {
+    asm volatile(
+        "{\n .reg .pred done;\n WAIT_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+// One bulk copy global -> shared by the copy engine, completing on `bar`. 16-byte aligned, whole
+// 16-byte multiples.
+__device__ inline void bulk_copy(void* smem, const void* gmem, unsigned bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_addr(smem)),
+                 "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+// Orders this thread's generic-proxy shared-memory accesses before later copy-engine writes.
+__device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Activations written earlier in this launch by other blocks are read through L2 (ld.global.cg):
 // L1 is not coherent across SMs, and the grid barrier's fences order only L2.
@@ -110,8 +128,17 @@ struct Partials {
     uint32_t rows;
 };
 
-// A GEMV's stream of weight rows [r0, r1) through the ring, for a row of VPT vectors per thread.
-// Rows per ring stage: as many whole rows as fit.
+// The ring: STAGES slots of STAGE_BYTES, each filled by one bulk copy that completes on the slot's
+// mbarrier. `seq` counts the stages a launch has issued so far (the same in every thread): stage k
+// uses slot k % STAGES and completes phase (k / STAGES) & 1 of that slot's barrier.
+struct Ring {
+    uint4* data;     // (STAGES, STAGE_BYTES / 16)
+    uint64_t* full;  // (STAGES)
+    uint32_t seq;
+};
+
+// A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
+// thread; each stage is STAGE_ROWS consecutive rows, so one bulk copy.
 template <uint32_t VPT>
 struct RowStream {
     static constexpr uint32_t STAGE_ROWS = STAGE_BYTES / 16 / (THREADS * VPT) > 0 ? STAGE_BYTES / 16 / (THREADS * VPT) : 1;
@@ -122,48 +149,40 @@ struct RowStream {
     __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_)
         : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), nstages((r1_ - r0_ + STAGE_ROWS - 1) / STAGE_ROWS) {}
 
-    // Copies this thread's vectors of stage st into its ring slot, as one cp.async group.
-    __device__ void issue(uint4* ring, uint32_t st) const {
-        const uint32_t t = threadIdx.x;
-        if (st < nstages) {
-            uint4* slot = ring + (st % STAGES) * (STAGE_BYTES / 16);
-#pragma unroll
-            for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
-                if (st * STAGE_ROWS + i >= n) break;
-                const uint4* src = reinterpret_cast<const uint4*>(w + (size_t)(r0 + st * STAGE_ROWS + i) * vecs * VEC);
-#pragma unroll
-                for (uint32_t v = 0; v < VPT; ++v) {
-                    if (t + v * THREADS < vecs) cp_async16(slot + (i * VPT + v) * THREADS + t, src + t + v * THREADS);
-                }
-            }
-        }
-        // Every thread commits a group per stage, empty or not, so wait_group counts alike everywhere.
-        cp_async_commit();
+    // Thread 0 starts the copy of stage st into its slot. The slot's previous contents must be dead:
+    // the callers reach this only after a __syncthreads that follows every read of them.
+    __device__ void issue(const Ring& ring, uint32_t st) const {
+        if (threadIdx.x != 0 || st >= nstages) return;
+        const uint32_t k = ring.seq + st, rows = min(STAGE_ROWS, n - st * STAGE_ROWS);
+        const unsigned bytes = rows * vecs * 16;
+        mbar_expect_tx(&ring.full[k % STAGES], bytes);
+        bulk_copy(ring.data + (k % STAGES) * (STAGE_BYTES / 16), w + (size_t)(r0 + st * STAGE_ROWS) * vecs * VEC, bytes, &ring.full[k % STAGES]);
     }
 
     // The first STAGES - 1 stages. Weights do not depend on anything the layer computes, so this runs
     // before the phase's input exists: before its norm, and before the grid barrier in front of it.
-    __device__ void prime(uint4* ring) const {
+    __device__ void prime(const Ring& ring) const {
         for (uint32_t st = 0; st < STAGES - 1; ++st) issue(ring, st);
     }
 
     // red[r - r0][warp] = the warp's partial dot product of row r with the slice; needs prime() first.
-    __device__ void run(const Slice& s, uint4* ring, Partials part) const {
+    // Advances ring.seq past this stream's stages.
+    __device__ void run(const Slice& s, Ring& ring, Partials part) const {
         const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
         if (n > part.rows) __trap();  // the launcher sized red for fewer rows than this block got
         for (uint32_t st = 0; st < nstages; ++st) {
-            // Reusing the slot of stage st - 1 is safe: this thread's reads of it fed the reductions
-            // below, which completed before this point.
+            __syncthreads();  // every thread is done with stage st - 1, whose slot the next issue refills
             issue(ring, st + STAGES - 1);
-            cp_async_wait<STAGES - 1>();  // this thread's copies of stage st have landed
-            const uint4* slot = ring + (st % STAGES) * (STAGE_BYTES / 16);
+            const uint32_t k = ring.seq + st;
+            mbar_wait(&ring.full[k % STAGES], (k / STAGES) & 1);  // stage st has landed
+            const uint4* slot = ring.data + (k % STAGES) * (STAGE_BYTES / 16);
             float acc[STAGE_ROWS];
 #pragma unroll
             for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
                 acc[i] = 0.0f;
 #pragma unroll
                 for (uint32_t v = 0; v < VPT; ++v) {
-                    if (t + v * THREADS < vecs) acc[i] = dot8(slot[(i * VPT + v) * THREADS + t], s.h[v], acc[i]);
+                    if (t + v * THREADS < vecs) acc[i] = dot8(slot[i * vecs + v * THREADS + t], s.h[v], acc[i]);
                 }
             }
             // Independent butterflies, one per row, so their shuffles overlap.
@@ -176,8 +195,8 @@ struct RowStream {
                 }
             }
         }
-        cp_async_wait<0>();  // drain the trailing empty groups
-        __syncthreads();     // every warp's partials are in red before any thread adds them up
+        ring.seq += nstages;
+        __syncthreads();  // every warp's partials are in red before any thread adds them up
     }
 };
 
@@ -215,7 +234,7 @@ __device__ inline bool gemv_of(const int64_t* op, Gemv& g) {
 }
 
 // Starts streaming the weights of phase `op` into the ring (nothing for a phase without a GEMV).
-__device__ void prime_phase(const int64_t* op, uint4* ring) {
+__device__ void prime_phase(const int64_t* op, const Ring& ring) {
     Gemv g;
     if (!gemv_of(op, g)) return;
     uint32_t r0, r1;
@@ -224,7 +243,7 @@ __device__ void prime_phase(const int64_t* op, uint4* ring) {
 }
 
 // This block's rows of phase `op`'s GEMV against the slice, into red (the ring already primed).
-__device__ void gemv_phase(const int64_t* op, const Slice& s, uint4* ring, Partials part, uint32_t& r0, uint32_t& r1) {
+__device__ void gemv_phase(const int64_t* op, const Slice& s, Ring& ring, Partials part, uint32_t& r0, uint32_t& r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     block_rows(g.rows, r0, r1);
@@ -283,7 +302,7 @@ __device__ inline float bf(float v) { return __bfloat162float(__float2bfloat16_r
 // ---------------------------------------------------------------------------------------------------
 
 // h = rmsnorm(x); [q|k|v] = W h over pair-interleaved rows; rope q and k; append k and v at pos.
-__device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, uint4* ring, Partials part) {
+__device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[qkv::D], n_q = (uint32_t)op[qkv::NQ], n_kv = (uint32_t)op[qkv::NKv];
     const uint32_t hd = (uint32_t)op[qkv::Hd], max_seq = (uint32_t)op[qkv::MaxSeq], half = hd / 2;
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
@@ -356,7 +375,7 @@ __device__ void combine(uint32_t kv, uint32_t n_chunks, uint32_t max_chunks, uin
 // Attention: work item (KV head, chunk of ATTN_CHUNK slots) -> partial softmax numerator and its
 // running max and sum for each query head of the group; the block that finishes a KV head's last
 // chunk combines that head's partials into a. Each KV chunk is loaded once for all of its query heads.
-__device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* ring) {
+__device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const bf16* q = reinterpret_cast<const bf16*>(op[attn::Q]);
     const bf16* k_cache = reinterpret_cast<const bf16*>(op[attn::KCache]);
     const bf16* v_cache = reinterpret_cast<const bf16*>(op[attn::VCache]);
@@ -371,7 +390,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* ring) {
     const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
     const uint32_t row_vecs = hd / VEC, ks_row = hd + KS_PAD;  // 16-byte vectors per row; K row stride
 
-    bf16* ks = reinterpret_cast<bf16*>(ring);                              // (ATTN_CHUNK, hd + KS_PAD)
+    bf16* ks = reinterpret_cast<bf16*>(smem);                              // (ATTN_CHUNK, hd + KS_PAD)
     bf16* vs = ks + ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD);                   // (ATTN_CHUNK, hd)
     float* qs = reinterpret_cast<float*>(vs + ATTN_CHUNK * ATTN_MAX_HD);   // (group, hd)
     float* ps = qs + ATTN_MAX_GROUP * ATTN_MAX_HD;                         // (group, ATTN_CHUNK)
@@ -463,7 +482,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* ring) {
 }
 
 // x1 = x + Wo a.
-__device__ void phase_oproj(const int64_t* op, const bf16* x, uint4* ring, Partials part) {
+__device__ void phase_oproj(const int64_t* op, const bf16* x, Ring& ring, Partials part) {
     const uint32_t cols = (uint32_t)op[oproj::Cols];
     bf16* x1 = reinterpret_cast<bf16*>(op[oproj::X1Out]);
     const Slice s = load_slice(reinterpret_cast<const bf16*>(op[oproj::A]), cols);
@@ -475,7 +494,7 @@ __device__ void phase_oproj(const int64_t* op, const bf16* x, uint4* ring, Parti
 }
 
 // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2) over gate/up-interleaved rows.
-__device__ void phase_gateup(const int64_t* op, uint4* ring, Partials part) {
+__device__ void phase_gateup(const int64_t* op, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[gateup::D];
     const float eps = __int_as_float((int)op[gateup::EpsBits]);
     bf16* act = reinterpret_cast<bf16*>(op[gateup::ActOut]);
@@ -488,7 +507,7 @@ __device__ void phase_gateup(const int64_t* op, uint4* ring, Partials part) {
 }
 
 // out = x1 + Wd act.
-__device__ void phase_down(const int64_t* op, bf16* out, uint4* ring, Partials part) {
+__device__ void phase_down(const int64_t* op, bf16* out, Ring& ring, Partials part) {
     const uint32_t cols = (uint32_t)op[down::Cols];
     const bf16* x1 = reinterpret_cast<const bf16*>(op[down::X1]);
     const Slice s = load_slice(reinterpret_cast<const bf16*>(op[down::Act]), cols);
@@ -516,16 +535,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     unsigned barrier_base,           // its value when this launch started
     uint32_t red_rows) {
     extern __shared__ uint4 smem[];
-    uint4* ring = smem;                                                  // (RING_BYTES / 16)
+    __shared__ uint64_t full[STAGES];
+    Ring ring{smem, full, 0};                                                          // (RING_BYTES / 16)
     const Partials part{reinterpret_cast<float*>(smem + RING_BYTES / 16), red_rows};  // (red_rows, WARPS)
     if (blockDim.x != THREADS) __trap();
+    if (threadIdx.x == 0) {
+        for (uint32_t s = 0; s < STAGES; ++s) mbar_init(&full[s], 1);  // one arrival: thread 0's expect_tx
+        // Make the initialised barriers visible to the copy engine before any copy names them.
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();  // every thread sees initialised barriers before waiting on them
+
     if (phase_begin < phase_end) prime_phase(program + (size_t)phase_begin * PROGRAM_ROW_WORDS, ring);
     for (uint32_t p = phase_begin; p < phase_end; ++p) {
         const int64_t* op = program + (size_t)p * PROGRAM_ROW_WORDS;
         switch (op[0]) {
             case OP_NOP: break;
             case OP_QKV: phase_qkv(op, x, pos, ring, part); break;
-            case OP_ATTENTION: phase_attention(op, pos, ring); break;
+            case OP_ATTENTION: phase_attention(op, pos, ring.data); break;
             case OP_O_PROJ: phase_oproj(op, x, ring, part); break;
             case OP_GATE_UP: phase_gateup(op, ring, part); break;
             case OP_DOWN: phase_down(op, out, ring, part); break;
@@ -533,7 +560,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
         }
         if (p + 1 < phase_end) {
             // The next phase's first weights stream in while blocks wait at the barrier. The ring is
-            // free once every thread is past this phase (attention's combine reads shared memory).
+            // free once every thread is past this phase; attention wrote it with ordinary stores, so
+            // each thread orders those before the copy engine's writes (proxy fence), then the block
+            // synchronises before thread 0 issues.
+            fence_proxy_async();
             __syncthreads();
             prime_phase(op + PROGRAM_ROW_WORDS, ring);
             grid_barrier(barrier, barrier_base + (p - phase_begin + 1) * gridDim.x);
