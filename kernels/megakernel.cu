@@ -38,10 +38,18 @@ constexpr uint32_t ATTN_MAX_HD = 128;
 constexpr uint32_t ATTN_MAX_GROUP = 8;
 // bf16 of padding after each K row in shared memory (see the scores in phase_attention).
 constexpr uint32_t KS_PAD = 8;
-// Query heads each thread scores: THREADS / ATTN_CHUNK threads share a slot.
-constexpr uint32_t SCORE_HEADS = ATTN_MAX_GROUP / (THREADS / ATTN_CHUNK);
-static_assert(ATTN_CHUNK * ((ATTN_MAX_HD + KS_PAD) + ATTN_MAX_HD) * 2 + 2 * ATTN_MAX_GROUP * ATTN_MAX_HD * 4 <= RING_BYTES,
-              "the attention's shared memory must fit in the ring");
+// Attention runs as TEAMS independent teams per block, each on its own work item, so one team's
+// latency chain (load, scores, softmax, sums) overlaps the other's.
+constexpr uint32_t TEAMS = 2;
+constexpr uint32_t TEAM_THREADS = THREADS / TEAMS;
+constexpr uint32_t TEAM_WARPS = TEAM_THREADS / WARP;
+// Query heads each thread scores: TEAM_THREADS / ATTN_CHUNK threads of a team share a slot.
+constexpr uint32_t SCORE_HEADS = ATTN_MAX_GROUP / (TEAM_THREADS / ATTN_CHUNK);
+// Shared memory of one team: K (padded), V, the queries and the scores.
+constexpr uint32_t TEAM_SMEM_BYTES = ATTN_CHUNK * ((ATTN_MAX_HD + KS_PAD) + ATTN_MAX_HD) * 2 + 2 * ATTN_MAX_GROUP * ATTN_MAX_HD * 4;
+static_assert(TEAMS * TEAM_SMEM_BYTES <= RING_BYTES, "the attention teams' shared memory must fit in the ring");
+// Bytes of the phase after attention each block asks L2 to fetch while attention runs.
+constexpr uint32_t L2_PREFETCH_BYTES = 256 * 1024;
 
 // ---------------------------------------------------------------------------------------------------
 // Memory helpers
@@ -73,6 +81,11 @@ __device__ inline void bulk_copy(void* smem, const void* gmem, unsigned bytes, u
                  "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
                  : "memory");
 }
+// Asks L2 to fetch [gmem, gmem + bytes) from HBM without waiting for it.
+__device__ inline void prefetch_l2(const void* gmem, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory accesses before later copy-engine writes.
 __device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -233,6 +246,11 @@ __device__ inline bool gemv_of(const int64_t* op, Gemv& g) {
     }
 }
 
+__device__ inline bool is_gemv(const int64_t* op) {
+    Gemv g;
+    return gemv_of(op, g);
+}
+
 // Starts streaming the weights of phase `op` into the ring (nothing for a phase without a GEMV).
 __device__ void prime_phase(const int64_t* op, const Ring& ring) {
     Gemv g;
@@ -240,6 +258,17 @@ __device__ void prime_phase(const int64_t* op, const Ring& ring) {
     uint32_t r0, r1;
     block_rows(g.rows, r0, r1);
     with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.prime(ring); });
+}
+
+// Asks L2 for the first L2_PREFETCH_BYTES of this block's rows of phase `op`'s GEMV: used while
+// attention (which streams little) keeps HBM idle.
+__device__ void prefetch_l2_phase(const int64_t* op) {
+    Gemv g;
+    if (threadIdx.x != 0 || !gemv_of(op, g)) return;
+    uint32_t r0, r1;
+    block_rows(g.rows, r0, r1);
+    const size_t bytes = min((size_t)L2_PREFETCH_BYTES, (size_t)(r1 - r0) * g.cols * 2);
+    if (bytes > 0) prefetch_l2(g.w + (size_t)r0 * g.cols, (unsigned)bytes);
 }
 
 // This block's rows of phase `op`'s GEMV against the slice, into red (the ring already primed).
@@ -335,32 +364,39 @@ __device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, Ring& 
     }
 }
 
-// The last block to finish a KV head's chunks: a = sum_c o_c e^(m_c - M) / sum_c l_c e^(m_c - M) for
+// A team of TEAM_THREADS threads of the block, synchronised by its own named barrier.
+struct Team {
+    uint32_t id, t, lane, warp;  // team index; thread, lane and warp within the team
+    __device__ Team() : id(threadIdx.x / TEAM_THREADS), t(threadIdx.x % TEAM_THREADS), lane(threadIdx.x % WARP), warp(threadIdx.x % TEAM_THREADS / WARP) {}
+    // Barrier 0 is __syncthreads; team i uses barrier 1 + i, counting only its own threads.
+    __device__ void sync() const { asm volatile("bar.sync %0, %1;\n" ::"r"(1 + id), "n"(TEAM_THREADS) : "memory"); }
+};
+
+// The team that finishes a KV head's last chunk: a = sum_c o_c e^(m_c - M) / sum_c l_c e^(m_c - M) for
 // each query head of the group, chunks in order (deterministic). Every chunk's scale is computed
 // once into shared memory, so the sums below are streams of independent loads.
-__device__ void combine(uint32_t kv, uint32_t n_chunks, uint32_t max_chunks, uint32_t group, uint32_t hd,
+__device__ void combine(const Team& team, uint32_t kv, uint32_t n_chunks, uint32_t max_chunks, uint32_t group, uint32_t hd,
                         unsigned* counters, const float* part_o, const float* part_ml, bf16* a_out, float* scale) {
-    const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
     // Acquire: the other chunks' partials were released before their arrivals.
     __threadfence();
     const float* pm = part_ml + (size_t)kv * max_chunks * group * 2;  // (n_chunks, group, 2)
     const float* po = part_o + (size_t)kv * max_chunks * group * hd;  // (n_chunks, group, hd)
-    for (uint32_t g = warp; g < group; g += WARPS) {
+    for (uint32_t g = team.warp; g < group; g += TEAM_WARPS) {
         float m = -CUDART_INF_F;
-        for (uint32_t c = lane; c < n_chunks; c += WARP) m = fmaxf(m, __ldcg(pm + (c * group + g) * 2));
+        for (uint32_t c = team.lane; c < n_chunks; c += WARP) m = fmaxf(m, __ldcg(pm + (c * group + g) * 2));
         m = warp_reduce(m, Max{});
         float l = 0.0f;
-        for (uint32_t c = lane; c < n_chunks; c += WARP) {
+        for (uint32_t c = team.lane; c < n_chunks; c += WARP) {
             const float e = expf(__fsub_rn(__ldcg(pm + (c * group + g) * 2), m));
             scale[c * ATTN_MAX_GROUP + g] = e;
             l = fmaf(__ldcg(pm + (c * group + g) * 2 + 1), e, l);
         }
         l = warp_reduce(l, Add{});
         // Each lane rescales only the entries it wrote itself: no synchronisation needed.
-        for (uint32_t c = lane; c < n_chunks; c += WARP) scale[c * ATTN_MAX_GROUP + g] = __fdiv_rn(scale[c * ATTN_MAX_GROUP + g], l);
+        for (uint32_t c = team.lane; c < n_chunks; c += WARP) scale[c * ATTN_MAX_GROUP + g] = __fdiv_rn(scale[c * ATTN_MAX_GROUP + g], l);
     }
-    __syncthreads();  // every chunk's scale is in shared memory
-    for (uint32_t i = t; i < group * hd; i += THREADS) {
+    team.sync();  // every chunk's scale is in shared memory
+    for (uint32_t i = team.t; i < group * hd; i += TEAM_THREADS) {
         const uint32_t g = i / hd;
         float o = 0.0f;
 #pragma unroll 8
@@ -369,11 +405,11 @@ __device__ void combine(uint32_t kv, uint32_t n_chunks, uint32_t max_chunks, uin
     }
     // Every chunk of this head has arrived: reset for the next step (the launch boundary, or the
     // next grid barrier, orders it before any later arrival).
-    if (t == 0) counters[kv] = 0;
+    if (team.t == 0) counters[kv] = 0;
 }
 
 // Attention: work item (KV head, chunk of ATTN_CHUNK slots) -> partial softmax numerator and its
-// running max and sum for each query head of the group; the block that finishes a KV head's last
+// running max and sum for each query head of the group; the team that finishes a KV head's last
 // chunk combines that head's partials into a. Each KV chunk is loaded once for all of its query heads.
 __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const bf16* q = reinterpret_cast<const bf16*>(op[attn::Q]);
@@ -387,27 +423,28 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const uint32_t max_seq = (uint32_t)op[attn::MaxSeq], group = n_q / n_kv;
     const uint32_t n_chunks = (pos + ATTN_CHUNK) / ATTN_CHUNK, max_chunks = (max_seq + ATTN_CHUNK - 1) / ATTN_CHUNK;
     const float inv_sqrt_hd = __fdiv_rn(1.0f, __fsqrt_rn((float)hd));
-    const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    const Team team;
+    const uint32_t t = team.t, lane = team.lane, warp = team.warp;
     const uint32_t row_vecs = hd / VEC, ks_row = hd + KS_PAD;  // 16-byte vectors per row; K row stride
 
-    bf16* ks = reinterpret_cast<bf16*>(smem);                              // (ATTN_CHUNK, hd + KS_PAD)
+    bf16* ks = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + team.id * TEAM_SMEM_BYTES);  // (ATTN_CHUNK, hd + KS_PAD)
     bf16* vs = ks + ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD);                   // (ATTN_CHUNK, hd)
     float* qs = reinterpret_cast<float*>(vs + ATTN_CHUNK * ATTN_MAX_HD);   // (group, hd)
     float* ps = qs + ATTN_MAX_GROUP * ATTN_MAX_HD;                         // (group, ATTN_CHUNK)
-    __shared__ bool last;
+    __shared__ bool last[TEAMS];
 
-    for (uint32_t item = blockIdx.x; item < n_kv * n_chunks; item += gridDim.x) {
+    for (uint32_t item = blockIdx.x * TEAMS + team.id; item < n_kv * n_chunks; item += gridDim.x * TEAMS) {
         const uint32_t kv = item / n_chunks, c = item % n_chunks, first = c * ATTN_CHUNK;
         const uint32_t len = min(ATTN_CHUNK, pos + 1 - first);
         const size_t base = ((size_t)kv * max_seq + first) * hd;
 #pragma unroll 4
-        for (uint32_t i = t; i < len * row_vecs; i += THREADS) {
+        for (uint32_t i = t; i < len * row_vecs; i += TEAM_THREADS) {
             const uint32_t row = i / row_vecs, col = i % row_vecs;
             reinterpret_cast<uint4*>(ks + row * ks_row)[col] = load_cg(k_cache + base, i);
             reinterpret_cast<uint4*>(vs)[i] = load_cg(v_cache + base, i);
         }
-        for (uint32_t i = t; i < group * hd; i += THREADS) qs[i] = __bfloat162float(__ldcg(q + (size_t)kv * group * hd + i));
-        __syncthreads();  // the chunk and the queries are in shared memory
+        for (uint32_t i = t; i < group * hd; i += TEAM_THREADS) qs[i] = __bfloat162float(__ldcg(q + (size_t)kv * group * hd + i));
+        team.sync();  // the chunk and the queries are in shared memory
 
         // Scores: thread (slot j, every SCORE_HEADS-th query head from g0). A warp's lanes read 32
         // consecutive K rows: the padded stride puts each quarter-warp's 16-byte reads in distinct
@@ -420,22 +457,22 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
                     const uint4 k = reinterpret_cast<const uint4*>(ks + j * ks_row)[col];
 #pragma unroll
                     for (uint32_t h = 0; h < SCORE_HEADS; ++h) {
-                        const uint32_t g = g0 + h * (THREADS / ATTN_CHUNK);
+                        const uint32_t g = g0 + h * (TEAM_THREADS / ATTN_CHUNK);
                         if (g < group) acc[h] = dot8_f32(k, qs + g * hd + col * VEC, acc[h]);
                     }
                 }
 #pragma unroll
                 for (uint32_t h = 0; h < SCORE_HEADS; ++h) {
-                    const uint32_t g = g0 + h * (THREADS / ATTN_CHUNK);
+                    const uint32_t g = g0 + h * (TEAM_THREADS / ATTN_CHUNK);
                     if (g < group) ps[g * ATTN_CHUNK + j] = __fmul_rn(acc[h], inv_sqrt_hd);
                 }
             }
         }
-        __syncthreads();  // every score is in ps
+        team.sync();  // every score is in ps
 
         // Partial softmax of each query head over the chunk: warp g.
         float* ml = part_ml + (((size_t)kv * max_chunks + c) * group) * 2;
-        for (uint32_t g = warp; g < group; g += WARPS) {
+        for (uint32_t g = warp; g < group; g += TEAM_WARPS) {
             float m = -CUDART_INF_F;
             for (uint32_t j = lane; j < len; j += WARP) m = fmaxf(m, ps[g * ATTN_CHUNK + j]);
             m = warp_reduce(m, Max{});
@@ -451,12 +488,12 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
                 ml[g * 2 + 1] = l;
             }
         }
-        __syncthreads();  // the exponentials are in ps
+        team.sync();  // the exponentials are in ps
 
         // Partial numerator: thread per (query head, column pair), slots in order. A warp's lanes read
         // consecutive column pairs of one V row and the same weight (a broadcast).
         float* po = part_o + (((size_t)kv * max_chunks + c) * group) * hd;
-        for (uint32_t i = t; i < group * hd / 2; i += THREADS) {
+        for (uint32_t i = t; i < group * hd / 2; i += TEAM_THREADS) {
             const uint32_t g = i / (hd / 2), e = i % (hd / 2);
             const float* pg = ps + g * ATTN_CHUNK;
             const bf162* vcol = reinterpret_cast<const bf162*>(vs) + e;
@@ -469,15 +506,15 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
             }
             reinterpret_cast<float2*>(po + g * hd)[e] = acc;
         }
-        __syncthreads();  // all of this block's partials are written (and shared memory is free again)
+        team.sync();  // all of this team's partials are written (and its shared memory is free again)
 
         if (t == 0) {
             // Release the partials device-wide before counting this chunk in.
             __threadfence();
-            last = atomicAdd(&counters[kv], 1u) == n_chunks - 1;
+            last[team.id] = atomicAdd(&counters[kv], 1u) == n_chunks - 1;
         }
-        __syncthreads();  // every thread sees `last`
-        if (last) combine(kv, n_chunks, max_chunks, group, hd, counters, part_o, part_ml, a_out, ps);
+        team.sync();  // every thread of the team sees its `last`
+        if (last[team.id]) combine(team, kv, n_chunks, max_chunks, group, hd, counters, part_o, part_ml, a_out, ps);
     }
 }
 
@@ -565,7 +602,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
             // synchronises before thread 0 issues.
             fence_proxy_async();
             __syncthreads();
-            prime_phase(op + PROGRAM_ROW_WORDS, ring);
+            const int64_t* next = op + PROGRAM_ROW_WORDS;
+            prime_phase(next, ring);
+            // A phase without a GEMV leaves HBM idle: have L2 fetch the start of the one after it.
+            if (!is_gemv(next) && p + 2 < phase_end) prefetch_l2_phase(next + PROGRAM_ROW_WORDS);
             grid_barrier(barrier, barrier_base + (p - phase_begin + 1) * gridDim.x);
         }
     }

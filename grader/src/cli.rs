@@ -67,6 +67,10 @@ pub struct SubmissionArgs {
     /// Print only the verdict line on stderr.
     #[arg(long)]
     pub quiet: bool,
+    /// (run) Also write config, weights, KV prefix, every input and both sides' outputs here as
+    /// safetensors with a manifest, to re-check the verdict outside the grader.
+    #[arg(long, value_name = "DIR")]
+    pub dump: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

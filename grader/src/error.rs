@@ -20,8 +20,6 @@ pub enum GraderError {
     Submission(#[from] submission::SubmissionError),
     #[error(transparent)]
     Cupti(#[from] crate::cupti::CuptiError),
-    #[error("`grader {command}` is not built yet: {plan}")]
-    NotBuilt { command: &'static str, plan: &'static str },
     #[error("could not write {path}: {source}")]
     Write { path: String, source: std::io::Error },
     #[error("{0}")]

@@ -4,6 +4,7 @@
 //! the gates.
 
 mod check;
+mod dump;
 pub mod report;
 pub mod verdict;
 
@@ -55,7 +56,7 @@ pub fn command(device: usize, args: &SubmissionArgs) -> Result<Outcome, GraderEr
     let dev = Device::open(device)?;
     let progress = Progress::new(args.quiet);
     let seeds = Seeds { weights: args.seed, inputs: rand::random() };
-    let report = judge(&dev, sub.as_mut(), &cfg, seeds, &progress)?;
+    let report = judge(&dev, sub.as_mut(), &cfg, seeds, &progress, args.dump.as_deref())?;
     eprint!("{}", if args.quiet { report.verdict_line() } else { report.table() });
     let json = serde_json::to_string_pretty(&report).expect("the report serialises") + "\n";
     match &args.json {
@@ -167,6 +168,7 @@ pub fn judge(
     cfg: &Config,
     seeds: Seeds,
     progress: &Progress,
+    dump_dir: Option<&std::path::Path>,
 ) -> Result<Report, GraderError> {
     let facts: DeviceFacts = dev.facts().clone();
     progress.say(&format!("{} ({} SMs), config '{}', submission '{}'", facts.name, facts.sms, cfg.name, sub.name()));
@@ -234,7 +236,7 @@ pub fn judge(
         verdict::share_gate(&mine.launches, &gates),
         verdict::plausibility_gate(performance.x_floor, profiled_kernel_us, performance.us_per_call, &gates),
     ];
-    Ok(Report::new(
+    let report = Report::new(
         cfg.clone(),
         facts,
         seeds,
@@ -247,5 +249,16 @@ pub fn judge(
         mine.launches,
         theirs.launches,
         mine.step_us,
-    ))
+    );
+    if let Some(dir) = dump_dir {
+        progress.say(&format!("dumping weights, prefix, inputs and outputs to {}", dir.display()));
+        let data = dump::DumpData {
+            pristine: &d.pristine,
+            inputs: &d.judge_inputs,
+            outputs: &d.outputs,
+            reference_outputs: &d.judge_outputs,
+        };
+        dump::dump(dir, dev, cfg, seeds, &calls, data, report.verdict.passed, &report.verdict.failed_gates)?;
+    }
+    Ok(report)
 }

@@ -2,6 +2,7 @@
 //! Each check prints one `Pass:` or `FAIL:` line; the last line is `N passed, M failed`.
 
 mod data;
+mod flow;
 mod megakernel;
 mod reference;
 
@@ -53,6 +54,7 @@ fn checks() -> Vec<Check> {
     let mut all = data::checks();
     all.extend(reference::checks());
     all.extend(megakernel::checks());
+    all.extend(flow::checks());
     all
 }
 

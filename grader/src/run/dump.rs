@@ -1,0 +1,120 @@
+//! `grader run --dump DIR`: everything needed to re-check a verdict outside the grader, as
+//! safetensors files (any framework loads them) and a JSON manifest that says what each tensor is.
+//!
+//! - `weights.safetensors`: the nine weights, row-major bf16, with the contract's names.
+//! - `kv_prefix.safetensors`: `k_cache`, `v_cache` as generated (before any step).
+//! - `steps.safetensors`: `x` (calls, d), `out_submission` and `out_reference` (calls, d), `pos` (calls).
+//! - `manifest.json`: config, seeds, the schedule of calls, and the verdict.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use cuda::cudarc::driver::CudaSlice;
+use cuda::{Context, Device};
+use half::bf16;
+use reference::gpu::{DeviceCache, DeviceWeights};
+use safetensors::tensor::{Dtype, TensorView, serialize_to_file};
+use serde::Serialize;
+use spec::{Config, Tensor};
+
+use super::report::Seeds;
+use super::verdict::Call;
+use crate::error::GraderError;
+
+/// What `manifest.json` holds.
+#[derive(Serialize)]
+struct Manifest<'a> {
+    schema_version: u32,
+    config: &'a Config,
+    seeds: Seeds,
+    files: HashMap<&'static str, &'static str>,
+    calls: &'a [Call],
+    passed: bool,
+    failed_gates: &'a [&'static str],
+}
+
+/// The buffers of a judged run that the dump reads.
+pub struct DumpData<'a> {
+    pub pristine: &'a DeviceWeights,
+    pub inputs: &'a [CudaSlice<bf16>],
+    pub outputs: &'a [CudaSlice<bf16>],
+    pub reference_outputs: &'a [CudaSlice<bf16>],
+}
+
+fn bytes(v: &[bf16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn write(dir: &Path, file: &str, tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)>) -> Result<(), GraderError> {
+    let path = dir.join(file);
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, dtype, shape, data)| (name.clone(), TensorView::new(*dtype, shape.clone(), data).expect("shape matches data")))
+        .collect();
+    serialize_to_file(views, None, &path).map_err(|e| GraderError::Write {
+        path: path.display().to_string(),
+        source: std::io::Error::other(e.to_string()),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn dump(
+    dir: &Path,
+    dev: &Device,
+    cfg: &Config,
+    seeds: Seeds,
+    calls: &[Call],
+    data: DumpData<'_>,
+    passed: bool,
+    failed_gates: &[&'static str],
+) -> Result<(), GraderError> {
+    std::fs::create_dir_all(dir).map_err(|source| GraderError::Write { path: dir.display().to_string(), source })?;
+    let read = |v: &CudaSlice<bf16>| dev.stream().clone_dtoh(v).context("reading a tensor to dump");
+
+    let mut weights = Vec::new();
+    for t in Tensor::WEIGHTS {
+        weights.push((t.name().to_string(), Dtype::BF16, t.shape(cfg), bytes(&read(data.pristine.get(t))?)));
+    }
+    write(dir, "weights.safetensors", weights)?;
+
+    let prefix = DeviceCache::generate(dev, cfg, seeds.weights)?;
+    let shape = Tensor::KCache.shape(cfg);
+    write(
+        dir,
+        "kv_prefix.safetensors",
+        vec![
+            ("k_cache".into(), Dtype::BF16, shape.clone(), bytes(&read(&prefix.k)?)),
+            ("v_cache".into(), Dtype::BF16, shape, bytes(&read(&prefix.v)?)),
+        ],
+    )?;
+
+    let stack = |bufs: &[CudaSlice<bf16>]| -> Result<Vec<u8>, GraderError> {
+        let mut all = Vec::new();
+        for b in bufs {
+            all.extend(bytes(&read(b)?));
+        }
+        Ok(all)
+    };
+    let rows = vec![calls.len(), cfg.batch * cfg.d];
+    let pos: Vec<u8> = calls.iter().flat_map(|c| (c.pos as i64).to_le_bytes()).collect();
+    write(
+        dir,
+        "steps.safetensors",
+        vec![
+            ("x".into(), Dtype::BF16, rows.clone(), stack(data.inputs)?),
+            ("out_submission".into(), Dtype::BF16, rows.clone(), stack(data.outputs)?),
+            ("out_reference".into(), Dtype::BF16, rows, stack(data.reference_outputs)?),
+            ("pos".into(), Dtype::I64, vec![calls.len()], pos),
+        ],
+    )?;
+
+    let files = HashMap::from([
+        ("weights.safetensors", "the nine weights, row-major bf16 (out, in), applied as h @ W^T"),
+        ("kv_prefix.safetensors", "k_cache and v_cache (batch, n_kv, max_seq_len, hd) before the first call"),
+        ("steps.safetensors", "per call: x, out_submission, out_reference (calls, d) and pos (calls)"),
+    ]);
+    let manifest = Manifest { schema_version: 1, config: cfg, seeds, files, calls, passed, failed_gates };
+    let path = dir.join("manifest.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&manifest).expect("serialises") + "\n")
+        .map_err(|source| GraderError::Write { path: path.display().to_string(), source })
+}

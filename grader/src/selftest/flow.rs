@@ -1,0 +1,68 @@
+//! The whole `grader run` flow on the GPU at a small config, for the built-in submissions: the eager
+//! reference must pass correctness and fail the launch gates with its measured count; the megakernel
+//! must pass correctness and both launch gates; a dump must read back.
+
+use safetensors::SafeTensors;
+use spec::{Config, DEFAULT_SEED};
+
+use super::{Check, CheckResult, Ctx, Failure, ensure};
+use crate::run::report::{Report, Seeds};
+use crate::run::{Progress, judge};
+
+pub fn checks() -> Vec<Check> {
+    vec![
+        Check { name: "run flow: reference fails launch gates", run: reference_flow },
+        Check { name: "run flow: megakernel passes, dump reads", run: megakernel_flow },
+    ]
+}
+
+fn judged(ctx: &Ctx, name: &str, cfg: &Config, dump: Option<&std::path::Path>) -> Result<Report, Failure> {
+    let mut sub = submission::builtin(name)?;
+    let seeds = Seeds { weights: DEFAULT_SEED, inputs: rand::random() };
+    judge(&ctx.dev, sub.as_mut(), cfg, seeds, &Progress::new(true), dump).map_err(|e| Failure(e.to_string()))
+}
+
+fn gate<'a>(r: &'a Report, name: &str) -> &'a crate::run::verdict::Gate {
+    r.gates.iter().find(|g| g.name == name).expect("every report has every gate")
+}
+
+fn reference_flow(ctx: &mut Ctx) -> CheckResult {
+    let r = judged(ctx, "reference", &Config::small(), None)?;
+    let (c, k, s) = (gate(&r, "correctness"), gate(&r, "kernels_per_step"), gate(&r, "dominant_share"));
+    ensure(c.passed, || format!("correctness failed: {}", c.detail))?;
+    ensure(!k.passed && k.value > 2.0, || format!("kernel gate should fail: {}", k.detail))?;
+    ensure(!s.passed, || format!("share gate should fail: {}", s.detail))?;
+    ensure(!r.verdict.passed, || "the verdict passed".into())?;
+    Ok(format!("correctness {:.1e}; {:.0} kernels/step, share {:.3}: fails as it must", c.value, k.value, s.value))
+}
+
+fn megakernel_flow(ctx: &mut Ctx) -> CheckResult {
+    let dir = std::env::temp_dir().join(format!("grader-selftest-dump-{}", std::process::id()));
+    let cfg = Config::small();
+    let r = judged(ctx, "megakernel", &cfg, Some(&dir))?;
+    for name in ["correctness", "kernels_per_step", "dominant_share"] {
+        let g = gate(&r, name);
+        ensure(g.passed, || format!("{name} failed: {}", g.detail))?;
+    }
+    let read = |f: &str| std::fs::read(dir.join(f)).map_err(|e| Failure(format!("{f}: {e}")));
+    let steps = read("steps.safetensors")?;
+    let st = SafeTensors::deserialize(&steps).map_err(|e| Failure(format!("steps.safetensors: {e}")))?;
+    let calls = r.steps.len();
+    for name in ["x", "out_submission", "out_reference"] {
+        let t = st.tensor(name).map_err(|e| Failure(format!("{name}: {e}")))?;
+        ensure(t.shape() == [calls, cfg.d], || format!("{name} has shape {:?}", t.shape()))?;
+    }
+    let weights = read("weights.safetensors")?;
+    let wt = SafeTensors::deserialize(&weights).map_err(|e| Failure(format!("weights.safetensors: {e}")))?;
+    ensure(wt.len() == 9, || format!("{} weight tensors", wt.len()))?;
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&read("manifest.json")?).map_err(|e| Failure(format!("manifest.json: {e}")))?;
+    ensure(manifest["calls"].as_array().map(|a| a.len()) == Some(calls), || "manifest calls".into())?;
+    std::fs::remove_dir_all(&dir).map_err(|e| Failure(format!("removing {}: {e}", dir.display())))?;
+    Ok(format!(
+        "{} kernel/step, share {:.3}, correctness {:.1e}; dump of {calls} calls reads back",
+        gate(&r, "kernels_per_step").value,
+        gate(&r, "dominant_share").value,
+        gate(&r, "correctness").value
+    ))
+}
