@@ -36,17 +36,19 @@ constexpr uint32_t MAX_VPT = 7;
 constexpr uint32_t ATTN_CHUNK = 128;
 constexpr uint32_t ATTN_MAX_HD = 128;
 constexpr uint32_t ATTN_MAX_GROUP = 8;
-// bf16 of padding after each K row in shared memory (see the scores in phase_attention).
+// bf16 of padding after each K, V and Q row in shared memory: rows then start 4 banks apart, so the
+// tensor-core fragment loads of phase_attention (8 rows x 4 words per warp) hit 32 distinct banks.
 constexpr uint32_t KS_PAD = 8;
 // Attention runs as TEAMS independent teams per block, each on its own work item, so one team's
 // latency chain (load, scores, softmax, sums) overlaps the other's.
 constexpr uint32_t TEAMS = 2;
 constexpr uint32_t TEAM_THREADS = THREADS / TEAMS;
 constexpr uint32_t TEAM_WARPS = TEAM_THREADS / WARP;
-// Query heads each thread scores: TEAM_THREADS / ATTN_CHUNK threads of a team share a slot.
-constexpr uint32_t SCORE_HEADS = ATTN_MAX_GROUP / (TEAM_THREADS / ATTN_CHUNK);
-// Shared memory of one team: K (padded), V, the queries and the scores.
-constexpr uint32_t TEAM_SMEM_BYTES = ATTN_CHUNK * ((ATTN_MAX_HD + KS_PAD) + ATTN_MAX_HD) * 2 + 2 * ATTN_MAX_GROUP * ATTN_MAX_HD * 4;
+// f32 of padding after each query head's row of scores (see the P V product in phase_attention).
+constexpr uint32_t PS_PAD = 4;
+// Shared memory of one team: K, V and Q (bf16, rows padded by KS_PAD) and the scores (f32).
+constexpr uint32_t TEAM_SMEM_BYTES =
+    (2 * ATTN_CHUNK + ATTN_MAX_GROUP) * (ATTN_MAX_HD + KS_PAD) * 2 + ATTN_MAX_GROUP * (ATTN_CHUNK + PS_PAD) * 4;
 static_assert(TEAMS * TEAM_SMEM_BYTES <= RING_BYTES, "the attention teams' shared memory must fit in the ring");
 // Bytes of the phase after attention each block asks L2 to fetch while attention runs.
 constexpr uint32_t L2_PREFETCH_BYTES = 256 * 1024;
@@ -92,6 +94,31 @@ __device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.sha
 // Activations written earlier in this launch by other blocks are read through L2 (ld.global.cg):
 // L1 is not coherent across SMs, and the grid barrier's fences order only L2.
 __device__ inline uint4 load_cg(const bf16* p, uint32_t vector) { return __ldcg(reinterpret_cast<const uint4*>(p) + vector); }
+
+// Tensor-core products of one warp, D = A B + D, f32 accumulation (the PTX ISA's fragment layouts:
+// lane l holds row l / 4 and columns 2 (l % 4) + {0, 1} of D, etc.).
+// A 16x16 bf16 (row), B 16x8 bf16 (col).
+__device__ inline void mma_bf16_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// A 16x8 tf32 (row), B 8x8 tf32 (col).
+__device__ inline void mma_tf32_m16n8k8(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// f32 rounded to the nearest tf32 (10-bit mantissa).
+__device__ inline uint32_t to_tf32(float f) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(f));
+    return r;
+}
+// Two consecutive bf16 in shared memory as one 32-bit fragment register.
+__device__ inline uint32_t pair_at(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 // ---------------------------------------------------------------------------------------------------
 // The grid barrier
@@ -310,20 +337,6 @@ __device__ inline Slice rmsnorm_slice(const bf16* x, const bf16* g, uint32_t d, 
     return s;
 }
 
-// acc + dot of a 16-byte vector of 8 bf16 with 8 f32 in shared memory.
-__device__ inline float dot8_f32(uint4 a, const float* b, float acc) {
-    const bf162* x = reinterpret_cast<const bf162*>(&a);
-    const float4 lo = reinterpret_cast<const float4*>(b)[0], hi = reinterpret_cast<const float4*>(b)[1];
-    const float y[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float2 fx = __bfloat1622float2(x[j]);
-        acc = fmaf(fx.x, y[2 * j], acc);
-        acc = fmaf(fx.y, y[2 * j + 1], acc);
-    }
-    return acc;
-}
-
 __device__ inline float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // ---------------------------------------------------------------------------------------------------
@@ -425,86 +438,94 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const float inv_sqrt_hd = __fdiv_rn(1.0f, __fsqrt_rn((float)hd));
     const Team team;
     const uint32_t t = team.t, lane = team.lane, warp = team.warp;
-    const uint32_t row_vecs = hd / VEC, ks_row = hd + KS_PAD;  // 16-byte vectors per row; K row stride
+    const uint32_t row_vecs = hd / VEC, row = hd + KS_PAD, ps_row = ATTN_CHUNK + PS_PAD;  // strides
+    // Fragment coordinates of this lane: its row of A and D (a query head), its quad position.
+    const uint32_t g = lane / 4, quad = lane % 4;
 
-    bf16* ks = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + team.id * TEAM_SMEM_BYTES);  // (ATTN_CHUNK, hd + KS_PAD)
-    bf16* vs = ks + ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD);                   // (ATTN_CHUNK, hd)
-    float* qs = reinterpret_cast<float*>(vs + ATTN_CHUNK * ATTN_MAX_HD);   // (group, hd)
-    float* ps = qs + ATTN_MAX_GROUP * ATTN_MAX_HD;                         // (group, ATTN_CHUNK)
+    bf16* ks = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + team.id * TEAM_SMEM_BYTES);  // (ATTN_CHUNK, row)
+    bf16* vs = ks + ATTN_CHUNK * row;                                       // (ATTN_CHUNK, row)
+    bf16* qs = vs + ATTN_CHUNK * row;                                       // (group, row)
+    float* ps = reinterpret_cast<float*>(qs + ATTN_MAX_GROUP * row);        // (group, ps_row)
     __shared__ bool last[TEAMS];
 
     for (uint32_t item = blockIdx.x * TEAMS + team.id; item < n_kv * n_chunks; item += gridDim.x * TEAMS) {
         const uint32_t kv = item / n_chunks, c = item % n_chunks, first = c * ATTN_CHUNK;
         const uint32_t len = min(ATTN_CHUNK, pos + 1 - first);
         const size_t base = ((size_t)kv * max_seq + first) * hd;
+        // V rows past len are zero: the P V product runs over the whole chunk.
 #pragma unroll 4
-        for (uint32_t i = t; i < len * row_vecs; i += TEAM_THREADS) {
-            const uint32_t row = i / row_vecs, col = i % row_vecs;
-            reinterpret_cast<uint4*>(ks + row * ks_row)[col] = load_cg(k_cache + base, i);
-            reinterpret_cast<uint4*>(vs)[i] = load_cg(v_cache + base, i);
+        for (uint32_t i = t; i < ATTN_CHUNK * row_vecs; i += TEAM_THREADS) {
+            const uint32_t r = i / row_vecs, col = i % row_vecs;
+            const bool in = r < len;
+            reinterpret_cast<uint4*>(ks + r * row)[col] = in ? load_cg(k_cache + base, i) : make_uint4(0, 0, 0, 0);
+            reinterpret_cast<uint4*>(vs + r * row)[col] = in ? load_cg(v_cache + base, i) : make_uint4(0, 0, 0, 0);
         }
-        for (uint32_t i = t; i < group * hd; i += TEAM_THREADS) qs[i] = __bfloat162float(__ldcg(q + (size_t)kv * group * hd + i));
+        for (uint32_t i = t; i < group * row_vecs; i += TEAM_THREADS) {
+            reinterpret_cast<uint4*>(qs + (i / row_vecs) * row)[i % row_vecs] = load_cg(q + (size_t)kv * group * hd, i);
+        }
         team.sync();  // the chunk and the queries are in shared memory
 
-        // Scores: thread (slot j, every SCORE_HEADS-th query head from g0). A warp's lanes read 32
-        // consecutive K rows: the padded stride puts each quarter-warp's 16-byte reads in distinct
-        // banks; every lane reads the same query vector (a broadcast).
-        {
-            const uint32_t j = t % ATTN_CHUNK, g0 = t / ATTN_CHUNK;
-            float acc[SCORE_HEADS] = {};
-            if (j < len) {
-                for (uint32_t col = 0; col < row_vecs; ++col) {
-                    const uint4 k = reinterpret_cast<const uint4*>(ks + j * ks_row)[col];
-#pragma unroll
-                    for (uint32_t h = 0; h < SCORE_HEADS; ++h) {
-                        const uint32_t g = g0 + h * (TEAM_THREADS / ATTN_CHUNK);
-                        if (g < group) acc[h] = dot8_f32(k, qs + g * hd + col * VEC, acc[h]);
-                    }
+        // Scores S = Q K^T on the tensor cores: A = Q (query heads as rows 0..group-1 of 16, the rest
+        // zero), B = K^T (8 slots per tile, k over the head dimension). Warp w takes slot tiles w,
+        // w + TEAM_WARPS, ...; lane (g, quad) ends with head g's scores of slots 2 quad + {0, 1}.
+        for (uint32_t tile = warp; tile < ATTN_CHUNK / 8; tile += TEAM_WARPS) {
+            const bf16* krow = ks + (tile * 8 + g) * row;  // B column n = g is slot tile * 8 + g
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (uint32_t k0 = 0; k0 < hd; k0 += 16) {
+                uint32_t a[4] = {0, 0, 0, 0};
+                if (g < group) {
+                    a[0] = pair_at(qs + g * row + k0 + 2 * quad);
+                    a[2] = pair_at(qs + g * row + k0 + 8 + 2 * quad);
                 }
-#pragma unroll
-                for (uint32_t h = 0; h < SCORE_HEADS; ++h) {
-                    const uint32_t g = g0 + h * (TEAM_THREADS / ATTN_CHUNK);
-                    if (g < group) ps[g * ATTN_CHUNK + j] = __fmul_rn(acc[h], inv_sqrt_hd);
-                }
+                const uint32_t b[2] = {pair_at(krow + k0 + 2 * quad), pair_at(krow + k0 + 8 + 2 * quad)};
+                mma_bf16_m16n8k16(d, a, b);
+            }
+            const uint32_t j = tile * 8 + 2 * quad;
+            if (g < group) {
+                if (j < len) ps[g * ps_row + j] = __fmul_rn(d[0], inv_sqrt_hd);
+                if (j + 1 < len) ps[g * ps_row + j + 1] = __fmul_rn(d[1], inv_sqrt_hd);
             }
         }
         team.sync();  // every score is in ps
 
-        // Partial softmax of each query head over the chunk: warp g.
+        // Partial softmax of each query head over the chunk: warp h. Weights past len are zero.
         float* ml = part_ml + (((size_t)kv * max_chunks + c) * group) * 2;
-        for (uint32_t g = warp; g < group; g += TEAM_WARPS) {
+        for (uint32_t h = warp; h < group; h += TEAM_WARPS) {
             float m = -CUDART_INF_F;
-            for (uint32_t j = lane; j < len; j += WARP) m = fmaxf(m, ps[g * ATTN_CHUNK + j]);
+            for (uint32_t j = lane; j < len; j += WARP) m = fmaxf(m, ps[h * ps_row + j]);
             m = warp_reduce(m, Max{});
             float l = 0.0f;
-            for (uint32_t j = lane; j < len; j += WARP) {
-                const float e = expf(__fsub_rn(ps[g * ATTN_CHUNK + j], m));
-                ps[g * ATTN_CHUNK + j] = e;
+            for (uint32_t j = lane; j < ATTN_CHUNK; j += WARP) {
+                const float e = j < len ? expf(__fsub_rn(ps[h * ps_row + j], m)) : 0.0f;
+                ps[h * ps_row + j] = e;
                 l += e;
             }
             l = warp_reduce(l, Add{});
             if (lane == 0) {
-                ml[g * 2] = m;
-                ml[g * 2 + 1] = l;
+                ml[h * 2] = m;
+                ml[h * 2 + 1] = l;
             }
         }
         team.sync();  // the exponentials are in ps
 
-        // Partial numerator: thread per (query head, column pair), slots in order. A warp's lanes read
-        // consecutive column pairs of one V row and the same weight (a broadcast).
+        // Partial numerator O = P V on the tensor cores in tf32 (P keeps 10 mantissa bits; V's bf16 is
+        // exact in tf32): A = P (heads x slots), B = V (slots x 8 columns per tile). Warp w takes
+        // column tiles w, w + TEAM_WARPS, ...; lane (g, quad) ends with head g's columns 2 quad + {0, 1}.
         float* po = part_o + (((size_t)kv * max_chunks + c) * group) * hd;
-        for (uint32_t i = t; i < group * hd / 2; i += TEAM_THREADS) {
-            const uint32_t g = i / (hd / 2), e = i % (hd / 2);
-            const float* pg = ps + g * ATTN_CHUNK;
-            const bf162* vcol = reinterpret_cast<const bf162*>(vs) + e;
-            float2 acc = make_float2(0.0f, 0.0f);
-#pragma unroll 8
-            for (uint32_t j = 0; j < len; ++j) {
-                const float2 v = __bfloat1622float2(vcol[j * (hd / 2)]);
-                acc.x = fmaf(pg[j], v.x, acc.x);
-                acc.y = fmaf(pg[j], v.y, acc.y);
+        for (uint32_t tile = warp; tile < hd / 8; tile += TEAM_WARPS) {
+            const bf16* vcol = vs + tile * 8 + g;  // B column n = g is head dimension tile * 8 + g
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (uint32_t s0 = 0; s0 < ATTN_CHUNK; s0 += 8) {
+                uint32_t a[4] = {0, 0, 0, 0};
+                if (g < group) {
+                    a[0] = to_tf32(ps[g * ps_row + s0 + quad]);
+                    a[2] = to_tf32(ps[g * ps_row + s0 + quad + 4]);
+                }
+                const uint32_t b[2] = {__float_as_uint(__bfloat162float(vcol[(s0 + quad) * row])),
+                                       __float_as_uint(__bfloat162float(vcol[(s0 + quad + 4) * row]))};
+                mma_tf32_m16n8k8(d, a, b);
             }
-            reinterpret_cast<float2*>(po + g * hd)[e] = acc;
+            if (g < group) reinterpret_cast<float2*>(po + g * hd + tile * 8)[quad] = make_float2(d[0], d[1]);
         }
         team.sync();  // all of this team's partials are written (and its shared memory is free again)
 

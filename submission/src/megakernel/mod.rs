@@ -152,9 +152,10 @@ fn check_fits(cfg: &Config) -> Result<(), SubmissionError> {
             program::ATTN_CHUNK
         )));
     }
-    if cfg.hd > ATTN_MAX_HD || cfg.group() > ATTN_MAX_GROUP {
+    // The tensor-core attention takes the head dimension 16 at a time and the group as 8 of 16 rows.
+    if cfg.hd > ATTN_MAX_HD || !cfg.hd.is_multiple_of(16) || cfg.group() > ATTN_MAX_GROUP {
         return Err(SubmissionError::Refused(format!(
-            "attention needs hd <= {ATTN_MAX_HD} and at most {ATTN_MAX_GROUP} query heads per KV head"
+            "attention needs hd a multiple of 16 up to {ATTN_MAX_HD} and at most {ATTN_MAX_GROUP} query heads per KV head"
         )));
     }
     Ok(())
