@@ -3,8 +3,8 @@
 use std::fmt::Write as _;
 
 use cuda::{Context, Device};
+use reference::gpu::DeviceCache;
 use reference::gpu::data::generate_input;
-use reference::gpu::{DeviceCache, DeviceWeights};
 use spec::Config;
 use submission::Layer;
 
@@ -22,7 +22,7 @@ pub fn command(device: usize, args: &SubmissionArgs) -> Result<Outcome, GraderEr
     let dev = Device::open(device)?;
     let progress = Progress::new(args.quiet);
     progress.say(&format!("generating the '{}' layer on the GPU", cfg.name));
-    let weights = DeviceWeights::generate(&dev, &cfg, args.seed)?;
+    let weights = reference::gpu::generate_weights(&dev, &cfg, args.seed)?;
     let mut cache = DeviceCache::generate(&dev, &cfg, args.seed)?;
     sub.build_layer(&dev, Layer { weights: &weights, cache: &mut cache }, &cfg)?;
     let input_seed: u64 = rand::random();

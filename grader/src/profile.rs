@@ -4,8 +4,8 @@
 use std::fmt::Write as _;
 
 use cuda::{Context, Device};
+use reference::gpu::DeviceCache;
 use reference::gpu::data::generate_input;
-use reference::gpu::{DeviceCache, DeviceWeights};
 use serde::Serialize;
 use spec::Config;
 use submission::megakernel::program::{Op, phase_bytes};
@@ -70,7 +70,7 @@ pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError
 }
 
 fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Result<Profile, GraderError> {
-    let w = DeviceWeights::generate(dev, cfg, seed)?;
+    let w = reference::gpu::generate_weights(dev, cfg, seed)?;
     let mut cache = DeviceCache::generate(dev, cfg, seed)?;
     let mut phased = Megakernel::new(Mode::PerPhase);
     let mut fused = Megakernel::new(Mode::Fused);

@@ -36,52 +36,14 @@ use spec::data::{self, Tensor};
 #[cfg(test)]
 mod tests;
 
-/// One layer's weights, row-major with the shapes of [`Tensor::shape`]: matrices are `(out, in)`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Weights {
-    pub in_norm: Vec<bf16>,
-    pub post_norm: Vec<bf16>,
-    pub q: Vec<bf16>,
-    pub k: Vec<bf16>,
-    pub v: Vec<bf16>,
-    pub o: Vec<bf16>,
-    pub gate: Vec<bf16>,
-    pub up: Vec<bf16>,
-    pub down: Vec<bf16>,
-}
+/// One layer's weights on the host, row-major with the shapes of [`Tensor::shape`]: matrices are
+/// `(out, in)`.
+pub type Weights = data::LayerWeights<Vec<bf16>>;
 
-impl Weights {
-    /// The seeded weights of [`spec::data`], bit for bit what the GPU fill kernels produce.
-    pub fn generate(cfg: &Config, seed: u64) -> Self {
-        let w = |tensor| data::weight(cfg, seed, tensor);
-        Self {
-            in_norm: w(Tensor::InNorm),
-            post_norm: w(Tensor::PostNorm),
-            q: w(Tensor::Wq),
-            k: w(Tensor::Wk),
-            v: w(Tensor::Wv),
-            o: w(Tensor::Wo),
-            gate: w(Tensor::Wgate),
-            up: w(Tensor::Wup),
-            down: w(Tensor::Wdown),
-        }
-    }
-
-    /// The weight tensor `t` (not a cache tensor).
-    pub fn get(&self, t: Tensor) -> &[bf16] {
-        match t {
-            Tensor::InNorm => &self.in_norm,
-            Tensor::PostNorm => &self.post_norm,
-            Tensor::Wq => &self.q,
-            Tensor::Wk => &self.k,
-            Tensor::Wv => &self.v,
-            Tensor::Wo => &self.o,
-            Tensor::Wgate => &self.gate,
-            Tensor::Wup => &self.up,
-            Tensor::Wdown => &self.down,
-            Tensor::KCache | Tensor::VCache => panic!("{} is a cache tensor", t.name()),
-        }
-    }
+/// The seeded weights of [`spec::data`], bit for bit what the GPU fill kernels produce.
+pub fn generate_weights(cfg: &Config, seed: u64) -> Weights {
+    Weights::try_from_fn(|t| Ok::<_, std::convert::Infallible>(data::weight(cfg, seed, t)))
+        .unwrap_or_else(|e| match e {})
 }
 
 /// The KV cache: K and V, each `(batch = 1, n_kv, max_seq_len, hd)` bf16.

@@ -42,6 +42,53 @@ pub enum Tensor {
     VCache,
 }
 
+/// One layer's nine weights, each a `T`: host vectors for the golden model, device buffers for the GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerWeights<T> {
+    pub in_norm: T,
+    pub post_norm: T,
+    pub q: T,
+    pub k: T,
+    pub v: T,
+    pub o: T,
+    pub gate: T,
+    pub up: T,
+    pub down: T,
+}
+
+impl<T> LayerWeights<T> {
+    /// Each weight made by `f`, in the order of [`Tensor::WEIGHTS`]; the first error stops it.
+    pub fn try_from_fn<E>(mut f: impl FnMut(Tensor) -> Result<T, E>) -> Result<Self, E> {
+        Ok(Self {
+            in_norm: f(Tensor::InNorm)?,
+            post_norm: f(Tensor::PostNorm)?,
+            q: f(Tensor::Wq)?,
+            k: f(Tensor::Wk)?,
+            v: f(Tensor::Wv)?,
+            o: f(Tensor::Wo)?,
+            gate: f(Tensor::Wgate)?,
+            up: f(Tensor::Wup)?,
+            down: f(Tensor::Wdown)?,
+        })
+    }
+
+    /// The weight `t` (not a cache tensor).
+    pub fn get(&self, t: Tensor) -> &T {
+        match t {
+            Tensor::InNorm => &self.in_norm,
+            Tensor::PostNorm => &self.post_norm,
+            Tensor::Wq => &self.q,
+            Tensor::Wk => &self.k,
+            Tensor::Wv => &self.v,
+            Tensor::Wo => &self.o,
+            Tensor::Wgate => &self.gate,
+            Tensor::Wup => &self.up,
+            Tensor::Wdown => &self.down,
+            Tensor::KCache | Tensor::VCache => panic!("{} is a cache tensor", t.name()),
+        }
+    }
+}
+
 /// A normal distribution as the RNG draws it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Dist {
@@ -57,17 +104,8 @@ impl Dist {
 }
 
 impl Tensor {
-    pub const WEIGHTS: [Tensor; 9] = [
-        Tensor::InNorm,
-        Tensor::PostNorm,
-        Tensor::Wq,
-        Tensor::Wk,
-        Tensor::Wv,
-        Tensor::Wo,
-        Tensor::Wgate,
-        Tensor::Wup,
-        Tensor::Wdown,
-    ];
+    /// The nine weights: every tensor but the two cache tensors, which come last in [`Tensor::ALL`].
+    pub const WEIGHTS: &'static [Tensor] = Tensor::ALL.split_at(9).0;
     pub const ALL: [Tensor; 11] = [
         Tensor::InNorm,
         Tensor::PostNorm,

@@ -5,7 +5,7 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use cuda::Device;
 use reference::gpu::data::generate_input;
-use reference::gpu::{DeviceCache, DeviceWeights};
+use reference::gpu::DeviceCache;
 use spec::{Config, DEFAULT_SEED};
 use submission::Layer;
 
@@ -19,7 +19,7 @@ fn layer_step(c: &mut Criterion) {
     };
     let cfg = Config::graded();
     let setup = || -> Result<_, Box<dyn std::error::Error>> {
-        let weights = DeviceWeights::generate(&dev, &cfg, DEFAULT_SEED)?;
+        let weights = reference::gpu::generate_weights(&dev, &cfg, DEFAULT_SEED)?;
         let cache = DeviceCache::generate(&dev, &cfg, DEFAULT_SEED)?;
         let inputs = (0..cfg.timed_steps).map(|s| generate_input(&dev, &cfg, 7, s)).collect::<Result<Vec<_>, _>>()?;
         let out = dev.stream().alloc_zeros(cfg.d)?;

@@ -38,7 +38,7 @@ pub fn integrity(
     judge_inputs: &[CudaSlice<bf16>],
 ) -> Result<Integrity, CudaError> {
     let mut weight_vectors_changed = 0;
-    for t in Tensor::WEIGHTS {
+    for &t in Tensor::WEIGHTS {
         weight_vectors_changed += vectors_differing(dev, weights.get(t), pristine.get(t))?;
     }
     let mut inputs_changed = 0;

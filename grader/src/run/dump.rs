@@ -49,7 +49,9 @@ fn write(dir: &Path, file: &str, tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8
     let path = dir.join(file);
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
-        .map(|(name, dtype, shape, data)| (name.clone(), TensorView::new(*dtype, shape.clone(), data).expect("shape matches data")))
+        .map(|(name, dtype, shape, data)| {
+            (name.clone(), TensorView::new(*dtype, shape.clone(), data).expect("shape matches data"))
+        })
         .collect();
     serialize_to_file(views, None, &path).map_err(|e| GraderError::Write {
         path: path.display().to_string(),
@@ -72,7 +74,7 @@ pub fn dump(
     let read = |v: &CudaSlice<bf16>| dev.stream().clone_dtoh(v).context("reading a tensor to dump");
 
     let mut weights = Vec::new();
-    for t in Tensor::WEIGHTS {
+    for &t in Tensor::WEIGHTS {
         weights.push((t.name().to_string(), Dtype::BF16, t.shape(cfg), bytes(&read(data.pristine.get(t))?)));
     }
     write(dir, "weights.safetensors", weights)?;

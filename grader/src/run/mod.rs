@@ -84,11 +84,11 @@ impl RunData {
         dev.require_free(2 * bytes_needed(cfg, calls), "the run's weights, caches, inputs and outputs")?;
         let inputs = |dev| (0..calls).map(|c| generate_input(dev, cfg, seeds.inputs, c)).collect::<Result<Vec<_>, _>>();
         Ok(Self {
-            weights: DeviceWeights::generate(dev, cfg, seeds.weights)?,
+            weights: reference::gpu::generate_weights(dev, cfg, seeds.weights)?,
             cache: DeviceCache::generate(dev, cfg, seeds.weights)?,
             inputs: inputs(dev)?,
             outputs: poisoned_outputs(dev, cfg, calls)?,
-            pristine: DeviceWeights::generate(dev, cfg, seeds.weights)?,
+            pristine: reference::gpu::generate_weights(dev, cfg, seeds.weights)?,
             judge_cache: DeviceCache::generate(dev, cfg, seeds.weights)?,
             judge_inputs: inputs(dev)?,
             judge_outputs: poisoned_outputs(dev, cfg, calls)?,

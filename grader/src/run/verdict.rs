@@ -323,7 +323,7 @@ mod tests {
         let reference = [1.0f32, 2.0, 3.0, 4.0];
         let x = [0.5f32, 1.5, 2.5, 3.5];
         let good = StepCheck::of(call(0), &[1.0, 2.0, 3.0, 4.01], &reference, &x);
-        assert!(correctness_gate(&[good.clone()], &CLEAN_CACHE, &INTACT, &g).passed);
+        assert!(correctness_gate(std::slice::from_ref(&good), &CLEAN_CACHE, &INTACT, &g).passed);
         // A pass-through is close in relative terms but its contribution error is 1.
         let pass_through = StepCheck::of(call(1), &x, &reference, &x);
         assert!((pass_through.contribution_err.unwrap() - 1.0).abs() < 1e-9);

@@ -2,7 +2,7 @@
 
 use cuda::Context;
 use half::bf16;
-use reference::gpu::data::{DeviceCache, DeviceWeights, fill_normal, generate_input};
+use reference::gpu::data::{DeviceCache, fill_normal, generate_input};
 use spec::Config;
 use spec::data::{Tensor, anchor_positions};
 use spec::rng::{normal_bf16, scale_for_std, stream_key};
@@ -63,9 +63,9 @@ fn fill_bitwise(ctx: &mut Ctx) -> CheckResult {
 /// Every weight, both cache tensors and a few inputs of a whole layer.
 fn layer_bitwise(ctx: &mut Ctx, cfg: Config) -> CheckResult {
     let dev = &ctx.dev;
-    let weights = DeviceWeights::generate(dev, &cfg, ctx.seed)?;
+    let weights = reference::gpu::generate_weights(dev, &cfg, ctx.seed)?;
     let mut total = 0;
-    for t in Tensor::WEIGHTS {
+    for &t in Tensor::WEIGHTS {
         let gpu = dev.stream().clone_dtoh(weights.get(t)).context("reading a weight")?;
         compare(t.name(), &gpu, &spec::data::weight(&cfg, ctx.seed, t))?;
         total += gpu.len();

@@ -4,7 +4,7 @@
 use cuda::Context;
 use cuda::cudarc::driver::CudaSlice;
 use half::bf16;
-use reference::gpu::{DeviceCache, DeviceWeights, Eager};
+use reference::gpu::{DeviceCache, Eager};
 use spec::data::input;
 use spec::{Config, Gates};
 use submission::megakernel::{Megakernel, Mode};
@@ -29,7 +29,7 @@ fn matches(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
     if !dev.is_hopper() {
         return Err(Failure("the megakernel needs an sm_90 (Hopper) card".into()));
     }
-    let w = DeviceWeights::generate(dev, &cfg, ctx.seed)?;
+    let w = reference::gpu::generate_weights(dev, &cfg, ctx.seed)?;
     let mut fused_cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;
     let mut phases_cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;
     let mut eager_cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;

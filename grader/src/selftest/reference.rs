@@ -58,9 +58,9 @@ struct Pair {
 impl Pair {
     fn new(ctx: &Ctx, cfg: Config) -> Result<Self, CudaError> {
         Ok(Self {
-            gpu_w: DeviceWeights::generate(&ctx.dev, &cfg, ctx.seed)?,
+            gpu_w: reference::gpu::generate_weights(&ctx.dev, &cfg, ctx.seed)?,
             gpu_cache: DeviceCache::generate(&ctx.dev, &cfg, ctx.seed)?,
-            cpu_w: Weights::generate(&cfg, ctx.seed),
+            cpu_w: golden::generate_weights(&cfg, ctx.seed),
             cpu_cache: KvCache::generate(&cfg, ctx.seed),
             table: RopeTable::new(&cfg),
             cfg,
@@ -221,7 +221,7 @@ fn golden_sensitivity(p: &Pair, x: &[bf16]) -> f64 {
 /// gate by [`GATE_MARGIN`] at least, on the GPU at the given size.
 fn wrong_answers_fail(ctx: &mut Ctx, cfg: Config) -> CheckResult {
     let dev = &ctx.dev;
-    let w = DeviceWeights::generate(dev, &cfg, ctx.seed)?;
+    let w = reference::gpu::generate_weights(dev, &cfg, ctx.seed)?;
     let mut cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;
     let mut eager = Eager::new(dev, &cfg)?;
     let seed: u64 = rand::random();

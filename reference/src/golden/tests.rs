@@ -12,7 +12,7 @@ fn rel_err(a: &[f64], b: &[f64]) -> f64 {
 /// A fresh seeded layer at `tiny`: config, weights, cache and RoPE table.
 fn tiny(seed: u64) -> (Config, Weights, KvCache, RopeTable) {
     let cfg = Config::tiny();
-    let (w, cache, table) = (Weights::generate(&cfg, seed), KvCache::generate(&cfg, seed), RopeTable::new(&cfg));
+    let (w, cache, table) = (generate_weights(&cfg, seed), KvCache::generate(&cfg, seed), RopeTable::new(&cfg));
     (cfg, w, cache, table)
 }
 

@@ -5,7 +5,7 @@ use cuda::cudarc::driver::{CudaSlice, PushKernelArg};
 use cuda::kernels::RNG;
 use cuda::{Context, CudaError, Device, grid_1d};
 use half::bf16;
-use spec::data::{ANCHOR_KEY_STD, INPUT_STREAM_BASE, Tensor, anchor_positions};
+use spec::data::{ANCHOR_KEY_STD, INPUT_STREAM_BASE, LayerWeights, Tensor, anchor_positions};
 use spec::rng::{scale_for_std, stream_key};
 use spec::{ByteModel, Config};
 
@@ -13,17 +13,7 @@ use spec::{ByteModel, Config};
 const FILL_BLOCK: u32 = 256;
 
 /// One layer's weights on the GPU, row-major bf16 as `spec::Tensor::shape` says.
-pub struct DeviceWeights {
-    pub in_norm: CudaSlice<bf16>,
-    pub post_norm: CudaSlice<bf16>,
-    pub q: CudaSlice<bf16>,
-    pub k: CudaSlice<bf16>,
-    pub v: CudaSlice<bf16>,
-    pub o: CudaSlice<bf16>,
-    pub gate: CudaSlice<bf16>,
-    pub up: CudaSlice<bf16>,
-    pub down: CudaSlice<bf16>,
-}
+pub type DeviceWeights = LayerWeights<CudaSlice<bf16>>;
 
 /// The KV cache on the GPU: `(batch, n_kv, max_seq_len, hd)` bf16 each.
 pub struct DeviceCache {
@@ -31,40 +21,11 @@ pub struct DeviceCache {
     pub v: CudaSlice<bf16>,
 }
 
-impl DeviceWeights {
-    /// The tensor of the contract named by `t` (a weight, not a cache tensor).
-    pub fn get(&self, t: Tensor) -> &CudaSlice<bf16> {
-        match t {
-            Tensor::InNorm => &self.in_norm,
-            Tensor::PostNorm => &self.post_norm,
-            Tensor::Wq => &self.q,
-            Tensor::Wk => &self.k,
-            Tensor::Wv => &self.v,
-            Tensor::Wo => &self.o,
-            Tensor::Wgate => &self.gate,
-            Tensor::Wup => &self.up,
-            Tensor::Wdown => &self.down,
-            Tensor::KCache | Tensor::VCache => panic!("{} is a cache tensor", t.name()),
-        }
-    }
-
-    /// Generates every weight from `seed`.
-    pub fn generate(dev: &Device, cfg: &Config, seed: u64) -> Result<Self, CudaError> {
-        let g = |t: Tensor| {
-            fill_normal(dev, t.elems(cfg), stream_key(seed, t.stream()), t.dist(cfg).mean, t.dist(cfg).scale())
-        };
-        Ok(Self {
-            in_norm: g(Tensor::InNorm)?,
-            post_norm: g(Tensor::PostNorm)?,
-            q: g(Tensor::Wq)?,
-            k: g(Tensor::Wk)?,
-            v: g(Tensor::Wv)?,
-            o: g(Tensor::Wo)?,
-            gate: g(Tensor::Wgate)?,
-            up: g(Tensor::Wup)?,
-            down: g(Tensor::Wdown)?,
-        })
-    }
+/// Generates every weight from `seed` on the GPU.
+pub fn generate_weights(dev: &Device, cfg: &Config, seed: u64) -> Result<DeviceWeights, CudaError> {
+    DeviceWeights::try_from_fn(|t| {
+        fill_normal(dev, t.elems(cfg), stream_key(seed, t.stream()), t.dist(cfg).mean, t.dist(cfg).scale())
+    })
 }
 
 impl DeviceCache {

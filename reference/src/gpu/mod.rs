@@ -3,5 +3,5 @@
 pub mod data;
 pub mod eager;
 
-pub use data::{DeviceCache, DeviceWeights};
+pub use data::{DeviceCache, DeviceWeights, generate_weights};
 pub use eager::Eager;

@@ -213,7 +213,7 @@ mod tests {
     /// The program, run by the executor, is the golden model's step bit for bit, cache included.
     fn matches_golden(cfg: Config, steps: usize) {
         let seed: u64 = 0x5EED ^ cfg.d as u64;
-        let (w, cache) = (Weights::generate(&cfg, seed), KvCache::generate(&cfg, seed));
+        let (w, cache) = (golden::generate_weights(&cfg, seed), KvCache::generate(&cfg, seed));
         let mut layer = CpuLayer::build(&cfg, &w, &cache);
         let (mut golden_cache, table) = (cache.clone(), RopeTable::new(&cfg));
         let input_seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;

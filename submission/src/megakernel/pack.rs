@@ -29,7 +29,7 @@ pub fn qkv_source(cfg: &Config, p: usize) -> (Tensor, usize) {
 
 /// The weight and row of packed gate/up row `p`: gate row `p / 2` for even `p`, up row for odd.
 pub fn gateup_source(p: usize) -> (Tensor, usize) {
-    (if p % 2 == 0 { Tensor::Wgate } else { Tensor::Wup }, p / 2)
+    (if p.is_multiple_of(2) { Tensor::Wgate } else { Tensor::Wup }, p / 2)
 }
 
 #[cfg(test)]
