@@ -42,6 +42,9 @@ pub enum Command {
     Spec(SpecArgs),
     /// Check the grader's GPU code (RNG, reference ops, full-size step) against the CPU golden model.
     Selftest(SelftestArgs),
+    /// The process a submission runs in, started by `grader run` (reads its job on stdin).
+    #[command(hide = true)]
+    Runner,
 }
 
 #[derive(Debug, Args)]

@@ -498,7 +498,7 @@ fn copy_kind_name(kind: u8) -> &'static str {
 }
 
 /// One step's activities, summarised for the gates.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct StepLaunches {
     pub kernels: usize,
     /// Sum of the kernels' GPU times.

@@ -18,7 +18,7 @@ const WARMUP_STEPS: usize = 2;
 
 pub fn command(device: usize, args: &SubmissionArgs) -> Result<Outcome, GraderError> {
     let cfg = Config::load(&args.config.config)?;
-    let mut sub = submission::builtin(&args.submission)?;
+    let mut sub = submission::load(&args.submission)?;
     let dev = Device::open(device)?;
     let progress = Progress::new(args.quiet);
     progress.say(&format!("generating the '{}' layer on the GPU", cfg.name));

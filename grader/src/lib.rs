@@ -26,6 +26,7 @@ pub fn run(cli: Cli) -> Result<Outcome, GraderError> {
         Command::Bandwidth(args) => bandwidth::command(cli.device, &args),
         Command::Selftest(args) => selftest::command(cli.device, &args),
         Command::Run(args) => run::command(cli.device, &args),
+        Command::Runner => run::runner::command(),
         Command::Launches(args) => launches::command(cli.device, &args),
         Command::Profile(args) => profile::command(cli.device, &args),
     }

@@ -4,8 +4,8 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use cuda::Device;
-use reference::gpu::data::generate_input;
 use reference::gpu::DeviceCache;
+use reference::gpu::data::generate_input;
 use spec::{Config, DEFAULT_SEED};
 use submission::Layer;
 

@@ -6,7 +6,9 @@
 //! trusted.
 
 mod eager;
+pub mod external;
 pub mod megakernel;
+pub mod redteam;
 
 use cuda::cudarc::driver::CudaSlice;
 use cuda::{CudaError, Device};
@@ -57,13 +59,37 @@ pub trait Submission {
 /// Names of the built-in submissions.
 pub const BUILTIN: [&str; 3] = ["reference", "megakernel", "megakernel-phases"];
 
-/// A built-in submission by name.
+/// A submission by what `--submission` says: a built-in name, a red-team adversary, or the path of
+/// a shared library speaking the C ABI of `include/persistent_layer.h`.
+pub fn load(name_or_path: &str) -> Result<Box<dyn Submission>, SubmissionError> {
+    if is_library(name_or_path) { external::load(std::path::Path::new(name_or_path)) } else { builtin(name_or_path) }
+}
+
+/// Refuses, with the list of built-in names, what [`load`] could never load; a library path is
+/// checked when it is loaded.
+pub fn check_name(name_or_path: &str) -> Result<(), SubmissionError> {
+    if is_library(name_or_path) || BUILTIN.contains(&name_or_path) || redteam::find(name_or_path).is_some() {
+        Ok(())
+    } else {
+        Err(SubmissionError::Unknown { name: name_or_path.into(), known: BUILTIN.join(", ") })
+    }
+}
+
+/// A path names a library: it has a folder in it or the shared-library suffix.
+fn is_library(name_or_path: &str) -> bool {
+    name_or_path.ends_with(".so") || name_or_path.contains('/')
+}
+
+/// A built-in submission, or a red-team adversary, by name.
 pub fn builtin(name: &str) -> Result<Box<dyn Submission>, SubmissionError> {
     match name {
         "reference" => Ok(Box::new(eager::EagerSubmission::default())),
         "megakernel" => Ok(Box::new(megakernel::Megakernel::new(megakernel::Mode::Fused))),
         "megakernel-phases" => Ok(Box::new(megakernel::Megakernel::new(megakernel::Mode::PerPhase))),
-        _ => Err(SubmissionError::Unknown { name: name.into(), known: BUILTIN.join(", ") }),
+        _ => match redteam::find(name) {
+            Some(adversary) => Ok((adversary.make)()),
+            None => Err(SubmissionError::Unknown { name: name.into(), known: BUILTIN.join(", ") }),
+        },
     }
 }
 

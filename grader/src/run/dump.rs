@@ -33,12 +33,12 @@ struct Manifest<'a> {
     failed_gates: &'a [&'static str],
 }
 
-/// The buffers of a judged run that the dump reads.
+/// What a judged run leaves for the dump: the weights on the device, the calls' tensors on the host.
 pub struct DumpData<'a> {
     pub pristine: &'a DeviceWeights,
-    pub inputs: &'a [CudaSlice<bf16>],
-    pub outputs: &'a [CudaSlice<bf16>],
-    pub reference_outputs: &'a [CudaSlice<bf16>],
+    pub inputs: &'a [Vec<bf16>],
+    pub outputs: &'a [Vec<bf16>],
+    pub reference_outputs: &'a [Vec<bf16>],
 }
 
 fn bytes(v: &[bf16]) -> Vec<u8> {
@@ -90,13 +90,8 @@ pub fn dump(
         ],
     )?;
 
-    let stack = |bufs: &[CudaSlice<bf16>]| -> Result<Vec<u8>, GraderError> {
-        let mut all = Vec::new();
-        for b in bufs {
-            all.extend(bytes(&read(b)?));
-        }
-        Ok(all)
-    };
+    let stack =
+        |rows: &[Vec<bf16>]| -> Result<Vec<u8>, GraderError> { Ok(rows.iter().flat_map(|r| bytes(r)).collect()) };
     let rows = vec![calls.len(), cfg.batch * cfg.d];
     let pos: Vec<u8> = calls.iter().flat_map(|c| (c.pos as i64).to_le_bytes()).collect();
     write(

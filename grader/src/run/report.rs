@@ -7,6 +7,7 @@ use cuda::DeviceFacts;
 use serde::Serialize;
 use spec::{ByteModel, Config};
 
+use super::isolate::Failure;
 use super::verdict::{CacheCheck, Gate, Integrity, StepCheck};
 use crate::bandwidth::Bandwidth;
 use crate::cupti::StepLaunches;
@@ -34,6 +35,21 @@ pub struct Meta {
     pub submission: String,
 }
 
+impl Meta {
+    fn new(config: Config, device: DeviceFacts, seeds: Seeds, submission: &str) -> Self {
+        Self {
+            schema_version: SCHEMA_VERSION,
+            grader_version: env!("CARGO_PKG_VERSION"),
+            git_revision: env!("GRADER_GIT_REVISION"),
+            argv: std::env::args().collect(),
+            device,
+            config,
+            seeds,
+            submission: submission.into(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Performance {
     pub tokens_per_s: f64,
@@ -50,12 +66,29 @@ pub struct Performance {
     pub bandwidth: Bandwidth,
     pub bytes: ByteModel,
     pub build_s: f64,
+    /// The judge's own clock over the runner's timed phase, for the timing cross-check.
+    pub timed_wall_us: f64,
+}
+
+/// How a run ended: judged (pass or fail by the gates), or cut short by the submission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Pass,
+    Fail,
+    /// The submission's process died or reported an error: nothing could be judged.
+    Crashed,
+    /// The submission went quiet and the watchdog killed it.
+    Timeout,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Verdict {
+    pub status: Status,
     pub passed: bool,
     pub failed_gates: Vec<&'static str>,
+    /// Why a run was cut short (crashed, timeout).
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -64,16 +97,17 @@ pub struct Launches {
     pub reference: Vec<StepLaunches>,
 }
 
+/// The report. A run cut short has a verdict and the meta block, and nothing measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     pub meta: Meta,
     pub verdict: Verdict,
     pub gates: Vec<Gate>,
-    pub performance: Performance,
+    pub performance: Option<Performance>,
     pub launches: Launches,
     pub steps: Vec<StepCheck>,
-    pub cache: CacheCheck,
-    pub integrity: Integrity,
+    pub cache: Option<CacheCheck>,
+    pub integrity: Option<Integrity>,
     /// Every timed step's time in microseconds, in call order.
     pub raw_step_us: Vec<f64>,
 }
@@ -95,43 +129,67 @@ impl Report {
         raw_step_us: Vec<f64>,
     ) -> Self {
         let failed_gates: Vec<&'static str> = gates.iter().filter(|g| !g.passed).map(|g| g.name).collect();
+        let passed = failed_gates.is_empty();
         Self {
-            meta: Meta {
-                schema_version: SCHEMA_VERSION,
-                grader_version: env!("CARGO_PKG_VERSION"),
-                git_revision: env!("GRADER_GIT_REVISION"),
-                argv: std::env::args().collect(),
-                device,
-                config,
-                seeds,
-                submission: submission.into(),
+            meta: Meta::new(config, device, seeds, submission),
+            verdict: Verdict {
+                status: if passed { Status::Pass } else { Status::Fail },
+                passed,
+                failed_gates,
+                reason: None,
             },
-            verdict: Verdict { passed: failed_gates.is_empty(), failed_gates },
             gates,
-            performance,
+            performance: Some(performance),
             launches: Launches { submission: mine, reference },
             steps,
-            cache,
-            integrity,
+            cache: Some(cache),
+            integrity: Some(integrity),
             raw_step_us,
+        }
+    }
+
+    /// The report of a run the submission cut short.
+    pub fn not_finished(config: Config, device: DeviceFacts, seeds: Seeds, submission: &str, failure: Failure) -> Self {
+        let (status, reason) = match failure {
+            Failure::Crashed(r) => (Status::Crashed, r),
+            Failure::Timeout(r) => (Status::Timeout, r),
+        };
+        Self {
+            meta: Meta::new(config, device, seeds, submission),
+            verdict: Verdict { status, passed: false, failed_gates: Vec::new(), reason: Some(reason) },
+            gates: Vec::new(),
+            performance: None,
+            launches: Launches { submission: Vec::new(), reference: Vec::new() },
+            steps: Vec::new(),
+            cache: None,
+            integrity: None,
+            raw_step_us: Vec::new(),
         }
     }
 
     /// The last line of the table, alone with `--quiet`.
     pub fn verdict_line(&self) -> String {
-        if self.verdict.passed {
-            format!(
-                "VERDICT: PASS  {:.1} tokens/s, {:.3}x floor\n",
-                self.performance.tokens_per_s, self.performance.x_floor
-            )
-        } else {
-            format!("VERDICT: FAIL  ({})\n", self.verdict.failed_gates.join(", "))
+        let v = &self.verdict;
+        let reason = v.reason.as_deref().unwrap_or("");
+        match (v.status, &self.performance) {
+            (Status::Pass, Some(p)) => {
+                format!("VERDICT: PASS  {:.1} tokens/s, {:.3}x floor\n", p.tokens_per_s, p.x_floor)
+            }
+            (Status::Crashed, _) => format!("VERDICT: CRASHED  {reason}\n"),
+            (Status::Timeout, _) => format!("VERDICT: TIMEOUT  {reason}\n"),
+            _ => format!("VERDICT: FAIL  ({})\n", v.failed_gates.join(", ")),
         }
     }
 
     /// The table for people.
     pub fn table(&self) -> String {
-        let (m, p) = (&self.meta, &self.performance);
+        let m = &self.meta;
+        let Some(p) = &self.performance else {
+            return format!(
+                "\npersistent-layer: submission '{}' on {}, config '{}'\n",
+                m.submission, m.device.name, m.config.name
+            ) + &self.verdict_line();
+        };
         let mut s = String::new();
         let _ = writeln!(
             s,

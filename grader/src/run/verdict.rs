@@ -9,7 +9,7 @@ use crate::metrics::rel_err;
 
 /// The phases of a run, in order. Every phase starts again at position `prefill`, so each one
 /// attends over the same cache depth; the reference replays the very same calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
     /// Untimed, first: also the warm-up.
@@ -82,7 +82,7 @@ pub struct CacheCheck {
 }
 
 /// Read-only buffers after the run: any element changed is a broken contract.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Integrity {
     /// 16-byte vectors of the weights that differ from the judge's pristine copy.
     pub weight_vectors_changed: u64,
@@ -217,28 +217,61 @@ pub fn share_gate(steps: &[StepLaunches], gates: &Gates) -> Gate {
     }
 }
 
-/// Not a gate of TASK.md but a guard of the grader itself: a step faster than this fraction of the
-/// floor, or profiled steps whose kernels were busy longer than a timed step took, means the
-/// measurement was fooled (the timed calls did not do the work).
-pub fn plausibility_gate(x_floor: f64, profiled_kernel_us: f64, timed_median_us: f64, gates: &Gates) -> Gate {
+/// What the timing guard looks at.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    pub x_floor: f64,
+    /// The largest kernel busy time of a profiled step (CUPTI).
+    pub profiled_kernel_us: f64,
+    pub timed_median_us: f64,
+    /// The runner's timed steps added up.
+    pub timed_sum_us: f64,
+    /// The judge's own clock over the same timed phase (0 when not measured).
+    pub judge_wall_us: f64,
+}
+
+/// Not a gate of TASK.md but a guard of the grader itself. The measurement was fooled when a step is
+/// faster than physics allows (under `implausible_x_floor` of the floor), when profiled steps kept
+/// the GPU busy longer than a timed step took (the timed calls skipped the work), or when the
+/// runner's step times disagree with the judge's clock around them (a patched timer).
+pub fn plausibility_gate(t: &Timing, gates: &Gates) -> Gate {
     // Kernel durations under CUPTI are accurate (its overhead falls between kernels, not inside
     // them), so the busy time of a profiled step may exceed the timed median by noise only.
     const BUSY_SLACK: f64 = 1.25;
     const BUSY_ALLOWANCE_US: f64 = 20.0;
+    // The timed steps fill the judge's window but for loop and pipe overheads: at least this share.
+    const CLOCK_SHARE: f64 = 0.5;
+    const CLOCK_ALLOWANCE_US: f64 = 2000.0;
     let limit = gates.implausible_x_floor;
-    let busy_ok = profiled_kernel_us <= BUSY_SLACK * timed_median_us + BUSY_ALLOWANCE_US;
-    let passed = x_floor >= limit && busy_ok;
-    let detail = if x_floor < limit {
-        format!("{x_floor:.3}x floor is physically implausible (under {limit}x): the timing was fooled")
+    let busy_ok = t.profiled_kernel_us <= BUSY_SLACK * t.timed_median_us + BUSY_ALLOWANCE_US;
+    let clocks_ok = t.judge_wall_us == 0.0
+        || (t.timed_sum_us <= t.judge_wall_us + CLOCK_ALLOWANCE_US
+            && t.timed_sum_us + CLOCK_ALLOWANCE_US >= CLOCK_SHARE * t.judge_wall_us);
+    let detail = if t.x_floor < limit {
+        format!("{:.3}x floor is physically implausible (under {limit}x): the timing was fooled", t.x_floor)
     } else if !busy_ok {
         format!(
-            "profiled steps ran {profiled_kernel_us:.1} us of kernels but timed steps took only {timed_median_us:.1} us: \
-             the timed calls did not do the work"
+            "profiled steps ran {:.1} us of kernels but timed steps took only {:.1} us: the timed calls did not do the work",
+            t.profiled_kernel_us, t.timed_median_us
+        )
+    } else if !clocks_ok {
+        format!(
+            "the runner's timed steps add up to {:.1} us but the judge's clock saw {:.1} us: the timer was tampered with",
+            t.timed_sum_us, t.judge_wall_us
         )
     } else {
-        format!("{x_floor:.3}x floor; profiled kernel time {profiled_kernel_us:.1} us vs timed {timed_median_us:.1} us")
+        format!(
+            "{:.3}x floor; profiled kernel time {:.1} us vs timed {:.1} us; steps sum {:.0} us in a {:.0} us window",
+            t.x_floor, t.profiled_kernel_us, t.timed_median_us, t.timed_sum_us, t.judge_wall_us
+        )
     };
-    Gate { name: "plausible_timing", passed, value: x_floor, limit, detail }
+    Gate {
+        name: "plausible_timing",
+        passed: t.x_floor >= limit && busy_ok && clocks_ok,
+        value: t.x_floor,
+        limit,
+        detail,
+    }
 }
 
 #[cfg(test)]
@@ -356,9 +389,23 @@ mod tests {
     #[test]
     fn implausible_timings_are_flagged() {
         let g = Gates::TASK;
-        assert!(plausibility_gate(1.02, 410.0, 420.0, &g).passed);
-        assert!(!plausibility_gate(0.5, 200.0, 210.0, &g).passed);
+        let honest = Timing {
+            x_floor: 1.02,
+            profiled_kernel_us: 410.0,
+            timed_median_us: 420.0,
+            timed_sum_us: 13_440.0,
+            judge_wall_us: 13_600.0,
+        };
+        assert!(plausibility_gate(&honest, &g).passed);
+        assert!(!plausibility_gate(&Timing { x_floor: 0.5, ..honest }, &g).passed);
         // Kernels worth 800 us in profiled steps, timed steps of 100 us: the timed calls skipped work.
-        assert!(!plausibility_gate(1.0, 800.0, 100.0, &g).passed);
+        let skipped = Timing { profiled_kernel_us: 800.0, timed_median_us: 100.0, ..honest };
+        assert!(plausibility_gate(&skipped, &g).detail.contains("did not do the work"));
+        // A patched timer: steps claim 3 ms in total while the judge waited 13.6 ms.
+        let patched = Timing { timed_sum_us: 3_000.0, ..honest };
+        let gate = plausibility_gate(&patched, &g);
+        assert!(!gate.passed && gate.detail.contains("tampered"), "{}", gate.detail);
+        // More time than the judge's window is just as impossible.
+        assert!(!plausibility_gate(&Timing { timed_sum_us: 30_000.0, ..honest }, &g).passed);
     }
 }

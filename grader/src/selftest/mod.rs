@@ -3,6 +3,7 @@
 
 mod data;
 mod flow;
+mod isolation;
 mod megakernel;
 mod reference;
 
@@ -55,6 +56,7 @@ fn checks() -> Vec<Check> {
     all.extend(reference::checks());
     all.extend(megakernel::checks());
     all.extend(flow::checks());
+    all.extend(isolation::checks());
     all
 }
 

@@ -1,0 +1,82 @@
+//! The grader against people trying to fool it, on the GPU: every red-team adversary of
+//! `submission::redteam` is judged through the whole isolated flow and must end with the status and
+//! message its entry expects; and the example external submission (a C ABI library) must pass
+//! correctness.
+
+use spec::{Config, DEFAULT_SEED};
+use submission::redteam::{self, Expect};
+
+use super::{Check, CheckResult, Ctx, Failure, ensure};
+use crate::run::report::{Report, Seeds, Status};
+use crate::run::{Progress, judge};
+
+/// Where `scripts/build-example` leaves the example external submission.
+pub const EXAMPLE_LIBRARY: &str = "target/examples/libexternal_eager.so";
+
+pub fn checks() -> Vec<Check> {
+    vec![
+        Check { name: "red team: every adversary is caught", run: red_team },
+        Check { name: "external example passes correctness", run: external_example },
+    ]
+}
+
+fn judged(ctx: &Ctx, submission: &str, cfg: &Config) -> Result<Report, Failure> {
+    let seeds = Seeds { weights: DEFAULT_SEED, inputs: rand::random() };
+    judge(&ctx.dev, submission, cfg, seeds, &Progress::new(true), None).map_err(|e| Failure(e.to_string()))
+}
+
+/// Whether a report shows what the adversary's entry expects; `Err` says what it showed instead.
+fn caught(r: &Report, expect: Expect) -> Result<String, String> {
+    let v = &r.verdict;
+    let shown = || match &v.reason {
+        Some(reason) => format!("{:?}: {reason}", v.status),
+        None => format!(
+            "{:?}: {}",
+            v.status,
+            r.gates.iter().map(|g| format!("{} {}", g.name, g.detail)).collect::<Vec<_>>().join("; ")
+        ),
+    };
+    match expect {
+        Expect::Crashed if v.status == Status::Crashed => Ok("crashed".into()),
+        Expect::Timeout if v.status == Status::Timeout => Ok("timeout".into()),
+        Expect::GateFails { gate, word } => match r.gates.iter().find(|g| g.name == gate) {
+            Some(g) if !g.passed && g.detail.contains(word) => Ok(format!("{gate}: {}", g.detail)),
+            _ => Err(shown()),
+        },
+        Expect::TimedHonestly { min_us } => match (&r.performance, r.gates.iter().find(|g| g.name == "correctness")) {
+            (Some(p), Some(c)) if c.passed && p.us_per_call >= min_us => {
+                Ok(format!("{:.0} us/step counted", p.us_per_call))
+            }
+            _ => Err(shown()),
+        },
+        _ => Err(shown()),
+    }
+}
+
+fn red_team(ctx: &mut Ctx) -> CheckResult {
+    let cfg = Config::small();
+    let mut missed = Vec::new();
+    for adversary in redteam::ALL {
+        let r = judged(ctx, adversary.name, &cfg)?;
+        if let Err(shown) = caught(&r, adversary.expect) {
+            missed.push(format!("{} (expected {:?}, got {shown})", adversary.name, adversary.expect));
+        }
+        // The judge and the GPU must still work after each one: the next adversary shows it.
+    }
+    ensure(missed.is_empty(), || {
+        format!("{} of {} not caught: {}", missed.len(), redteam::ALL.len(), missed.join(" | "))
+    })?;
+    Ok(format!("{} adversaries, each caught as expected; the judge and GPU stayed usable", redteam::ALL.len()))
+}
+
+fn external_example(ctx: &mut Ctx) -> CheckResult {
+    ensure(std::path::Path::new(EXAMPLE_LIBRARY).exists(), || {
+        format!("{EXAMPLE_LIBRARY} is missing: build it with scripts/build-example")
+    })?;
+    let r = judged(ctx, EXAMPLE_LIBRARY, &Config::graded())?;
+    let c = r.gates.iter().find(|g| g.name == "correctness").ok_or_else(|| {
+        Failure(format!("not judged: {:?} {}", r.verdict.status, r.verdict.reason.as_deref().unwrap_or("")))
+    })?;
+    ensure(c.passed, || format!("correctness failed: {}", c.detail))?;
+    Ok(format!("graded config through the C ABI: {}", c.detail))
+}

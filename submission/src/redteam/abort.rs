@@ -1,0 +1,44 @@
+//! **abort**: computes correctly, and on its third call aborts the whole process.
+//!
+//! The exploit: none; it checks that the grader survives a submission that takes its process down
+//! mid-run (a panic across FFI, an assertion in a library) and reports it. Caught by the process
+//! boundary: the runner dies of SIGABRT and the judge records the run as crashed.
+
+use cuda::Device;
+use cuda::cudarc::driver::CudaSlice;
+use half::bf16;
+use reference::gpu::Eager;
+
+use super::honest::{Twist, Twisted, honest_step};
+use crate::{Layer, Submission, SubmissionError};
+
+pub const NAME: &str = "abort";
+
+/// The call (counting from 1) that aborts: past the first, so the run is well under way.
+const ABORT_ON_CALL: usize = 3;
+
+pub fn make() -> Box<dyn Submission> {
+    Twisted::boxed(NAME, Abort { calls: 0 })
+}
+
+struct Abort {
+    calls: usize,
+}
+
+impl Twist for Abort {
+    fn step(
+        &mut self,
+        eager: &mut Eager,
+        dev: &Device,
+        layer: &mut Layer<'_>,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), SubmissionError> {
+        self.calls += 1;
+        if self.calls == ABORT_ON_CALL {
+            std::process::abort();
+        }
+        honest_step(eager, dev, layer, x, pos, out)
+    }
+}

@@ -1,0 +1,314 @@
+//! The red team: adversarial submissions that try to fool the grader, each of which it must catch.
+//!
+//! Every adversary is a small [`Submission`] that wraps an honest one (usually the eager reference,
+//! which is correct and simple; the megakernel where the timing must otherwise pass) and misbehaves
+//! in exactly one way. [`ALL`] lists them with what the grader must conclude ([`Expect`]); the grader
+//! runs each through `grader run` in a child process and checks that conclusion.
+//!
+//! Shared pieces: [`honest`] (the eager step and the wrapper that adds one twist to it), [`raw`]
+//! (device writes a well-behaved submission never makes: into read-only buffers, into cache slots),
+//! [`side_eager`] (the eager reference's launches on a stream of one's choosing, for capture).
+
+mod abort;
+mod build_kernel;
+mod corrupt_prefix;
+mod crash;
+mod defer_to_teardown;
+mod graph_of_kernels;
+mod hang;
+mod honest;
+mod modify_input;
+mod modify_weights;
+mod nan_output;
+mod no_kv_write;
+mod pass_through;
+mod raw;
+mod replay_by_pointer;
+mod replay_by_position;
+mod short_attention;
+mod side_eager;
+mod side_stream;
+mod wrong_slot;
+
+use cuda::cudarc::driver::LaunchConfig;
+
+use crate::{Submission, SubmissionError};
+
+/// What the grader must conclude for an adversary.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Expect {
+    /// The named gate fails, and its detail contains `word`.
+    GateFails { gate: &'static str, word: &'static str },
+    /// The run ends with status `crashed` (the submission process died or reported a CUDA error).
+    Crashed,
+    /// The run ends with status `timeout` (the watchdog killed the submission process).
+    Timeout,
+    /// Nothing fails, but the measured step time includes the hidden work: at least `min_us` per step.
+    TimedHonestly { min_us: f64 },
+}
+
+// The only float, `min_us`, is always a finite constant (a test checks it), so equality is total.
+impl Eq for Expect {}
+
+/// One adversary: its name (what `grader run` is given), the exploit in one line, the verdict the
+/// grader must reach, and a constructor.
+#[derive(Debug, Clone, Copy)]
+pub struct Adversary {
+    pub name: &'static str,
+    pub what: &'static str,
+    pub expect: Expect,
+    pub make: fn() -> Box<dyn Submission>,
+}
+
+/// The gates of `grader/src/run/verdict.rs`, by the names their verdicts carry.
+pub const GATES: [&str; 4] = ["correctness", "kernels_per_step", "dominant_share", "plausible_timing"];
+
+const fn correctness(word: &'static str) -> Expect {
+    Expect::GateFails { gate: "correctness", word }
+}
+
+const fn kernels(word: &'static str) -> Expect {
+    Expect::GateFails { gate: "kernels_per_step", word }
+}
+
+/// Every adversary, in the order a report lists them.
+pub const ALL: &[Adversary] = &[
+    Adversary {
+        name: pass_through::NAME,
+        what: "copies x to out with one memcpy: no layer at all",
+        expect: correctness("over the tolerance"),
+        make: pass_through::make,
+    },
+    Adversary {
+        name: short_attention::SKIP,
+        what: "the eager layer with attention skipped (attends over no slot)",
+        expect: correctness("over the tolerance"),
+        make: short_attention::make_skip,
+    },
+    Adversary {
+        name: short_attention::RECENT_QUARTER,
+        what: "the eager layer attending only over the most recent quarter of the cache",
+        expect: correctness("over the tolerance"),
+        make: short_attention::make_recent_quarter,
+    },
+    Adversary {
+        name: no_kv_write::NAME,
+        what: "computes correctly, then restores cache slot pos to what it held before the step",
+        expect: correctness("appended K/V rows differ"),
+        make: no_kv_write::make,
+    },
+    Adversary {
+        name: wrong_slot::NAME,
+        what: "computes correctly, then moves the K/V rows of slot pos to slot pos + 1",
+        expect: correctness("appended K/V rows differ"),
+        make: wrong_slot::make,
+    },
+    Adversary {
+        name: corrupt_prefix::NAME,
+        what: "computes correctly, and on its first call flips one bit of the cached prefix (K, slot 0)",
+        expect: correctness("prefix were modified"),
+        make: corrupt_prefix::make,
+    },
+    Adversary {
+        name: replay_by_position::NAME,
+        what: "remembers its output per position and replays it when a position comes again",
+        expect: correctness("over the tolerance"),
+        make: replay_by_position::make,
+    },
+    Adversary {
+        name: replay_by_pointer::NAME,
+        what: "memoises outputs by the x buffer's address, replaying the latest one on a miss",
+        expect: correctness("over the tolerance"),
+        make: replay_by_pointer::make,
+    },
+    Adversary {
+        name: side_stream::NAME,
+        what: "the megakernel, plus a 4 GiB copy per step on a stream of its own that it never joins",
+        expect: Expect::TimedHonestly { min_us: side_stream::MIN_STEP_US },
+        make: side_stream::make,
+    },
+    Adversary {
+        name: build_kernel::NAME,
+        what: "a persistent server kernel launched in build_layer; steps only post requests by memcpy",
+        expect: kernels("launched no kernel"),
+        make: build_kernel::make,
+    },
+    Adversary {
+        name: graph_of_kernels::NAME,
+        what: "the eager layer's 21 launches captured into a CUDA graph and launched as one",
+        expect: kernels("graph"),
+        make: graph_of_kernels::make,
+    },
+    Adversary {
+        name: defer_to_teardown::NAME,
+        what: "steps only snapshot x; teardown computes every output in call order before the check",
+        expect: Expect::GateFails { gate: "plausible_timing", word: "implausible" },
+        make: defer_to_teardown::make,
+    },
+    Adversary {
+        name: modify_weights::NAME,
+        what: "computes correctly, and on its first call flips one bit of w.o (read-only)",
+        expect: correctness("weights were modified"),
+        make: modify_weights::make,
+    },
+    Adversary {
+        name: modify_input::NAME,
+        what: "computes correctly, then flips one bit of its input x (read-only)",
+        expect: correctness("input x buffer"),
+        make: modify_input::make,
+    },
+    Adversary {
+        name: nan_output::NAME,
+        what: "computes correctly, then writes a NaN into out[0]",
+        expect: correctness("NaN or Inf"),
+        make: nan_output::make,
+    },
+    Adversary {
+        name: crash::NAME,
+        what: "computes correctly, then launches a kernel that stores to an unmapped address",
+        expect: Expect::Crashed,
+        make: crash::make,
+    },
+    Adversary {
+        name: hang::NAME,
+        what: "computes correctly, then launches a kernel that waits for a flag nobody sets",
+        expect: Expect::Timeout,
+        make: hang::make,
+    },
+    Adversary {
+        name: abort::NAME,
+        what: "computes correctly, and aborts the process on its third call",
+        expect: Expect::Crashed,
+        make: abort::make,
+    },
+];
+
+/// An adversary by name.
+pub fn find(name: &str) -> Option<&'static Adversary> {
+    ALL.iter().find(|a| a.name == name)
+}
+
+/// Names of every adversary, in [`ALL`]'s order.
+pub fn names() -> impl Iterator<Item = &'static str> {
+    ALL.iter().map(|a| a.name)
+}
+
+/// A launch of one block of one thread.
+const ONE_THREAD: LaunchConfig = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+
+/// The error of a step called before `build_layer`.
+fn not_built() -> SubmissionError {
+    SubmissionError::Refused("layer_step before build_layer".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    fn is_kebab(name: &str) -> bool {
+        !name.is_empty()
+            && !name.starts_with('-')
+            && !name.ends_with('-')
+            && !name.contains("--")
+            && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+    }
+
+    #[test]
+    fn names_are_unique_and_kebab_case() {
+        assert!(ALL.len() >= 12, "only {} adversaries", ALL.len());
+        let mut seen = HashSet::new();
+        for a in ALL {
+            assert!(is_kebab(a.name), "'{}' is not kebab-case", a.name);
+            assert!(seen.insert(a.name), "'{}' is listed twice", a.name);
+            assert!(!a.what.is_empty(), "{}: no description", a.name);
+        }
+        // The red team never shadows a built-in submission.
+        for name in crate::BUILTIN {
+            assert!(find(name).is_none(), "'{name}' is both a built-in and an adversary");
+        }
+    }
+
+    #[test]
+    fn expectations_name_real_gates() {
+        for a in ALL {
+            match a.expect {
+                Expect::GateFails { gate, word } => {
+                    assert!(GATES.contains(&gate), "{}: no gate '{gate}'", a.name);
+                    assert!(!word.trim().is_empty(), "{}: empty word", a.name);
+                }
+                Expect::TimedHonestly { min_us } => assert!(min_us.is_finite() && min_us > 0.0, "{}", a.name),
+                Expect::Crashed | Expect::Timeout => {}
+            }
+        }
+        // Every kind of conclusion is exercised, and every gate but the share (which the honest
+        // submissions' tests cover) by at least one adversary.
+        let gates: HashSet<&str> = ALL
+            .iter()
+            .filter_map(|a| match a.expect {
+                Expect::GateFails { gate, .. } => Some(gate),
+                _ => None,
+            })
+            .collect();
+        for gate in ["correctness", "kernels_per_step", "plausible_timing"] {
+            assert!(gates.contains(gate), "no adversary targets {gate}");
+        }
+        for kind in [Expect::Crashed, Expect::Timeout] {
+            assert!(ALL.iter().any(|a| a.expect == kind), "no adversary expects {kind:?}");
+        }
+        assert!(ALL.iter().any(|a| matches!(a.expect, Expect::TimedHonestly { .. })));
+    }
+
+    #[test]
+    fn find_returns_each_adversary_and_nothing_else() {
+        for a in ALL {
+            assert_eq!(find(a.name).map(|f| f.name), Some(a.name));
+        }
+        assert!(find("honest").is_none());
+        assert!(find("").is_none());
+        assert_eq!(names().count(), ALL.len());
+    }
+
+    /// Construction touches no GPU; each submission reports the name it is listed under.
+    #[test]
+    fn each_submission_reports_its_own_name() {
+        for a in ALL {
+            assert_eq!((a.make)().name(), a.name);
+        }
+    }
+
+    /// The mailbox layout of the server kernel matches `kernels/redteam.cu`.
+    #[test]
+    fn server_mailbox_mirrors_the_kernel() {
+        let cu = include_str!("../../../kernels/redteam.cu");
+        for (word, index) in build_kernel::MAILBOX_WORDS {
+            let line = format!("constexpr int MAILBOX_{word} = {index};");
+            assert!(cu.contains(&line), "kernels/redteam.cu must define {line}");
+        }
+    }
+
+    /// The eager mirror loads every kernel of `kernels/reference.cu`, by names that exist there.
+    #[test]
+    fn eager_mirror_loads_the_reference_kernels() {
+        let cu = include_str!("../../../kernels/reference.cu");
+        let rs = include_str!("side_eager.rs");
+        let defined: Vec<&str> =
+            cu.split("__global__ void ").skip(1).map(|s| s.split('(').next().unwrap().trim()).collect();
+        let loaded: Vec<&str> = rs.split("f(\"").skip(1).map(|s| s.split('"').next().unwrap()).collect();
+        assert!(!defined.is_empty());
+        let (mut d, mut l) = (defined.clone(), loaded.clone());
+        d.sort_unstable();
+        l.sort_unstable();
+        assert_eq!(d, l, "side_eager.rs must load exactly the kernels of kernels/reference.cu");
+    }
+
+    /// Every kernel the red team launches exists in `kernels/redteam.cu` by that exact name.
+    #[test]
+    fn launched_kernels_exist() {
+        let cu = include_str!("../../../kernels/redteam.cu");
+        for name in [crash::KERNEL, hang::KERNEL, build_kernel::KERNEL] {
+            assert!(cu.contains(&format!("__global__ void {name}(")), "no kernel {name} in kernels/redteam.cu");
+        }
+    }
+}
