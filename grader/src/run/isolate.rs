@@ -65,8 +65,10 @@ pub fn run(job: &Job, progress: &Progress) -> Result<Result<Completed, Failure>,
     let (tx, rx) = mpsc::channel();
     let stdout = child.stdout.take().expect("piped");
     thread::spawn(move || {
+        // Each line is stamped as it arrives, so the judge's clock over a phase does not depend on
+        // when the main thread gets to it.
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
+            if tx.send((Instant::now(), line)).is_err() {
                 break;
             }
         }
@@ -96,7 +98,7 @@ pub fn run(job: &Job, progress: &Progress) -> Result<Result<Completed, Failure>,
                 let tail = tail(&stderr_reader_result(stderr_reader));
                 return Ok(Err(Failure::Crashed(format!("the runner died ({status}) after {last}{tail}"))));
             }
-            Ok(line) => match serde_json::from_str::<Event>(&line) {
+            Ok((arrived, line)) => match serde_json::from_str::<Event>(&line) {
                 Err(_) => last = format!("an unreadable line from the runner: {line:.120}"),
                 Ok(Event::Generated) => {
                     progress.say("runner: data generated, build_layer");
@@ -109,10 +111,10 @@ pub fn run(job: &Job, progress: &Progress) -> Result<Result<Completed, Failure>,
                 }
                 Ok(Event::Phase { phase, calls }) => {
                     if let Some(start) = timed_start.take() {
-                        timed_wall_us = start.elapsed().as_secs_f64() * 1e6;
+                        timed_wall_us = arrived.duration_since(start).as_secs_f64() * 1e6;
                     }
                     if phase == Phase::Timed {
-                        timed_start = Some(Instant::now());
+                        timed_start = Some(arrived);
                     }
                     progress.say(&format!("{}: {calls} {phase:?} steps", job.submission));
                     last = format!("the start of the {phase:?} phase");

@@ -81,12 +81,15 @@ fn say(event: &Event) {
 }
 
 /// Runs every call of `calls` through `step`, phase by phase, timing and profiling as each phase says.
-/// `on_phase` hears of each phase before it starts.
+/// `on_phase` hears of each phase before it starts; `settled` hears of each call once the device has
+/// synchronised after it (outside any timed region): each call of a step-by-step phase at once, the
+/// calls of the back-to-back phase at its end. What a call has not finished by then it never will.
 pub fn drive(
     dev: &Device,
     calls: &[Call],
     mut on_phase: impl FnMut(Phase, usize),
     mut step: impl FnMut(&Call) -> Result<(), GraderError>,
+    mut settled: impl FnMut(&Call) -> Result<(), GraderError>,
 ) -> Result<Measured, GraderError> {
     let mut m = Measured::default();
     for phase in calls.chunk_by(|a, b| a.phase == b.phase) {
@@ -96,6 +99,7 @@ pub fn drive(
                 for call in phase {
                     step(call)?;
                     dev.synchronize()?;
+                    settled(call)?;
                 }
             }
             Phase::Timed => {
@@ -106,6 +110,7 @@ pub fn drive(
                     step(call)?;
                     dev.synchronize()?;
                     m.step_us.push(t.elapsed().as_secs_f64() * 1e6);
+                    settled(call)?;
                 }
             }
             Phase::Throughput => {
@@ -116,6 +121,7 @@ pub fn drive(
                 }
                 dev.synchronize()?;
                 m.throughput_us_per_call = t.elapsed().as_secs_f64() * 1e6 / phase.len() as f64;
+                phase.iter().try_for_each(&mut settled)?;
             }
             Phase::Profiled => {
                 for call in phase {
@@ -124,6 +130,7 @@ pub fn drive(
                     step(call)?;
                     dev.synchronize()?;
                     m.launches.push(StepLaunches::of(&recorder.stop()?));
+                    settled(call)?;
                 }
             }
         }
@@ -171,7 +178,8 @@ fn run(job: &Job) -> Result<Finished, GraderError> {
     let pristine = generate_weights(&dev, cfg, job.weights_seed)?;
     let mut cache = DeviceCache::generate(&dev, cfg, job.weights_seed)?;
     let xs = inputs(&dev, cfg, job.input_seed, calls.len())?;
-    let mut outs = poisoned_outputs(&dev, cfg, calls.len())?;
+    // Shared by the step (which writes an output) and the settling (which copies it away).
+    let outs = std::cell::RefCell::new(poisoned_outputs(&dev, cfg, calls.len())?);
     dev.synchronize()?;
     say(&Event::Generated);
 
@@ -181,26 +189,36 @@ fn run(job: &Job) -> Result<Finished, GraderError> {
     let build_s = t.elapsed().as_secs_f64();
     say(&Event::Built { build_s });
 
+    // Each output is copied away as soon as its call has settled, and the cache is read before
+    // teardown: work deferred to a later call, or to teardown, does not count as done in time.
+    let mut snapshots = poisoned_outputs(&dev, cfg, calls.len())?;
     let measured = drive(
         &dev,
         &calls,
         |phase, n| say(&Event::Phase { phase, calls: n }),
         |c| {
             let layer = Layer { weights: &weights, cache: &mut cache };
-            sub.layer_step(&dev, layer, &xs[c.index], c.pos, &mut outs[c.index])?;
+            sub.layer_step(&dev, layer, &xs[c.index], c.pos, &mut outs.borrow_mut()[c.index])?;
+            Ok(())
+        },
+        |c| {
+            dev.stream().memcpy_dtod(&outs.borrow()[c.index], &mut snapshots[c.index]).context("copying an output away")?;
             Ok(())
         },
     )?;
+    dev.synchronize()?;
+    let mut bytes = Vec::with_capacity(2 * (calls.len() * cfg.d + 2 * cfg.cache_elems()));
+    for buf in snapshots.iter().chain([&cache.k, &cache.v]) {
+        bytes.extend(dev.stream().clone_dtoh(buf).context("reading results")?.iter().flat_map(|v| v.to_le_bytes()));
+    }
+    let name = sub.name().to_string();
     sub.teardown();
+    drop(sub);
     dev.synchronize()?;
 
     let judge_inputs = inputs(&dev, cfg, job.input_seed, calls.len())?;
     let integrity = check::integrity(&dev, &weights, &pristine, &xs, &judge_inputs)?;
-    let mut bytes = Vec::with_capacity(2 * (calls.len() * cfg.d + 2 * cfg.cache_elems()));
-    for buf in outs.iter().chain([&cache.k, &cache.v]) {
-        bytes.extend(dev.stream().clone_dtoh(buf).context("reading results")?.iter().flat_map(|v| v.to_le_bytes()));
-    }
     std::fs::write(&job.results, bytes)
         .map_err(|source| GraderError::Write { path: job.results.display().to_string(), source })?;
-    Ok(Finished { name: sub.name().to_string(), build_s, measured, integrity })
+    Ok(Finished { name, build_s, measured, integrity })
 }

@@ -3,9 +3,11 @@
 //! replays every deferred call in order with the eager reference, writing each output where it
 //! belongs and the cache exactly as the steps would have.
 //!
-//! The exploit: every output and the final cache are right, so correctness passes, and every timed
-//! step costs a few microseconds. Caught by the timing guard: a step far below the bandwidth floor is
-//! physically impossible ("physically implausible"); the profiled steps also launched no kernel.
+//! The exploit: every output and the final cache are right by the time teardown returns, and every
+//! timed step costs a few microseconds. Caught because the grader copies each output away as soon as
+//! its call has settled and reads the cache before teardown: the copies are still the NaN the
+//! outputs were poisoned with. (The profiled steps also launched no kernel, and at the graded size a
+//! step this fast would be physically implausible.)
 //!
 //! `teardown` gets no device, so it opens one: [`Device::open`] retains the same primary context as
 //! the grader's, where the recorded addresses are valid.
