@@ -202,7 +202,9 @@ fn run(job: &Job) -> Result<Finished, GraderError> {
             Ok(())
         },
         |c| {
-            dev.stream().memcpy_dtod(&outs.borrow()[c.index], &mut snapshots[c.index]).context("copying an output away")?;
+            dev.stream()
+                .memcpy_dtod(&outs.borrow()[c.index], &mut snapshots[c.index])
+                .context("copying an output away")?;
             Ok(())
         },
     )?;

@@ -112,13 +112,13 @@ fn ops_match(ctx: &mut Ctx, cfg: Config) -> CheckResult {
     shown.push(within("rmsnorm", &download(dev, &out)?, &h, 1)?);
 
     let mut q = poisoned(dev, cfg.q_dim())?;
-    ops.gemv(dev, &p.gpu_w.q, &upload(dev, &h)?, &mut q)?;
+    ops.gemv(&p.gpu_w.q, &upload(dev, &h)?, &mut q)?;
     let cpu_q = golden::gemv(&p.cpu_w.q, cfg.q_dim(), cfg.d, &h);
     shown.push(within("gemv q", &download(dev, &q)?, &cpu_q, 2)?);
 
     let act = fresh(seed, 2, cfg.ffn);
     let mut down = poisoned(dev, cfg.d)?;
-    ops.gemv(dev, &p.gpu_w.down, &upload(dev, &act)?, &mut down)?;
+    ops.gemv(&p.gpu_w.down, &upload(dev, &act)?, &mut down)?;
     let cpu_down = golden::gemv(&p.cpu_w.down, cfg.d, cfg.ffn, &act);
     shown.push(within("gemv down", &download(dev, &down)?, &cpu_down, 2)?);
 
@@ -137,7 +137,7 @@ fn ops_match(ctx: &mut Ctx, cfg: Config) -> CheckResult {
     // Queries as large as the model's, so the anchor keys dominate some heads' softmax.
     let qa = fresh(seed, 6, cfg.q_dim());
     let mut a = poisoned(dev, cfg.q_dim())?;
-    ops.attention(dev, &upload(dev, &qa)?, &p.gpu_cache, pos, AttentionSpan::Full, &mut a)?;
+    ops.attention(&upload(dev, &qa)?, &p.gpu_cache, pos, AttentionSpan::Full, &mut a)?;
     let cpu_a = golden::attention(&cfg, &qa, &p.cpu_cache, pos);
     shown.push(within("attention", &download(dev, &a)?, &cpu_a, 2)?);
 

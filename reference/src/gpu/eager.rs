@@ -26,7 +26,9 @@
 
 use std::ops::Range;
 
-use cuda::cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+use cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use cuda::kernels::REFERENCE;
 use cuda::{Context, CudaError, Device, grid_1d};
 use half::bf16;
@@ -64,9 +66,9 @@ impl Func {
         Ok(Self { f: dev.function(&REFERENCE, name)?, name })
     }
 
-    /// An empty argument list for a launch of this kernel on the device's stream.
-    fn args<'a>(&'a self, dev: &'a Device) -> LaunchArgs<'a> {
-        dev.stream().launch_builder(&self.f)
+    /// An empty argument list for a launch of this kernel on `stream`.
+    fn args<'a>(&'a self, stream: &'a Arc<CudaStream>) -> LaunchArgs<'a> {
+        stream.launch_builder(&self.f)
     }
 }
 
@@ -156,17 +158,25 @@ pub struct Ops {
     mean_square: CudaSlice<f32>,
     /// `(n_q, max_seq_len)`: attention scores, then probabilities, over the attended slots.
     scores: CudaSlice<f32>,
+    /// Where every launch goes.
+    stream: Arc<CudaStream>,
 }
 
 impl Ops {
-    /// Loads the kernels, uploads the RoPE table and allocates the scratch, for a valid `cfg`.
+    /// Loads the kernels, uploads the RoPE table and allocates the scratch, for a valid `cfg`; every
+    /// launch goes on the device's stream.
     pub fn new(dev: &Device, cfg: &Config) -> Result<Self, CudaError> {
+        Self::on_stream(dev, cfg, dev.stream().clone())
+    }
+
+    /// As [`Ops::new`], every launch on `stream` (one that can be captured into a graph, say).
+    pub fn on_stream(dev: &Device, cfg: &Config, stream: Arc<CudaStream>) -> Result<Self, CudaError> {
         let valid = cfg.hd.is_multiple_of(VEC) && cfg.n_q.is_multiple_of(cfg.n_kv) && cfg.batch == 1;
         assert!(valid, "{}: not a valid configuration", cfg.name);
         let table = RopeTable::new(cfg);
         let table_len = cfg.max_seq_len * cfg.hd / 2;
         check_len("rope table", &[("cos", table.cos.len()), ("sin", table.sin.len())], table_len);
-        let s = dev.stream();
+        let s = &stream;
         Ok(Self {
             f: Funcs::load(dev)?,
             cfg: cfg.clone(),
@@ -178,6 +188,7 @@ impl Ops {
             sin: s.clone_htod(&table.sin).context("uploading the RoPE sin table")?,
             mean_square: s.alloc_zeros(1).context("allocating the norm's scratch")?,
             scores: s.alloc_zeros(cfg.n_q * cfg.max_seq_len).context("allocating the attention scores")?,
+            stream,
         })
     }
 
@@ -193,13 +204,13 @@ impl Ops {
         check_len("rmsnorm", &[("x", x.len()), ("g", g.len())], len);
         let n = u32_of(len);
 
-        let mut b = self.f.rms_sumsq.args(dev);
+        let mut b = self.f.rms_sumsq.args(&self.stream);
         b.arg(&mut self.mean_square).arg(x).arg(&n);
         // SAFETY: rms_sumsq_f32(ms (1), x (n), n: u32); mean_square holds 1 f32, x holds n.
         unsafe { launch(&self.f.rms_sumsq, b, one_block(SUMSQ_BLOCK)) }?;
 
         let grid = grid_1d(len, ELEMENTWISE_BLOCK, dev.facts().sms);
-        let mut b = self.f.rms_scale.args(dev);
+        let mut b = self.f.rms_scale.args(&self.stream);
         b.arg(out).arg(x).arg(g).arg(&self.mean_square);
         b.arg(&n).arg(&self.cfg.eps);
         // SAFETY: rms_scale_bf16(out (n), x (n), g (n), ms (1), n: u32, eps: f32); lengths checked
@@ -208,19 +219,13 @@ impl Ops {
     }
 
     /// `y = W h` for row-major `W (y.len(), h.len())`; `h.len()` must be a multiple of 8.
-    pub fn gemv(
-        &self,
-        dev: &Device,
-        w: &CudaSlice<bf16>,
-        h: &CudaSlice<bf16>,
-        y: &mut CudaSlice<bf16>,
-    ) -> Result<(), CudaError> {
+    pub fn gemv(&self, w: &CudaSlice<bf16>, h: &CudaSlice<bf16>, y: &mut CudaSlice<bf16>) -> Result<(), CudaError> {
         let (rows, cols) = (y.len(), h.len());
         assert!(cols.is_multiple_of(VEC), "gemv: rows of {cols} are not whole 16-byte vectors");
         check_len("gemv", &[("W", w.len())], rows * cols);
         let (r, c) = (u32_of(rows), u32_of(cols));
         let grid = warps_grid((r.div_ceil(GEMV_WARPS), 1), GEMV_WARPS);
-        let mut b = self.f.gemv.args(dev);
+        let mut b = self.f.gemv.args(&self.stream);
         b.arg(y).arg(w).arg(h).arg(&r).arg(&c);
         // SAFETY: gemv_bf16(y (rows), w (rows, cols), h (cols), rows: u32, cols: u32); lengths
         // checked above; cols is a multiple of 8 and every pointer the base of an allocation, so the
@@ -235,7 +240,7 @@ impl Ops {
         assert!(pos < self.cfg.max_seq_len, "rope: position {pos} is past the table");
         let (heads, p) = (u32_of(v.len() / hd), u32_of(pos));
         let grid = grid_1d(v.len() / 2, ELEMENTWISE_BLOCK, dev.facts().sms);
-        let mut b = self.f.rope.args(dev);
+        let mut b = self.f.rope.args(&self.stream);
         b.arg(v).arg(&self.cos).arg(&self.sin);
         b.arg(&heads).arg(&self.hd).arg(&p);
         // SAFETY: rope_bf16(v (heads, hd), cos, sin (max_seq_len, hd / 2), heads: u32, hd: u32,
@@ -261,7 +266,7 @@ impl Ops {
         let p = u32_of(pos);
         let grid = grid_1d(cfg.kv_dim(), ELEMENTWISE_BLOCK, dev.facts().sms);
         for (tensor, row) in [(&mut cache.k, k), (&mut cache.v, v)] {
-            let mut b = self.f.cache_write.args(dev);
+            let mut b = self.f.cache_write.args(&self.stream);
             b.arg(tensor).arg(row);
             b.arg(&self.n_kv).arg(&self.max_seq_len).arg(&self.hd).arg(&p);
             // SAFETY: cache_write_bf16(cache (n_kv, max_seq_len, hd), row (n_kv, hd), n_kv: u32,
@@ -276,7 +281,6 @@ impl Ops {
     /// The cache must already hold slot `pos`.
     pub fn attention(
         &mut self,
-        dev: &Device,
         q: &CudaSlice<bf16>,
         cache: &DeviceCache,
         pos: usize,
@@ -294,7 +298,7 @@ impl Ops {
         let (n_q, n_kv, msl, hd) = (&self.n_q, &self.n_kv, &self.max_seq_len, &self.hd);
 
         let grid = warps_grid((len.div_ceil(SCORE_WARPS), *n_q), SCORE_WARPS);
-        let mut b = self.f.attn_scores.args(dev);
+        let mut b = self.f.attn_scores.args(&self.stream);
         b.arg(&mut self.scores).arg(q).arg(&cache.k);
         b.arg(n_q).arg(n_kv).arg(msl).arg(hd).arg(&first).arg(&end);
         // SAFETY: attn_scores_f32(s (n_q, max_seq_len), q (n_q, hd), k_cache (n_kv, max_seq_len,
@@ -303,14 +307,14 @@ impl Ops {
         unsafe { launch(&self.f.attn_scores, b, grid) }?;
 
         let grid = warps_grid((*n_q, 1), SOFTMAX_BLOCK / WARP);
-        let mut b = self.f.softmax.args(dev);
+        let mut b = self.f.softmax.args(&self.stream);
         b.arg(&mut self.scores).arg(n_q).arg(msl).arg(&first).arg(&end);
         // SAFETY: softmax_f32(s (n_q, max_seq_len), n_q, max_seq_len, first, end: u32); as above.
         unsafe { launch(&self.f.softmax, b, grid) }?;
 
         // A block covers one query head and WARP bf16 pairs of it.
         let grid = warps_grid((*n_q, (hd / 2).div_ceil(WARP)), WSUM_WARPS);
-        let mut b = self.f.attn_wsum.args(dev);
+        let mut b = self.f.attn_wsum.args(&self.stream);
         b.arg(out).arg(&self.scores).arg(&cache.v);
         b.arg(n_q).arg(n_kv).arg(msl).arg(hd).arg(&first).arg(&end);
         // SAFETY: attn_wsum_bf16(a (n_q, hd), prob (n_q, max_seq_len), v_cache (n_kv, max_seq_len,
@@ -352,7 +356,7 @@ impl Ops {
         let len = out.len();
         check_len(func.name, &[("a", a.len()), ("b", b.len())], len);
         let n = u32_of(len);
-        let mut args = func.args(dev);
+        let mut args = func.args(&self.stream);
         args.arg(out).arg(a).arg(b).arg(&n);
         // SAFETY: add_bf16 and silu_mul_bf16 are both (out (n), a (n), b (n), n: u32); lengths checked.
         unsafe { launch(func, args, grid_1d(len, ELEMENTWISE_BLOCK, dev.facts().sms)) }
@@ -382,9 +386,15 @@ pub struct Eager {
 }
 
 impl Eager {
-    /// Loads the kernels and allocates every buffer a step needs, for a valid `cfg`.
+    /// Loads the kernels and allocates every buffer a step needs, for a valid `cfg`; every launch goes
+    /// on the device's stream.
     pub fn new(dev: &Device, cfg: &Config) -> Result<Self, CudaError> {
-        let buf = |len: usize| dev.stream().alloc_zeros::<bf16>(len).context("allocating an activation");
+        Self::on_stream(dev, cfg, dev.stream().clone())
+    }
+
+    /// As [`Eager::new`], every launch on `stream` (one that can be captured into a graph, say).
+    pub fn on_stream(dev: &Device, cfg: &Config, stream: Arc<CudaStream>) -> Result<Self, CudaError> {
+        let buf = |len: usize| stream.alloc_zeros::<bf16>(len).context("allocating an activation");
         let (d, qd, kvd, ffn) = (cfg.d, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
         let act = Activations {
             h: buf(d)?,
@@ -400,7 +410,7 @@ impl Eager {
             act: buf(ffn)?,
             down: buf(d)?,
         };
-        Ok(Self { ops: Ops::new(dev, cfg)?, act })
+        Ok(Self { ops: Ops::on_stream(dev, cfg, stream.clone())?, act })
     }
 
     /// The per-op launchers, for checking each op on its own.
@@ -435,20 +445,20 @@ impl Eager {
     ) -> Result<(), CudaError> {
         let (ops, a) = (&mut self.ops, &mut self.act);
         ops.rmsnorm(dev, x, &w.in_norm, &mut a.h)?;
-        ops.gemv(dev, &w.q, &a.h, &mut a.q)?;
-        ops.gemv(dev, &w.k, &a.h, &mut a.k)?;
-        ops.gemv(dev, &w.v, &a.h, &mut a.v)?;
+        ops.gemv(&w.q, &a.h, &mut a.q)?;
+        ops.gemv(&w.k, &a.h, &mut a.k)?;
+        ops.gemv(&w.v, &a.h, &mut a.v)?;
         ops.rope(dev, &mut a.q, pos)?;
         ops.rope(dev, &mut a.k, pos)?;
         ops.append(dev, &a.k, &a.v, cache, pos)?;
-        ops.attention(dev, &a.q, cache, pos, span, &mut a.a)?;
-        ops.gemv(dev, &w.o, &a.a, &mut a.o)?;
+        ops.attention(&a.q, cache, pos, span, &mut a.a)?;
+        ops.gemv(&w.o, &a.a, &mut a.o)?;
         ops.add(dev, x, &a.o, &mut a.x1)?;
         ops.rmsnorm(dev, &a.x1, &w.post_norm, &mut a.h2)?;
-        ops.gemv(dev, &w.gate, &a.h2, &mut a.gate)?;
-        ops.gemv(dev, &w.up, &a.h2, &mut a.up)?;
+        ops.gemv(&w.gate, &a.h2, &mut a.gate)?;
+        ops.gemv(&w.up, &a.h2, &mut a.up)?;
         ops.silu_mul(dev, &a.gate, &a.up, &mut a.act)?;
-        ops.gemv(dev, &w.down, &a.act, &mut a.down)?;
+        ops.gemv(&w.down, &a.act, &mut a.down)?;
         ops.add(dev, &a.x1, &a.down, out)
     }
 }

@@ -7,14 +7,16 @@
 //! step counts 21 kernels, and the detail names them as "replayed from a CUDA graph". The layer is
 //! computed correctly (the same kernels and launch shapes as the reference).
 
+use std::sync::Arc;
+
 use cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cuda::cudarc::driver::{CudaGraph, CudaSlice};
+use cuda::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use cuda::{Context, CudaError, Device};
 use half::bf16;
+use reference::gpu::Eager;
 use spec::Config;
 
 use super::not_built;
-use super::side_eager::SideEager;
 use crate::{Layer, Submission, SubmissionError};
 
 pub const NAME: &str = "graph-of-kernels";
@@ -24,7 +26,8 @@ pub fn make() -> Box<dyn Submission> {
 }
 
 struct GraphOfKernels {
-    eager: Option<SideEager>,
+    /// The eager reference on a stream of its own: the device's default stream cannot be captured.
+    eager: Option<(Eager, Arc<CudaStream>)>,
     /// The latest graph: kept until the next call, so it is never destroyed while it may run.
     graph: Option<CudaGraph>,
 }
@@ -35,25 +38,25 @@ impl Submission for GraphOfKernels {
     }
 
     fn build_layer(&mut self, dev: &Device, _layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
-        self.eager = Some(SideEager::new(dev, cfg)?);
+        let stream = dev.ctx().new_stream().context("creating a stream to capture on")?;
+        self.eager = Some((Eager::on_stream(dev, cfg, stream.clone())?, stream));
         Ok(())
     }
 
     fn layer_step(
         &mut self,
-        _dev: &Device,
+        dev: &Device,
         layer: Layer<'_>,
         x: &CudaSlice<bf16>,
         pos: usize,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError> {
-        let eager = self.eager.as_mut().ok_or_else(not_built)?;
-        let stream = eager.stream().clone();
+        let (eager, stream) = self.eager.as_mut().ok_or_else(not_built)?;
         // Relaxed: nothing else on this thread runs during the capture, and relaxed mode refuses no
         // driver call that the launches make (binding the context).
         let relaxed = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         stream.begin_capture(relaxed).context("beginning the capture")?;
-        let enqueued = eager.enqueue(layer.weights, layer.cache, x, pos, out);
+        let enqueued = eager.step(dev, layer.weights, layer.cache, x, pos, out);
         // Capture always ends, even after a failed launch, so the stream is never left capturing.
         let graph = stream.end_capture(CUgraphInstantiate_flags(0)).context("ending the capture");
         enqueued?;
@@ -67,9 +70,9 @@ impl Submission for GraphOfKernels {
     }
 
     fn teardown(&mut self) {
-        if let Some(eager) = &self.eager {
+        if let Some((_, stream)) = &self.eager {
             // Teardown cannot fail: a failed wait leaves the graph to be freed when it completes.
-            let _ = eager.stream().synchronize();
+            let _ = stream.synchronize();
         }
         self.graph = None;
         self.eager = None;

@@ -6,8 +6,7 @@
 //! runs each through `grader run` in a child process and checks that conclusion.
 //!
 //! Shared pieces: [`honest`] (the eager step and the wrapper that adds one twist to it), [`raw`]
-//! (device writes a well-behaved submission never makes: into read-only buffers, into cache slots),
-//! [`side_eager`] (the eager reference's launches on a stream of one's choosing, for capture).
+//! (device writes a well-behaved submission never makes: into read-only buffers, into cache slots).
 
 mod abort;
 mod build_kernel;
@@ -26,7 +25,6 @@ mod raw;
 mod replay_by_pointer;
 mod replay_by_position;
 mod short_attention;
-mod side_eager;
 mod side_stream;
 mod wrong_slot;
 
@@ -286,21 +284,6 @@ mod tests {
             let line = format!("constexpr int MAILBOX_{word} = {index};");
             assert!(cu.contains(&line), "kernels/redteam.cu must define {line}");
         }
-    }
-
-    /// The eager mirror loads every kernel of `kernels/reference.cu`, by names that exist there.
-    #[test]
-    fn eager_mirror_loads_the_reference_kernels() {
-        let cu = include_str!("../../../kernels/reference.cu");
-        let rs = include_str!("side_eager.rs");
-        let defined: Vec<&str> =
-            cu.split("__global__ void ").skip(1).map(|s| s.split('(').next().unwrap().trim()).collect();
-        let loaded: Vec<&str> = rs.split("f(\"").skip(1).map(|s| s.split('"').next().unwrap()).collect();
-        assert!(!defined.is_empty());
-        let (mut d, mut l) = (defined.clone(), loaded.clone());
-        d.sort_unstable();
-        l.sort_unstable();
-        assert_eq!(d, l, "side_eager.rs must load exactly the kernels of kernels/reference.cu");
     }
 
     /// Every kernel the red team launches exists in `kernels/redteam.cu` by that exact name.
