@@ -50,8 +50,6 @@ constexpr uint32_t PS_PAD = 4;
 constexpr uint32_t TEAM_SMEM_BYTES =
     (2 * ATTN_CHUNK + ATTN_MAX_GROUP) * (ATTN_MAX_HD + KS_PAD) * 2 + ATTN_MAX_GROUP * (ATTN_CHUNK + PS_PAD) * 4;
 static_assert(TEAMS * TEAM_SMEM_BYTES <= RING_BYTES, "the attention teams' shared memory must fit in the ring");
-// Outputs of the combine each thread of a team sums.
-constexpr uint32_t COMBINE_OUTPUTS = ATTN_MAX_GROUP * ATTN_MAX_HD / TEAM_THREADS;
 // Bytes of the phase after attention each block asks L2 to fetch while attention runs.
 constexpr uint32_t L2_PREFETCH_BYTES = 256 * 1024;
 
@@ -411,22 +409,12 @@ __device__ void combine(const Team& team, uint32_t kv, uint32_t n_chunks, uint32
         for (uint32_t c = team.lane; c < n_chunks; c += WARP) scale[c * ATTN_MAX_GROUP + g] = __fdiv_rn(scale[c * ATTN_MAX_GROUP + g], l);
     }
     team.sync();  // every chunk's scale is in shared memory
-    // Thread t sums outputs t, t + TEAM_THREADS, ...: all of them advance chunk by chunk together, so
-    // COMBINE_OUTPUTS x the unroll loads are in flight at once (each output still adds its chunks in
-    // order).
-    float o[COMBINE_OUTPUTS] = {};
-#pragma unroll 4
-    for (uint32_t c = 0; c < n_chunks; ++c) {
-#pragma unroll
-        for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
-            const uint32_t i = team.t + k * TEAM_THREADS;
-            if (i < group * hd) o[k] = fmaf(__ldcg(po + (size_t)c * group * hd + i), scale[c * ATTN_MAX_GROUP + i / hd], o[k]);
-        }
-    }
-#pragma unroll
-    for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
-        const uint32_t i = team.t + k * TEAM_THREADS;
-        if (i < group * hd) a_out[(size_t)kv * group * hd + i] = __float2bfloat16_rn(o[k]);
+    for (uint32_t i = team.t; i < group * hd; i += TEAM_THREADS) {
+        const uint32_t g = i / hd;
+        float o = 0.0f;
+#pragma unroll 8
+        for (uint32_t c = 0; c < n_chunks; ++c) o = fmaf(__ldcg(po + (size_t)c * group * hd + i), scale[c * ATTN_MAX_GROUP + g], o);
+        a_out[(size_t)kv * group * hd + i] = __float2bfloat16_rn(o);
     }
     // Every chunk of this head has arrived: reset for the next step (the launch boundary, or the
     // next grid barrier, orders it before any later arrival).
@@ -465,7 +453,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
         const uint32_t len = min(ATTN_CHUNK, pos + 1 - first);
         const size_t base = ((size_t)kv * max_seq + first) * hd;
         // V rows past len are zero: the P V product runs over the whole chunk.
-#pragma unroll 8
+#pragma unroll 4
         for (uint32_t i = t; i < ATTN_CHUNK * row_vecs; i += TEAM_THREADS) {
             const uint32_t r = i / row_vecs, col = i % row_vecs;
             const bool in = r < len;
