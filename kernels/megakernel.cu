@@ -50,6 +50,10 @@ constexpr uint32_t PS_PAD = 4;
 constexpr uint32_t TEAM_SMEM_BYTES =
     (2 * ATTN_CHUNK + ATTN_MAX_GROUP) * (ATTN_MAX_HD + KS_PAD) * 2 + ATTN_MAX_GROUP * (ATTN_CHUNK + PS_PAD) * 4;
 static_assert(TEAMS * TEAM_SMEM_BYTES <= RING_BYTES, "the attention teams' shared memory must fit in the ring");
+// The combine: outputs each thread of a team sums, and the f32 it stages per pass (the team's K and V
+// space).
+constexpr uint32_t COMBINE_OUTPUTS = ATTN_MAX_GROUP * ATTN_MAX_HD / TEAM_THREADS;
+constexpr uint32_t COMBINE_STAGE_FLOATS = 2 * ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD) * 2 / 4;
 // Bytes of the phase after attention each block asks L2 to fetch while attention runs.
 constexpr uint32_t L2_PREFETCH_BYTES = 256 * 1024;
 
@@ -87,6 +91,13 @@ __device__ inline void bulk_copy(void* smem, const void* gmem, unsigned bytes, u
 __device__ inline void prefetch_l2(const void* gmem, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
 }
+
+// A 16-byte global -> shared copy completing asynchronously, through L2 only (other blocks wrote the
+// data earlier in this launch); cp_async_wait_all() waits for this thread's copies.
+__device__ inline void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ inline void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // Orders this thread's generic-proxy shared-memory accesses before later copy-engine writes.
 __device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -389,7 +400,7 @@ struct Team {
 // each query head of the group, chunks in order (deterministic). Every chunk's scale is computed
 // once into shared memory, so the sums below are streams of independent loads.
 __device__ void combine(const Team& team, uint32_t kv, uint32_t n_chunks, uint32_t max_chunks, uint32_t group, uint32_t hd,
-                        unsigned* counters, const float* part_o, const float* part_ml, bf16* a_out, float* scale) {
+                        unsigned* counters, const float* part_o, const float* part_ml, bf16* a_out, float* scale, float* stage) {
     // Acquire: the other chunks' partials were released before their arrivals.
     __threadfence();
     const float* pm = part_ml + (size_t)kv * max_chunks * group * 2;  // (n_chunks, group, 2)
@@ -409,12 +420,28 @@ __device__ void combine(const Team& team, uint32_t kv, uint32_t n_chunks, uint32
         for (uint32_t c = team.lane; c < n_chunks; c += WARP) scale[c * ATTN_MAX_GROUP + g] = __fdiv_rn(scale[c * ATTN_MAX_GROUP + g], l);
     }
     team.sync();  // every chunk's scale is in shared memory
-    for (uint32_t i = team.t; i < group * hd; i += TEAM_THREADS) {
-        const uint32_t g = i / hd;
-        float o = 0.0f;
-#pragma unroll 8
-        for (uint32_t c = 0; c < n_chunks; ++c) o = fmaf(__ldcg(po + (size_t)c * group * hd + i), scale[c * ATTN_MAX_GROUP + g], o);
-        a_out[(size_t)kv * group * hd + i] = __float2bfloat16_rn(o);
+    // The partials pass through shared memory (the team's K and V space, free now) as many chunks at
+    // a time as fit: every thread's copies are in flight together, so a pass costs one round trip.
+    // Thread t sums outputs t, t + TEAM_THREADS, ..., each over the chunks in order (deterministic).
+    const uint32_t per_chunk = group * hd, chunks_per_pass = COMBINE_STAGE_FLOATS / per_chunk;
+    float o[COMBINE_OUTPUTS] = {};
+    for (uint32_t c0 = 0; c0 < n_chunks; c0 += chunks_per_pass) {
+        const uint32_t cn = min(chunks_per_pass, n_chunks - c0);
+        for (uint32_t i = team.t; i < cn * per_chunk / 4; i += TEAM_THREADS) cp_async16(stage + 4 * i, po + (size_t)c0 * per_chunk + 4 * i);
+        cp_async_wait_all();
+        team.sync();  // the pass's partials are in shared memory
+#pragma unroll
+        for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
+            const uint32_t i = team.t + k * TEAM_THREADS;
+            if (i >= per_chunk) break;
+            for (uint32_t c = 0; c < cn; ++c) o[k] = fmaf(stage[c * per_chunk + i], scale[(c0 + c) * ATTN_MAX_GROUP + i / hd], o[k]);
+        }
+        team.sync();  // every thread is done with this pass before the next one overwrites it
+    }
+#pragma unroll
+    for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
+        const uint32_t i = team.t + k * TEAM_THREADS;
+        if (i < per_chunk) a_out[(size_t)kv * per_chunk + i] = __float2bfloat16_rn(o[k]);
     }
     // Every chunk of this head has arrived: reset for the next step (the launch boundary, or the
     // next grid barrier, orders it before any later arrival).
@@ -452,17 +479,24 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
         const uint32_t kv = item / n_chunks, c = item % n_chunks, first = c * ATTN_CHUNK;
         const uint32_t len = min(ATTN_CHUNK, pos + 1 - first);
         const size_t base = ((size_t)kv * max_seq + first) * hd;
-        // V rows past len are zero: the P V product runs over the whole chunk.
-#pragma unroll 4
+        // Asynchronous copies: all of a thread's are in flight at once, at no register cost. V rows
+        // past len are zero: the P V product runs over the whole chunk.
         for (uint32_t i = t; i < ATTN_CHUNK * row_vecs; i += TEAM_THREADS) {
             const uint32_t r = i / row_vecs, col = i % row_vecs;
-            const bool in = r < len;
-            reinterpret_cast<uint4*>(ks + r * row)[col] = in ? load_cg(k_cache + base, i) : make_uint4(0, 0, 0, 0);
-            reinterpret_cast<uint4*>(vs + r * row)[col] = in ? load_cg(v_cache + base, i) : make_uint4(0, 0, 0, 0);
+            uint4* kd = reinterpret_cast<uint4*>(ks + r * row) + col;
+            uint4* vd = reinterpret_cast<uint4*>(vs + r * row) + col;
+            if (r < len) {
+                cp_async16(kd, reinterpret_cast<const uint4*>(k_cache + base) + i);
+                cp_async16(vd, reinterpret_cast<const uint4*>(v_cache + base) + i);
+            } else {
+                *kd = make_uint4(0, 0, 0, 0);
+                *vd = make_uint4(0, 0, 0, 0);
+            }
         }
         for (uint32_t i = t; i < group * row_vecs; i += TEAM_THREADS) {
-            reinterpret_cast<uint4*>(qs + (i / row_vecs) * row)[i % row_vecs] = load_cg(q + (size_t)kv * group * hd, i);
+            cp_async16(reinterpret_cast<uint4*>(qs + (i / row_vecs) * row) + i % row_vecs, reinterpret_cast<const uint4*>(q + (size_t)kv * group * hd) + i);
         }
+        cp_async_wait_all();
         team.sync();  // the chunk and the queries are in shared memory
 
         // Scores S = Q K^T on the tensor cores: A = Q (query heads as rows 0..group-1 of 16, the rest
@@ -535,7 +569,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
             last[team.id] = atomicAdd(&counters[kv], 1u) == n_chunks - 1;
         }
         team.sync();  // every thread of the team sees its `last`
-        if (last[team.id]) combine(team, kv, n_chunks, max_chunks, group, hd, counters, part_o, part_ml, a_out, ps);
+        if (last[team.id]) combine(team, kv, n_chunks, max_chunks, group, hd, counters, part_o, part_ml, a_out, ps, reinterpret_cast<float*>(ks));
     }
 }
 
