@@ -240,3 +240,106 @@ fn num(v: f64) -> String {
         format!("{v:.3}")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::verdict::{Call, Phase};
+
+    fn facts() -> DeviceFacts {
+        DeviceFacts {
+            ordinal: 0,
+            name: "test card".into(),
+            compute_capability: (9, 0),
+            sms: 132,
+            l2_bytes: 60 << 20,
+            total_mem_bytes: 1 << 37,
+            free_mem_bytes_at_open: 1 << 37,
+            sm_clock_mhz: 1980,
+            mem_clock_mhz: 3201,
+            mem_bus_bits: 6144,
+            max_smem_optin_bytes: 232_448,
+            cooperative_launch: true,
+            driver_cuda_version: 13000,
+        }
+    }
+
+    fn summary(v: f64) -> Summary {
+        Summary::of(&[v, v * 1.01, v * 0.99]).unwrap()
+    }
+
+    /// The JSON a failed run writes reads back with the fields people and scripts rely on.
+    #[test]
+    fn json_round_trip_of_a_failed_run() {
+        let cfg = Config::tiny();
+        let bw = Bandwidth {
+            buffer_bytes: 1 << 31,
+            copy_tbps: summary(3.9),
+            read_tbps: summary(4.5),
+            driver_copy_tbps: summary(4.26),
+            floor_tbps: 4.26,
+        };
+        let bytes = ByteModel::of(&cfg);
+        let performance = Performance {
+            tokens_per_s: 2000.0,
+            us_per_call: 500.0,
+            floor_us: 400.0,
+            x_floor: 1.25,
+            achieved_tbps: 3.4,
+            throughput_us_per_call: 490.0,
+            step_us: summary(500.0),
+            reference_us_per_call: Some(630.0),
+            bandwidth: bw,
+            bytes,
+            build_s: 0.1,
+            timed_wall_us: 16_500.0,
+        };
+        let gates = vec![
+            Gate { name: "correctness", passed: true, value: 1e-3, limit: 1.5e-2, detail: "ok".into() },
+            Gate { name: "kernels_per_step", passed: false, value: 21.0, limit: 2.0, detail: "21 kernels".into() },
+        ];
+        let call = Call { index: 0, phase: Phase::Timed, pos: cfg.prefill };
+        let steps = vec![StepCheck { call, rel_err: Some(1e-3), contribution_err: Some(3e-3) }];
+        let cache = CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(1e-3) };
+        let integrity = Integrity { weight_vectors_changed: 0, inputs_changed: 0 };
+        let seeds = Seeds { weights: 1, inputs: 2 };
+        let r = Report::new(
+            cfg,
+            facts(),
+            seeds,
+            "reference",
+            gates,
+            performance,
+            steps,
+            cache,
+            integrity,
+            vec![],
+            vec![],
+            vec![500.0],
+        );
+        let doc: serde_json::Value = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(doc["meta"]["schema_version"], SCHEMA_VERSION);
+        assert_eq!(doc["meta"]["seeds"]["inputs"], 2);
+        assert_eq!(doc["verdict"]["status"], "fail");
+        assert_eq!(doc["verdict"]["failed_gates"][0], "kernels_per_step");
+        assert_eq!(doc["gates"][1]["value"], 21.0);
+        assert_eq!(doc["performance"]["x_floor"], 1.25);
+        assert_eq!(doc["steps"][0]["call"]["phase"], "timed");
+        assert!(r.verdict_line().starts_with("VERDICT: FAIL"));
+    }
+
+    /// A run the submission cut short says so, with its reason, and measures nothing.
+    #[test]
+    fn crashed_and_timed_out_runs_report_their_reason() {
+        for (failure, status) in
+            [(Failure::Crashed("illegal address".into()), "crashed"), (Failure::Timeout("quiet".into()), "timeout")]
+        {
+            let r = Report::not_finished(Config::tiny(), facts(), Seeds { weights: 1, inputs: 2 }, "x", failure);
+            let doc: serde_json::Value = serde_json::to_value(&r).unwrap();
+            assert_eq!(doc["verdict"]["status"], status);
+            assert_eq!(doc["verdict"]["passed"], false);
+            assert!(doc["performance"].is_null());
+            assert!(r.verdict_line().contains(&status.to_uppercase()), "{}", r.verdict_line());
+        }
+    }
+}
