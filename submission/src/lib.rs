@@ -25,7 +25,9 @@ pub struct Layer<'a> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SubmissionError {
-    #[error("unknown submission '{name}': built-in ones are {known} (the red team's are in submission/src/redteam); a library is given by its path")]
+    #[error(
+        "unknown submission '{name}': built-in ones are {known} (the red team's are in submission/src/redteam); a library is given by its path"
+    )]
     Unknown { name: String, known: String },
     #[error(transparent)]
     Cuda(#[from] CudaError),
