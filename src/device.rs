@@ -122,13 +122,14 @@ impl Device {
         Ok(())
     }
 
-    /// GPU time of the work `f` enqueues on [`Device::stream`], in milliseconds, from two events.
-    pub fn time_ms(&self, f: impl FnOnce() -> Result<(), CudaError>) -> Result<f32, CudaError> {
+    /// GPU time of the work `f` enqueues on [`Device::stream`], in milliseconds, from two events;
+    /// `f`'s own error type passes through.
+    pub fn time_ms<E: From<CudaError>>(&self, f: impl FnOnce() -> Result<(), E>) -> Result<f32, E> {
         let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
         let start = self.stream.record_event(timing).context("recording a start event")?;
         f()?;
         let end = self.stream.record_event(timing).context("recording an end event")?;
-        start.elapsed_ms(&end).context("reading an event pair's elapsed time")
+        Ok(start.elapsed_ms(&end).context("reading an event pair's elapsed time")?)
     }
 
     /// Waits for all work on the device, every stream included.

@@ -24,6 +24,8 @@ pub enum GraderError {
     Write { path: String, source: std::io::Error },
     #[error("{0}")]
     Usage(String),
+    #[error("the runner (the submission's process) could not be used: {0}")]
+    Runner(String),
 }
 
 /// What a command concluded, mapped to the exit code in one place.

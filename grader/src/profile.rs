@@ -10,7 +10,7 @@ use serde::Serialize;
 use spec::Config;
 use submission::megakernel::program::{Op, phase_bytes};
 use submission::megakernel::{Megakernel, Mode};
-use submission::{Layer, Submission, SubmissionError};
+use submission::{Layer, Submission};
 
 use crate::bandwidth;
 use crate::cli::ProfileArgs;
@@ -86,13 +86,12 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
         let x = generate_input(dev, cfg, input_seed, s)?;
         for (p, times) in per_phase.iter_mut().enumerate() {
             let p = p as u32;
-            let ms =
-                dev.time_ms(|| phased.launch_phases(dev, &x, pos, &mut out, p, p + 1).map_err(submission_to_cuda))?;
+            let ms = dev.time_ms(|| phased.launch_phases(dev, &x, pos, &mut out, p, p + 1))?;
             if s >= WARMUP_STEPS {
                 times.push(ms as f64 * 1e3);
             }
         }
-        let ms = dev.time_ms(|| fused.launch_phases(dev, &x, pos, &mut out, 0, phases).map_err(submission_to_cuda))?;
+        let ms = dev.time_ms(|| fused.launch_phases(dev, &x, pos, &mut out, 0, phases))?;
         if s >= WARMUP_STEPS {
             fused_us.push(ms as f64 * 1e3);
         }
@@ -125,14 +124,6 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
         fused_x_floor: fused_us.median / floor_us(total),
         fused_us,
     })
-}
-
-/// The launcher's errors are CUDA errors here: the phases were built by this command.
-fn submission_to_cuda(e: SubmissionError) -> cuda::CudaError {
-    match e {
-        SubmissionError::Cuda(c) => c,
-        other => cuda::CudaError::WrongResult(other.to_string()),
-    }
 }
 
 pub fn table(p: &Profile) -> String {

@@ -48,14 +48,15 @@ pub struct Completed {
 
 /// Runs `job` in a child process under the watchdog.
 pub fn run(job: &Job, progress: &Progress) -> Result<Result<Completed, Failure>, GraderError> {
-    let exe = std::env::current_exe().map_err(|e| GraderError::Usage(format!("cannot find the grader binary: {e}")))?;
+    let exe =
+        std::env::current_exe().map_err(|e| GraderError::Runner(format!("cannot find the grader binary: {e}")))?;
     let mut child = Command::new(exe)
         .arg("runner")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| GraderError::Usage(format!("cannot start the runner process: {e}")))?;
+        .map_err(|e| GraderError::Runner(format!("cannot start the runner process: {e}")))?;
     let job_line = serde_json::to_string(job).expect("the job serialises") + "\n";
     {
         let mut stdin = child.stdin.take().expect("piped");
@@ -95,7 +96,7 @@ pub fn run(job: &Job, progress: &Progress) -> Result<Result<Completed, Failure>,
             }
             Err(RecvTimeoutError::Disconnected) => {
                 let status = child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
-                let tail = tail(&stderr_reader_result(stderr_reader));
+                let tail = tail(&stderr_reader.join().unwrap_or_default());
                 return Ok(Err(Failure::Crashed(format!("the runner died ({status}) after {last}{tail}"))));
             }
             Ok((arrived, line)) => match serde_json::from_str::<Event>(&line) {
@@ -135,7 +136,7 @@ pub fn run(job: &Job, progress: &Progress) -> Result<Result<Completed, Failure>,
         Err(failure) => return Ok(Err(failure)),
     };
     let bytes = std::fs::read(&job.results)
-        .map_err(|e| GraderError::Usage(format!("reading the runner's results {}: {e}", job.results.display())))?;
+        .map_err(|e| GraderError::Runner(format!("reading the runner's results {}: {e}", job.results.display())))?;
     let _ = std::fs::remove_file(&job.results);
     let (outputs, cache_k, cache_v) = split_results(&job.config, &bytes)?;
     Ok(Ok(Completed { finished, outputs, cache_k, cache_v, timed_wall_us }))
@@ -145,10 +146,6 @@ fn kill(child: &mut Child) {
     // Already gone is fine; anything else is the OS refusing, reported by wait() below.
     let _ = child.kill();
     let _ = child.wait();
-}
-
-fn stderr_reader_result(h: thread::JoinHandle<String>) -> String {
-    h.join().unwrap_or_default()
 }
 
 /// The last lines of the runner's stderr, as a suffix for a crash report.
@@ -168,7 +165,7 @@ fn split_results(cfg: &Config, bytes: &[u8]) -> Result<Results, GraderError> {
     let (row, cache) = (cfg.batch * cfg.d, cfg.cache_elems());
     let want = 2 * (calls * row + 2 * cache);
     if bytes.len() != want {
-        return Err(GraderError::Usage(format!("the runner's results hold {} bytes, not {want}", bytes.len())));
+        return Err(GraderError::Runner(format!("the runner's results hold {} bytes, not {want}", bytes.len())));
     }
     let values: Vec<bf16> = bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
     let (outs, caches) = values.split_at(calls * row);

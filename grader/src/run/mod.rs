@@ -138,7 +138,8 @@ pub fn judge(
 
     let f = &done.finished;
     let bytes = ByteModel::of(cfg);
-    let step_us = Summary::of(&f.measured.step_us).ok_or_else(|| GraderError::Usage("no timed step".into()))?;
+    let step_us =
+        Summary::of(&f.measured.step_us).ok_or_else(|| GraderError::Runner("it reported no timed step".into()))?;
     let floor_us = bytes.floor_us(bw.floor_bytes_per_s());
     let performance = Performance {
         tokens_per_s: 1e6 / step_us.median,

@@ -152,9 +152,9 @@ pub fn inputs(dev: &Device, cfg: &Config, input_seed: u64, calls: usize) -> Resu
 /// `grader runner`: reads the job, runs it, and always ends with a `done` or `failed` line.
 pub fn command() -> Result<Outcome, GraderError> {
     let mut line = String::new();
-    std::io::stdin().lock().read_line(&mut line).map_err(|e| GraderError::Usage(format!("reading the job: {e}")))?;
+    std::io::stdin().lock().read_line(&mut line).map_err(|e| GraderError::Runner(format!("reading the job: {e}")))?;
     let job: Job =
-        serde_json::from_str(&line).map_err(|e| GraderError::Usage(format!("the job is not valid JSON: {e}")))?;
+        serde_json::from_str(&line).map_err(|e| GraderError::Runner(format!("the job is not valid JSON: {e}")))?;
     match run(&job) {
         Ok(finished) => {
             say(&Event::Done(finished));
