@@ -37,8 +37,6 @@ pub struct Config {
     pub timed_steps: usize,
     /// Untimed steps compared before timing starts, at positions `prefill ..`.
     pub correctness_steps: usize,
-    /// Steps profiled with CUPTI, at positions `prefill ..`.
-    pub profiled_steps: usize,
 }
 
 /// Names accepted by [`Config::named`], in the order `--help` lists them.
@@ -62,7 +60,6 @@ impl Config {
             max_seq_len: 4224,
             timed_steps: 32,
             correctness_steps: 8,
-            profiled_steps: 4,
         }
     }
 
@@ -79,7 +76,6 @@ impl Config {
             max_seq_len: 128,
             timed_steps: 8,
             correctness_steps: 4,
-            profiled_steps: 2,
             ..Self::graded()
         }
     }
@@ -97,7 +93,6 @@ impl Config {
             max_seq_len: 640,
             timed_steps: 16,
             correctness_steps: 4,
-            profiled_steps: 2,
             ..Self::graded()
         }
     }
@@ -150,7 +145,6 @@ impl Config {
             ("max_seq_len", self.max_seq_len),
             ("timed_steps", self.timed_steps),
             ("correctness_steps", self.correctness_steps),
-            ("profiled_steps", self.profiled_steps),
         ];
         for (field, value) in positive {
             if value == 0 {
@@ -211,10 +205,10 @@ impl Config {
         self.n_kv * self.hd
     }
 
-    /// Every phase of the run (correctness, timed, profiled) starts at `prefill`; the deepest
-    /// position any phase reaches is `prefill + this - 1`.
+    /// Every phase of the run starts at `prefill`; the deepest position any phase reaches is
+    /// `prefill + this - 1`.
     pub fn steps_per_phase_max(&self) -> usize {
-        self.timed_steps.max(self.correctness_steps).max(self.profiled_steps)
+        self.timed_steps.max(self.correctness_steps)
     }
 
     /// The deepest position a timed step attends from.
@@ -251,7 +245,7 @@ mod tests {
         let c = Config::graded();
         assert_eq!((c.d, c.ffn, c.n_q, c.n_kv, c.hd), (8192, 28672, 64, 8, 128));
         assert_eq!((c.prefill, c.max_seq_len), (4096, 4224));
-        assert_eq!((c.timed_steps, c.correctness_steps, c.profiled_steps), (32, 8, 4));
+        assert_eq!((c.timed_steps, c.correctness_steps), (32, 8));
         assert_eq!(c.eps, 1e-5);
         assert_eq!(c.theta, 500_000.0);
         assert_eq!(c.deepest_timed_pos(), 4127);

@@ -7,12 +7,14 @@ pub mod config;
 pub mod data;
 pub mod gates;
 pub mod rng;
+pub mod schedule;
 mod statement;
 
 pub use bytes::ByteModel;
 pub use config::{CONFIG_NAMES, Config};
 pub use data::Tensor;
 pub use gates::Gates;
+pub use schedule::{Call, Input, Phase, schedule};
 pub use statement::statement;
 
 /// The public seed of weights and KV prefix when none is given.

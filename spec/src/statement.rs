@@ -36,14 +36,20 @@ pub fn statement(cfg: &Config) -> String {
     );
     let _ = writeln!(
         s,
-        "  steps: {} correctness, {} timed (pos {}..{}), {} profiled; every phase starts at pos {}\n",
-        cfg.correctness_steps,
-        cfg.timed_steps,
-        cfg.prefill,
-        cfg.deepest_timed_pos(),
-        cfg.profiled_steps,
+        "  schedule: {} calls, every one recorded and compared; each phase starts at pos {}",
+        crate::schedule(cfg).len(),
         cfg.prefill
     );
+    for phase in crate::Phase::ALL {
+        let _ = writeln!(
+            s,
+            "    {:<12} {:>3} calls  {}",
+            format!("{phase:?}").to_lowercase(),
+            phase.calls(cfg),
+            phase.describe()
+        );
+    }
+    let _ = writeln!(s);
     let _ = writeln!(s, "contract:");
     let _ = writeln!(s, "  build_layer(weights, kv_cache, cfg, max_seq_len) -> handle   untimed");
     let _ = writeln!(s, "  layer_step(handle, x, pos, out)                         timed, one token");

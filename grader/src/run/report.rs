@@ -298,7 +298,7 @@ mod tests {
             Gate { name: "correctness", passed: true, value: 1e-3, limit: 1.5e-2, detail: "ok".into() },
             Gate { name: "kernels_per_step", passed: false, value: 21.0, limit: 2.0, detail: "21 kernels".into() },
         ];
-        let call = Call { index: 0, phase: Phase::Timed, pos: cfg.prefill };
+        let call = Call { index: 0, phase: Phase::Timed, pos: cfg.prefill, input: spec::Input::Fresh };
         let steps = vec![StepCheck { call, rel_err: Some(1e-3), contribution_err: Some(3e-3) }];
         let cache = CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(1e-3) };
         let integrity = Integrity { weight_vectors_changed: 0, inputs_changed: 0 };

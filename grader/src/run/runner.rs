@@ -97,8 +97,11 @@ pub fn drive(
         match phase[0].phase {
             Phase::Correctness => {
                 for call in phase {
+                    dev.synchronize()?;
+                    let recorder = Recorder::start()?;
                     step(call)?;
                     dev.synchronize()?;
+                    m.launches.push(StepLaunches::of(&recorder.stop()?));
                     settled(call)?;
                 }
             }
@@ -122,16 +125,6 @@ pub fn drive(
                 dev.synchronize()?;
                 m.throughput_us_per_call = t.elapsed().as_secs_f64() * 1e6 / phase.len() as f64;
                 phase.iter().try_for_each(&mut settled)?;
-            }
-            Phase::Profiled => {
-                for call in phase {
-                    dev.synchronize()?;
-                    let recorder = Recorder::start()?;
-                    step(call)?;
-                    dev.synchronize()?;
-                    m.launches.push(StepLaunches::of(&recorder.stop()?));
-                    settled(call)?;
-                }
             }
         }
     }

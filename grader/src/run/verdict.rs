@@ -2,50 +2,12 @@
 //! measured. Nothing here touches the GPU, so every rule is tested on synthetic data.
 
 use serde::Serialize;
-use spec::{Config, Gates};
+use spec::Gates;
 
 use crate::cupti::StepLaunches;
 use crate::metrics::rel_err;
 
-/// The phases of a run, in order. Every phase starts again at position `prefill`, so each one
-/// attends over the same cache depth; the reference replays the very same calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Phase {
-    /// Untimed, first: also the warm-up.
-    Correctness,
-    /// Timed one by one, each between two device-wide synchronisations: the score.
-    Timed,
-    /// Timed back to back, one synchronisation at each end: throughput.
-    Throughput,
-    /// Recorded with CUPTI: the launch gates.
-    Profiled,
-}
-
-/// One call of `layer_step`: its index in the run (which also picks its input), phase and position.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct Call {
-    pub index: usize,
-    pub phase: Phase,
-    pub pos: usize,
-}
-
-/// Every call of a run, in order.
-pub fn schedule(cfg: &Config) -> Vec<Call> {
-    let phases = [
-        (Phase::Correctness, cfg.correctness_steps),
-        (Phase::Timed, cfg.timed_steps),
-        (Phase::Throughput, cfg.timed_steps),
-        (Phase::Profiled, cfg.profiled_steps),
-    ];
-    let mut calls = Vec::new();
-    for (phase, steps) in phases {
-        for s in 0..steps {
-            calls.push(Call { index: calls.len(), phase, pos: cfg.prefill + s });
-        }
-    }
-    calls
-}
+pub use spec::{Call, Phase, schedule};
 
 /// How one call's output compares with the reference's.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -292,23 +254,12 @@ mod tests {
     }
 
     fn call(i: usize) -> Call {
-        Call { index: i, phase: Phase::Timed, pos: 4096 + i }
+        Call { index: i, phase: Phase::Timed, pos: 4096 + i, input: spec::Input::Fresh }
     }
 
     const CLEAN_CACHE: CacheCheck =
         CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(1e-3) };
     const INTACT: Integrity = Integrity { weight_vectors_changed: 0, inputs_changed: 0 };
-
-    #[test]
-    fn schedule_restarts_each_phase_at_prefill() {
-        let cfg = Config::graded();
-        let calls = schedule(&cfg);
-        assert_eq!(calls.len(), 8 + 32 + 32 + 4);
-        assert!(calls.iter().enumerate().all(|(i, c)| c.index == i));
-        let timed: Vec<usize> = calls.iter().filter(|c| c.phase == Phase::Timed).map(|c| c.pos).collect();
-        assert_eq!(timed, (4096..4128).collect::<Vec<_>>());
-        assert!(calls.iter().all(|c| c.pos < cfg.max_seq_len));
-    }
 
     #[test]
     fn two_kernels_at_share_096_pass_and_a_split_at_082_fails() {
