@@ -2,7 +2,7 @@
 //! written), a read-only stream beside it, and the driver's device-to-device copy as a cross-check,
 //! over buffers far larger than L2, warmed up and repeated.
 
-use cuda::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceSlice, LaunchConfig, PushKernelArg};
 use cuda::kernels::BANDWIDTH;
 use cuda::{Context, CudaError, Device};
 use half::bf16;
@@ -55,40 +55,90 @@ pub fn measure(dev: &Device, buffer_bytes: u64, reps: usize) -> Result<Bandwidth
     let src = reference::gpu::data::fill_normal(dev, vectors * 8, 0xB4_4D, 0.0, 1.0)?;
     // SAFETY: written by the first copy before anything reads it.
     let mut dst = unsafe { dev.stream().alloc::<bf16>(vectors * 8) }.context("allocating the copy destination")?;
-    let copy = dev.function(&BANDWIDTH, "copy_u4")?;
-    let read = dev.function(&BANDWIDTH, "read_u4")?;
-    // One wave of resident blocks: a second, partial wave would leave SMs idle at the end.
-    let resident =
-        copy.occupancy_max_active_blocks_per_multiprocessor(STREAM_BLOCK, 0, None).context("reading occupancy")?;
-    let cfg = LaunchConfig {
-        grid_dim: (resident * dev.facts().sms as u32, 1, 1),
-        block_dim: (STREAM_BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let kernels = StreamKernels::load(dev)?;
+    let cfg = kernels.wave;
     let mut sink = dev.stream().alloc_zeros::<u32>(cfg.grid_dim.0 as usize).context("allocating the sink")?;
-    let n = vectors as u64;
 
-    let copy_once = |dst: &mut CudaSlice<bf16>| -> Result<(), CudaError> {
-        let mut b = dev.stream().launch_builder(&copy);
-        b.arg(dst).arg(&src).arg(&n);
-        // SAFETY: copy_u4(dst, src, n): both buffers hold n 16-byte vectors.
-        unsafe { b.launch(cfg) }.map(drop).context("launching copy_u4")
-    };
-    let read_once = |sink: &mut CudaSlice<u32>| -> Result<(), CudaError> {
-        let mut b = dev.stream().launch_builder(&read);
-        b.arg(sink).arg(&src).arg(&n);
-        // SAFETY: read_u4(sink, src, n): sink holds one word per block.
-        unsafe { b.launch(cfg) }.map(drop).context("launching read_u4")
-    };
-
-    let copy_tbps = timed(dev, reps, 2 * bytes, || copy_once(&mut dst))?;
+    let copy_tbps = timed(dev, reps, 2 * bytes, || kernels.copy(dev, &mut dst, &src.as_view(), cfg))?;
     check_copy(dev, &src, &dst)?;
-    let read_tbps = timed(dev, reps, bytes, || read_once(&mut sink))?;
+    let read_tbps = timed(dev, reps, bytes, || kernels.read(dev, &mut sink, &src.as_view(), cfg))?;
     let driver_copy_tbps = timed(dev, reps, 2 * bytes, || {
         dev.stream().memcpy_dtod(&src, &mut dst).context("driver device-to-device copy")
     })?;
     let floor_tbps = copy_tbps.median.max(driver_copy_tbps.median);
     Ok(Bandwidth { buffer_bytes: bytes, copy_tbps, read_tbps, driver_copy_tbps, floor_tbps })
+}
+
+/// The two stream kernels of kernels/bandwidth.cu, and the launch shape that fills the card once.
+pub struct StreamKernels {
+    copy: CudaFunction,
+    read: CudaFunction,
+    /// One wave of resident [`STREAM_BLOCK`]-thread blocks: a second, partial wave would leave SMs
+    /// idle at the end.
+    pub wave: LaunchConfig,
+}
+
+/// The stream kernels move 16-byte vectors.
+const VECTOR_BYTES: usize = 16;
+
+impl StreamKernels {
+    pub fn load(dev: &Device) -> Result<StreamKernels, CudaError> {
+        let copy = dev.function(&BANDWIDTH, "copy_u4")?;
+        let read = dev.function(&BANDWIDTH, "read_u4")?;
+        let resident =
+            copy.occupancy_max_active_blocks_per_multiprocessor(STREAM_BLOCK, 0, None).context("reading occupancy")?;
+        let wave = LaunchConfig {
+            grid_dim: (resident * dev.facts().sms as u32, 1, 1),
+            block_dim: (STREAM_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        Ok(StreamKernels { copy, read, wave })
+    }
+
+    /// A launch of `blocks` [`STREAM_BLOCK`]-thread blocks.
+    pub fn grid(blocks: u32) -> LaunchConfig {
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (STREAM_BLOCK, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// Enqueues `dst = src` (all of `src`, a whole number of 16-byte vectors) on the device's stream.
+    pub fn copy<T>(
+        &self,
+        dev: &Device,
+        dst: &mut CudaSlice<T>,
+        src: &CudaView<'_, T>,
+        cfg: LaunchConfig,
+    ) -> Result<(), CudaError> {
+        let n = vector_count(src.num_bytes());
+        assert!(dst.num_bytes() >= src.num_bytes(), "copy_u4: the destination is smaller than the source");
+        let mut b = dev.stream().launch_builder(&self.copy);
+        b.arg(dst).arg(src).arg(&n);
+        // SAFETY: copy_u4(dst, src, n): both buffers hold at least n 16-byte vectors (asserted).
+        unsafe { b.launch(cfg) }.map(drop).context("launching copy_u4")
+    }
+
+    /// Enqueues a read of all of `src` (a whole number of 16-byte vectors) on the device's stream,
+    /// folded into one word per block of `sink`.
+    pub fn read<T>(
+        &self,
+        dev: &Device,
+        sink: &mut CudaSlice<u32>,
+        src: &CudaView<'_, T>,
+        cfg: LaunchConfig,
+    ) -> Result<(), CudaError> {
+        let n = vector_count(src.num_bytes());
+        assert!(sink.len() >= cfg.grid_dim.0 as usize, "read_u4: the sink has fewer words than the grid has blocks");
+        let mut b = dev.stream().launch_builder(&self.read);
+        b.arg(sink).arg(src).arg(&n);
+        // SAFETY: read_u4(sink, src, n): src holds n 16-byte vectors, sink one word per block
+        // (asserted).
+        unsafe { b.launch(cfg) }.map(drop).context("launching read_u4")
+    }
+}
+
+/// 16-byte vectors in `bytes`, which must be a whole number of them.
+fn vector_count(bytes: usize) -> u64 {
+    assert!(bytes % VECTOR_BYTES == 0, "the stream kernels move whole 16-byte vectors; {bytes} bytes is not");
+    (bytes / VECTOR_BYTES) as u64
 }
 
 /// TB/s of `reps` timed runs of `f` after [`WARMUP`] untimed ones, each moving `bytes`.
