@@ -30,6 +30,8 @@ pub struct DeviceFacts {
     pub cooperative_launch: bool,
     /// `cuDriverGetVersion`, e.g. 13000 for CUDA 13.0.
     pub driver_cuda_version: i32,
+    /// `cuDeviceGetPCIBusId`: how NVML finds the same card.
+    pub pci_bus_id: String,
 }
 
 /// An open GPU: its context, the stream everything runs on, and the kernel modules loaded so far.
@@ -156,6 +158,13 @@ fn read_facts(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<DeviceFacts, Cud
     // SAFETY: cuDriverGetVersion writes one int through a valid pointer.
     let rc = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
     rc.result().context("reading the driver version")?;
+    let mut bus = [0 as std::ffi::c_char; 64];
+    // SAFETY: writes at most `bus.len()` bytes, NUL-terminated, for a valid device ordinal.
+    unsafe { cudarc::driver::sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, ordinal as i32) }
+        .result()
+        .context("reading the PCI bus id")?;
+    // SAFETY: NUL-terminated by the driver within the buffer.
+    let pci_bus_id = unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned();
     Ok(DeviceFacts {
         ordinal,
         name: ctx.name().context("reading the device name")?,
@@ -170,5 +179,6 @@ fn read_facts(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<DeviceFacts, Cud
         max_smem_optin_bytes: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
         cooperative_launch: attr(Attr::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)? != 0,
         driver_cuda_version: driver,
+        pci_bus_id,
     })
 }

@@ -4,6 +4,7 @@
 
 mod device;
 mod error;
+pub mod ipc;
 pub mod kernels;
 
 pub use cudarc;

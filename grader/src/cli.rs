@@ -54,6 +54,9 @@ pub struct ConfigArg {
     pub config: String,
 }
 
+/// The arguments of `run`.
+pub type RunArgs = SubmissionArgs;
+
 #[derive(Debug, Args)]
 pub struct SubmissionArgs {
     /// Submission to judge: a built-in name (reference, megakernel) or the path of a shared library.
@@ -70,6 +73,10 @@ pub struct SubmissionArgs {
     /// Print only the verdict line on stderr.
     #[arg(long)]
     pub quiet: bool,
+    /// (run) Fail the run when the DRAM-traffic audit cannot run (no access to hardware counters);
+    /// a leaderboard sets this.
+    #[arg(long)]
+    pub require_audit: bool,
     /// (run) Also write config, weights, KV prefix, every input and both sides' outputs here as
     /// safetensors with a manifest, to re-check the verdict outside the grader.
     #[arg(long, value_name = "DIR")]

@@ -9,7 +9,7 @@ use spec::Config;
 use submission::Layer;
 
 use crate::cli::SubmissionArgs;
-use crate::cupti::{Activity, ActivityKind, Recorder};
+use crate::cupti::{self, Activity, ActivityKind, CallWindow, Recording, Tag};
 use crate::error::{GraderError, Outcome};
 use crate::run::Progress;
 
@@ -27,17 +27,20 @@ pub fn command(device: usize, args: &SubmissionArgs) -> Result<Outcome, GraderEr
     sub.build_layer(&dev, Layer { weights: &weights, cache: &mut cache }, &cfg)?;
     let input_seed: u64 = rand::random();
     let mut out = dev.stream().alloc_zeros(cfg.batch * cfg.d).context("allocating the output")?;
-    let mut activities = Vec::new();
-    for s in 0..=WARMUP_STEPS {
-        let x = generate_input(&dev, &cfg, input_seed, s)?;
+    let xs = (0..=WARMUP_STEPS).map(|s| generate_input(&dev, &cfg, input_seed, s)).collect::<Result<Vec<_>, _>>()?;
+    dev.synchronize()?;
+    let recording = Recording::start()?;
+    let mut windows = Vec::new();
+    for (s, x) in xs.iter().enumerate() {
+        cupti::set_current(Tag::Call(s));
+        let start_ns = cupti::timestamp()?;
+        sub.layer_step(&dev, Layer { weights: &weights, cache: &mut cache }, x, cfg.prefill + s, &mut out)?;
         dev.synchronize()?;
-        let recorder = (s == WARMUP_STEPS).then(Recorder::start).transpose()?;
-        sub.layer_step(&dev, Layer { weights: &weights, cache: &mut cache }, &x, cfg.prefill + s, &mut out)?;
-        dev.synchronize()?;
-        if let Some(r) = recorder {
-            activities = r.stop()?;
-        }
+        windows.push(CallWindow { start_ns, end_ns: cupti::timestamp()? });
     }
+    cupti::set_current(Tag::Outside);
+    let mut record = cupti::record::attribute(recording.finish()?, &windows, |_| Vec::new(), Vec::new());
+    let activities = record.activities.pop().unwrap_or_default();
     sub.teardown();
     eprint!("{}", table(sub.name(), &activities));
     Ok(Outcome::Pass)

@@ -29,12 +29,18 @@ pub struct ByteModel {
 }
 
 impl ByteModel {
+    /// The floor's byte model: a call at the deepest timed position.
     pub fn of(cfg: &Config) -> Self {
+        Self::at(cfg, cfg.deepest_timed_pos())
+    }
+
+    /// What a call at position `pos` must move (it attends over positions `0 ..= pos`).
+    pub fn at(cfg: &Config, pos: usize) -> Self {
         let (d, ffn) = (cfg.d as u64, cfg.ffn as u64);
         let (q, kv) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
         let matrices = BF16_BYTES * (q * d + 2 * kv * d + d * q + 3 * ffn * d);
         let norms = BF16_BYTES * 2 * d;
-        let positions = cfg.deepest_timed_pos() as u64 + 1;
+        let positions = pos as u64 + 1;
         let kv_read = BF16_BYTES * 2 * kv * positions * cfg.batch as u64;
         let kv_append = BF16_BYTES * 2 * kv * cfg.batch as u64;
         let activations = BF16_BYTES * 2 * d * cfg.batch as u64;

@@ -43,7 +43,7 @@ pub enum Tensor {
 }
 
 /// One layer's nine weights, each a `T`: host vectors for the golden model, device buffers for the GPU.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerWeights<T> {
     pub in_norm: T,
     pub post_norm: T,
@@ -70,6 +70,37 @@ impl<T> LayerWeights<T> {
             up: f(Tensor::Wup)?,
             down: f(Tensor::Wdown)?,
         })
+    }
+
+    /// Each weight through `f`, in the order of [`Tensor::WEIGHTS`].
+    pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> LayerWeights<U> {
+        LayerWeights {
+            in_norm: f(self.in_norm),
+            post_norm: f(self.post_norm),
+            q: f(self.q),
+            k: f(self.k),
+            v: f(self.v),
+            o: f(self.o),
+            gate: f(self.gate),
+            up: f(self.up),
+            down: f(self.down),
+        }
+    }
+
+    /// The weight `t` (not a cache tensor), to change.
+    pub fn get_mut(&mut self, t: Tensor) -> &mut T {
+        match t {
+            Tensor::InNorm => &mut self.in_norm,
+            Tensor::PostNorm => &mut self.post_norm,
+            Tensor::Wq => &mut self.q,
+            Tensor::Wk => &mut self.k,
+            Tensor::Wv => &mut self.v,
+            Tensor::Wo => &mut self.o,
+            Tensor::Wgate => &mut self.gate,
+            Tensor::Wup => &mut self.up,
+            Tensor::Wdown => &mut self.down,
+            Tensor::KCache | Tensor::VCache => panic!("{} is a cache tensor", t.name()),
+        }
     }
 
     /// The weight `t` (not a cache tensor).

@@ -1,14 +1,15 @@
-//! After a run: the submission's cache against the reference's, and (in the runner, on the device)
-//! the read-only buffers (weights, inputs) against pristine copies.
+//! After a run, from the judge's own mapping of the shared buffers: the submission's cache against
+//! the reference's, and the read-only buffers (weights, inputs) against what the judge put there.
 
 use cuda::cudarc::driver::{CudaSlice, PushKernelArg};
 use cuda::kernels::VERIFY;
 use cuda::{Context, CudaError, Device, grid_1d};
 use half::bf16;
 use reference::gpu::DeviceWeights;
-use spec::{Config, Tensor};
+use spec::{Call, Config, Input, Tensor};
 
-use super::verdict::{CacheCheck, Integrity};
+use super::gates::{CacheCheck, Integrity};
+use super::shared::SharedData;
 use crate::metrics::{rel_err, to_f32};
 
 /// Threads per block of the comparison kernel.
@@ -29,21 +30,24 @@ pub fn vectors_differing(dev: &Device, a: &CudaSlice<bf16>, b: &CudaSlice<bf16>)
     Ok(dev.stream().clone_dtoh(&count).context("reading the counter")?[0])
 }
 
-/// The weights against the judge's pristine copy, and each input `x` against the judge's copy.
+/// The shared weights against the judge's pristine copy, and each fresh input against what the
+/// judge handed over (a chained input is an earlier output, which its own call's check covers).
 pub fn integrity(
     dev: &Device,
-    weights: &DeviceWeights,
+    shared: &SharedData,
     pristine: &DeviceWeights,
-    inputs: &[CudaSlice<bf16>],
-    judge_inputs: &[CudaSlice<bf16>],
+    calls: &[Call],
+    inputs: &[Vec<bf16>],
 ) -> Result<Integrity, CudaError> {
     let mut weight_vectors_changed = 0;
     for &t in Tensor::WEIGHTS {
-        weight_vectors_changed += vectors_differing(dev, weights.get(t), pristine.get(t))?;
+        weight_vectors_changed += vectors_differing(dev, shared.weights.get(t), pristine.get(t))?;
     }
     let mut inputs_changed = 0;
-    for (x, judge) in inputs.iter().zip(judge_inputs) {
-        inputs_changed += usize::from(vectors_differing(dev, x, judge)? > 0);
+    for c in calls.iter().filter(|c| c.input == Input::Fresh) {
+        let now = dev.stream().clone_dtoh(&*shared.inputs[c.index]).context("reading a shared input")?;
+        let same = now.iter().zip(&inputs[c.index]).all(|(a, b)| a.to_bits() == b.to_bits());
+        inputs_changed += usize::from(!same);
     }
     Ok(Integrity { weight_vectors_changed, inputs_changed })
 }

@@ -18,8 +18,8 @@ use serde::Serialize;
 use spec::{Config, Tensor};
 
 use super::report::Seeds;
-use super::verdict::Call;
 use crate::error::GraderError;
+use spec::Call;
 
 /// What `manifest.json` holds.
 #[derive(Serialize)]

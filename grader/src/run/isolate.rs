@@ -1,30 +1,37 @@
-//! The judge's side of isolation: starts the runner (this same binary, `grader runner`) as a child
-//! process, hands it the job on stdin, and listens to its events with a watchdog. A child that dies,
-//! reports a failure, or goes quiet for too long ends the run with status `crashed` or `timeout`; the
-//! judge itself, and the GPU, stay usable (the driver tears the child's context down with it).
+//! The judge's side of isolation: starts the runner (this same binary, `grader runner`) with its
+//! two private descriptors (the report channel and the control page), drives it command by command
+//! under a watchdog, and watches the device for other processes while it lives. A runner that dies,
+//! fails, or goes quiet ends the run with status `crashed` or `timeout`; the judge itself, and the
+//! GPU, stay usable (the driver tears the runner's context down with it).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{self, RecvTimeoutError};
-use std::thread;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, ChildStderr, Command as Process, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use half::bf16;
 use serde::Serialize;
-use spec::Config;
 
-use super::Progress;
-use super::runner::{Event, Finished, Job};
-use super::verdict::Phase;
+use super::channel::{CONTROL_FD, Collector, Message, REPORT_FD};
+use super::control::{Command, Control, Status};
+use super::runner::{Finished, Job};
+use super::sandbox::SECCOMP_KILL_SIGNAL;
+use super::watch::{ProcessWatch, Watched};
 use crate::error::GraderError;
 
-/// Longest wait for the runner to generate the data and build the submission.
-const BUILD_TIMEOUT: Duration = Duration::from_secs(180);
-/// Longest silence between two events once the calls have started (a graded step takes
-/// milliseconds; a phase of them well under a second).
-const EVENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest wait for the runner to start (open the device, map the region, switch the recording on).
+pub const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest wait for `build_layer` (a JIT compiler may run there).
+pub const BUILD_TIMEOUT: Duration = Duration::from_secs(180);
+/// Longest wait for one command of calls, teardown or the report.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Lines of the runner's stderr kept for a crash report.
 const STDERR_TAIL_LINES: usize = 12;
+/// How long the judge lets the runner's last stderr lines arrive after it exited.
+const STDERR_SETTLE: Duration = Duration::from_millis(100);
+/// How long a runner that reported a failure gets to exit before it is killed.
+const EXIT_GRACE: Duration = Duration::from_secs(5);
 
 /// How an isolated run ended when it did not finish.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -36,116 +43,250 @@ pub enum Failure {
     Timeout(String),
 }
 
-/// A finished isolated run: the runner's report and what it left in the results file.
-pub struct Completed {
-    pub finished: Finished,
-    pub outputs: Vec<Vec<bf16>>,
-    pub cache_k: Vec<bf16>,
-    pub cache_v: Vec<bf16>,
-    /// The judge's own clock over the timed phase: from its start event to the next phase's.
-    pub timed_wall_us: f64,
+/// When the judge posted a command and when it saw the acknowledgement.
+#[derive(Debug, Clone, Copy)]
+pub struct Stamps {
+    pub posted: Instant,
+    pub acked: Instant,
 }
 
-/// Runs `job` in a child process under the watchdog.
-pub fn run(job: &Job, progress: &Progress) -> Result<Result<Completed, Failure>, GraderError> {
-    let exe =
-        std::env::current_exe().map_err(|e| GraderError::Runner(format!("cannot find the grader binary: {e}")))?;
-    let mut child = Command::new(exe)
-        .arg("runner")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| GraderError::Runner(format!("cannot start the runner process: {e}")))?;
-    let job_line = serde_json::to_string(job).expect("the job serialises") + "\n";
-    {
-        let mut stdin = child.stdin.take().expect("piped");
-        // A runner that died at once cannot read its job; its exit is reported below.
-        let _ = stdin.write_all(job_line.as_bytes());
+impl Stamps {
+    pub fn us(&self) -> f64 {
+        self.acked.duration_since(self.posted).as_secs_f64() * 1e6
     }
-    let (tx, rx) = mpsc::channel();
-    let stdout = child.stdout.take().expect("piped");
-    thread::spawn(move || {
-        // Each line is stamped as it arrives, so the judge's clock over a phase does not depend on
-        // when the main thread gets to it.
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send((Instant::now(), line)).is_err() {
-                break;
-            }
-        }
-    });
-    let mut stderr = child.stderr.take().expect("piped");
-    let stderr_reader = thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
+}
 
-    let mut deadline = BUILD_TIMEOUT;
-    let mut last = "start".to_string();
-    let mut timed_start: Option<Instant> = None;
-    let mut timed_wall_us = 0.0;
-    let outcome = loop {
-        match rx.recv_timeout(deadline) {
-            Err(RecvTimeoutError::Timeout) => {
-                kill(&mut child);
-                break Err(Failure::Timeout(format!(
-                    "no word from the submission for {} s after {last}: the runner was killed",
-                    deadline.as_secs()
-                )));
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                let status = child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
-                let tail = tail(&stderr_reader.join().unwrap_or_default());
-                return Ok(Err(Failure::Crashed(format!("the runner died ({status}) after {last}{tail}"))));
-            }
-            Ok((arrived, line)) => match serde_json::from_str::<Event>(&line) {
-                Err(_) => last = format!("an unreadable line from the runner: {line:.120}"),
-                Ok(Event::Generated) => {
-                    progress.say("runner: data generated, build_layer");
-                    last = "data generation".into();
-                }
-                Ok(Event::Built { build_s }) => {
-                    progress.say(&format!("runner: build_layer took {build_s:.2} s"));
-                    last = "build_layer".into();
-                    deadline = EVENT_TIMEOUT;
-                }
-                Ok(Event::Phase { phase, calls }) => {
-                    if let Some(start) = timed_start.take() {
-                        timed_wall_us = arrived.duration_since(start).as_secs_f64() * 1e6;
-                    }
-                    if phase == Phase::Timed {
-                        timed_start = Some(arrived);
-                    }
-                    progress.say(&format!("{}: {calls} {phase:?} steps", job.submission));
-                    last = format!("the start of the {phase:?} phase");
-                }
-                Ok(Event::Failed { message }) => {
-                    let _ = child.wait();
-                    break Err(Failure::Crashed(message));
-                }
-                Ok(Event::Done(finished)) => {
-                    let _ = child.wait();
-                    break Ok(finished);
-                }
-            },
+/// A live runner.
+pub struct Runner {
+    child: Child,
+    control: Control,
+    seq: u64,
+    collector: Option<Collector>,
+    stderr: Option<Arc<Mutex<String>>>,
+    watch: Option<ProcessWatch>,
+    /// What the runner was last asked, for the messages of a crash or a timeout.
+    last: &'static str,
+}
+
+impl Runner {
+    /// Starts the runner on `job` (it maps the region and switches the recording on; wait for it
+    /// with a [`Command::Ping`]) and starts watching the device at `pci_bus_id`.
+    pub fn start(job: &Job, pci_bus_id: &str) -> Result<Runner, GraderError> {
+        let exe =
+            std::env::current_exe().map_err(|e| GraderError::Runner(format!("cannot find the grader binary: {e}")))?;
+        let control = Control::create().map_err(|e| GraderError::Runner(format!("creating the control page: {e}")))?;
+        let (read_end, write_end) =
+            pipe().map_err(|e| GraderError::Runner(format!("creating the report channel: {e}")))?;
+        let (report_fd, control_fd) = (write_end.as_raw_fd(), control.raw_fd());
+        let mut process = Process::new(exe);
+        process.arg("runner").stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::piped());
+        // SAFETY: only async-signal-safe calls (fcntl, dup2) run between fork and exec.
+        unsafe { process.pre_exec(move || place_descriptors(&[(report_fd, REPORT_FD), (control_fd, CONTROL_FD)])) };
+        let mut child =
+            process.spawn().map_err(|e| GraderError::Runner(format!("cannot start the runner process: {e}")))?;
+        drop(write_end);
+        let job_line = serde_json::to_string(job).expect("the job serialises") + "\n";
+        if let Some(mut stdin) = child.stdin.take() {
+            // A runner that died at once cannot read its job; its exit is reported by the first command.
+            let _ = stdin.write_all(job_line.as_bytes());
         }
-    };
-    let finished = match outcome {
-        Ok(f) => f,
-        Err(failure) => return Ok(Err(failure)),
-    };
-    let bytes = std::fs::read(&job.results)
-        .map_err(|e| GraderError::Runner(format!("reading the runner's results {}: {e}", job.results.display())))?;
-    let _ = std::fs::remove_file(&job.results);
-    let (outputs, cache_k, cache_v) = split_results(&job.config, &bytes)?;
-    Ok(Ok(Completed { finished, outputs, cache_k, cache_v, timed_wall_us }))
+        let stderr = child.stderr.take().map(tail_reader);
+        let watch = ProcessWatch::start(pci_bus_id.to_string(), vec![std::process::id(), child.id()]);
+        Ok(Runner {
+            child,
+            control,
+            seq: 0,
+            collector: Some(Collector::start(read_end)),
+            stderr,
+            watch: Some(watch),
+            last: "its start",
+        })
+    }
+
+    /// Posts `kind` and waits for the runner to acknowledge it, at most `timeout`.
+    pub fn command(&mut self, kind: Command, arg0: u64, arg1: u64, timeout: Duration) -> Result<Stamps, Failure> {
+        self.seq += 1;
+        let seq = self.seq;
+        let posted = Instant::now();
+        self.control.post(seq, kind, arg0, arg1);
+        let child = &mut self.child;
+        let mut exited = false;
+        let seen = self.control.wait_ack(seq, || {
+            exited = matches!(child.try_wait(), Ok(Some(_)));
+            exited || posted.elapsed() > timeout
+        });
+        let what = self.last;
+        self.last = describe(kind);
+        match seen {
+            Some((acked, Status::Ok)) => Ok(Stamps { posted, acked }),
+            Some((_, Status::Failed)) => Err(self.failed_report(what)),
+            None if exited => Err(self.died(what)),
+            None => {
+                kill(&mut self.child);
+                Err(Failure::Timeout(format!(
+                    "no word from the submission for {} s during {}: the runner was killed",
+                    timeout.as_secs(),
+                    describe(kind)
+                )))
+            }
+        }
+    }
+
+    /// Asks for the report with `nonce`, waits for the runner to exit, and reads the one message.
+    pub fn finish(mut self, nonce: u64) -> (Result<Finished, Failure>, Watched) {
+        let outcome = self.command(Command::Report, nonce, 0, CALL_TIMEOUT).and_then(|_| {
+            let status = wait_exit(&mut self.child);
+            let collector = self.collector.take().expect("collected once");
+            match collector.message(Some(nonce)) {
+                Ok(Message::Finished(f)) if status.is_some_and(|s| s.success()) => Ok(*f),
+                Ok(Message::Finished(_)) => Err(Failure::Crashed(format!(
+                    "the runner reported, then ended with {}",
+                    status.map_or("no exit".into(), |s| s.to_string())
+                ))),
+                Ok(Message::Failed { message }) => Err(Failure::Crashed(message)),
+                Err(channel) => Err(Failure::Crashed(channel)),
+            }
+        });
+        let watched = self.stop_watch();
+        (outcome, watched)
+    }
+
+    /// Ends the runner after a failure; returns what the watch saw.
+    pub fn abandon(mut self) -> Watched {
+        kill(&mut self.child);
+        self.stop_watch()
+    }
+
+    fn stop_watch(&mut self) -> Watched {
+        self.watch.take().map(ProcessWatch::stop).expect("stopped once")
+    }
+
+    /// The runner acknowledged a failure: it wrote why on its channel and exits.
+    fn failed_report(&mut self, during: &str) -> Failure {
+        let _ = wait_exit(&mut self.child);
+        match self.collector.take().map(|c| c.message(None)) {
+            Some(Ok(Message::Failed { message })) => Failure::Crashed(message),
+            Some(Err(channel)) => Failure::Crashed(format!("the runner failed after {during}, and {channel}")),
+            _ => Failure::Crashed(format!("the runner failed after {during}{}", self.stderr_tail())),
+        }
+    }
+
+    /// The runner died without acknowledging.
+    fn died(&mut self, during: &str) -> Failure {
+        let status = wait_exit(&mut self.child);
+        let tail = self.stderr_tail();
+        if status.and_then(|s| s.signal()) == Some(SECCOMP_KILL_SIGNAL) {
+            return Failure::Crashed(format!(
+                "the submission tried to start a process during the calls (after {during}): the runner's seccomp \
+                 filter stopped it (SIGSYS); processes may only be started in build_layer{tail}"
+            ));
+        }
+        let message = self.collector.take().and_then(|c| match c.message(None) {
+            Ok(Message::Failed { message }) => Some(message),
+            _ => None,
+        });
+        match message {
+            Some(m) => Failure::Crashed(m),
+            None => Failure::Crashed(format!(
+                "the runner died ({}) after {during}{tail}",
+                status.map_or("no exit status".into(), |s| s.to_string())
+            )),
+        }
+    }
+
+    fn stderr_tail(&mut self) -> String {
+        // The last lines reach the reader just after the runner's exit.
+        std::thread::sleep(STDERR_SETTLE);
+        let text = self.stderr.as_ref().map(|t| t.lock().unwrap_or_else(|p| p.into_inner()).clone());
+        tail(&text.unwrap_or_default())
+    }
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        kill(&mut self.child);
+        if let Some(w) = self.watch.take() {
+            w.stop();
+        }
+    }
+}
+
+fn describe(kind: Command) -> &'static str {
+    match kind {
+        Command::Ping => "its start",
+        Command::Build => "build_layer",
+        Command::Calls => "a call of layer_step",
+        Command::Teardown => "teardown",
+        Command::Report => "its report",
+    }
+}
+
+/// A pipe whose two ends are closed on exec (the child gets its end through `place_descriptors`).
+fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors through a valid pointer.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: two fresh descriptors owned by nothing else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// In the child, between fork and exec: puts each `from` descriptor at `to`, open across exec.
+/// Each is first copied above the targets, so no placement overwrites a descriptor still to move.
+fn place_descriptors(moves: &[(RawFd, RawFd)]) -> std::io::Result<()> {
+    const ABOVE_TARGETS: RawFd = 64;
+    let mut staged = [0; 2];
+    for (slot, &(from, _)) in staged.iter_mut().zip(moves) {
+        // SAFETY: duplicates an open descriptor (async-signal-safe).
+        *slot = unsafe { libc::fcntl(from, libc::F_DUPFD_CLOEXEC, ABOVE_TARGETS) };
+        if *slot < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    for (&tmp, &(_, to)) in staged.iter().zip(moves) {
+        // SAFETY: dup2 onto a fixed number clears close-on-exec on the copy (async-signal-safe).
+        if unsafe { libc::dup2(tmp, to) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Collects the runner's stderr as it comes: a process the submission left behind may hold the
+/// stream open forever, so the judge reads what has arrived instead of waiting for its end.
+fn tail_reader(stderr: ChildStderr) -> Arc<Mutex<String>> {
+    let text = Arc::new(Mutex::new(String::new()));
+    let sink = text.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let mut t = sink.lock().unwrap_or_else(|p| p.into_inner());
+            t.push_str(&line);
+            t.push('\n');
+        }
+    });
+    text
 }
 
 fn kill(child: &mut Child) {
-    // Already gone is fine; anything else is the OS refusing, reported by wait() below.
+    // Already gone is fine; anything else is the OS refusing, seen by wait below.
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// Waits for the child to exit, killing it after a grace period.
+fn wait_exit(child: &mut Child) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) if start.elapsed() < EXIT_GRACE => std::thread::sleep(Duration::from_millis(1)),
+            _ => {
+                kill(child);
+                return child.try_wait().ok().flatten();
+            }
+        }
+    }
 }
 
 /// The last lines of the runner's stderr, as a suffix for a crash report.
@@ -155,20 +296,4 @@ fn tail(stderr: &str) -> String {
         return String::new();
     }
     format!("; its stderr ends: {}", lines[lines.len().saturating_sub(STDERR_TAIL_LINES)..].join(" | "))
-}
-
-/// The results file: every call's output, then K, then V, raw little-endian bf16.
-type Results = (Vec<Vec<bf16>>, Vec<bf16>, Vec<bf16>);
-
-fn split_results(cfg: &Config, bytes: &[u8]) -> Result<Results, GraderError> {
-    let calls = super::verdict::schedule(cfg).len();
-    let (row, cache) = (cfg.batch * cfg.d, cfg.cache_elems());
-    let want = 2 * (calls * row + 2 * cache);
-    if bytes.len() != want {
-        return Err(GraderError::Runner(format!("the runner's results hold {} bytes, not {want}", bytes.len())));
-    }
-    let values: Vec<bf16> = bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
-    let (outs, caches) = values.split_at(calls * row);
-    let (k, v) = caches.split_at(cache);
-    Ok((outs.chunks(row).map(<[bf16]>::to_vec).collect(), k.to_vec(), v.to_vec()))
 }

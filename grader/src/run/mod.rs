@@ -1,33 +1,51 @@
-//! `grader run`: judges one submission end to end, as DESIGN.md's eight steps: device facts,
-//! measured bandwidth, seeded data, untimed build, inputs from a fresh secret seed, the calls of
-//! every phase (each output in its own buffer), the reference's replay of the very same calls, and
-//! the gates.
+//! `grader run`: judges one submission end to end, as a pipeline of named stages:
 //!
-//! The submission runs in a child process (`runner`, under `isolate`'s watchdog) with its own copy of
-//! the data; this process, the judge, keeps the seeds, runs the eager reference on its own copy, and
-//! decides. A crash or a hang of the submission ends as a report, never as a crash of the judge.
+//! 1. **measure**: device facts and the bandwidths (copy for the floor, read-only for the timing
+//!    bound), before anything else touches the GPU;
+//! 2. **prepare**: the weights and the prefilled cache from the public seed, in a region of device
+//!    memory the judge owns and shares with the runner (`shared`);
+//! 3. **pace**: the runner (a child process, under a watchdog, watched on the device) builds the
+//!    submission; the judge hands each input over just in time, times each call on its own clock
+//!    and reads each output itself (`pace`); the runner reports what only it can record;
+//! 4. **replay**: the eager reference over the very same calls on the judge's private copies;
+//! 5. **compare and decide**: every output, the cache and the read-only buffers, then every gate
+//!    (`gates`), labelled with who measured what it rests on.
+//!
+//! The input seed never leaves the judge; the runner's word (CUPTI counts, hardware counters, the
+//! L2 state) is cross-checked against the judge's clock and the hardware, and said to be its word.
 
+mod channel;
 mod check;
+mod control;
 mod dump;
+pub mod gates;
 mod isolate;
+pub mod pace;
+mod replay;
 pub mod report;
 pub mod runner;
-pub mod verdict;
+mod sandbox;
+mod shared;
+pub mod watch;
 
 use std::time::Instant;
 
 use cuda::{Context, Device, DeviceFacts};
-use reference::gpu::{DeviceCache, Eager, generate_weights};
-use spec::{ByteModel, Config, Gates};
+use reference::gpu::{DeviceCache, generate_weights};
+use spec::{ByteModel, Call, Config, Gates, Phase};
 
-use crate::bandwidth;
-use crate::cli::SubmissionArgs;
+use crate::bandwidth::{self, Bandwidth};
+use crate::cli::RunArgs;
 use crate::error::{GraderError, Outcome};
 use crate::metrics::to_f32;
 use crate::stats::Summary;
+use gates::{StepCheck, correctness_gate};
+use isolate::Runner;
+use pace::Paced;
+use replay::Replayed;
 use report::{Performance, Report, Seeds};
-use runner::{Job, drive, inputs, poisoned_outputs};
-use verdict::StepCheck;
+use runner::{Finished, Job};
+use shared::SharedData;
 
 /// Bandwidth buffers of a run: 2 GiB each is 34x the H200's L2; 20 repetitions keep the median's
 /// spread under a percent (1 GiB x 10 moved the floor by 1-2% between runs).
@@ -52,20 +70,22 @@ impl Progress {
     }
 }
 
-/// Bytes of one copy of the weights.
-pub fn weight_bytes(cfg: &Config) -> u64 {
-    let b = ByteModel::of(cfg);
-    b.matrices + b.norms
+/// What the judge needs to know about how a run is to be judged.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    /// Fail a run whose DRAM traffic could not be audited.
+    pub require_audit: bool,
 }
 
-pub fn command(device: usize, args: &SubmissionArgs) -> Result<Outcome, GraderError> {
+pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     let cfg = Config::load(&args.config.config)?;
     // Refuse an unknown name here, with the list, before any process or GPU work.
     submission::check_name(&args.submission)?;
     let dev = Device::open(device)?;
     let progress = Progress::new(args.quiet);
     let seeds = Seeds { weights: args.seed, inputs: rand::random() };
-    let report = judge(&dev, &args.submission, &cfg, seeds, &progress, args.dump.as_deref())?;
+    let policy = Policy { require_audit: args.require_audit };
+    let report = judge(&dev, &args.submission, &cfg, seeds, policy, &progress, args.dump.as_deref())?;
     eprint!("{}", if args.quiet { report.verdict_line() } else { report.table() });
     let json = serde_json::to_string_pretty(&report).expect("the report serialises") + "\n";
     match &args.json {
@@ -81,121 +101,142 @@ pub fn judge(
     submission: &str,
     cfg: &Config,
     seeds: Seeds,
+    policy: Policy,
     progress: &Progress,
     dump_dir: Option<&std::path::Path>,
 ) -> Result<Report, GraderError> {
     let facts: DeviceFacts = dev.facts().clone();
     progress.say(&format!("{} ({} SMs), config '{}', submission '{submission}'", facts.name, facts.sms, cfg.name));
-    progress.say("measuring the copy bandwidth (the floor's denominator)");
+    progress.say("measuring the copy and read-only bandwidths (the floor and the timing bound)");
     let bw = bandwidth::measure(dev, RUN_BANDWIDTH_BYTES, RUN_BANDWIDTH_REPS)?;
-    let calls = verdict::schedule(cfg);
+    let calls = spec::schedule(cfg);
+
+    progress.say("generating the weights and the prefilled cache");
+    dev.require_free(reference::gpu::data::bytes_needed(cfg, calls.len()), "the judge's copy of the data")?;
+    let pristine = generate_weights(dev, cfg, seeds.weights)?;
+    let mut shared =
+        SharedData::create(dev, cfg, calls.len(), &pristine, &DeviceCache::generate(dev, cfg, seeds.weights)?)?;
 
     progress.say("starting the submission in its own process");
-    let results =
-        std::env::temp_dir().join(format!("grader-results-{}-{:016x}.bin", std::process::id(), rand::random::<u64>()));
     let job = Job {
         device: facts.ordinal,
         submission: submission.to_string(),
         config: cfg.clone(),
-        weights_seed: seeds.weights,
-        input_seed: seeds.inputs,
-        results,
+        region: shared.handle()?,
     };
-    let done = match isolate::run(&job, progress)? {
-        Ok(done) => done,
-        Err(failure) => return Ok(Report::not_finished(cfg.clone(), facts, seeds, submission, failure)),
-    };
+    let mut runner = Runner::start(&job, &facts.pci_bus_id)?;
+    let (paced, finished, watched) =
+        match pace::pace(&mut runner, dev, &mut shared, cfg, &calls, seeds.inputs, progress)? {
+            Err(failure) => {
+                let watched = runner.abandon();
+                return Ok(Report::not_finished(cfg.clone(), facts, seeds, submission, failure, watched));
+            }
+            Ok(paced) => match runner.finish(rand::random()) {
+                (Ok(finished), watched) => (paced, finished, watched),
+                (Err(failure), watched) => {
+                    return Ok(Report::not_finished(cfg.clone(), facts, seeds, submission, failure, watched));
+                }
+            },
+        };
 
-    // The reference replays the very same calls on the judge's own copies, after the submission's
-    // process is gone, so the two never share the GPU while one is timed.
-    progress.say("generating the judge's copy of the data");
-    dev.require_free(reference::gpu::data::bytes_needed(cfg, calls.len()), "the judge's copy of the data")?;
-    let weights = generate_weights(dev, cfg, seeds.weights)?;
-    let mut cache = DeviceCache::generate(dev, cfg, seeds.weights)?;
-    let xs = inputs(dev, cfg, seeds.inputs, calls.len())?;
-    let mut outs = poisoned_outputs(dev, cfg, calls.len())?;
-    let mut eager = Eager::new(dev, cfg)?;
-    let theirs = drive(
-        dev,
-        &calls,
-        |phase, n| progress.say(&format!("reference: {n} {phase:?} steps")),
-        |c| Ok(eager.step(dev, &weights, &mut cache, &xs[c.index], c.pos, &mut outs[c.index])?),
-        |_| Ok(()),
-    )?;
+    let replayed = replay::replay(dev, cfg, &pristine, seeds.weights, &calls, &paced.inputs, progress)?;
+    progress.say("comparing every call, the cache and the read-only buffers");
+    let steps: Vec<StepCheck> = calls
+        .iter()
+        .map(|c| {
+            StepCheck::of(
+                *c,
+                &to_f32(&paced.outputs[c.index]),
+                &to_f32(&replayed.outputs[c.index]),
+                &to_f32(&paced.inputs[c.index]),
+            )
+        })
+        .collect();
+    let read = |v| dev.stream().clone_dtoh(v).context("reading the shared cache");
+    let cache_check =
+        check::cache(cfg, (&read(&shared.cache.k)?, &read(&shared.cache.v)?), (&replayed.cache_k, &replayed.cache_v));
+    let integrity = check::integrity(dev, &shared, &pristine, &calls, &paced.inputs)?;
 
-    progress.say("comparing every step and the cache");
-    let read = |v| dev.stream().clone_dtoh(v).context("reading a reference tensor");
-    let mut judge_xs = Vec::with_capacity(calls.len());
-    let mut judge_outs = Vec::with_capacity(calls.len());
-    let mut steps = Vec::with_capacity(calls.len());
-    for c in &calls {
-        let (x, want) = (read(&xs[c.index])?, read(&outs[c.index])?);
-        steps.push(StepCheck::of(*c, &to_f32(&done.outputs[c.index]), &to_f32(&want), &to_f32(&x)));
-        judge_xs.push(x);
-        judge_outs.push(want);
+    let gates = Gates::TASK;
+    let model: Vec<u64> = calls.iter().map(|c| ByteModel::at(cfg, c.pos).total).collect();
+    let held = gates::physics::held_to_model(&calls, &model, facts.l2_bytes as u64);
+    let f = &finished;
+    let gate_list = vec![
+        correctness_gate(&steps, &cache_check, &integrity, &gates),
+        gates::launches::kernels_gate(&calls, &f.record.calls, &gates),
+        gates::launches::share_gate(&f.record.calls, &gates),
+        gates::launches::launch_record_gate(&calls, &f.record, &paced, &f.audit, &gates),
+        gates::environment::exclusive_gpu_gate(&watched),
+        gates::physics::bytes_read_gate(&f.audit, &model, &held, &paced, policy.require_audit, &gates),
+        gates::environment::l2_gate(&f.l2),
+        gates::physics::plausible_timing_gate(&calls, &paced, &f.runner_us, &model, &held, bw.read_tbps.median, &gates),
+    ];
+    let performance = performance(cfg, &calls, &paced, f, &replayed, bw)?;
+    let report = Report::judged(report::Judged {
+        config: cfg.clone(),
+        device: facts,
+        seeds,
+        submission: f.name.clone(),
+        gates: gate_list,
+        performance,
+        steps,
+        cache: cache_check,
+        integrity,
+        launches: report::Launches { submission: f.record.calls.clone(), reference: replayed.launches.clone() },
+        audit: f.audit.clone(),
+        watched,
+        call_us: paced.call_us.clone(),
+    });
+    if let Some(dir) = dump_dir {
+        progress.say(&format!("dumping weights, prefix, inputs and outputs to {}", dir.display()));
+        let data = dump::DumpData {
+            pristine: &pristine,
+            inputs: &paced.inputs,
+            outputs: &paced.outputs,
+            reference_outputs: &replayed.outputs,
+        };
+        dump::dump(dir, dev, cfg, seeds, &calls, data, report.verdict.passed, &report.verdict.failed_gates)?;
     }
-    let cache_check = check::cache(cfg, (&done.cache_k, &done.cache_v), (&read(&cache.k)?, &read(&cache.v)?));
+    Ok(report)
+}
 
-    let f = &done.finished;
+/// The speed figures, all on the judge's clock.
+fn performance(
+    cfg: &Config,
+    calls: &[Call],
+    paced: &Paced,
+    f: &Finished,
+    replayed: &Replayed,
+    bw: Bandwidth,
+) -> Result<Performance, GraderError> {
+    let timed: Vec<f64> =
+        calls.iter().filter(|c| c.phase == Phase::Timed).filter_map(|c| paced.call_us[c.index]).collect();
+    let step_us = Summary::of(&timed).ok_or_else(|| GraderError::Runner("no call was timed".into()))?;
+    // What the judge's clock adds to the runner's own for the same calls: signalling and pacing.
+    let overhead: Vec<f64> = f
+        .runner_us
+        .iter()
+        .filter(|(first, count, _)| *count == 1 && calls[*first].phase == Phase::Timed)
+        .filter_map(|&(first, _, us)| Some(paced.call_us[first]? - us))
+        .collect();
     let bytes = ByteModel::of(cfg);
-    let step_us =
-        Summary::of(&f.measured.step_us).ok_or_else(|| GraderError::Runner("it reported no timed step".into()))?;
     let floor_us = bytes.floor_us(bw.floor_bytes_per_s());
-    let performance = Performance {
+    let reference_timed: Vec<f64> =
+        calls.iter().filter(|c| c.phase == Phase::Timed).map(|c| replayed.call_us[c.index]).collect();
+    Ok(Performance {
         tokens_per_s: 1e6 / step_us.median,
         us_per_call: step_us.median,
         floor_us,
         x_floor: step_us.median / floor_us,
         achieved_tbps: bytes.total as f64 / (step_us.median * 1e-6) / 1e12,
-        throughput_us_per_call: f.measured.throughput_us_per_call,
+        throughput_us_per_call: paced.batch_us / paced.batch_calls.max(1) as f64,
         step_us,
-        reference_us_per_call: Summary::of(&theirs.step_us).map(|s| s.median),
+        signal_round_trip_us: paced.ping_us.clone(),
+        pacing_overhead_us: Summary::of(&overhead),
+        reference_us_per_call: Summary::of(&reference_timed).map(|s| s.median),
+        read_bound_us: bytes.total as f64 / (bw.read_tbps.median * 1e6) * (1.0 - Gates::TASK.read_ceiling_margin),
         bandwidth: bw,
         bytes,
-        build_s: f.build_s,
-        timed_wall_us: done.timed_wall_us,
-    };
-    let gates = Gates::TASK;
-    let profiled_kernel_us = f.measured.launches.iter().map(|l| l.kernel_ns as f64 / 1e3).fold(0.0, f64::max);
-    let timed_sum_us: f64 = f.measured.step_us.iter().sum();
-    let gate_list = vec![
-        verdict::correctness_gate(&steps, &cache_check, &f.integrity, &gates),
-        verdict::kernels_gate(&f.measured.launches, &gates),
-        verdict::share_gate(&f.measured.launches, &gates),
-        verdict::plausibility_gate(
-            &verdict::Timing {
-                x_floor: performance.x_floor,
-                profiled_kernel_us,
-                timed_median_us: performance.us_per_call,
-                timed_sum_us,
-                judge_wall_us: done.timed_wall_us,
-            },
-            &gates,
-        ),
-    ];
-    let report = Report::new(
-        cfg.clone(),
-        facts,
-        seeds,
-        &f.name,
-        gate_list,
-        performance,
-        steps,
-        cache_check,
-        f.integrity,
-        f.measured.launches.clone(),
-        theirs.launches,
-        f.measured.step_us.clone(),
-    );
-    if let Some(dir) = dump_dir {
-        progress.say(&format!("dumping weights, prefix, inputs and outputs to {}", dir.display()));
-        let data = dump::DumpData {
-            pristine: &weights,
-            inputs: &judge_xs,
-            outputs: &done.outputs,
-            reference_outputs: &judge_outs,
-        };
-        dump::dump(dir, dev, cfg, seeds, &calls, data, report.verdict.passed, &report.verdict.failed_gates)?;
-    }
-    Ok(report)
+        build_s: paced.build_s,
+    })
 }

@@ -7,14 +7,16 @@ use cuda::DeviceFacts;
 use serde::Serialize;
 use spec::{ByteModel, Config};
 
+use super::gates::{CacheCheck, Gate, Integrity, Source, StepCheck};
 use super::isolate::Failure;
-use super::verdict::{CacheCheck, Gate, Integrity, StepCheck};
+use super::runner::Audit;
+use super::watch::Watched;
 use crate::bandwidth::Bandwidth;
 use crate::cupti::StepLaunches;
 use crate::stats::Summary;
 
 /// Bumped whenever a field changes meaning or goes away.
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// The seeds of a run: the weights' is public; the inputs' is drawn fresh and disclosed afterwards.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -50,24 +52,30 @@ impl Meta {
     }
 }
 
+/// The speed figures, all on the judge's clock.
 #[derive(Debug, Clone, Serialize)]
 pub struct Performance {
     pub tokens_per_s: f64,
-    /// Median of the timed steps, each between two device-wide synchronisations.
+    /// Median of the timed calls, each run alone with the device idle and L2 flushed before it.
     pub us_per_call: f64,
     pub floor_us: f64,
     pub x_floor: f64,
     pub achieved_tbps: f64,
-    /// Back-to-back calls with one synchronisation at each end.
+    /// The back-to-back phase (each call's input the previous call's output, no flush, no
+    /// synchronisation between calls): its time per call.
     pub throughput_us_per_call: f64,
     pub step_us: Summary,
+    /// A no-op command's round trip between the judge and the runner: the clock's own cost.
+    pub signal_round_trip_us: Summary,
+    /// The judge's time of a timed call less the runner's own clock over the same call.
+    pub pacing_overhead_us: Option<Summary>,
     /// The eager reference's median on the same calls, for scale.
     pub reference_us_per_call: Option<f64>,
+    /// The fastest plausible call: the byte model at the read-only ceiling, less its margin.
+    pub read_bound_us: f64,
     pub bandwidth: Bandwidth,
     pub bytes: ByteModel,
     pub build_s: f64,
-    /// The judge's own clock over the runner's timed phase, for the timing cross-check.
-    pub timed_wall_us: f64,
 }
 
 /// How a run ended: judged (pass or fail by the gates), or cut short by the submission.
@@ -89,6 +97,8 @@ pub struct Verdict {
     pub failed_gates: Vec<&'static str>,
     /// Why a run was cut short (crashed, timeout).
     pub reason: Option<String>,
+    /// Why the DRAM traffic could not be audited, when it could not.
+    pub unaudited: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -97,7 +107,8 @@ pub struct Launches {
     pub reference: Vec<StepLaunches>,
 }
 
-/// The report. A run cut short has a verdict and the meta block, and nothing measured.
+/// The report. A run cut short has a verdict, the meta block and the process watch, and nothing
+/// measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     pub meta: Meta,
@@ -108,62 +119,82 @@ pub struct Report {
     pub steps: Vec<StepCheck>,
     pub cache: Option<CacheCheck>,
     pub integrity: Option<Integrity>,
-    /// Every timed step's time in microseconds, in call order.
-    pub raw_step_us: Vec<f64>,
+    /// The DRAM audit's counters per call (the runner's hardware counters), or why there are none.
+    pub audit: Option<Audit>,
+    /// The judge's watch of the device's processes.
+    pub watched: Watched,
+    /// Every call's time on the judge's clock in microseconds (null for the back-to-back calls).
+    pub raw_call_us: Vec<Option<f64>>,
+}
+
+/// What a judged run hands the report.
+pub struct Judged {
+    pub config: Config,
+    pub device: DeviceFacts,
+    pub seeds: Seeds,
+    pub submission: String,
+    pub gates: Vec<Gate>,
+    pub performance: Performance,
+    pub steps: Vec<StepCheck>,
+    pub cache: CacheCheck,
+    pub integrity: Integrity,
+    pub launches: Launches,
+    pub audit: Audit,
+    pub watched: Watched,
+    pub call_us: Vec<Option<f64>>,
 }
 
 impl Report {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        config: Config,
-        device: DeviceFacts,
-        seeds: Seeds,
-        submission: &str,
-        gates: Vec<Gate>,
-        performance: Performance,
-        steps: Vec<StepCheck>,
-        cache: CacheCheck,
-        integrity: Integrity,
-        mine: Vec<StepLaunches>,
-        reference: Vec<StepLaunches>,
-        raw_step_us: Vec<f64>,
-    ) -> Self {
-        let failed_gates: Vec<&'static str> = gates.iter().filter(|g| !g.passed).map(|g| g.name).collect();
+    pub fn judged(j: Judged) -> Self {
+        let failed_gates: Vec<&'static str> = j.gates.iter().filter(|g| !g.passed).map(|g| g.name).collect();
         let passed = failed_gates.is_empty();
+        let unaudited = j.audit.unavailable.clone();
         Self {
-            meta: Meta::new(config, device, seeds, submission),
+            meta: Meta::new(j.config, j.device, j.seeds, &j.submission),
             verdict: Verdict {
                 status: if passed { Status::Pass } else { Status::Fail },
                 passed,
                 failed_gates,
                 reason: None,
+                unaudited,
             },
-            gates,
-            performance: Some(performance),
-            launches: Launches { submission: mine, reference },
-            steps,
-            cache: Some(cache),
-            integrity: Some(integrity),
-            raw_step_us,
+            gates: j.gates,
+            performance: Some(j.performance),
+            launches: j.launches,
+            steps: j.steps,
+            cache: Some(j.cache),
+            integrity: Some(j.integrity),
+            audit: Some(j.audit),
+            watched: j.watched,
+            raw_call_us: j.call_us,
         }
     }
 
     /// The report of a run the submission cut short.
-    pub fn not_finished(config: Config, device: DeviceFacts, seeds: Seeds, submission: &str, failure: Failure) -> Self {
+    pub fn not_finished(
+        config: Config,
+        device: DeviceFacts,
+        seeds: Seeds,
+        submission: &str,
+        failure: Failure,
+        watched: Watched,
+    ) -> Self {
         let (status, reason) = match failure {
             Failure::Crashed(r) => (Status::Crashed, r),
             Failure::Timeout(r) => (Status::Timeout, r),
         };
         Self {
             meta: Meta::new(config, device, seeds, submission),
-            verdict: Verdict { status, passed: false, failed_gates: Vec::new(), reason: Some(reason) },
+            verdict: Verdict { status, passed: false, failed_gates: Vec::new(), reason: Some(reason), unaudited: None },
             gates: Vec::new(),
             performance: None,
             launches: Launches { submission: Vec::new(), reference: Vec::new() },
             steps: Vec::new(),
             cache: None,
             integrity: None,
-            raw_step_us: Vec::new(),
+            audit: None,
+            watched,
+            raw_call_us: Vec::new(),
         }
     }
 
@@ -171,9 +202,10 @@ impl Report {
     pub fn verdict_line(&self) -> String {
         let v = &self.verdict;
         let reason = v.reason.as_deref().unwrap_or("");
+        let unaudited = v.unaudited.as_deref().map_or(String::new(), |r| format!("  (unaudited: {r})"));
         match (v.status, &self.performance) {
             (Status::Pass, Some(p)) => {
-                format!("VERDICT: PASS  {:.1} tokens/s, {:.3}x floor\n", p.tokens_per_s, p.x_floor)
+                format!("VERDICT: PASS  {:.1} tokens/s, {:.3}x floor{unaudited}\n", p.tokens_per_s, p.x_floor)
             }
             (Status::Crashed, _) => format!("VERDICT: CRASHED  {reason}\n"),
             (Status::Timeout, _) => format!("VERDICT: TIMEOUT  {reason}\n"),
@@ -196,11 +228,23 @@ impl Report {
             "\npersistent-layer: submission '{}' on {}, config '{}'",
             m.submission, m.device.name, m.config.name
         );
-        let _ = writeln!(s, "  {:<18} {:>10} {:>10}  {:<6} detail", "gate", "measured", "limit", "status");
+        let _ = writeln!(s, "  {:<17} {:>10} {:>10}  {:<6} {:<8} detail", "gate", "measured", "limit", "status", "by");
         for g in &self.gates {
             let status = if g.passed { "PASS" } else { "FAIL" };
-            let _ =
-                writeln!(s, "  {:<18} {:>10} {:>10}  {:<6} {}", g.name, num(g.value), num(g.limit), status, g.detail);
+            let by = match g.source {
+                Source::Judge => "judge",
+                Source::Runner => "runner",
+                Source::Hardware => "counters",
+            };
+            let _ = writeln!(
+                s,
+                "  {:<17} {:>10} {:>10}  {:<6} {by:<8} {}",
+                g.name,
+                num(g.value),
+                num(g.limit),
+                status,
+                g.detail
+            );
         }
         let st = &p.step_us;
         let _ = writeln!(
@@ -213,13 +257,26 @@ impl Report {
             "  floor     {:.1} us = {} bytes / {:.3} TB/s measured copy  ->  {:.3}x floor, {:.2} TB/s achieved",
             p.floor_us, p.bytes.total, p.bandwidth.floor_tbps, p.x_floor, p.achieved_tbps
         );
-        let _ = writeln!(s, "  back-to-back {:.1} us/call; build_layer {:.2} s", p.throughput_us_per_call, p.build_s);
+        let _ = writeln!(
+            s,
+            "  back-to-back {:.1} us/call (chained inputs, no flush); read-only bound {:.1} us; build_layer {:.2} s",
+            p.throughput_us_per_call, p.read_bound_us, p.build_s
+        );
+        let _ = writeln!(
+            s,
+            "  clock     judge's own; signal round trip {:.1} us (median){}",
+            p.signal_round_trip_us.median,
+            p.pacing_overhead_us.as_ref().map_or(String::new(), |o| format!(
+                "; judge minus runner clock {:.1} us per timed call (median)",
+                o.median
+            ))
+        );
         let mean =
             |l: &[StepLaunches], f: fn(&StepLaunches) -> f64| l.iter().map(f).sum::<f64>() / l.len().max(1) as f64;
         let (mine, theirs) = (&self.launches.submission, &self.launches.reference);
         let _ = writeln!(
             s,
-            "  launches  submission {:.1} kernels/step (share {:.3}) | eager reference {:.1} kernels/step (share {:.3}, {})",
+            "  launches  submission {:.1} kernels/call (share {:.3}) | eager reference {:.1} kernels/call (share {:.3}, {})",
             mean(mine, |l| l.kernels as f64),
             mean(mine, |l| l.dominant_share),
             mean(theirs, |l| l.kernels as f64),
@@ -243,8 +300,9 @@ fn num(v: f64) -> String {
 
 #[cfg(test)]
 mod tests {
+    use spec::{Call, Phase};
+
     use super::*;
-    use crate::run::verdict::{Call, Phase};
 
     fn facts() -> DeviceFacts {
         DeviceFacts {
@@ -261,11 +319,20 @@ mod tests {
             max_smem_optin_bytes: 232_448,
             cooperative_launch: true,
             driver_cuda_version: 13000,
+            pci_bus_id: "00000000:19:00.0".into(),
         }
     }
 
     fn summary(v: f64) -> Summary {
         Summary::of(&[v, v * 1.01, v * 0.99]).unwrap()
+    }
+
+    fn watched() -> Watched {
+        Watched { unavailable: None, polls: 100, intruders: vec![] }
+    }
+
+    fn gate(name: &'static str, passed: bool, value: f64) -> Gate {
+        Gate { name, source: Source::Runner, passed, value, limit: 2.0, detail: format!("{value}") }
     }
 
     /// The JSON a failed run writes reads back with the fields people and scripts rely on.
@@ -279,7 +346,6 @@ mod tests {
             driver_copy_tbps: summary(4.26),
             floor_tbps: 4.26,
         };
-        let bytes = ByteModel::of(&cfg);
         let performance = Performance {
             tokens_per_s: 2000.0,
             us_per_call: 500.0,
@@ -288,44 +354,42 @@ mod tests {
             achieved_tbps: 3.4,
             throughput_us_per_call: 490.0,
             step_us: summary(500.0),
+            signal_round_trip_us: summary(0.5),
+            pacing_overhead_us: Some(summary(4.0)),
             reference_us_per_call: Some(630.0),
+            read_bound_us: 380.0,
             bandwidth: bw,
-            bytes,
+            bytes: ByteModel::of(&cfg),
             build_s: 0.1,
-            timed_wall_us: 16_500.0,
         };
-        let gates = vec![
-            Gate { name: "correctness", passed: true, value: 1e-3, limit: 1.5e-2, detail: "ok".into() },
-            Gate { name: "kernels_per_step", passed: false, value: 21.0, limit: 2.0, detail: "21 kernels".into() },
-        ];
         let call = Call { index: 0, phase: Phase::Timed, pos: cfg.prefill, input: spec::Input::Fresh };
-        let steps = vec![StepCheck { call, rel_err: Some(1e-3), contribution_err: Some(3e-3) }];
-        let cache = CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(1e-3) };
-        let integrity = Integrity { weight_vectors_changed: 0, inputs_changed: 0 };
-        let seeds = Seeds { weights: 1, inputs: 2 };
-        let r = Report::new(
-            cfg,
-            facts(),
-            seeds,
-            "reference",
-            gates,
+        let r = Report::judged(Judged {
+            config: cfg,
+            device: facts(),
+            seeds: Seeds { weights: 1, inputs: 2 },
+            submission: "reference".into(),
+            gates: vec![gate("correctness", true, 1e-3), gate("kernels_per_step", false, 21.0)],
             performance,
-            steps,
-            cache,
-            integrity,
-            vec![],
-            vec![],
-            vec![500.0],
-        );
+            steps: vec![StepCheck { call, rel_err: Some(1e-3), contribution_err: Some(3e-3) }],
+            cache: CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(1e-3) },
+            integrity: Integrity { weight_vectors_changed: 0, inputs_changed: 0 },
+            launches: Launches { submission: vec![], reference: vec![] },
+            audit: Audit { unavailable: Some("no counters".into()), calls: vec![None] },
+            watched: watched(),
+            call_us: vec![Some(500.0)],
+        });
         let doc: serde_json::Value = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(doc["meta"]["schema_version"], SCHEMA_VERSION);
         assert_eq!(doc["meta"]["seeds"]["inputs"], 2);
         assert_eq!(doc["verdict"]["status"], "fail");
         assert_eq!(doc["verdict"]["failed_gates"][0], "kernels_per_step");
+        assert_eq!(doc["verdict"]["unaudited"], "no counters");
         assert_eq!(doc["gates"][1]["value"], 21.0);
+        assert_eq!(doc["gates"][1]["source"], "runner");
         assert_eq!(doc["performance"]["x_floor"], 1.25);
         assert_eq!(doc["steps"][0]["call"]["phase"], "timed");
         assert!(r.verdict_line().starts_with("VERDICT: FAIL"));
+        assert!(r.table().contains("runner"), "the table says who measured each gate");
     }
 
     /// A run the submission cut short says so, with its reason, and measures nothing.
@@ -334,7 +398,8 @@ mod tests {
         for (failure, status) in
             [(Failure::Crashed("illegal address".into()), "crashed"), (Failure::Timeout("quiet".into()), "timeout")]
         {
-            let r = Report::not_finished(Config::tiny(), facts(), Seeds { weights: 1, inputs: 2 }, "x", failure);
+            let r =
+                Report::not_finished(Config::tiny(), facts(), Seeds { weights: 1, inputs: 2 }, "x", failure, watched());
             let doc: serde_json::Value = serde_json::to_value(&r).unwrap();
             assert_eq!(doc["verdict"]["status"], status);
             assert_eq!(doc["verdict"]["passed"], false);

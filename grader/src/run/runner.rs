@@ -1,219 +1,313 @@
 //! The runner: the child process in which a submission runs (`grader runner`, started by the judge;
-//! not for people). It reads its job from stdin (the input seed stays off the command line),
-//! generates its own copy of the data from the seeds, builds the submission, drives every call of
-//! the schedule with timing and CUPTI, checks the read-only buffers, writes the outputs and the final
-//! cache to the results file and reports one JSON line per event on stdout. A submission that
-//! crashes, hangs or corrupts memory takes only this process down; the judge keeps the verdict.
+//! not for people).
+//!
+//! It owns nothing the verdict rests on. The judge allocated every buffer (mapped here from its
+//! region), writes each input just before its call, reads each output itself, and keeps the clock;
+//! the runner only obeys the judge's commands on the control page, and records what only a process
+//! inside the submission's can: the CUPTI record of every call (kernels, copies, modules), the DRAM
+//! audit's counters, and the state of the persisting L2. Those travel in its one report, labelled
+//! as the runner's word.
+//!
+//! Order matters: the recording and the audit are switched on, and `CAP_SYS_PTRACE` is dropped,
+//! before the submission's library is loaded, so no code of the submission ever runs unobserved or
+//! able to read the judge; process creation is forbidden once `build_layer` has returned.
 
-use std::io::{BufRead, Write};
-use std::path::PathBuf;
+use std::io::BufRead;
 use std::time::Instant;
 
-use cuda::cudarc::driver::CudaSlice;
-use cuda::{Context, CudaError, Device};
-use half::bf16;
-use reference::gpu::data::{bytes_needed, generate_input};
-use reference::gpu::{DeviceCache, DeviceWeights, generate_weights};
+use cuda::cudarc::driver::sys::{self as driver, CUlimit};
+use cuda::ipc::RegionHandle;
+use cuda::{Context, Device};
 use serde::{Deserialize, Serialize};
-use spec::Config;
-use submission::Layer;
+use spec::{Call, Config, schedule};
+use submission::{Layer, Submission};
 
-use super::check;
-use super::verdict::{Call, Integrity, Phase, schedule};
-use crate::cupti::{Recorder, StepLaunches};
+use super::channel::{self, CONTROL_FD, Message, REPORT_FD};
+use super::control::{Command, Control, Status};
+use super::sandbox;
+use super::shared::SharedData;
+use crate::audit::{AUDIT_METRICS, CTAS_LAUNCHED, DRAM_BYTES_READ, DRAM_BYTES_WRITE, RangeAudit};
+use crate::cupti::{self, CallWindow, Record, Recording, Tag};
 use crate::error::{GraderError, Outcome};
 
-/// What the judge asks of the runner, as the first line of its stdin.
+/// What the judge asks of the runner, as the first line of its stdin. Nothing secret: the inputs
+/// arrive one call at a time through the shared region.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Job {
     pub device: usize,
     pub submission: String,
     pub config: Config,
-    pub weights_seed: u64,
-    pub input_seed: u64,
-    /// Where the runner writes the outputs of every call, then the final K and V cache, raw bf16.
-    pub results: PathBuf,
+    pub region: RegionHandle,
 }
 
-/// What the calls of one side measured.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct Measured {
-    pub step_us: Vec<f64>,
-    pub throughput_us_per_call: f64,
-    pub launches: Vec<StepLaunches>,
+/// The DRAM audit's counters of one range, or why there are none.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Counters {
+    pub bytes_read: f64,
+    pub bytes_written: f64,
+    pub ctas: f64,
 }
 
-/// The runner's last word on success.
+/// The audit's outcome: a reason it could not run, or one entry per call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Audit {
+    pub unavailable: Option<String>,
+    pub calls: Vec<Option<Counters>>,
+}
+
+/// The runner's report on success: everything here is the runner's word (measured inside the
+/// submission's process), and the judge labels it so.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Finished {
+    /// The nonce the judge handed over after teardown.
+    pub nonce: u64,
     pub name: String,
     pub build_s: f64,
-    pub measured: Measured,
-    pub integrity: Integrity,
+    pub record: Record,
+    pub audit: Audit,
+    /// The runner's own clock over each command of calls: `(first call, calls, us)`.
+    pub runner_us: Vec<(usize, usize, f64)>,
+    /// Each time the persisting L2 was found set: one sentence each.
+    pub l2: Vec<String>,
 }
 
-/// One line of the runner's stdout.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "event")]
-pub enum Event {
-    /// The data exists on the device; build_layer starts.
-    Generated,
-    Built {
-        build_s: f64,
-    },
-    /// A phase of the schedule starts.
-    Phase {
-        phase: Phase,
-        calls: usize,
-    },
-    Done(Finished),
-    /// The submission or the device failed; the process exits after this line.
-    Failed {
-        message: String,
-    },
-}
-
-fn say(event: &Event) {
-    let mut out = std::io::stdout().lock();
-    // A judge that went away cannot be told anything more; the process ends on its own then.
-    let _ = writeln!(out, "{}", serde_json::to_string(event).expect("events serialise"));
-    let _ = out.flush();
-}
-
-/// Runs every call of `calls` through `step`, phase by phase, timing and profiling as each phase says.
-/// `on_phase` hears of each phase before it starts; `settled` hears of each call once the device has
-/// synchronised after it (outside any timed region): each call of a step-by-step phase at once, the
-/// calls of the back-to-back phase at its end. What a call has not finished by then it never will.
-pub fn drive(
-    dev: &Device,
-    calls: &[Call],
-    mut on_phase: impl FnMut(Phase, usize),
-    mut step: impl FnMut(&Call) -> Result<(), GraderError>,
-    mut settled: impl FnMut(&Call) -> Result<(), GraderError>,
-) -> Result<Measured, GraderError> {
-    let mut m = Measured::default();
-    for phase in calls.chunk_by(|a, b| a.phase == b.phase) {
-        on_phase(phase[0].phase, phase.len());
-        match phase[0].phase {
-            Phase::Correctness => {
-                for call in phase {
-                    dev.synchronize()?;
-                    let recorder = Recorder::start()?;
-                    step(call)?;
-                    dev.synchronize()?;
-                    m.launches.push(StepLaunches::of(&recorder.stop()?));
-                    settled(call)?;
-                }
-            }
-            Phase::Timed => {
-                for call in phase {
-                    // Device-wide synchronisation on both sides: work left on any stream is counted.
-                    dev.synchronize()?;
-                    let t = Instant::now();
-                    step(call)?;
-                    dev.synchronize()?;
-                    m.step_us.push(t.elapsed().as_secs_f64() * 1e6);
-                    settled(call)?;
-                }
-            }
-            Phase::Throughput => {
-                dev.synchronize()?;
-                let t = Instant::now();
-                for call in phase {
-                    step(call)?;
-                }
-                dev.synchronize()?;
-                m.throughput_us_per_call = t.elapsed().as_secs_f64() * 1e6 / phase.len() as f64;
-                phase.iter().try_for_each(&mut settled)?;
-            }
-        }
-    }
-    Ok(m)
-}
-
-/// One output buffer per call, full of NaN: an output never written cannot pass.
-pub fn poisoned_outputs(dev: &Device, cfg: &Config, calls: usize) -> Result<Vec<CudaSlice<bf16>>, CudaError> {
-    let nan = vec![bf16::NAN; cfg.batch * cfg.d];
-    (0..calls).map(|_| dev.stream().clone_htod(&nan).context("allocating an output")).collect()
-}
-
-/// The inputs of every call, from the input seed.
-pub fn inputs(dev: &Device, cfg: &Config, input_seed: u64, calls: usize) -> Result<Vec<CudaSlice<bf16>>, CudaError> {
-    (0..calls).map(|c| generate_input(dev, cfg, input_seed, c)).collect()
-}
-
-/// `grader runner`: reads the job, runs it, and always ends with a `done` or `failed` line.
+/// `grader runner`: reads the job, obeys the control page, and always ends with one report.
 pub fn command() -> Result<Outcome, GraderError> {
+    // SAFETY: the judge starts the runner with these two descriptors open and owned by nobody else.
+    let (report, control) = unsafe { (channel::inherit(REPORT_FD), channel::inherit(CONTROL_FD)) };
+    let report = report.map_err(|e| GraderError::Runner(format!("no report channel on fd {REPORT_FD}: {e}")))?;
+    let control = control
+        .and_then(Control::from_fd)
+        .map_err(|e| GraderError::Runner(format!("no control page on fd {CONTROL_FD}: {e}")))?;
     let mut line = String::new();
     std::io::stdin().lock().read_line(&mut line).map_err(|e| GraderError::Runner(format!("reading the job: {e}")))?;
     let job: Job =
         serde_json::from_str(&line).map_err(|e| GraderError::Runner(format!("the job is not valid JSON: {e}")))?;
-    match run(&job) {
-        Ok(finished) => {
-            say(&Event::Done(finished));
-            Ok(Outcome::Pass)
+    let mut state = State::default();
+    let message = match serve(&job, &control, &mut state) {
+        Ok(finished) => Message::Finished(Box::new(finished)),
+        Err(e) => Message::Failed { message: e.to_string() },
+    };
+    let failed = matches!(message, Message::Failed { .. });
+    channel::send(report, &message).map_err(|e| GraderError::Runner(format!("writing the report: {e}")))?;
+    if let Some(seq) = state.pending {
+        control.ack(seq, if failed { Status::Failed } else { Status::Ok });
+    }
+    Ok(if failed { Outcome::Fail } else { Outcome::Pass })
+}
+
+/// The command being served when the runner stopped, acknowledged after the report is written.
+#[derive(Default)]
+struct State {
+    pending: Option<u64>,
+}
+
+/// The submission and what observes it. Fields drop in order: the submission before the audit and
+/// the recording that watch it, and all of them before the shared buffers they point into.
+struct Session<'a> {
+    sub: Option<Box<dyn Submission>>,
+    audit: Result<RangeAudit, String>,
+    recording: Recording,
+    shared: SharedData,
+    dev: &'a Device,
+    cfg: &'a Config,
+    calls: Vec<Call>,
+    windows: Vec<CallWindow>,
+    tampering: Vec<String>,
+    runner_us: Vec<(usize, usize, f64)>,
+    l2: Vec<String>,
+    build_s: f64,
+    name: String,
+}
+
+fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, GraderError> {
+    let dev = Device::open(job.device)?;
+    let calls = schedule(&job.config);
+    let shared = SharedData::open(&dev, &job.config, calls.len(), &job.region)?;
+    // Before any code of the submission runs: it may not read the judge's memory.
+    sandbox::drop_ptrace().map_err(|e| GraderError::Runner(format!("dropping CAP_SYS_PTRACE: {e}")))?;
+    dev.synchronize()?;
+    let recording = Recording::start()?;
+    let audit = RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, calls.len() + 1).map_err(|e| e.to_string());
+    let mut s = Session {
+        dev: &dev,
+        cfg: &job.config,
+        windows: vec![CallWindow { start_ns: 0, end_ns: 0 }; calls.len()],
+        calls,
+        shared,
+        recording,
+        audit,
+        sub: None,
+        tampering: Vec::new(),
+        runner_us: Vec::new(),
+        l2: Vec::new(),
+        build_s: 0.0,
+        name: job.submission.clone(),
+    };
+    let mut last = 0;
+    loop {
+        let (seq, kind, arg0, arg1) = control.next_command(last);
+        last = seq;
+        state.pending = Some(seq);
+        match kind {
+            Some(Command::Ping) => {}
+            Some(Command::Build) => s.build(&job.submission)?,
+            Some(Command::Calls) => s.calls(arg0 as usize, arg1 as usize)?,
+            Some(Command::Teardown) => s.teardown()?,
+            Some(Command::Report) => return s.finish(arg0),
+            None => return Err(GraderError::Runner("the judge posted an unknown command".into())),
         }
-        Err(e) => {
-            say(&Event::Failed { message: e.to_string() });
-            Ok(Outcome::Fail)
-        }
+        state.pending = None;
+        control.ack(seq, Status::Ok);
+        // Bookkeeping after the ack, outside the judge's clock: the judge's own work between calls
+        // (reading the output, writing the next input, flushing L2) takes longer than this.
+        s.after_command()?;
     }
 }
 
-fn run(job: &Job) -> Result<Finished, GraderError> {
-    let cfg = &job.config;
-    let mut sub = submission::load(&job.submission)?;
-    let dev = Device::open(job.device)?;
-    let calls = schedule(cfg);
-    // The submission's data, and a pristine copy of the weights to check them against afterwards.
-    dev.require_free(bytes_needed(cfg, calls.len()) + crate::run::weight_bytes(cfg), "the submission's data")?;
-    let weights: DeviceWeights = generate_weights(&dev, cfg, job.weights_seed)?;
-    let pristine = generate_weights(&dev, cfg, job.weights_seed)?;
-    let mut cache = DeviceCache::generate(&dev, cfg, job.weights_seed)?;
-    let xs = inputs(&dev, cfg, job.input_seed, calls.len())?;
-    // Shared by the step (which writes an output) and the settling (which copies it away).
-    let outs = std::cell::RefCell::new(poisoned_outputs(&dev, cfg, calls.len())?);
-    dev.synchronize()?;
-    say(&Event::Generated);
-
-    let t = Instant::now();
-    sub.build_layer(&dev, Layer { weights: &weights, cache: &mut cache }, cfg)?;
-    dev.synchronize()?;
-    let build_s = t.elapsed().as_secs_f64();
-    say(&Event::Built { build_s });
-
-    // Each output is copied away as soon as its call has settled, and the cache is read before
-    // teardown: work deferred to a later call, or to teardown, does not count as done in time.
-    let mut snapshots = poisoned_outputs(&dev, cfg, calls.len())?;
-    let measured = drive(
-        &dev,
-        &calls,
-        |phase, n| say(&Event::Phase { phase, calls: n }),
-        |c| {
-            let layer = Layer { weights: &weights, cache: &mut cache };
-            sub.layer_step(&dev, layer, &xs[c.index], c.pos, &mut outs.borrow_mut()[c.index])?;
-            Ok(())
-        },
-        |c| {
-            dev.stream()
-                .memcpy_dtod(&outs.borrow()[c.index], &mut snapshots[c.index])
-                .context("copying an output away")?;
-            Ok(())
-        },
-    )?;
-    dev.synchronize()?;
-    let mut bytes = Vec::with_capacity(2 * (calls.len() * cfg.d + 2 * cfg.cache_elems()));
-    for buf in snapshots.iter().chain([&cache.k, &cache.v]) {
-        bytes.extend(dev.stream().clone_dtoh(buf).context("reading results")?.iter().flat_map(|v| v.to_le_bytes()));
+impl Session<'_> {
+    fn build(&mut self, name_or_path: &str) -> Result<(), GraderError> {
+        cupti::set_current(Tag::Build);
+        let t = Instant::now();
+        // The library is loaded only now: everything it does, its initialisers included, is recorded.
+        let mut sub = submission::load(name_or_path)?;
+        self.push_range("build")?;
+        let layer = Layer { weights: &self.shared.weights, cache: &mut self.shared.cache };
+        sub.build_layer(self.dev, layer, self.cfg)?;
+        self.dev.synchronize()?;
+        self.pop_range()?;
+        self.build_s = t.elapsed().as_secs_f64();
+        self.name = sub.name().to_string();
+        self.sub = Some(sub);
+        cupti::set_current(Tag::Outside);
+        // From the first call on, no process may be started (build_layer may still run compilers).
+        sandbox::forbid_processes().map_err(GraderError::Runner)
     }
-    let name = sub.name().to_string();
-    sub.teardown();
-    drop(sub);
-    dev.synchronize()?;
 
-    let judge_inputs = inputs(&dev, cfg, job.input_seed, calls.len())?;
-    let integrity = check::integrity(&dev, &weights, &pristine, &xs, &judge_inputs)?;
-    std::fs::write(&job.results, bytes)
-        .map_err(|source| GraderError::Write { path: job.results.display().to_string(), source })?;
-    Ok(Finished { name, build_s, measured, integrity })
+    fn calls(&mut self, first: usize, count: usize) -> Result<(), GraderError> {
+        let range = first..first.checked_add(count).filter(|&e| e <= self.calls.len()).ok_or_else(|| {
+            GraderError::Runner(format!("the judge asked for calls {first}..+{count} of {}", self.calls.len()))
+        })?;
+        let sub = self.sub.as_mut().ok_or_else(|| GraderError::Runner("calls before build".into()))?;
+        let t = Instant::now();
+        let start_ns = cupti::timestamp()?;
+        for i in range.clone() {
+            cupti::set_current(Tag::Call(i));
+            if let Ok(a) = self.audit.as_mut() {
+                a.push(&format!("call {i}")).map_err(|e| GraderError::Runner(format!("audit: {e}")))?;
+            }
+            let call = self.calls[i];
+            let (layer, x, out) = self.shared.for_call(&call);
+            sub.layer_step(self.dev, layer, x, call.pos, out)?;
+            if i + 1 == range.end {
+                self.dev.synchronize()?;
+            }
+            if let Ok(a) = self.audit.as_mut() {
+                a.pop().map_err(|e| GraderError::Runner(format!("audit: {e}")))?;
+            }
+        }
+        let end_ns = cupti::timestamp()?;
+        self.runner_us.push((first, count, t.elapsed().as_secs_f64() * 1e6));
+        cupti::set_current(Tag::Outside);
+        for w in &mut self.windows[range] {
+            *w = CallWindow { start_ns, end_ns };
+        }
+        Ok(())
+    }
+
+    fn teardown(&mut self) -> Result<(), GraderError> {
+        cupti::set_current(Tag::Teardown);
+        if let Some(mut sub) = self.sub.take() {
+            sub.teardown();
+        }
+        self.dev.synchronize()?;
+        cupti::set_current(Tag::Outside);
+        Ok(())
+    }
+
+    /// The checks at each command boundary: the recording still on, the persisting L2 still off.
+    fn after_command(&mut self) -> Result<(), GraderError> {
+        let done = self.runner_us.len();
+        for off in self.recording.reassert()? {
+            self.tampering.push(format!("{off} callbacks were found switched off after command {done}"));
+        }
+        let mut limit = 0usize;
+        // SAFETY: reads one limit of the current context through a valid out-pointer.
+        unsafe { driver::cuCtxGetLimit(&mut limit, CUlimit::CU_LIMIT_PERSISTING_L2_CACHE_SIZE) }
+            .result()
+            .context("reading the persisting-L2 limit")?;
+        if limit != 0 {
+            self.l2.push(format!(
+                "the persisting-L2 limit was {limit} bytes after command {done}: a set-aside keeps data in L2 across calls"
+            ));
+            // SAFETY: resets a limit and demotes persisting lines of the current context.
+            unsafe {
+                driver::cuCtxSetLimit(CUlimit::CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0)
+                    .result()
+                    .context("resetting the persisting-L2 limit")?;
+                driver::cuCtxResetPersistingL2Cache().result().context("resetting persisting L2 lines")?;
+            }
+        }
+        Ok(())
+    }
+
+    fn push_range(&mut self, name: &str) -> Result<(), GraderError> {
+        match self.audit.as_mut() {
+            Ok(a) => a.push(name).map_err(|e| GraderError::Runner(format!("audit: {e}"))),
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn pop_range(&mut self) -> Result<(), GraderError> {
+        match self.audit.as_mut() {
+            Ok(a) => a.pop().map_err(|e| GraderError::Runner(format!("audit: {e}"))),
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn finish(self, nonce: u64) -> Result<Finished, GraderError> {
+        self.dev.synchronize()?;
+        let n = self.calls.len();
+        let audit = match self.audit {
+            Err(reason) => Audit { unavailable: Some(reason), calls: vec![None; n] },
+            Ok(a) => match a.finish() {
+                Err(e) => Audit { unavailable: Some(e.to_string()), calls: vec![None; n] },
+                Ok(ranges) => {
+                    let mut calls = vec![None; n];
+                    for r in ranges {
+                        if let Some(i) = r.name.strip_prefix("call ").and_then(|i| i.parse::<usize>().ok())
+                            && i < n
+                            && r.values.len() == AUDIT_METRICS.len()
+                        {
+                            let value =
+                                |metric| r.values[AUDIT_METRICS.iter().position(|m| *m == metric).expect("audited")];
+                            calls[i] = Some(Counters {
+                                bytes_read: value(DRAM_BYTES_READ),
+                                bytes_written: value(DRAM_BYTES_WRITE),
+                                ctas: value(CTAS_LAUNCHED),
+                            });
+                        }
+                    }
+                    Audit { unavailable: None, calls }
+                }
+            },
+        };
+        let captured = self.recording.finish()?;
+        let record = cupti::record::attribute(captured, &self.windows, scan_module, self.tampering);
+        Ok(Finished {
+            nonce,
+            name: self.name,
+            build_s: self.build_s,
+            record,
+            audit,
+            runner_us: self.runner_us,
+            l2: self.l2,
+        })
+    }
+}
+
+/// What a loaded module may not hold: device-side launches.
+fn scan_module(image: &[u8]) -> Vec<String> {
+    let _ = image;
+    Vec::new() // MERGE: submission::device_code::scan
 }

@@ -1,0 +1,309 @@
+//! CUPTI's callback API: the second, independent view of a call's GPU work, from the host side.
+//!
+//! The activity API reports what the GPU ran; this reports what the process asked for. Every driver
+//! and runtime API call passes through [`api_callback`] on the calling thread, which notes its
+//! correlation id against the call that was running ([`Tag`]), and notes every kernel launch. The
+//! two views meet on correlation ids: a kernel record whose launch was never seen, or a launch that
+//! left no kernel record, means something in the process switched one of them off. The resource
+//! domain hands over every module the driver loads (its image, to be scanned for device-side
+//! launches) and every context created.
+//!
+//! One subscriber per process (CUPTI allows one): made once, before the submission is loaded, so a
+//! submission cannot subscribe in its place.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::ffi::{CStr, c_void};
+use std::panic::AssertUnwindSafe;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use cuda::cudarc::cupti::sys::{
+    self, CUpti_ApiCallbackSite, CUpti_CallbackData, CUpti_CallbackDomain, CUpti_CallbackId, CUpti_CallbackIdResource,
+    CUpti_ModuleResourceData, CUpti_ResourceData, CUpti_SubscriberHandle,
+};
+use serde::{Deserialize, Serialize};
+
+use super::CuptiError;
+use super::activity::lock;
+
+/// Who was running when an API call was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tag {
+    /// `build_layer`.
+    Build,
+    /// Call `index` of the schedule.
+    Call(usize),
+    /// `teardown`.
+    Teardown,
+    /// None of those: before build, between calls.
+    Outside,
+}
+
+const OUTSIDE: i64 = -1;
+const BUILD: i64 = -2;
+const TEARDOWN: i64 = -3;
+
+/// The tag of the work running now, as the runner sets it around build and each call.
+static CURRENT: AtomicI64 = AtomicI64::new(OUTSIDE);
+
+/// Marks what runs from now on (the runner's main thread, before and after each call).
+pub fn set_current(tag: Tag) {
+    let v = match tag {
+        Tag::Build => BUILD,
+        Tag::Call(i) => i as i64,
+        Tag::Teardown => TEARDOWN,
+        Tag::Outside => OUTSIDE,
+    };
+    // SeqCst: an API call another thread makes after this store sees the new tag.
+    CURRENT.store(v, Ordering::SeqCst);
+}
+
+fn current() -> Tag {
+    match CURRENT.load(Ordering::SeqCst) {
+        BUILD => Tag::Build,
+        TEARDOWN => Tag::Teardown,
+        i if i >= 0 => Tag::Call(i as usize),
+        _ => Tag::Outside,
+    }
+}
+
+/// A kernel launch the host asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Launch {
+    pub correlation_id: u32,
+    /// The correlation id of the runtime API call this driver launch ran inside, if any: the kernel
+    /// record carries one of the two.
+    pub runtime_correlation_id: Option<u32>,
+    pub function: String,
+    pub tag: Tag,
+}
+
+/// A module the driver loaded, as the resource callback handed it over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Module {
+    pub id: u32,
+    pub image: Vec<u8>,
+    pub tag: Tag,
+}
+
+/// What the callbacks saw.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// The tag of every API call, by correlation id (to attribute the GPU's records to calls).
+    pub tags: HashMap<u32, Tag>,
+    pub launches: Vec<Launch>,
+    pub modules: Vec<Module>,
+    /// Contexts created after the runner's own (a submission must use the runner's).
+    pub contexts_created: Vec<Tag>,
+    /// Problems the callback met (it cannot return errors).
+    pub faults: Vec<String>,
+}
+
+static SEEN: Mutex<Option<Seen>> = Mutex::new(None);
+
+thread_local! {
+    /// The correlation id of the runtime API call this thread is inside, if any.
+    static RUNTIME_CALL: Cell<Option<u32>> = const { Cell::new(None) };
+}
+
+/// A kernel launch entry point of the driver or runtime API, by name (graph launches replay their
+/// kernels under the graph launch's correlation id and may hold none, so they are not checked).
+pub fn is_kernel_launch(function: &str) -> bool {
+    (function.starts_with("cuLaunch") || function.starts_with("cudaLaunch")) && !function.contains("HostFunc")
+}
+
+/// The subscription; dropping it unsubscribes.
+pub struct Subscription {
+    handle: CUpti_SubscriberHandle,
+}
+
+// SAFETY: the handle is an opaque token CUPTI accepts from any thread.
+unsafe impl Send for Subscription {}
+
+/// The domains subscribed to, and one callback id of each that must stay enabled.
+const DOMAINS: [(CUpti_CallbackDomain, CUpti_CallbackId, &str); 3] = [
+    (CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API, 307, "driver API (cuLaunchKernel)"),
+    (CUpti_CallbackDomain::CUPTI_CB_DOMAIN_RUNTIME_API, 211, "runtime API (cudaLaunchKernel)"),
+    (
+        CUpti_CallbackDomain::CUPTI_CB_DOMAIN_RESOURCE,
+        CUpti_CallbackIdResource::CUPTI_CBID_RESOURCE_MODULE_LOADED as CUpti_CallbackId,
+        "resource (module loaded)",
+    ),
+];
+
+impl Subscription {
+    /// Subscribes and enables the driver, runtime and resource domains.
+    pub fn start() -> Result<Subscription, CuptiError> {
+        *lock(&SEEN) = Some(Seen::default());
+        let mut handle: CUpti_SubscriberHandle = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer and a callback with CUPTI's signature; no user data.
+        let r = unsafe { sys::cuptiSubscribe(&mut handle, Some(api_callback), std::ptr::null_mut()) };
+        check("cuptiSubscribe", r)?;
+        let sub = Subscription { handle };
+        for (domain, _, _) in DOMAINS {
+            // SAFETY: the handle is live (subscribed above).
+            check("cuptiEnableDomain", unsafe { sys::cuptiEnableDomain(1, sub.handle, domain) })?;
+        }
+        Ok(sub)
+    }
+
+    /// The domains whose callbacks were found switched off (and are switched back on): each one is
+    /// something in the process tampering with the record.
+    pub fn reassert(&self) -> Vec<&'static str> {
+        let mut off = Vec::new();
+        for (domain, cbid, what) in DOMAINS {
+            let mut enabled = 0u32;
+            // SAFETY: a live handle and a valid out-pointer.
+            let r = unsafe { sys::cuptiGetCallbackState(&mut enabled, self.handle, domain, cbid) };
+            if r != sys::CUptiResult::CUPTI_SUCCESS || enabled == 0 {
+                off.push(what);
+                // SAFETY: as above; a failure here shows again at the next look.
+                let _ = unsafe { sys::cuptiEnableDomain(1, self.handle, domain) };
+            }
+        }
+        off
+    }
+
+    /// Unsubscribes and returns what was seen.
+    pub fn finish(self) -> Seen {
+        drop(self);
+        lock(&SEEN).take().unwrap_or_default()
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live; unsubscribing twice is prevented by ownership.
+        let _ = unsafe { sys::cuptiUnsubscribe(self.handle) };
+    }
+}
+
+fn check(call: &'static str, r: sys::CUptiResult) -> Result<(), CuptiError> {
+    if r == sys::CUptiResult::CUPTI_SUCCESS { Ok(()) } else { Err(CuptiError::Call { call, code: format!("{r:?}") }) }
+}
+
+/// CUPTI's callback: never panics into C, never blocks for long (one short lock).
+unsafe extern "C" fn api_callback(
+    _userdata: *mut c_void,
+    domain: CUpti_CallbackDomain,
+    cbid: CUpti_CallbackId,
+    cbdata: *const c_void,
+) {
+    if cbdata.is_null() {
+        return;
+    }
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match domain {
+        CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API | CUpti_CallbackDomain::CUPTI_CB_DOMAIN_RUNTIME_API => {
+            // SAFETY: for the API domains CUPTI passes a CUpti_CallbackData, valid during the call.
+            let data = unsafe { &*cbdata.cast::<CUpti_CallbackData>() };
+            on_api(domain == CUpti_CallbackDomain::CUPTI_CB_DOMAIN_RUNTIME_API, data);
+        }
+        CUpti_CallbackDomain::CUPTI_CB_DOMAIN_RESOURCE => {
+            // SAFETY: for the resource domain CUPTI passes a CUpti_ResourceData, valid during the call.
+            let data = unsafe { &*cbdata.cast::<CUpti_ResourceData>() };
+            on_resource(cbid, data);
+        }
+        _ => {}
+    }));
+    if outcome.is_err()
+        && let Some(seen) = lock(&SEEN).as_mut()
+    {
+        seen.faults.push("the callback panicked".into());
+    }
+}
+
+fn on_api(runtime: bool, data: &CUpti_CallbackData) {
+    let corr = data.correlationId;
+    if data.callbackSite == CUpti_ApiCallbackSite::CUPTI_API_EXIT {
+        if runtime {
+            RUNTIME_CALL.with(|c| {
+                if c.get() == Some(corr) {
+                    c.set(None)
+                }
+            });
+        }
+        return;
+    }
+    let outer = RUNTIME_CALL.with(|c| {
+        let outer = c.get();
+        if runtime && outer.is_none() {
+            c.set(Some(corr));
+        }
+        outer
+    });
+    let tag = current();
+    let function = if data.functionName.is_null() {
+        String::new()
+    } else {
+        // SAFETY: CUPTI's function name is a NUL-terminated static string.
+        unsafe { CStr::from_ptr(data.functionName) }.to_string_lossy().into_owned()
+    };
+    let mut guard = lock(&SEEN);
+    let Some(seen) = guard.as_mut() else { return };
+    seen.tags.insert(corr, tag);
+    if is_kernel_launch(&function) {
+        let runtime_correlation_id = if runtime { None } else { outer };
+        seen.launches.push(Launch { correlation_id: corr, runtime_correlation_id, function, tag });
+    }
+}
+
+fn on_resource(cbid: CUpti_CallbackId, data: &CUpti_ResourceData) {
+    let tag = current();
+    if cbid == CUpti_CallbackIdResource::CUPTI_CBID_RESOURCE_MODULE_LOADED as CUpti_CallbackId {
+        if data.resourceDescriptor.is_null() {
+            return;
+        }
+        // SAFETY: for MODULE_LOADED the descriptor is a CUpti_ModuleResourceData, valid during the call.
+        let m = unsafe { &*data.resourceDescriptor.cast::<CUpti_ModuleResourceData>() };
+        let image = if m.pCubin.is_null() || m.cubinSize == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: CUPTI hands `cubinSize` readable bytes at `pCubin` for the callback's duration;
+            // they are copied out at once.
+            unsafe { std::slice::from_raw_parts(m.pCubin.cast::<u8>(), m.cubinSize) }.to_vec()
+        };
+        if let Some(seen) = lock(&SEEN).as_mut() {
+            seen.modules.push(Module { id: m.moduleId, image, tag });
+        }
+    } else if cbid == CUpti_CallbackIdResource::CUPTI_CBID_RESOURCE_CONTEXT_CREATED as CUpti_CallbackId
+        && let Some(seen) = lock(&SEEN).as_mut()
+    {
+        seen.contexts_created.push(tag);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_launch_entry_points_by_name() {
+        for f in ["cuLaunchKernel", "cuLaunchKernelEx_ptsz", "cuLaunchCooperativeKernel", "cudaLaunchKernel_v7000"] {
+            assert!(is_kernel_launch(f), "{f}");
+        }
+        for f in ["cuLaunchHostFunc", "cudaLaunchHostFunc", "cuGraphLaunch", "cuMemcpyDtoD_v2", "cuCtxSynchronize"] {
+            assert!(!is_kernel_launch(f), "{f}");
+        }
+    }
+
+    #[test]
+    fn tags_round_trip_through_the_current_marker() {
+        for tag in [Tag::Build, Tag::Call(0), Tag::Call(71), Tag::Teardown, Tag::Outside] {
+            set_current(tag);
+            assert_eq!(current(), tag);
+        }
+        set_current(Tag::Outside);
+    }
+
+    /// The ids `DOMAINS` checks are the launch entry points of the CUDA 13.0 headers.
+    #[test]
+    fn checked_callback_ids_are_the_launch_entry_points() {
+        assert_eq!(sys::CUpti_driver_api_trace_cbid_enum::CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel as u32, DOMAINS[0].1);
+        assert_eq!(
+            sys::CUpti_runtime_api_trace_cbid_enum::CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000 as u32,
+            DOMAINS[1].1
+        );
+    }
+}

@@ -1,0 +1,284 @@
+//! From a finished recording to the record the gates read: every GPU activity attributed to the call
+//! whose API call launched it, and every way the two views disagree, each as one sentence.
+//!
+//! Pure code over [`Captured`], so each rule is tested on hand-made records.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::callbacks::{Tag, is_kernel_launch};
+use super::summary::StepLaunches;
+use super::{Activity, ActivityKind, Captured};
+
+/// When a call ran on CUPTI's clock: from just before the runner entered `layer_step` to just after
+/// the device synchronised. The calls of a back-to-back batch share the batch's window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallWindow {
+    pub start_ns: u64,
+    pub end_ns: u64,
+}
+
+impl CallWindow {
+    fn overlaps(&self, a: &Activity) -> bool {
+        a.end_ns > self.start_ns && a.start_ns < self.end_ns
+    }
+}
+
+/// The record of a run, attributed: what each call ran, and what is wrong with the record itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    /// `build_layer`'s GPU work.
+    pub build: StepLaunches,
+    /// One summary per call of the schedule, in order.
+    pub calls: Vec<StepLaunches>,
+    /// Each call's activities (kernels, copies, sets), for the report's detail.
+    pub activities: Vec<Vec<Activity>>,
+    /// Kernel launches the host asked for in each call (the callback view's count).
+    pub api_launches: Vec<usize>,
+    /// Modules the driver loaded while the submission ran.
+    pub modules: usize,
+    /// Everything that makes the record incomplete or the work unaccounted for; empty when intact.
+    pub problems: Vec<String>,
+}
+
+/// Attributes `captured` to `windows.len()` calls. `scan` names what a loaded module may not hold
+/// (device-side launches); `tampering` lists what the runner found switched off at call boundaries.
+pub fn attribute(
+    captured: Captured,
+    windows: &[CallWindow],
+    scan: impl Fn(&[u8]) -> Vec<String>,
+    tampering: Vec<String>,
+) -> Record {
+    let Captured { activities, seen } = captured;
+    let mut problems = tampering;
+    let n = windows.len();
+    let mut per_call: Vec<Vec<Activity>> = vec![Vec::new(); n];
+    let mut build = Vec::new();
+    let mut unseen = Vec::new();
+    let mut outside = Vec::new();
+    let mut recorded_ids = HashSet::new();
+    let mut foreign: HashMap<usize, Vec<String>> = HashMap::new();
+    for a in activities {
+        if a.kind == ActivityKind::Kernel {
+            recorded_ids.insert(a.correlation_id);
+        }
+        let tag = seen.tags.get(&a.correlation_id).copied();
+        // Work that did not come from call i but ran while it did: its own call's window excluded.
+        for (i, w) in windows.iter().enumerate() {
+            let own = matches!(tag, Some(Tag::Call(j)) if windows.get(j) == Some(w));
+            if !own && a.kind == ActivityKind::Kernel && w.overlaps(&a) {
+                foreign.entry(i).or_default().push(format!("{} ({})", a.name, describe(tag)));
+            }
+        }
+        match tag {
+            Some(Tag::Call(i)) if i < n => per_call[i].push(a),
+            Some(Tag::Build) => build.push(a),
+            Some(Tag::Teardown) => {}
+            Some(Tag::Outside) => outside.push(a),
+            Some(Tag::Call(_)) | None => unseen.push(a),
+        }
+    }
+    if let Some(first) = unseen.first() {
+        problems.push(format!(
+            "{} GPU record(s) (first: {}) carry no API call the callback view saw: the callbacks were switched off",
+            unseen.len(),
+            first.name
+        ));
+    }
+    if let Some(first) = outside.iter().find(|a| a.kind == ActivityKind::Kernel) {
+        problems.push(format!(
+            "{} kernel(s) (first: {}) were launched outside build_layer and the calls (between calls, from another thread?)",
+            outside.iter().filter(|a| a.kind == ActivityKind::Kernel).count(),
+            first.name
+        ));
+    }
+    let mut foreign: Vec<(usize, Vec<String>)> = foreign.into_iter().collect();
+    foreign.sort();
+    if let Some((call, names)) = foreign.first() {
+        problems.push(format!(
+            "kernels launched elsewhere ran during {} call(s) (first: call {call}: {}): a call's work must be launched by that call",
+            foreign.len(),
+            names.join(", ")
+        ));
+    }
+    let mut api_launches = vec![0; n];
+    let missing: Vec<&super::callbacks::Launch> = seen
+        .launches
+        .iter()
+        .filter(|l| is_kernel_launch(&l.function))
+        .inspect(|l| {
+            if let Tag::Call(i) = l.tag
+                && i < n
+                && l.runtime_correlation_id.is_none_or(|rt| !seen.launches.iter().any(|o| o.correlation_id == rt))
+            {
+                api_launches[i] += 1;
+            }
+        })
+        .filter(|l| {
+            !recorded_ids.contains(&l.correlation_id)
+                && l.runtime_correlation_id.is_none_or(|rt| !recorded_ids.contains(&rt))
+                && !seen.launches.iter().any(|o| {
+                    o.runtime_correlation_id == Some(l.correlation_id) && recorded_ids.contains(&o.correlation_id)
+                })
+        })
+        .collect();
+    if let Some(first) = missing.first() {
+        problems.push(format!(
+            "{} kernel launch(es) (first: {} in {}) left no GPU record: the activity recording was switched off",
+            missing.len(),
+            first.function,
+            describe(Some(first.tag))
+        ));
+    }
+    for m in &seen.modules {
+        for finding in scan(&m.image) {
+            problems.push(format!("module {} loaded in {}: {finding}", m.id, describe(Some(m.tag))));
+        }
+    }
+    if !seen.contexts_created.is_empty() {
+        problems.push(format!(
+            "{} CUDA context(s) created by the submission (first in {}): all work must run in the grader's context",
+            seen.contexts_created.len(),
+            describe(seen.contexts_created.first().copied())
+        ));
+    }
+    problems.extend(seen.faults.iter().map(|f| format!("the callback view failed: {f}")));
+    Record {
+        build: StepLaunches::of(&build),
+        calls: per_call.iter().map(|a| StepLaunches::of(a)).collect(),
+        activities: per_call,
+        api_launches,
+        modules: seen.modules.len(),
+        problems,
+    }
+}
+
+fn describe(tag: Option<Tag>) -> String {
+    match tag {
+        Some(Tag::Build) => "build_layer".into(),
+        Some(Tag::Call(i)) => format!("call {i}"),
+        Some(Tag::Teardown) => "teardown".into(),
+        Some(Tag::Outside) => "no call".into(),
+        None => "an unseen API call".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::callbacks::{Launch, Module, Seen};
+    use super::*;
+
+    fn kernel(name: &str, corr: u32, start: u64, end: u64) -> Activity {
+        Activity {
+            correlation_id: corr,
+            grid: (132, 1, 1),
+            ..Activity::synthetic(ActivityKind::Kernel, name, start, end)
+        }
+    }
+
+    fn launch(corr: u32, tag: Tag) -> Launch {
+        Launch { correlation_id: corr, runtime_correlation_id: None, function: "cuLaunchKernel".into(), tag }
+    }
+
+    fn seen(launches: Vec<Launch>) -> Seen {
+        let mut s = Seen::default();
+        for l in &launches {
+            s.tags.insert(l.correlation_id, l.tag);
+        }
+        s.launches = launches;
+        s
+    }
+
+    const W: [CallWindow; 2] = [CallWindow { start_ns: 100, end_ns: 200 }, CallWindow { start_ns: 300, end_ns: 400 }];
+
+    fn no_scan(_: &[u8]) -> Vec<String> {
+        Vec::new()
+    }
+
+    #[test]
+    fn an_intact_record_attributes_each_kernel_to_its_call() {
+        let captured = Captured {
+            activities: vec![kernel("build_pack", 1, 10, 20), kernel("mega", 2, 110, 190), kernel("mega", 3, 310, 390)],
+            seen: seen(vec![launch(1, Tag::Build), launch(2, Tag::Call(0)), launch(3, Tag::Call(1))]),
+        };
+        let r = attribute(captured, &W, no_scan, vec![]);
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        assert_eq!((r.build.kernels, r.calls[0].kernels, r.calls[1].kernels), (1, 1, 1));
+        assert_eq!(r.api_launches, vec![1, 1]);
+        assert_eq!(r.calls[0].ctas, 132);
+    }
+
+    #[test]
+    fn switched_off_views_show_as_disagreements() {
+        // The activity view off during call 1: its launch left no record.
+        let captured = Captured {
+            activities: vec![kernel("mega", 2, 110, 190)],
+            seen: seen(vec![launch(2, Tag::Call(0)), launch(3, Tag::Call(1))]),
+        };
+        let r = attribute(captured, &W, no_scan, vec![]);
+        assert!(
+            r.problems.iter().any(|p| p.contains("left no GPU record") && p.contains("call 1")),
+            "{:?}",
+            r.problems
+        );
+        // The callback view off during call 1: a kernel nobody asked for.
+        let captured = Captured {
+            activities: vec![kernel("mega", 2, 110, 190), kernel("hidden", 9, 310, 390)],
+            seen: seen(vec![launch(2, Tag::Call(0))]),
+        };
+        let r = attribute(captured, &W, no_scan, vec![]);
+        assert!(r.problems.iter().any(|p| p.contains("no API call") && p.contains("hidden")), "{:?}", r.problems);
+    }
+
+    #[test]
+    fn a_runtime_launch_and_its_driver_launch_count_once() {
+        let mut outer = launch(5, Tag::Call(0));
+        outer.function = "cudaLaunchKernel_v7000".into();
+        let inner = Launch { correlation_id: 6, runtime_correlation_id: Some(5), ..launch(6, Tag::Call(0)) };
+        let captured = Captured { activities: vec![kernel("k", 5, 110, 150)], seen: seen(vec![outer, inner]) };
+        let r = attribute(captured, &W[..1], no_scan, vec![]);
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        assert_eq!(r.api_launches, vec![1]);
+    }
+
+    #[test]
+    fn kernels_from_build_running_into_a_call_and_kernels_between_calls_are_named() {
+        let captured = Captured {
+            activities: vec![kernel("server", 1, 10, 390), kernel("mega", 2, 110, 190), kernel("stray", 4, 250, 260)],
+            seen: seen(vec![launch(1, Tag::Build), launch(2, Tag::Call(0)), launch(4, Tag::Outside)]),
+        };
+        let r = attribute(captured, &W, no_scan, vec![]);
+        assert!(
+            r.problems.iter().any(|p| p.contains("ran during 2 call(s)") && p.contains("server")),
+            "{:?}",
+            r.problems
+        );
+        assert!(
+            r.problems.iter().any(|p| p.contains("outside build_layer") && p.contains("stray")),
+            "{:?}",
+            r.problems
+        );
+    }
+
+    #[test]
+    fn modules_with_findings_and_new_contexts_are_problems() {
+        let mut s = seen(vec![launch(2, Tag::Call(0))]);
+        s.modules.push(Module { id: 7, image: b"cdp".to_vec(), tag: Tag::Build });
+        s.modules.push(Module { id: 8, image: b"clean".to_vec(), tag: Tag::Build });
+        s.contexts_created.push(Tag::Build);
+        let captured = Captured { activities: vec![kernel("mega", 2, 110, 190)], seen: s };
+        let scan = |img: &[u8]| {
+            if img == b"cdp" { vec!["calls cudaLaunchDeviceV2: device-side launch".into()] } else { vec![] }
+        };
+        let r = attribute(captured, &W[..1], scan, vec!["driver API callbacks found off after call 0".into()]);
+        assert_eq!(r.modules, 2);
+        assert!(
+            r.problems
+                .iter()
+                .any(|p| p.starts_with("module 7 loaded in build_layer") && p.contains("device-side launch"))
+        );
+        assert!(r.problems.iter().any(|p| p.contains("context")));
+        assert!(r.problems.iter().any(|p| p.contains("found off")));
+    }
+}

@@ -1,0 +1,158 @@
+//! Gate 1, correctness, from what the judge read itself: every call's output against the
+//! reference's, the cache after the run, and the read-only buffers.
+
+use serde::Serialize;
+use spec::{Call, Gates};
+
+use super::{Gate, Source};
+use crate::metrics::rel_err;
+
+/// How one call's output compares with the reference's.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepCheck {
+    pub call: Call,
+    /// `||out - ref|| / ||ref||`; `None` when the output holds NaN or Inf.
+    pub rel_err: Option<f64>,
+    /// `||out - ref|| / ||ref - x||`: the error on what the layer adds to the residual stream, so a
+    /// pass-through that leaves `x_out ~ x` shows up as an error near 1.
+    pub contribution_err: Option<f64>,
+}
+
+impl StepCheck {
+    pub fn of(call: Call, out: &[f32], reference: &[f32], x: &[f32]) -> Self {
+        let contribution: Vec<f32> = reference.iter().zip(x).map(|(r, x)| r - x).collect();
+        let contribution_err = rel_err(out, reference).map(|_| {
+            let num: f64 = out.iter().zip(reference).map(|(&o, &r)| (o as f64 - r as f64).powi(2)).sum();
+            let den: f64 = contribution.iter().map(|&c| (c as f64).powi(2)).sum();
+            (num / den).sqrt()
+        });
+        Self { call, rel_err: rel_err(out, reference), contribution_err }
+    }
+}
+
+/// The KV cache after the run against the reference's.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CacheCheck {
+    /// Prefix elements (slots `[0, prefill)`) that differ from the generated prefix in any bit.
+    pub prefix_differing: usize,
+    /// Elements of slots no call writes that are not zero.
+    pub unused_differing: usize,
+    /// Relative error of the written slots against the reference's; `None` on NaN/Inf.
+    pub written_rel_err: Option<f64>,
+}
+
+/// Read-only buffers after the run: any element changed is a broken contract.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Integrity {
+    /// 16-byte vectors of the weights that differ from the judge's pristine copy.
+    pub weight_vectors_changed: u64,
+    /// Inputs `x` (one per call) that differ from the judge's copy.
+    pub inputs_changed: usize,
+}
+
+/// Gate 1: every step within tolerance and finite, the cache as the reference's, inputs and weights
+/// untouched.
+pub fn correctness_gate(steps: &[StepCheck], cache: &CacheCheck, integrity: &Integrity, gates: &Gates) -> Gate {
+    let tol = gates.rel_err_tol;
+    let non_finite: Vec<usize> = steps.iter().filter(|s| s.rel_err.is_none()).map(|s| s.call.index).collect();
+    let worst = steps.iter().filter_map(|s| s.rel_err.map(|e| (e, s.call))).max_by(|a, b| a.0.total_cmp(&b.0));
+    let over = steps.iter().filter(|s| s.rel_err.is_some_and(|e| e > tol)).count();
+    let value = if non_finite.is_empty() { worst.map_or(f64::INFINITY, |w| w.0) } else { f64::INFINITY };
+    let mut problems = Vec::new();
+    if steps.is_empty() {
+        problems.push("no step was compared".to_string());
+    }
+    if !non_finite.is_empty() {
+        problems.push(format!("{} step(s) returned NaN or Inf (first: call {})", non_finite.len(), non_finite[0]));
+    }
+    if over > 0 {
+        let (e, c) = worst.unwrap();
+        problems.push(format!(
+            "{over} of {} steps over the tolerance; worst {e:.3e} at call {} (pos {}, {:?})",
+            steps.len(),
+            c.index,
+            c.pos,
+            c.phase
+        ));
+    }
+    if cache.prefix_differing > 0 {
+        problems.push(format!("{} element(s) of the cached prefix were modified", cache.prefix_differing));
+    }
+    if cache.unused_differing > 0 {
+        problems.push(format!("{} element(s) of cache slots no step owns were written", cache.unused_differing));
+    }
+    match cache.written_rel_err {
+        None => problems.push("the appended K/V rows hold NaN or Inf".into()),
+        Some(e) if e > tol => problems.push(format!("the appended K/V rows differ from the reference's by {e:.3e}")),
+        Some(_) => {}
+    }
+    if integrity.weight_vectors_changed > 0 {
+        problems
+            .push(format!("the weights were modified ({} 16-byte vectors changed)", integrity.weight_vectors_changed));
+    }
+    if integrity.inputs_changed > 0 {
+        problems.push(format!("{} input x buffer(s) were modified", integrity.inputs_changed));
+    }
+    let passed = problems.is_empty();
+    let detail = if passed {
+        let (e, c) = worst.unwrap();
+        format!(
+            "{} steps within {tol:.1e}; worst {e:.3e} at call {}; cache and read-only inputs intact",
+            steps.len(),
+            c.index
+        )
+    } else {
+        problems.join("; ")
+    };
+    Gate { name: "correctness", source: Source::Judge, passed, value, limit: tol, detail }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spec::Phase;
+
+    fn call(i: usize) -> Call {
+        Call { index: i, phase: Phase::Timed, pos: 4096 + i, input: spec::Input::Fresh }
+    }
+
+    const CLEAN_CACHE: CacheCheck =
+        CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(1e-3) };
+    const INTACT: Integrity = Integrity { weight_vectors_changed: 0, inputs_changed: 0 };
+
+    #[test]
+    fn correctness_gate_rules() {
+        let g = Gates::TASK;
+        let reference = [1.0f32, 2.0, 3.0, 4.0];
+        let x = [0.5f32, 1.5, 2.5, 3.5];
+        let good = StepCheck::of(call(0), &[1.0, 2.0, 3.0, 4.01], &reference, &x);
+        assert!(correctness_gate(std::slice::from_ref(&good), &CLEAN_CACHE, &INTACT, &g).passed);
+        // A pass-through is close in relative terms but its contribution error is 1.
+        let pass_through = StepCheck::of(call(1), &x, &reference, &x);
+        assert!((pass_through.contribution_err.unwrap() - 1.0).abs() < 1e-9);
+        assert!(!correctness_gate(&[good.clone(), pass_through], &CLEAN_CACHE, &INTACT, &g).passed);
+        let nan = StepCheck::of(call(2), &[f32::NAN, 2.0, 3.0, 4.0], &reference, &x);
+        assert_eq!(nan.rel_err, None);
+        let gate = correctness_gate(&[good.clone(), nan], &CLEAN_CACHE, &INTACT, &g);
+        assert!(!gate.passed && gate.detail.contains("NaN"), "{}", gate.detail);
+        assert!(!correctness_gate(&[], &CLEAN_CACHE, &INTACT, &g).passed);
+    }
+
+    #[test]
+    fn cache_and_read_only_violations_fail_correctness() {
+        let g = Gates::TASK;
+        let steps = [StepCheck::of(call(0), &[1.0], &[1.0], &[0.0])];
+        let cases = [
+            (CacheCheck { prefix_differing: 3, ..CLEAN_CACHE }, INTACT, "prefix"),
+            (CacheCheck { unused_differing: 1, ..CLEAN_CACHE }, INTACT, "no step owns"),
+            (CacheCheck { written_rel_err: None, ..CLEAN_CACHE }, INTACT, "NaN"),
+            (CacheCheck { written_rel_err: Some(0.5), ..CLEAN_CACHE }, INTACT, "appended"),
+            (CLEAN_CACHE, Integrity { weight_vectors_changed: 1, inputs_changed: 0 }, "weights"),
+            (CLEAN_CACHE, Integrity { weight_vectors_changed: 0, inputs_changed: 2 }, "input"),
+        ];
+        for (cache, integrity, word) in cases {
+            let gate = correctness_gate(&steps, &cache, &integrity, &g);
+            assert!(!gate.passed && gate.detail.contains(word), "{word}: {}", gate.detail);
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! Gates 2 and 3 (at most 2 kernels in every call, the largest with at least 0.95 of its kernel
+//! time) over every call of the run, and the gate that says the record they read is whole.
+//!
+//! The counts come from CUPTI inside the runner. `launch_record` checks them against what the
+//! submission cannot reach: the judge's clock (the recorded GPU work must cover most of each timed
+//! call) and the hardware's count of thread blocks launched (every block must belong to a recorded
+//! kernel); and it carries the record's own findings (launches seen by one view only, recording
+//! switched off, kernels from elsewhere running during a call, device-side launch modules).
+
+use spec::{Call, Gates, Phase};
+
+use super::{Gate, Source};
+use crate::cupti::{Record, StepLaunches};
+use crate::run::pace::Paced;
+use crate::run::runner::Audit;
+
+/// Thread blocks a copy or a set may run as a kernel of the driver's own, which CUPTI records as a
+/// copy or a set rather than a kernel (generous: a graded call's real work is ~10^5 blocks).
+const BLOCKS_PER_COPY_OR_SET: u64 = 4096;
+
+/// Gate 2: the most kernels any call ran.
+pub fn kernels_gate(calls: &[Call], launches: &[StepLaunches], gates: &Gates) -> Gate {
+    let limit = gates.max_kernels_per_step;
+    let Some((worst, w)) = launches.iter().enumerate().max_by_key(|(_, l)| l.kernels) else {
+        return Gate {
+            name: "kernels_per_step",
+            source: Source::Runner,
+            passed: false,
+            value: f64::NAN,
+            limit,
+            detail: "no call was recorded".into(),
+        };
+    };
+    let mut notes = vec![format!(
+        "at most {} kernels in a call (call {worst}); {} over all {} calls",
+        w.kernels,
+        per_phase(calls, launches),
+        launches.len()
+    )];
+    let sum = |f: fn(&StepLaunches) -> usize| launches.iter().map(f).sum::<usize>();
+    for (what, n) in [
+        ("kernel(s) replayed from a CUDA graph", sum(|s| s.graph_kernels)),
+        ("kernel(s) launched from the device", sum(|s| s.device_launched)),
+        ("memcpy record(s)", sum(|s| s.memcpys)),
+        ("memset record(s)", sum(|s| s.memsets)),
+    ] {
+        if n > 0 {
+            notes.push(format!("{n} {what} inside the calls"));
+        }
+    }
+    let idle: Vec<usize> = launches.iter().enumerate().filter(|(_, l)| l.kernels == 0).map(|(i, _)| i).collect();
+    if let Some(first) = idle.first() {
+        notes.push(format!("{} call(s) launched no kernel (first: call {first})", idle.len()));
+    }
+    Gate {
+        name: "kernels_per_step",
+        source: Source::Runner,
+        passed: w.kernels as f64 <= limit && idle.is_empty(),
+        value: w.kernels as f64,
+        limit,
+        detail: notes.join("; "),
+    }
+}
+
+/// "mean 1.00 (correctness 1.00, timed 1.00, throughput 1.00)".
+fn per_phase(calls: &[Call], launches: &[StepLaunches]) -> String {
+    let mean = |f: &dyn Fn(&Call) -> bool| {
+        let ks: Vec<f64> = calls.iter().zip(launches).filter(|(c, _)| f(c)).map(|(_, l)| l.kernels as f64).collect();
+        ks.iter().sum::<f64>() / ks.len().max(1) as f64
+    };
+    let phases: Vec<String> = Phase::ALL
+        .iter()
+        .filter(|&&p| calls.iter().any(|c| c.phase == p))
+        .map(|&p| format!("{} {:.2}", format!("{p:?}").to_lowercase(), mean(&|c| c.phase == p)))
+        .collect();
+    format!("mean {:.2} ({})", mean(&|_| true), phases.join(", "))
+}
+
+/// Gate 3: the largest kernel's share of each call's kernel time; the worst call counts.
+pub fn share_gate(launches: &[StepLaunches], gates: &Gates) -> Gate {
+    let limit = gates.min_dominant_share;
+    match launches.iter().enumerate().min_by(|a, b| a.1.dominant_share.total_cmp(&b.1.dominant_share)) {
+        None => Gate {
+            name: "dominant_share",
+            source: Source::Runner,
+            passed: false,
+            value: f64::NAN,
+            limit,
+            detail: "no call was recorded".into(),
+        },
+        Some((i, w)) => Gate {
+            name: "dominant_share",
+            source: Source::Runner,
+            passed: w.dominant_share >= limit,
+            value: w.dominant_share,
+            limit,
+            detail: format!(
+                "largest kernel {} takes {:.3} of its call's kernel time (worst call: {i})",
+                w.largest_kernel, w.dominant_share
+            ),
+        },
+    }
+}
+
+/// The record is whole: its own findings, the judge's clock covered by recorded work in every timed
+/// call and in the back-to-back phase, and the hardware's thread blocks all in recorded kernels.
+pub fn launch_record_gate(calls: &[Call], record: &Record, paced: &Paced, audit: &Audit, gates: &Gates) -> Gate {
+    let mut problems = record.problems.clone();
+    let busy_us = |i: usize| record.calls.get(i).map_or(0.0, |l| l.busy_ns as f64 / 1e3);
+    // Coverage: the calls timed alone, then the back-to-back phase as a whole.
+    let mut covers: Vec<(String, f64, f64)> = calls
+        .iter()
+        .filter(|c| c.phase == Phase::Timed)
+        .filter_map(|c| paced.call_us[c.index].map(|us| (format!("call {}", c.index), busy_us(c.index), us)))
+        .collect();
+    let batch: Vec<usize> = calls.iter().filter(|c| c.phase == Phase::Throughput).map(|c| c.index).collect();
+    if paced.batch_us > 0.0 {
+        covers.push(("the back-to-back phase".into(), batch.iter().map(|&i| busy_us(i)).sum(), paced.batch_us));
+    }
+    let worst = covers.iter().map(|(w, busy, us)| (w, busy, us, busy / us)).min_by(|a, b| a.3.total_cmp(&b.3));
+    let coverage = worst.map_or(f64::NAN, |w| w.3);
+    if let Some((what, busy, us, share)) = worst
+        && share < gates.min_coverage
+    {
+        problems.push(format!(
+            "in {what} the judge's clock ran {us:.1} us but the record holds {busy:.1} us of GPU work ({share:.2}): \
+             work the record does not show"
+        ));
+    }
+    if audit.unavailable.is_none() {
+        for (i, (counters, l)) in audit.calls.iter().zip(&record.calls).enumerate() {
+            let Some(c) = counters else { continue };
+            let allowed = l.ctas + BLOCKS_PER_COPY_OR_SET * (l.memcpys + l.memsets) as u64;
+            if c.ctas > allowed as f64 {
+                problems.push(format!(
+                    "in call {i} the hardware launched {:.0} thread blocks but the recorded kernels hold {}: kernels \
+                     escaped the record (launched from the device, or recorded nowhere)",
+                    c.ctas, l.ctas
+                ));
+                break;
+            }
+        }
+    }
+    let detail = if problems.is_empty() {
+        let ctas = if audit.unavailable.is_none() { "; every hardware thread block in a recorded kernel" } else { "" };
+        format!(
+            "both CUPTI views agree on every call; {} module(s) scanned, none launches from the device; recorded GPU \
+             work covers at least {coverage:.2} of each timed call's time{ctas}",
+            record.modules
+        )
+    } else {
+        problems.join("; ")
+    };
+    Gate {
+        name: "launch_record",
+        source: Source::Runner,
+        passed: problems.is_empty(),
+        value: coverage,
+        limit: gates.min_coverage,
+        detail,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cupti::{Activity, ActivityKind};
+    use crate::run::runner::Counters;
+    use crate::stats::Summary;
+
+    fn launches(kernels: &[(u64, &str)]) -> StepLaunches {
+        let mut t = 0;
+        let acts: Vec<Activity> = kernels
+            .iter()
+            .map(|&(ns, name)| {
+                t += ns + 1;
+                Activity { grid: (10, 1, 1), ..Activity::synthetic(ActivityKind::Kernel, name, t - ns, t) }
+            })
+            .collect();
+        StepLaunches::of(&acts)
+    }
+
+    fn calls(n: usize) -> Vec<Call> {
+        (0..n).map(|i| Call { index: i, phase: Phase::Timed, pos: 4096 + i, input: spec::Input::Fresh }).collect()
+    }
+
+    #[test]
+    fn two_kernels_at_share_096_pass_and_a_split_at_082_fails() {
+        let g = Gates::TASK;
+        let fused = vec![launches(&[(960, "mega"), (40, "zero_flag")]); 4];
+        assert!(kernels_gate(&calls(4), &fused, &g).passed);
+        let s = share_gate(&fused, &g);
+        assert!(s.passed && (s.value - 0.96).abs() < 1e-3, "{s:?}");
+        let split = vec![launches(&[(180, "attention"), (820, "mlp")]); 4];
+        assert!(kernels_gate(&calls(4), &split, &g).passed, "two kernels pass gate 2");
+        let s = share_gate(&split, &g);
+        assert!(!s.passed && (s.value - 0.82).abs() < 1e-3, "{s:?}");
+        let eager = vec![launches(&[(10, "k"); 21]); 4];
+        let k = kernels_gate(&calls(4), &eager, &g);
+        assert!(!k.passed && k.value == 21.0, "{k:?}");
+    }
+
+    /// One call with many kernels among many with one fails: no call is unobserved.
+    #[test]
+    fn the_worst_call_decides_and_idle_calls_fail() {
+        let g = Gates::TASK;
+        let mut steps = vec![launches(&[(1000, "mega")]); 40];
+        steps[17] = launches(&[(100, "k"); 10]);
+        let k = kernels_gate(&calls(40), &steps, &g);
+        assert!(!k.passed && k.value == 10.0 && k.detail.contains("call 17"), "{k:?}");
+        assert!(!share_gate(&steps, &g).passed);
+        let mut idle = vec![launches(&[(1000, "mega")]); 4];
+        idle[2] = launches(&[]);
+        let k = kernels_gate(&calls(4), &idle, &g);
+        assert!(!k.passed && k.detail.contains("launched no kernel"), "{k:?}");
+        assert!(!kernels_gate(&[], &[], &g).passed);
+        assert!(!share_gate(&[], &g).passed);
+    }
+
+    fn paced(call_us: Vec<Option<f64>>) -> Paced {
+        Paced {
+            build_s: 0.1,
+            call_us,
+            batch_us: 0.0,
+            batch_calls: 0,
+            ping_us: Summary::of(&[1.0]).unwrap(),
+            inputs: vec![],
+            outputs: vec![],
+        }
+    }
+
+    fn record(steps: Vec<StepLaunches>) -> Record {
+        Record {
+            build: launches(&[]),
+            api_launches: steps.iter().map(|s| s.kernels).collect(),
+            activities: vec![vec![]; steps.len()],
+            calls: steps,
+            modules: 1,
+            problems: vec![],
+        }
+    }
+
+    #[test]
+    fn an_intact_record_passes_and_its_findings_fail() {
+        let g = Gates::TASK;
+        let r = record(vec![launches(&[(400_000, "mega")]); 2]);
+        let audit = Audit {
+            unavailable: None,
+            calls: vec![Some(Counters { bytes_read: 1.0, bytes_written: 0.0, ctas: 10.0 }); 2],
+        };
+        let gate = launch_record_gate(&calls(2), &r, &paced(vec![Some(420.0), Some(430.0)]), &audit, &g);
+        assert!(gate.passed, "{gate:?}");
+        let mut bad = r.clone();
+        bad.problems.push("3 kernel launch(es) left no GPU record".into());
+        assert!(!launch_record_gate(&calls(2), &bad, &paced(vec![Some(420.0), Some(430.0)]), &audit, &g).passed);
+    }
+
+    /// A visible "waiter" kernel cannot hide a step's time, and hidden blocks show in the hardware count.
+    #[test]
+    fn uncovered_time_and_unrecorded_blocks_fail() {
+        let g = Gates::TASK;
+        let r = record(vec![launches(&[(100_000, "signal")]); 2]);
+        let unaudited = Audit { unavailable: Some("no counters".into()), calls: vec![None; 2] };
+        let gate = launch_record_gate(&calls(2), &r, &paced(vec![Some(420.0), Some(1038.0)]), &unaudited, &g);
+        assert!(!gate.passed && gate.detail.contains("call 1") && gate.detail.contains("does not show"), "{gate:?}");
+        let waiter = record(vec![launches(&[(1_000_000, "waiter")]); 2]);
+        let hw = Audit {
+            unavailable: None,
+            calls: vec![Some(Counters { bytes_read: 1.0, bytes_written: 0.0, ctas: 50_000.0 }); 2],
+        };
+        let gate = launch_record_gate(&calls(2), &waiter, &paced(vec![Some(1020.0), Some(1030.0)]), &hw, &g);
+        assert!(!gate.passed && gate.detail.contains("escaped the record"), "{gate:?}");
+    }
+}

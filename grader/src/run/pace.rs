@@ -1,0 +1,139 @@
+//! The judge's clock over the schedule: it hands each input over, flushes L2, starts each call,
+//! stamps it, and reads its output back, itself.
+//!
+//! What the runner could know in advance: nothing. A call's input is written into its buffer only
+//! after the previous call has finished (and its output has been read); the input seed never
+//! leaves the judge; in the back-to-back phase each input is the previous call's output, so no call
+//! can be computed before its predecessor. What is timed: from the judge's "go" on the control page
+//! to the runner's "done" after it synchronised the device, on the judge's own clock. The
+//! signalling's own cost (a no-op round trip) is measured and reported beside it.
+
+use cuda::cudarc::driver::CudaSlice;
+use cuda::{Context, Device};
+use half::bf16;
+use spec::{Call, Config, Input, Phase};
+
+use super::Progress;
+use super::control::Command;
+use super::isolate::{BUILD_TIMEOUT, CALL_TIMEOUT, Failure, Runner, START_TIMEOUT};
+use super::sandbox;
+use super::shared::SharedData;
+use crate::error::GraderError;
+use crate::stats::Summary;
+
+/// No-op round trips timed to state the signalling overhead.
+const PINGS: usize = 64;
+
+/// What the judge measured and read while the calls ran.
+#[derive(Debug, Clone)]
+pub struct Paced {
+    /// `build_layer` on the judge's clock, in seconds.
+    pub build_s: f64,
+    /// Each call's time when it ran alone (correctness and timed phases), in microseconds.
+    pub call_us: Vec<Option<f64>>,
+    /// The back-to-back phase: its calls' total time and count.
+    pub batch_us: f64,
+    pub batch_calls: usize,
+    /// A no-op command's round trip, in microseconds: the clock's own overhead.
+    pub ping_us: Summary,
+    /// Each call's input, as handed over (fresh) or as read (an earlier call's output).
+    pub inputs: Vec<Vec<bf16>>,
+    /// Each call's output, as the judge read it right after the call.
+    pub outputs: Vec<Vec<bf16>>,
+}
+
+/// Drives every call of `calls` through `runner`. `Ok(Err(_))`: the runner failed (a verdict);
+/// `Err(_)`: the judge could not go on (no verdict).
+pub fn pace(
+    runner: &mut Runner,
+    dev: &Device,
+    shared: &mut SharedData,
+    cfg: &Config,
+    calls: &[Call],
+    input_seed: u64,
+    progress: &Progress,
+) -> Result<Result<Paced, Failure>, GraderError> {
+    let mut flush = dev.stream().alloc_zeros::<u8>(flush_bytes(dev)).context("allocating the L2 flush buffer")?;
+    let outcome = (|| -> Result<Result<Paced, Failure>, GraderError> {
+        macro_rules! obey {
+            ($e:expr) => {
+                match $e {
+                    Ok(v) => v,
+                    Err(failure) => return Ok(Err(failure)),
+                }
+            };
+        }
+        obey!(runner.command(Command::Ping, 0, 0, START_TIMEOUT));
+        // The runner has mapped the region; from here on the submission's code may run, and it may
+        // not read the judge's memory, where the input seed is.
+        sandbox::hide_judge_memory().map_err(|e| GraderError::Runner(format!("making the judge non-dumpable: {e}")))?;
+        progress.say("runner ready; build_layer");
+        let build_s = obey!(runner.command(Command::Build, 0, 0, BUILD_TIMEOUT)).us() / 1e6;
+        progress.say(&format!("build_layer took {build_s:.2} s"));
+        let mut pings = Vec::with_capacity(PINGS);
+        for _ in 0..PINGS {
+            pings.push(obey!(runner.command(Command::Ping, 0, 0, CALL_TIMEOUT)).us());
+        }
+        let row = cfg.batch * cfg.d;
+        let mut p = Paced {
+            build_s,
+            call_us: vec![None; calls.len()],
+            batch_us: 0.0,
+            batch_calls: 0,
+            ping_us: Summary::of(&pings).expect("finite round trips"),
+            inputs: vec![Vec::new(); calls.len()],
+            outputs: vec![vec![bf16::NAN; row]; calls.len()],
+        };
+        for phase in calls.chunk_by(|a, b| a.phase == b.phase) {
+            progress.say(&format!("{} {:?} calls", phase.len(), phase[0].phase));
+            let first = phase[0];
+            if first.phase == Phase::Throughput {
+                hand_over(dev, shared, cfg, &first, input_seed, &mut flush, &mut p)?;
+                let stamps =
+                    obey!(runner.command(Command::Calls, first.index as u64, phase.len() as u64, CALL_TIMEOUT));
+                (p.batch_us, p.batch_calls) = (stamps.us(), phase.len());
+                for c in phase {
+                    p.outputs[c.index] = shared.read_output(dev, c.index)?;
+                    if let Input::OutputOf(j) = c.input {
+                        p.inputs[c.index] = p.outputs[j].clone();
+                    }
+                }
+            } else {
+                for c in phase {
+                    hand_over(dev, shared, cfg, c, input_seed, &mut flush, &mut p)?;
+                    let stamps = obey!(runner.command(Command::Calls, c.index as u64, 1, CALL_TIMEOUT));
+                    p.call_us[c.index] = Some(stamps.us());
+                    p.outputs[c.index] = shared.read_output(dev, c.index)?;
+                }
+            }
+        }
+        obey!(runner.command(Command::Teardown, 0, 0, CALL_TIMEOUT));
+        Ok(Ok(p))
+    })();
+    drop(flush);
+    outcome
+}
+
+/// Writes `call`'s fresh input into its buffer, then evicts the weights from L2 (a real model's
+/// other layers would have), and waits until both are done: all outside the call's clock.
+fn hand_over(
+    dev: &Device,
+    shared: &mut SharedData,
+    cfg: &Config,
+    call: &Call,
+    input_seed: u64,
+    flush: &mut CudaSlice<u8>,
+    p: &mut Paced,
+) -> Result<(), GraderError> {
+    let x = spec::data::input(cfg, input_seed, call.index);
+    shared.write_input(dev, call.index, &x)?;
+    p.inputs[call.index] = x;
+    dev.stream().memset_zeros(flush).context("flushing L2")?;
+    dev.synchronize()?;
+    Ok(())
+}
+
+/// Twice the L2: writing it replaces every line the last call left.
+fn flush_bytes(dev: &Device) -> usize {
+    2 * dev.facts().l2_bytes.max(1) as usize
+}
