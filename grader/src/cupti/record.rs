@@ -11,6 +11,11 @@ use super::callbacks::{Tag, is_kernel_launch};
 use super::summary::StepLaunches;
 use super::{Activity, ActivityKind, Captured};
 
+/// Kernels CUPTI's own range profiler runs at range boundaries (between commands, outside every
+/// call): they come with no API call, and are set apart only when they also ran outside every
+/// call, so a submission's kernel of the same name inside a call is still a problem.
+const PROFILER_KERNELS: [&str; 1] = ["WaitNs"];
+
 /// When a call ran on CUPTI's clock: from just before the runner entered `layer_step` to just after
 /// the device synchronised. The calls of a back-to-back batch share the batch's window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,6 +43,8 @@ pub struct Record {
     pub api_launches: Vec<usize>,
     /// Modules the driver loaded while the submission ran.
     pub modules: usize,
+    /// Kernels of the DRAM audit's range profiler, set apart (between calls, no API call).
+    pub profiler_kernels: usize,
     /// Everything that makes the record incomplete or the work unaccounted for; empty when intact.
     pub problems: Vec<String>,
 }
@@ -59,11 +66,20 @@ pub fn attribute(
     let mut outside = Vec::new();
     let mut recorded_ids = HashSet::new();
     let mut foreign: HashMap<usize, Vec<String>> = HashMap::new();
+    let mut profiler_kernels = 0;
     for a in activities {
+        let tag = seen.tags.get(&a.correlation_id).copied();
+        if tag.is_none()
+            && a.kind == ActivityKind::Kernel
+            && PROFILER_KERNELS.contains(&a.name.as_str())
+            && !windows.iter().any(|w| w.overlaps(&a))
+        {
+            profiler_kernels += 1;
+            continue;
+        }
         if a.kind == ActivityKind::Kernel {
             recorded_ids.insert(a.correlation_id);
         }
-        let tag = seen.tags.get(&a.correlation_id).copied();
         // Work that did not come from call i but ran while it did: its own call's window excluded.
         for (i, w) in windows.iter().enumerate() {
             let own = matches!(tag, Some(Tag::Call(j)) if windows.get(j) == Some(w));
@@ -150,6 +166,7 @@ pub fn attribute(
         activities: per_call,
         api_launches,
         modules: seen.modules.len(),
+        profiler_kernels,
         problems,
     }
 }
@@ -280,5 +297,16 @@ mod tests {
         );
         assert!(r.problems.iter().any(|p| p.contains("context")));
         assert!(r.problems.iter().any(|p| p.contains("found off")));
+    }
+
+    #[test]
+    fn the_profilers_kernels_between_calls_are_set_apart_but_not_inside_a_call() {
+        let captured = Captured {
+            activities: vec![kernel("WaitNs", 0, 50, 90), kernel("mega", 2, 110, 190), kernel("WaitNs", 0, 150, 160)],
+            seen: seen(vec![launch(2, Tag::Call(0))]),
+        };
+        let r = attribute(captured, &W[..1], no_scan, vec![]);
+        assert_eq!(r.profiler_kernels, 1);
+        assert!(r.problems.iter().any(|p| p.contains("no API call") && p.contains("WaitNs")), "{:?}", r.problems);
     }
 }

@@ -10,7 +10,10 @@
 //! Protocol: the judge writes the arguments, then the command word `(sequence << 8) | kind` with
 //! release ordering; the runner, spinning with acquire loads, sees the new sequence, does the work,
 //! writes its status, then the sequence into `ack` with release ordering; the judge sees the ack
-//! with an acquire load. Each side only ever writes its own words, so no lock is needed.
+//! with an acquire load and stops its clock. The runner then does its bookkeeping (the audit's
+//! ranges, the recording's checks) and writes the sequence into `ready`: the judge waits for that
+//! before it starts the next command, so no bookkeeping ever falls inside a timed window. Each side
+//! only ever writes its own words, so no lock is needed.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,7 +67,8 @@ struct Page {
     _judge_pad: [u64; 5],
     ack: AtomicU64,
     status: AtomicU64,
-    _runner_pad: [u64; 6],
+    ready: AtomicU64,
+    _runner_pad: [u64; 5],
 }
 
 const PAGE_BYTES: usize = 4096;
@@ -135,7 +139,7 @@ impl Control {
 
     // ---- the judge's side ----
 
-    /// Posts command `kind` with its arguments; returns its sequence number.
+    /// Posts command `kind` with its arguments as command number `seq`.
     pub fn post(&self, seq: u64, kind: Command, arg0: u64, arg1: u64) {
         let p = self.page();
         p.arg0.store(arg0, Ordering::Relaxed);
@@ -147,26 +151,20 @@ impl Control {
     /// Waits until the runner has acknowledged command `seq`, or `give_up` says to stop looking
     /// (checked only while sleeping, never during the spin, so it adds nothing to a timed wait).
     /// Returns the time the ack was seen.
-    pub fn wait_ack(&self, seq: u64, mut give_up: impl FnMut() -> bool) -> Option<(Instant, Status)> {
+    pub fn wait_ack(&self, seq: u64, give_up: impl FnMut() -> bool) -> Option<(Instant, Status)> {
         let p = self.page();
-        let start = Instant::now();
-        loop {
-            // Acquire: pairs with the runner's release store of `ack`, so its status and every
-            // write it made before (device memory included, synchronised before the ack) is seen.
-            if p.ack.load(Ordering::Acquire) == seq {
-                let seen = Instant::now();
-                let status = if p.status.load(Ordering::Relaxed) == 0 { Status::Ok } else { Status::Failed };
-                return Some((seen, status));
-            }
-            if start.elapsed() < SPIN_BEFORE_SLEEP {
-                std::hint::spin_loop();
-            } else {
-                if give_up() {
-                    return None;
-                }
-                std::thread::sleep(SLEEP_BETWEEN_LOOKS);
-            }
-        }
+        // Acquire: pairs with the runner's release store of `ack`, so its status and every write it
+        // made before (device memory included, synchronised before the ack) is seen.
+        let seen = wait_for(|| p.ack.load(Ordering::Acquire) == seq, give_up)?;
+        let status = if p.status.load(Ordering::Relaxed) == 0 { Status::Ok } else { Status::Failed };
+        Some((seen, status))
+    }
+
+    /// Waits until the runner has finished its bookkeeping after command `seq`.
+    pub fn wait_ready(&self, seq: u64, give_up: impl FnMut() -> bool) -> Option<Instant> {
+        let p = self.page();
+        // Acquire: pairs with the runner's release store of `ready`.
+        wait_for(|| p.ready.load(Ordering::Acquire) == seq, give_up)
     }
 
     // ---- the runner's side ----
@@ -198,6 +196,31 @@ impl Control {
         // Release: the status (and everything this process did before) is visible with the ack.
         p.ack.store(seq, Ordering::Release);
     }
+
+    /// Says the bookkeeping after command `seq` is done: the next command may be timed.
+    pub fn ready(&self, seq: u64) {
+        // Release: everything the bookkeeping did is visible with it.
+        self.page().ready.store(seq, Ordering::Release);
+    }
+}
+
+/// Spins until `done`, then sleeps between looks; `give_up` is asked only while sleeping, never
+/// during the spin, so it adds nothing to a timed wait. Returns when `done` was seen.
+fn wait_for(mut done: impl FnMut() -> bool, mut give_up: impl FnMut() -> bool) -> Option<Instant> {
+    let start = Instant::now();
+    loop {
+        if done() {
+            return Some(Instant::now());
+        }
+        if start.elapsed() < SPIN_BEFORE_SLEEP {
+            std::hint::spin_loop();
+        } else {
+            if give_up() {
+                return None;
+            }
+            std::thread::sleep(SLEEP_BETWEEN_LOOKS);
+        }
+    }
 }
 
 impl Drop for Control {
@@ -226,6 +249,7 @@ mod tests {
                 seen.push((kind, a0, a1));
                 let status = if kind == Some(Command::Teardown) { Status::Failed } else { Status::Ok };
                 runner.ack(seq, status);
+                runner.ready(seq);
                 if kind == Some(Command::Teardown) {
                     return seen;
                 }
@@ -233,6 +257,7 @@ mod tests {
         });
         judge.post(1, Command::Ping, 0, 0);
         assert_eq!(judge.wait_ack(1, || false).unwrap().1, Status::Ok);
+        assert!(judge.wait_ready(1, || false).is_some());
         judge.post(2, Command::Calls, 40, 32);
         assert_eq!(judge.wait_ack(2, || false).unwrap().1, Status::Ok);
         judge.post(3, Command::Teardown, 0, 0);

@@ -103,8 +103,40 @@ impl Runner {
         })
     }
 
-    /// Posts `kind` and waits for the runner to acknowledge it, at most `timeout`.
+    /// Waits until the runner is ready for the next command (its bookkeeping after the last one is
+    /// done), at most `timeout`. The judge's own work between calls can run meanwhile.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<(), Failure> {
+        if self.seq == 0 {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let child = &mut self.child;
+        let mut exited = false;
+        let seen = self.control.wait_ready(self.seq, || {
+            exited = matches!(child.try_wait(), Ok(Some(_)));
+            exited || start.elapsed() > timeout
+        });
+        match seen {
+            Some(_) => Ok(()),
+            None if exited => {
+                let last = self.last;
+                Err(self.died(last))
+            }
+            None => {
+                kill(&mut self.child);
+                Err(Failure::Timeout(format!(
+                    "the runner did not get ready within {} s after {}: it was killed",
+                    timeout.as_secs(),
+                    self.last
+                )))
+            }
+        }
+    }
+
+    /// Waits until the runner is ready, posts `kind` and waits for the runner to acknowledge it, at
+    /// most `timeout`. The stamps are taken right around the post and the acknowledgement.
     pub fn command(&mut self, kind: Command, arg0: u64, arg1: u64, timeout: Duration) -> Result<Stamps, Failure> {
+        self.wait_ready(timeout)?;
         self.seq += 1;
         let seq = self.seq;
         let posted = Instant::now();

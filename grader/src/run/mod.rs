@@ -185,6 +185,7 @@ pub fn judge(
         launches: report::Launches { submission: f.record.calls.clone(), reference: replayed.launches.clone() },
         audit: f.audit.clone(),
         watched,
+        record: f.record.clone(),
         call_us: paced.call_us.clone(),
     });
     if let Some(dir) = dump_dir {

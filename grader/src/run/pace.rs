@@ -10,6 +10,8 @@
 
 use cuda::cudarc::driver::CudaSlice;
 use cuda::{Context, Device};
+
+use crate::bandwidth::StreamKernels;
 use half::bf16;
 use spec::{Call, Config, Input, Phase};
 
@@ -53,7 +55,7 @@ pub fn pace(
     input_seed: u64,
     progress: &Progress,
 ) -> Result<Result<Paced, Failure>, GraderError> {
-    let mut flush = dev.stream().alloc_zeros::<u8>(flush_bytes(dev)).context("allocating the L2 flush buffer")?;
+    let mut flush = L2Flush::new(dev)?;
     let outcome = (|| -> Result<Result<Paced, Failure>, GraderError> {
         macro_rules! obey {
             ($e:expr) => {
@@ -122,18 +124,36 @@ fn hand_over(
     cfg: &Config,
     call: &Call,
     input_seed: u64,
-    flush: &mut CudaSlice<u8>,
+    flush: &mut L2Flush,
     p: &mut Paced,
 ) -> Result<(), GraderError> {
     let x = spec::data::input(cfg, input_seed, call.index);
     shared.write_input(dev, call.index, &x)?;
     p.inputs[call.index] = x;
-    dev.stream().memset_zeros(flush).context("flushing L2")?;
+    flush.run(dev)?;
     dev.synchronize()?;
     Ok(())
 }
 
-/// Twice the L2: writing it replaces every line the last call left.
-fn flush_bytes(dev: &Device) -> usize {
-    2 * dev.facts().l2_bytes.max(1) as usize
+/// Evicts everything the last call left in L2 by reading twice the L2's size: reading (not
+/// writing) leaves clean lines, so no write-back of the flush spills into the next call's time.
+struct L2Flush {
+    kernels: StreamKernels,
+    buffer: CudaSlice<u8>,
+    sink: CudaSlice<u32>,
+}
+
+impl L2Flush {
+    fn new(dev: &Device) -> Result<L2Flush, GraderError> {
+        let kernels = StreamKernels::load(dev)?;
+        let bytes = (2 * dev.facts().l2_bytes.max(1) as usize).next_multiple_of(16);
+        let buffer = dev.stream().alloc_zeros::<u8>(bytes).context("allocating the L2 flush buffer")?;
+        let sink = dev.stream().alloc_zeros::<u32>(kernels.wave.grid_dim.0 as usize).context("allocating the L2 flush sink")?;
+        Ok(L2Flush { kernels, buffer, sink })
+    }
+
+    fn run(&mut self, dev: &Device) -> Result<(), GraderError> {
+        let wave = self.kernels.wave;
+        Ok(self.kernels.read(dev, &mut self.sink, &self.buffer.as_view(), wave)?)
+    }
 }

@@ -12,7 +12,7 @@ use super::isolate::Failure;
 use super::runner::Audit;
 use super::watch::Watched;
 use crate::bandwidth::Bandwidth;
-use crate::cupti::StepLaunches;
+use crate::cupti::{Record, StepLaunches};
 use crate::stats::Summary;
 
 /// Bumped whenever a field changes meaning or goes away.
@@ -123,6 +123,8 @@ pub struct Report {
     pub audit: Option<Audit>,
     /// The judge's watch of the device's processes.
     pub watched: Watched,
+    /// The runner's record of every call's GPU work (the runner's word), activities included.
+    pub record: Option<Record>,
     /// Every call's time on the judge's clock in microseconds (null for the back-to-back calls).
     pub raw_call_us: Vec<Option<f64>>,
 }
@@ -141,6 +143,7 @@ pub struct Judged {
     pub launches: Launches,
     pub audit: Audit,
     pub watched: Watched,
+    pub record: Record,
     pub call_us: Vec<Option<f64>>,
 }
 
@@ -166,6 +169,7 @@ impl Report {
             integrity: Some(j.integrity),
             audit: Some(j.audit),
             watched: j.watched,
+            record: Some(j.record),
             raw_call_us: j.call_us,
         }
     }
@@ -194,6 +198,7 @@ impl Report {
             integrity: None,
             audit: None,
             watched,
+            record: None,
             raw_call_us: Vec::new(),
         }
     }
@@ -376,6 +381,15 @@ mod tests {
             launches: Launches { submission: vec![], reference: vec![] },
             audit: Audit { unavailable: Some("no counters".into()), calls: vec![None] },
             watched: watched(),
+            record: Record {
+                build: StepLaunches::of(&[]),
+                calls: vec![],
+                activities: vec![],
+                api_launches: vec![],
+                modules: 0,
+                profiler_kernels: 0,
+                problems: vec![],
+            },
             call_us: vec![Some(500.0)],
         });
         let doc: serde_json::Value = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();

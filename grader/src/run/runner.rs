@@ -11,6 +11,11 @@
 //! Order matters: the recording and the audit are switched on, and `CAP_SYS_PTRACE` is dropped,
 //! before the submission's library is loaded, so no code of the submission ever runs unobserved or
 //! able to read the judge; process creation is forbidden once `build_layer` has returned.
+//!
+//! The audit's ranges are opened and closed between commands, after the acknowledgement and
+//! before the runner says it is ready: the profiler's own work at a range boundary (it waits on
+//! the GPU for milliseconds) never falls inside a call the judge times, and every command of calls
+//! runs in a range of its own, so every call is audited the same way.
 
 use std::io::BufRead;
 use std::time::Instant;
@@ -48,11 +53,21 @@ pub struct Counters {
     pub ctas: f64,
 }
 
-/// The audit's outcome: a reason it could not run, or one entry per call.
+/// The counters of a back-to-back batch of calls, audited as one range.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Batch {
+    pub first: usize,
+    pub count: usize,
+    pub counters: Counters,
+}
+
+/// The audit's outcome: a reason it could not run, or the counters of each call run alone and of
+/// each back-to-back batch.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Audit {
     pub unavailable: Option<String>,
     pub calls: Vec<Option<Counters>>,
+    pub batches: Vec<Batch>,
 }
 
 /// The runner's report on success: everything here is the runner's word (measured inside the
@@ -114,6 +129,8 @@ struct Session<'a> {
     calls: Vec<Call>,
     windows: Vec<CallWindow>,
     tampering: Vec<String>,
+    /// The calls each audit range held (`None`: build, or no calls), by range number.
+    ranges: Vec<Option<(usize, usize)>>,
     runner_us: Vec<(usize, usize, f64)>,
     l2: Vec<String>,
     build_s: f64,
@@ -128,7 +145,8 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
     sandbox::drop_ptrace().map_err(|e| GraderError::Runner(format!("dropping CAP_SYS_PTRACE: {e}")))?;
     dev.synchronize()?;
     let recording = Recording::start()?;
-    let audit = RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, calls.len() + 1).map_err(|e| e.to_string());
+    // A range for build, one per command of calls, one for teardown.
+    let audit = RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, calls.len() + 3).map_err(|e| e.to_string());
     let mut s = Session {
         dev: &dev,
         cfg: &job.config,
@@ -139,6 +157,7 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
         audit,
         sub: None,
         tampering: Vec::new(),
+        ranges: Vec::new(),
         runner_us: Vec::new(),
         l2: Vec::new(),
         build_s: 0.0,
@@ -159,23 +178,25 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
         }
         state.pending = None;
         control.ack(seq, Status::Ok);
-        // Bookkeeping after the ack, outside the judge's clock: the judge's own work between calls
-        // (reading the output, writing the next input, flushing L2) takes longer than this.
-        s.after_command()?;
+        // Bookkeeping after the ack, outside the judge's clock, which waits for `ready`.
+        s.after_command(kind)?;
+        control.ready(seq);
     }
 }
 
 impl Session<'_> {
     fn build(&mut self, name_or_path: &str) -> Result<(), GraderError> {
+        // Whatever the driver or the profiler left set, the submission starts with no persisting L2.
+        reset_persisting_l2()?;
         cupti::set_current(Tag::Build);
         let t = Instant::now();
         // The library is loaded only now: everything it does, its initialisers included, is recorded.
         let mut sub = submission::load(name_or_path)?;
-        self.push_range("build")?;
+        self.push_range(None);
         let layer = Layer { weights: &self.shared.weights, cache: &mut self.shared.cache };
         sub.build_layer(self.dev, layer, self.cfg)?;
         self.dev.synchronize()?;
-        self.pop_range()?;
+        self.pop_range();
         self.build_s = t.elapsed().as_secs_f64();
         self.name = sub.name().to_string();
         self.sub = Some(sub);
@@ -189,23 +210,18 @@ impl Session<'_> {
             GraderError::Runner(format!("the judge asked for calls {first}..+{count} of {}", self.calls.len()))
         })?;
         let sub = self.sub.as_mut().ok_or_else(|| GraderError::Runner("calls before build".into()))?;
+        if let Some(open) = self.ranges.last_mut() {
+            *open = Some((first, count));
+        }
         let t = Instant::now();
         let start_ns = cupti::timestamp()?;
         for i in range.clone() {
             cupti::set_current(Tag::Call(i));
-            if let Ok(a) = self.audit.as_mut() {
-                a.push(&format!("call {i}")).map_err(|e| GraderError::Runner(format!("audit: {e}")))?;
-            }
             let call = self.calls[i];
             let (layer, x, out) = self.shared.for_call(&call);
             sub.layer_step(self.dev, layer, x, call.pos, out)?;
-            if i + 1 == range.end {
-                self.dev.synchronize()?;
-            }
-            if let Ok(a) = self.audit.as_mut() {
-                a.pop().map_err(|e| GraderError::Runner(format!("audit: {e}")))?;
-            }
         }
+        self.dev.synchronize()?;
         let end_ns = cupti::timestamp()?;
         self.runner_us.push((first, count, t.elapsed().as_secs_f64() * 1e6));
         cupti::set_current(Tag::Outside);
@@ -225,8 +241,17 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// The checks at each command boundary: the recording still on, the persisting L2 still off.
-    fn after_command(&mut self) -> Result<(), GraderError> {
+    /// The work between commands: the recording still on, the persisting L2 still off, and the
+    /// audit range of the last command of calls closed and the next one opened, with the device
+    /// idle again afterwards.
+    fn after_command(&mut self, kind: Option<Command>) -> Result<(), GraderError> {
+        if matches!(kind, Some(Command::Calls | Command::Teardown)) {
+            self.pop_range();
+        }
+        if matches!(kind, Some(Command::Build | Command::Calls)) {
+            self.push_range(None);
+        }
+        self.dev.synchronize()?;
         let done = self.runner_us.len();
         for off in self.recording.reassert()? {
             self.tampering.push(format!("{off} callbacks were found switched off after command {done}"));
@@ -238,57 +263,63 @@ impl Session<'_> {
             .context("reading the persisting-L2 limit")?;
         if limit != 0 {
             self.l2.push(format!(
-                "the persisting-L2 limit was {limit} bytes after command {done}: a set-aside keeps data in L2 across calls"
+                "the persisting-L2 limit was {limit} bytes after {done} command(s) of calls: a set-aside keeps data in \
+                 L2 across calls"
             ));
-            // SAFETY: resets a limit and demotes persisting lines of the current context.
-            unsafe {
-                driver::cuCtxSetLimit(CUlimit::CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0)
-                    .result()
-                    .context("resetting the persisting-L2 limit")?;
-                driver::cuCtxResetPersistingL2Cache().result().context("resetting persisting L2 lines")?;
-            }
+            reset_persisting_l2()?;
         }
         Ok(())
     }
 
-    fn push_range(&mut self, name: &str) -> Result<(), GraderError> {
-        match self.audit.as_mut() {
-            Ok(a) => a.push(name).map_err(|e| GraderError::Runner(format!("audit: {e}"))),
-            Err(_) => Ok(()),
+    /// Opens the next audit range, which holds `calls` (filled in when a command of calls runs).
+    /// An audit that fails here is over: the run goes on unaudited, with the reason.
+    fn push_range(&mut self, calls: Option<(usize, usize)>) {
+        let name = format!("range {}", self.ranges.len());
+        self.ranges.push(calls);
+        if let Ok(a) = self.audit.as_mut()
+            && let Err(e) = a.push(&name)
+        {
+            self.audit = Err(format!("the audit stopped at {name}: {e}"));
         }
     }
 
-    fn pop_range(&mut self) -> Result<(), GraderError> {
-        match self.audit.as_mut() {
-            Ok(a) => a.pop().map_err(|e| GraderError::Runner(format!("audit: {e}"))),
-            Err(_) => Ok(()),
+    fn pop_range(&mut self) {
+        if let Ok(a) = self.audit.as_mut()
+            && let Err(e) = a.pop()
+        {
+            self.audit = Err(format!("the audit stopped closing range {}: {e}", self.ranges.len().saturating_sub(1)));
         }
     }
 
     fn finish(self, nonce: u64) -> Result<Finished, GraderError> {
         self.dev.synchronize()?;
         let n = self.calls.len();
+        let unavailable = |reason: String| Audit { unavailable: Some(reason), calls: vec![None; n], batches: vec![] };
         let audit = match self.audit {
-            Err(reason) => Audit { unavailable: Some(reason), calls: vec![None; n] },
+            Err(reason) => unavailable(reason),
             Ok(a) => match a.finish() {
-                Err(e) => Audit { unavailable: Some(e.to_string()), calls: vec![None; n] },
+                Err(e) => unavailable(e.to_string()),
                 Ok(ranges) => {
-                    let mut calls = vec![None; n];
+                    let mut audit = Audit { unavailable: None, calls: vec![None; n], batches: vec![] };
                     for r in ranges {
-                        if let Some(i) = r.name.strip_prefix("call ").and_then(|i| i.parse::<usize>().ok())
-                            && i < n
-                            && r.values.len() == AUDIT_METRICS.len()
-                        {
-                            let value =
-                                |metric| r.values[AUDIT_METRICS.iter().position(|m| *m == metric).expect("audited")];
-                            calls[i] = Some(Counters {
-                                bytes_read: value(DRAM_BYTES_READ),
-                                bytes_written: value(DRAM_BYTES_WRITE),
-                                ctas: value(CTAS_LAUNCHED),
-                            });
+                        let number = r.name.strip_prefix("range ").and_then(|k| k.parse::<usize>().ok());
+                        let Some(Some((first, count))) = number.and_then(|k| self.ranges.get(k).copied()) else {
+                            continue;
+                        };
+                        let value =
+                            |metric| r.values[AUDIT_METRICS.iter().position(|m| *m == metric).expect("audited")];
+                        let counters = Counters {
+                            bytes_read: value(DRAM_BYTES_READ),
+                            bytes_written: value(DRAM_BYTES_WRITE),
+                            ctas: value(CTAS_LAUNCHED),
+                        };
+                        if count == 1 {
+                            audit.calls[first] = Some(counters);
+                        } else {
+                            audit.batches.push(Batch { first, count, counters });
                         }
                     }
-                    Audit { unavailable: None, calls }
+                    audit
                 }
             },
         };
@@ -304,6 +335,18 @@ impl Session<'_> {
             l2: self.l2,
         })
     }
+}
+
+/// Sets the context's persisting-L2 set-aside to zero and demotes any persisting lines.
+fn reset_persisting_l2() -> Result<(), GraderError> {
+    // SAFETY: sets one limit of the current context and resets its persisting lines.
+    unsafe {
+        driver::cuCtxSetLimit(CUlimit::CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0)
+            .result()
+            .context("resetting the persisting-L2 limit")?;
+        driver::cuCtxResetPersistingL2Cache().result().context("resetting persisting L2 lines")?;
+    }
+    Ok(())
 }
 
 /// What a loaded module may not hold: device-side launches.

@@ -128,14 +128,20 @@ pub fn launch_record_gate(calls: &[Call], record: &Record, paced: &Paced, audit:
         ));
     }
     if audit.unavailable.is_none() {
-        for (i, (counters, l)) in audit.calls.iter().zip(&record.calls).enumerate() {
-            let Some(c) = counters else { continue };
-            let allowed = l.ctas + BLOCKS_PER_COPY_OR_SET * (l.memcpys + l.memsets) as u64;
+        // Each range's hardware count against its calls' recorded kernels.
+        let alone = audit.calls.iter().enumerate().filter_map(|(i, c)| Some((format!("call {i}"), c.as_ref()?, i..i + 1)));
+        let batches = audit.batches.iter().map(|b| {
+            (format!("the back-to-back calls {}..{}", b.first, b.first + b.count - 1), &b.counters, b.first..b.first + b.count)
+        });
+        for (what, c, span) in alone.chain(batches) {
+            let recorded: Vec<&StepLaunches> = record.calls.get(span).into_iter().flatten().collect();
+            let ctas: u64 = recorded.iter().map(|l| l.ctas).sum();
+            let allowed = ctas + BLOCKS_PER_COPY_OR_SET * recorded.iter().map(|l| (l.memcpys + l.memsets) as u64).sum::<u64>();
             if c.ctas > allowed as f64 {
                 problems.push(format!(
-                    "in call {i} the hardware launched {:.0} thread blocks but the recorded kernels hold {}: kernels \
+                    "in {what} the hardware launched {:.0} thread blocks but the recorded kernels hold {ctas}: kernels \
                      escaped the record (launched from the device, or recorded nowhere)",
-                    c.ctas, l.ctas
+                    c.ctas
                 ));
                 break;
             }
@@ -236,6 +242,7 @@ mod tests {
             activities: vec![vec![]; steps.len()],
             calls: steps,
             modules: 1,
+            profiler_kernels: 0,
             problems: vec![],
         }
     }
@@ -260,7 +267,7 @@ mod tests {
     fn uncovered_time_and_unrecorded_blocks_fail() {
         let g = Gates::TASK;
         let r = record(vec![launches(&[(100_000, "signal")]); 2]);
-        let unaudited = Audit { unavailable: Some("no counters".into()), calls: vec![None; 2] };
+        let unaudited = Audit { unavailable: Some("no counters".into()), calls: vec![None; 2], batches: vec![] };
         let gate = launch_record_gate(&calls(2), &r, &paced(vec![Some(420.0), Some(1038.0)]), &unaudited, &g);
         assert!(!gate.passed && gate.detail.contains("call 1") && gate.detail.contains("does not show"), "{gate:?}");
         let waiter = record(vec![launches(&[(1_000_000, "waiter")]); 2]);

@@ -53,16 +53,26 @@ pub fn bytes_read_gate(
             detail: format!("unaudited: {reason}{consequence}"),
         };
     }
-    let missing: Vec<usize> = audit.calls.iter().enumerate().filter(|(_, c)| c.is_none()).map(|(i, _)| i).collect();
-    let ratios: Vec<(usize, f64, f64)> = audit
+    // Calls run alone have their own range; back-to-back calls share their batch's.
+    let in_batch = |i: usize| audit.batches.iter().any(|b| (b.first..b.first + b.count).contains(&i));
+    let missing: Vec<usize> = (0..audit.calls.len()).filter(|&i| audit.calls[i].is_none() && !in_batch(i)).collect();
+    let mut ratios: Vec<(String, f64, f64, u64)> = audit
         .calls
         .iter()
         .zip(model)
         .enumerate()
         .filter(|(i, _)| held[*i])
-        .filter_map(|(i, (c, &m))| c.as_ref().map(|c| (i, c.bytes_read, c.bytes_read / m as f64)))
+        .filter_map(|(i, (c, &m))| c.as_ref().map(|c| (format!("call {i}"), c.bytes_read, c.bytes_read / m as f64, m)))
         .collect();
-    let Some(&(wi, wbytes, worst)) = ratios.iter().min_by(|a, b| a.2.total_cmp(&b.2)) else {
+    for b in &audit.batches {
+        let span = b.first..b.first + b.count;
+        if span.clone().all(|i| held.get(i) == Some(&true)) {
+            let m: u64 = model[span].iter().sum();
+            let what = format!("the back-to-back calls {}..{}", b.first, b.first + b.count - 1);
+            ratios.push((what, b.counters.bytes_read, b.counters.bytes_read / m as f64, m));
+        }
+    }
+    let Some((what, wbytes, worst, wmodel)) = ratios.iter().min_by(|a, b| a.2.total_cmp(&b.2)).cloned() else {
         return Gate {
             name: "bytes_read",
             source: Source::Hardware,
@@ -72,7 +82,8 @@ pub fn bytes_read_gate(
             detail: "the audit ran but no call held to the byte model was measured".into(),
         };
     };
-    let read = Summary::of(&ratios.iter().map(|r| r.1).collect::<Vec<_>>()).expect("finite counters");
+    let singles: Vec<f64> = audit.calls.iter().flatten().map(|c| c.bytes_read).collect();
+    let read = Summary::of(&singles);
     let tbps = Summary::of(
         &paced
             .call_us
@@ -84,9 +95,9 @@ pub fn bytes_read_gate(
     let mut problems = Vec::new();
     if worst < limit {
         problems.push(format!(
-            "call {wi} read {:.3} GB from DRAM, {worst:.3}x of its {:.3} GB byte model: fewer bytes than the layer needs",
+            "{what} read {:.3} GB from DRAM, {worst:.3}x of the {:.3} GB byte model: fewer bytes than the layer needs",
             wbytes / 1e9,
-            model[wi] as f64 / 1e9
+            wmodel as f64 / 1e9
         ));
     }
     if let Some(first) = missing.first() {
@@ -94,9 +105,8 @@ pub fn bytes_read_gate(
     }
     let detail = if problems.is_empty() {
         format!(
-            "every call read at least {worst:.3}x of its byte model (min {:.3} GB, median {:.3} GB{})",
-            read.min / 1e9,
-            read.median / 1e9,
+            "every call read at least {worst:.3}x of its byte model{}{}",
+            read.map_or(String::new(), |r| format!(" (min {:.3} GB, median {:.3} GB)", r.min / 1e9, r.median / 1e9)),
             tbps.map_or(String::new(), |t| format!("; {:.2} TB/s DRAM read at the median call", t.median))
         )
     } else {
@@ -186,7 +196,7 @@ pub fn plausible_timing_gate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::run::runner::Counters;
+    use crate::run::runner::{Batch, Counters};
 
     const MODEL: u64 = 1_728_000_000;
 
@@ -224,6 +234,10 @@ mod tests {
         let ok = bytes_read_gate(&audit(1.74e9), &model, &[true; 5], &paced(440.0, 880.0), false, &g);
         assert!(ok.passed && ok.detail.contains("TB/s"), "{ok:?}");
         let int8 = bytes_read_gate(&audit(1.5e9), &model, &[true; 5], &paced(440.0, 880.0), false, &g);
+        let mut batch_only = audit(1.74e9);
+        batch_only.batches[0].counters.bytes_read = 2.6e9;
+        let cheap_batch = bytes_read_gate(&batch_only, &model, &[true; 5], &paced(440.0, 880.0), false, &g);
+        assert!(!cheap_batch.passed && cheap_batch.detail.contains("back-to-back calls 3..4"), "{cheap_batch:?}");
         let not_held = bytes_read_gate(&audit(1.5e9), &model, &[false; 5], &paced(440.0, 880.0), false, &g);
         assert!(!not_held.passed && not_held.detail.contains("no call held"), "{not_held:?}");
         assert!(!int8.passed && int8.detail.contains("byte model"), "{int8:?}");
@@ -232,7 +246,7 @@ mod tests {
     #[test]
     fn unaudited_runs_say_so_and_fail_only_when_required() {
         let g = Gates::TASK;
-        let none = Audit { unavailable: Some("counters restricted".into()), calls: vec![None; 5] };
+        let none = Audit { unavailable: Some("counters restricted".into()), calls: vec![None; 5], batches: vec![] };
         let gate = bytes_read_gate(&none, &[MODEL; 5], &[true; 5], &paced(440.0, 880.0), false, &g);
         assert!(gate.passed && gate.detail.starts_with("unaudited: counters restricted"), "{gate:?}");
         let gate = bytes_read_gate(&none, &[MODEL; 5], &[true; 5], &paced(440.0, 880.0), true, &g);
