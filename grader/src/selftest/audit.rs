@@ -385,10 +385,10 @@ fn other_context(ctx: &mut Ctx) -> CheckResult {
 }
 
 /// (e) What a range costs: empty push/pop pairs, and copies in ranges against the same copies
-/// without, all back to back and timed on the host including the final synchronisation.
+/// without, all back to back and timed on the host including the final synchronisation; and
+/// whether merely enabling the profiler slows the copies down.
 fn overhead(ctx: &mut Ctx) -> CheckResult {
     let dev = &ctx.dev;
-    let mut audit = RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, 2 * OVERHEAD_REPS)?;
     let bench = Bench::new(dev)?;
     let src = bench.random(OVERHEAD_COPY_BYTES)?;
     let mut dst = bench.zeros(OVERHEAD_COPY_BYTES)?;
@@ -402,11 +402,13 @@ fn overhead(ctx: &mut Ctx) -> CheckResult {
         dev.synchronize()?;
         Ok(start.elapsed().as_secs_f64() * 1e6 / OVERHEAD_REPS as f64)
     };
+    bench.copy(&mut dst, &src, wave)?; // warm-up
+    let unprofiled_us = timed(&mut |_| bench.copy(&mut dst, &src, wave))?;
+    let mut audit = RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, 2 * OVERHEAD_REPS)?;
     let empty_us = timed(&mut |i| {
         audit.push(&format!("empty {i}"))?;
         Ok(audit.pop()?)
     })?;
-    bench.copy(&mut dst, &src, wave)?; // warm-up
     let plain_us = timed(&mut |_| bench.copy(&mut dst, &src, wave))?;
     let ranged_us = timed(&mut |i| {
         audit.push(&format!("copy {i}"))?;
@@ -419,8 +421,8 @@ fn overhead(ctx: &mut Ctx) -> CheckResult {
         ensure(ctas == wave as f64, || format!("range {:?} counted {ctas} CTAs of {wave}", range.name))?;
     }
     Ok(format!(
-        "{:.1} us per range: empty push/pop {empty_us:.1} us; a {plain_us:.1} us copy takes {ranged_us:.1} us in a \
-         range",
+        "{:.1} us per range: a {plain_us:.1} us copy takes {ranged_us:.1} us in a range; empty push/pop \
+         {empty_us:.1} us; the same copy took {unprofiled_us:.1} us before the profiler was enabled",
         ranged_us - plain_us
     ))
 }
