@@ -143,7 +143,7 @@ fn recorded_ctas(activities: &[Activity]) -> u64 {
     kernels.map(|k| k.grid.0 as u64 * k.grid.1 as u64 * k.grid.2 as u64).sum()
 }
 
-/// (a) A read of [`READ_BYTES`] reads that many bytes from DRAM.
+/// A read of [`READ_BYTES`] reads that many bytes from DRAM.
 fn read_stream(ctx: &mut Ctx) -> CheckResult {
     let dev = &ctx.dev;
     let mut audit = RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, 1)?;
@@ -158,7 +158,7 @@ fn read_stream(ctx: &mut Ctx) -> CheckResult {
     Ok(format!("{} read for {READ_BYTES} bytes streamed", gb(metric(&ranges[0], DRAM_BYTES_READ), READ_BYTES as f64)))
 }
 
-/// (b) A copy of [`COPY_BYTES`] reads and writes that many bytes. The range ends with a scratch
+/// A copy of [`COPY_BYTES`] reads and writes that many bytes. The range ends with a scratch
 /// read that evicts the copy's dirty lines, so their write-back falls inside the range too.
 fn copy_stream(ctx: &mut Ctx) -> CheckResult {
     let dev = &ctx.dev;
@@ -202,7 +202,7 @@ fn recorded(
     Ok(recorder.stop()?)
 }
 
-/// (c) `sm__ctas_launched.sum` is exactly the grid's block count, for two different grids, and
+/// `sm__ctas_launched.sum` is exactly the grid's block count, for two different grids, and
 /// agrees with the activity records taken at the same time.
 fn ctas_per_range(ctx: &mut Ctx) -> CheckResult {
     let dev = &ctx.dev;
@@ -294,7 +294,7 @@ unsafe extern "C" fn on_launch(
     }
 }
 
-/// (d) Ranges pushed and popped back to back with no synchronisation between them come back in
+/// Ranges pushed and popped back to back with no synchronisation between them come back in
 /// order, each with its own bytes and CTAs, with the activity and callback APIs on throughout.
 fn back_to_back(ctx: &mut Ctx) -> CheckResult {
     let dev = &ctx.dev;
@@ -343,7 +343,7 @@ fn back_to_back(ctx: &mut Ctx) -> CheckResult {
     ))
 }
 
-/// (f) While the audited context reads, another context on the same GPU copies (as the judge
+/// While the audited context reads, another context on the same GPU copies (as the judge
 /// does while the runner's calls run): the range must count the read only. The copy must overlap
 /// the read for the check to tell anything; the activity records say whether it did.
 fn other_context(ctx: &mut Ctx) -> CheckResult {
@@ -384,7 +384,7 @@ fn other_context(ctx: &mut Ctx) -> CheckResult {
     Ok(seen)
 }
 
-/// (e) What a range costs: empty push/pop pairs, and copies in ranges against the same copies
+/// What a range costs: empty push/pop pairs, and copies in ranges against the same copies
 /// without, all back to back and timed on the host including the final synchronisation; and
 /// whether merely enabling the profiler slows the copies down.
 fn overhead(ctx: &mut Ctx) -> CheckResult {
