@@ -21,7 +21,8 @@
 //!   `cuptiRangeProfilerEnable`, `cuptiRangeProfilerGetCounterDataSize`,
 //!   `cuptiRangeProfilerCounterDataImageInitialize`, `cuptiRangeProfilerSetConfig` (user range,
 //!   user replay, one nesting level, `max_ranges` per pass), `cuptiRangeProfilerStart`;
-//! - per range: `cuptiRangeProfilerPushRange`, the call's work, `cuptiRangeProfilerPopRange`;
+//! - per range (the context made current first): `cuptiRangeProfilerPushRange`, the call's work,
+//!   `cuptiRangeProfilerPopRange`;
 //! - finish: `cuCtxSynchronize`, `cuptiRangeProfilerStop` (all passes submitted),
 //!   `cuptiRangeProfilerDecodeData` (no range dropped), `cuptiRangeProfilerGetCounterDataInfo`, then
 //!   per range `cuptiRangeProfilerCounterDataGetRangeInfo` and
@@ -32,7 +33,8 @@
 //!
 //! Every error is an [`AuditError`] whose message is the sentence a verdict shows: no CUPTI, an
 //! old CUPTI, restricted counters, a virtual GPU, a busy performance monitor, too many passes.
-//! CUPTI's headers put no restriction on using the activity and callback APIs in the same process.
+//! CUPTI's headers put no restriction on using the activity and callback APIs in the same process
+//! as the range profiler; the selftest's audit checks run all three together.
 
 mod error;
 mod host;
