@@ -137,7 +137,7 @@ impl StreamKernels {
 
 /// 16-byte vectors in `bytes`, which must be a whole number of them.
 fn vector_count(bytes: usize) -> u64 {
-    assert!(bytes % VECTOR_BYTES == 0, "the stream kernels move whole 16-byte vectors; {bytes} bytes is not");
+    assert!(bytes.is_multiple_of(VECTOR_BYTES), "the stream kernels move whole 16-byte vectors; {bytes} bytes is not");
     (bytes / VECTOR_BYTES) as u64
 }
 

@@ -21,17 +21,20 @@
 //!   `cuptiRangeProfilerEnable`, `cuptiRangeProfilerGetCounterDataSize`,
 //!   `cuptiRangeProfilerCounterDataImageInitialize`, `cuptiRangeProfilerSetConfig` (user range,
 //!   user replay, one nesting level, `max_ranges` per pass), `cuptiRangeProfilerStart`;
-//! - per range: `cuptiRangeProfilerPushRange`, the call's work, `cuptiRangeProfilerPopRange`;
+//! - per range (the context made current first): `cuptiRangeProfilerPushRange`, the call's work,
+//!   `cuptiRangeProfilerPopRange`;
 //! - finish: `cuCtxSynchronize`, `cuptiRangeProfilerStop` (all passes submitted),
 //!   `cuptiRangeProfilerDecodeData` (no range dropped), `cuptiRangeProfilerGetCounterDataInfo`, then
 //!   per range `cuptiRangeProfilerCounterDataGetRangeInfo` and
 //!   `cuptiProfilerHostEvaluateToGpuValues`;
 //! - teardown (also on every error path): `cuptiRangeProfilerStop` if still started,
-//!   `cuptiRangeProfilerDisable`, `cuptiProfilerHostDeinitialize`, `cuptiProfilerDeInitialize`.
+//!   `cuptiRangeProfilerDisable`, `cuptiProfilerHostDeinitialize`. The profiler interface stays
+//!   initialised for the process.
 //!
 //! Every error is an [`AuditError`] whose message is the sentence a verdict shows: no CUPTI, an
 //! old CUPTI, restricted counters, a virtual GPU, a busy performance monitor, too many passes.
-//! CUPTI's headers put no restriction on using the activity and callback APIs in the same process.
+//! CUPTI's headers put no restriction on using the activity and callback APIs in the same process
+//! as the range profiler; the selftest's audit checks run all three together.
 
 mod error;
 mod host;
@@ -51,7 +54,7 @@ pub use error::AuditError;
 use host::Host;
 use image::Image;
 use names::{Metrics, RangeBook, in_push_order};
-use target::{Profiler, Target};
+use target::Target;
 
 /// Bytes the range read from DRAM.
 pub const DRAM_BYTES_READ: &str = "dram__bytes_read.sum";
@@ -72,9 +75,8 @@ pub struct RangeValues {
 
 /// Every CUPTI function the audit calls. cudarc resolves a symbol at its first call and panics
 /// when it is missing, so all are looked up before the first one is called.
-const SYMBOLS: [&str; 24] = [
+const SYMBOLS: [&str; 23] = [
     "cuptiProfilerInitialize",
-    "cuptiProfilerDeInitialize",
     "cuptiProfilerDeviceSupported",
     "cuptiDeviceGetChipName",
     "cuptiProfilerGetCounterAvailability",
@@ -154,7 +156,7 @@ impl Drop for Slot {
 ///
 /// Use it from one thread (it is not `Send`). Fields drop in declaration order, which is the
 /// teardown CUPTI needs: the profiler object (stopped, disabled) before the images it points to,
-/// the host object, then the profiler interface and the process's audit slot.
+/// then the host object, and the process's audit slot last.
 pub struct RangeAudit {
     target: Target,
     counter_data: Image,
@@ -164,7 +166,6 @@ pub struct RangeAudit {
     book: RangeBook,
     /// Kept alive so the context outlives the profiler object enabled on it.
     ctx: Arc<CudaContext>,
-    _profiler: Profiler,
     _slot: Slot,
 }
 
@@ -179,7 +180,8 @@ impl RangeAudit {
         let metrics = Metrics::new(metrics)?;
         let book = RangeBook::new(max_ranges)?;
         let slot = Slot::take()?;
-        let profiler = Profiler::initialize()?;
+        bind(ctx)?;
+        target::initialize_profiler()?;
         target::device_support(ctx.cu_device())?.check()?;
         let chip = target::chip_name(ctx.ordinal())?;
         let availability = target::counter_availability(ctx.cu_ctx())?;
@@ -198,7 +200,6 @@ impl RangeAudit {
             metrics,
             book,
             ctx: ctx.clone(),
-            _profiler: profiler,
             _slot: slot,
         };
         audit.counter_data = audit.target.counter_data(&audit.metrics, max_ranges)?;
@@ -210,14 +211,14 @@ impl RangeAudit {
     /// Opens range `name` (unique, not nested): the GPU work enqueued until [`RangeAudit::pop`]
     /// is counted in it.
     pub fn push(&mut self, name: &str) -> Result<(), AuditError> {
-        self.bind()?;
+        bind(&self.ctx)?;
         let target = &self.target;
         self.book.push(name, |c| target.push(c))
     }
 
     /// Closes the open range.
     pub fn pop(&mut self) -> Result<(), AuditError> {
-        self.bind()?;
+        bind(&self.ctx)?;
         let target = &self.target;
         self.book.pop(|| target.pop())
     }
@@ -246,14 +247,12 @@ impl RangeAudit {
             .collect::<Result<Vec<_>, AuditError>>()?;
         in_push_order(&names, &self.metrics.names(), decoded)
     }
+}
 
-    /// Makes the audited context current on this thread (a no-op when it already is), so CUPTI
-    /// marks the range boundaries in its work whatever the caller did before.
-    fn bind(&self) -> Result<(), AuditError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|source| AuditError::Driver { context: "binding the audited context", source })
-    }
+/// Makes the audited context current on this thread (a no-op when it already is), so CUPTI sees
+/// the context it profiles whatever the caller did before.
+fn bind(ctx: &CudaContext) -> Result<(), AuditError> {
+    ctx.bind_to_thread().map_err(|source| AuditError::Driver { context: "binding the audited context", source })
 }
 
 #[cfg(test)]
@@ -313,7 +312,6 @@ mod tests {
             }};
         }
         check!(CUpti_Profiler_Initialize_Params, pPriv, Profiler_Initialize_Params_STRUCT_SIZE, 16);
-        check!(CUpti_Profiler_DeInitialize_Params, pPriv, Profiler_DeInitialize_Params_STRUCT_SIZE, 16);
         check!(CUpti_Profiler_DeviceSupported_Params, api, Profiler_DeviceSupported_Params_STRUCT_SIZE, 52);
         check!(CUpti_Device_GetChipName_Params, pChipName, Device_GetChipName_Params_STRUCT_SIZE, 32);
         check!(

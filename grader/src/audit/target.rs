@@ -4,6 +4,7 @@
 
 use std::ffi::{CStr, CString};
 use std::ptr::{NonNull, null, null_mut};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuda::cudarc::cupti::sys;
 use cuda::cudarc::driver::sys::{CUcontext, CUdevice};
@@ -22,33 +23,27 @@ const FIRST_PASS: usize = 0;
 /// Joins nested range names; the audit's ranges have one level, so it never shows.
 const RANGE_DELIMITER: &CStr = c"/";
 
-/// CUPTI's profiler interface, initialised for the process while this lives.
-pub(super) struct Profiler(());
+/// Whether CUPTI's profiler interface has been initialised in this process.
+static PROFILER_READY: AtomicBool = AtomicBool::new(false);
 
-impl Profiler {
-    pub fn initialize() -> Result<Profiler, AuditError> {
-        let mut p = sys::CUpti_Profiler_Initialize_Params {
-            structSize: sys::Profiler_Initialize_Params_STRUCT_SIZE as usize,
-            pPriv: null_mut(),
-        };
-        // SAFETY: a complete params struct with its header size.
-        unsafe { call("cuptiProfilerInitialize", sys::cuptiProfilerInitialize, &mut p) }?;
-        Ok(Profiler(()))
+/// Initialises CUPTI's profiler interface once per process and leaves it so, as NVIDIA's samples
+/// do: audits that follow one another (the selftest's) never deinitialise and re-initialise it.
+/// The caller holds the process's audit slot, so no two threads get here at once.
+pub(super) fn initialize_profiler() -> Result<(), AuditError> {
+    if PROFILER_READY.load(Ordering::Acquire) {
+        return Ok(());
     }
+    let mut p = sys::CUpti_Profiler_Initialize_Params {
+        structSize: sys::Profiler_Initialize_Params_STRUCT_SIZE as usize,
+        pPriv: null_mut(),
+    };
+    // SAFETY: a complete params struct with its header size.
+    unsafe { call("cuptiProfilerInitialize", sys::cuptiProfilerInitialize, &mut p) }?;
+    PROFILER_READY.store(true, Ordering::Release);
+    Ok(())
 }
 
-impl Drop for Profiler {
-    fn drop(&mut self) {
-        let mut p = sys::CUpti_Profiler_DeInitialize_Params {
-            structSize: sys::Profiler_DeInitialize_Params_STRUCT_SIZE as usize,
-            pPriv: null_mut(),
-        };
-        // SAFETY: as in `initialize`. A failure leaves CUPTI initialised, which harms nothing.
-        let _ = unsafe { call("cuptiProfilerDeInitialize", sys::cuptiProfilerDeInitialize, &mut p) };
-    }
-}
-
-/// What CUPTI says about range profiling on `device` (needs [`Profiler::initialize`] first).
+/// What CUPTI says about range profiling on `device` (needs [`initialize_profiler`] first).
 pub(super) fn device_support(device: CUdevice) -> Result<Support, AuditError> {
     use sys::CUpti_Profiler_Support_Level::CUPTI_PROFILER_CONFIGURATION_UNKNOWN as UNKNOWN;
     let mut p = sys::CUpti_Profiler_DeviceSupported_Params {

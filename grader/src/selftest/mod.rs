@@ -1,6 +1,7 @@
 //! `grader selftest`: the grader's own GPU code checked against the CPU, one named check at a time.
 //! Each check prints one `Pass:` or `FAIL:` line; the last line is `N passed, M failed`.
 
+mod audit;
 mod data;
 mod flow;
 mod isolation;
@@ -37,6 +38,18 @@ impl From<submission::SubmissionError> for Failure {
     }
 }
 
+impl From<crate::audit::AuditError> for Failure {
+    fn from(e: crate::audit::AuditError) -> Self {
+        Failure(e.to_string())
+    }
+}
+
+impl From<crate::cupti::CuptiError> for Failure {
+    fn from(e: crate::cupti::CuptiError) -> Self {
+        Failure(e.to_string())
+    }
+}
+
 /// `Ok(detail)` on a pass, with the figures that show it passed.
 pub type CheckResult = Result<String, Failure>;
 
@@ -55,6 +68,7 @@ fn checks() -> Vec<Check> {
     let mut all = data::checks();
     all.extend(reference::checks());
     all.extend(megakernel::checks());
+    all.extend(audit::checks());
     all.extend(flow::checks());
     all.extend(isolation::checks());
     all
