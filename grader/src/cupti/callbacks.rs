@@ -37,6 +37,8 @@ pub enum Tag {
     Call(usize),
     /// `teardown`.
     Teardown,
+    /// The runner's own work between calls (the L2 flush).
+    Runner,
     /// None of those: before build, between calls.
     Outside,
 }
@@ -44,6 +46,7 @@ pub enum Tag {
 const OUTSIDE: i64 = -1;
 const BUILD: i64 = -2;
 const TEARDOWN: i64 = -3;
+const RUNNER: i64 = -4;
 
 /// The tag of the work running now, as the runner sets it around build and each call.
 static CURRENT: AtomicI64 = AtomicI64::new(OUTSIDE);
@@ -54,6 +57,7 @@ pub fn set_current(tag: Tag) {
         Tag::Build => BUILD,
         Tag::Call(i) => i as i64,
         Tag::Teardown => TEARDOWN,
+        Tag::Runner => RUNNER,
         Tag::Outside => OUTSIDE,
     };
     // SeqCst: an API call another thread makes after this store sees the new tag.
@@ -64,6 +68,7 @@ fn current() -> Tag {
     match CURRENT.load(Ordering::SeqCst) {
         BUILD => Tag::Build,
         TEARDOWN => Tag::Teardown,
+        RUNNER => Tag::Runner,
         i if i >= 0 => Tag::Call(i as usize),
         _ => Tag::Outside,
     }
@@ -290,7 +295,7 @@ mod tests {
 
     #[test]
     fn tags_round_trip_through_the_current_marker() {
-        for tag in [Tag::Build, Tag::Call(0), Tag::Call(71), Tag::Teardown, Tag::Outside] {
+        for tag in [Tag::Build, Tag::Call(0), Tag::Call(71), Tag::Teardown, Tag::Runner, Tag::Outside] {
             set_current(tag);
             assert_eq!(current(), tag);
         }

@@ -90,7 +90,7 @@ pub fn attribute(
         match tag {
             Some(Tag::Call(i)) if i < n => per_call[i].push(a),
             Some(Tag::Build) => build.push(a),
-            Some(Tag::Teardown) => {}
+            Some(Tag::Teardown | Tag::Runner) => {}
             Some(Tag::Outside) => outside.push(a),
             Some(Tag::Call(_)) | None => unseen.push(a),
         }
@@ -176,6 +176,7 @@ fn describe(tag: Option<Tag>) -> String {
         Some(Tag::Build) => "build_layer".into(),
         Some(Tag::Call(i)) => format!("call {i}"),
         Some(Tag::Teardown) => "teardown".into(),
+        Some(Tag::Runner) => "the runner's own work".into(),
         Some(Tag::Outside) => "no call".into(),
         None => "an unseen API call".into(),
     }

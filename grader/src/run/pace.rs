@@ -1,5 +1,5 @@
-//! The judge's clock over the schedule: it hands each input over, flushes L2, starts each call,
-//! stamps it, and reads its output back, itself.
+//! The judge's clock over the schedule: it hands each input over, starts each call, stamps it, and
+//! reads its output back, itself.
 //!
 //! What the runner could know in advance: nothing. A call's input is written into its buffer only
 //! after the previous call has finished (and its output has been read); the input seed never
@@ -8,10 +8,7 @@
 //! to the runner's "done" after it synchronised the device, on the judge's own clock. The
 //! signalling's own cost (a no-op round trip) is measured and reported beside it.
 
-use cuda::cudarc::driver::CudaSlice;
-use cuda::{Context, Device};
-
-use crate::bandwidth::StreamKernels;
+use cuda::Device;
 use half::bf16;
 use spec::{Call, Config, Input, Phase};
 
@@ -55,8 +52,7 @@ pub fn pace(
     input_seed: u64,
     progress: &Progress,
 ) -> Result<Result<Paced, Failure>, GraderError> {
-    let mut flush = L2Flush::new(dev)?;
-    let outcome = (|| -> Result<Result<Paced, Failure>, GraderError> {
+    (|| -> Result<Result<Paced, Failure>, GraderError> {
         macro_rules! obey {
             ($e:expr) => {
                 match $e {
@@ -90,7 +86,7 @@ pub fn pace(
             progress.say(&format!("{} {:?} calls", phase.len(), phase[0].phase));
             let first = phase[0];
             if first.phase == Phase::Throughput {
-                hand_over(dev, shared, cfg, &first, input_seed, &mut flush, &mut p)?;
+                hand_over(dev, shared, cfg, &first, input_seed, &mut p)?;
                 let stamps =
                     obey!(runner.command(Command::Calls, first.index as u64, phase.len() as u64, CALL_TIMEOUT));
                 (p.batch_us, p.batch_calls) = (stamps.us(), phase.len());
@@ -102,7 +98,7 @@ pub fn pace(
                 }
             } else {
                 for c in phase {
-                    hand_over(dev, shared, cfg, c, input_seed, &mut flush, &mut p)?;
+                    hand_over(dev, shared, cfg, c, input_seed, &mut p)?;
                     let stamps = obey!(runner.command(Command::Calls, c.index as u64, 1, CALL_TIMEOUT));
                     p.call_us[c.index] = Some(stamps.us());
                     p.outputs[c.index] = shared.read_output(dev, c.index)?;
@@ -111,49 +107,21 @@ pub fn pace(
         }
         obey!(runner.command(Command::Teardown, 0, 0, CALL_TIMEOUT));
         Ok(Ok(p))
-    })();
-    drop(flush);
-    outcome
+    })()
 }
 
-/// Writes `call`'s fresh input into its buffer, then evicts the weights from L2 (a real model's
-/// other layers would have), and waits until both are done: all outside the call's clock.
+/// Writes `call`'s fresh input into its buffer and waits until it is there: outside the call's
+/// clock, after the previous call's output was read.
 fn hand_over(
     dev: &Device,
     shared: &mut SharedData,
     cfg: &Config,
     call: &Call,
     input_seed: u64,
-    flush: &mut L2Flush,
     p: &mut Paced,
 ) -> Result<(), GraderError> {
     let x = spec::data::input(cfg, input_seed, call.index);
     shared.write_input(dev, call.index, &x)?;
     p.inputs[call.index] = x;
-    flush.run(dev)?;
-    dev.synchronize()?;
     Ok(())
-}
-
-/// Evicts everything the last call left in L2 by reading twice the L2's size: reading (not
-/// writing) leaves clean lines, so no write-back of the flush spills into the next call's time.
-struct L2Flush {
-    kernels: StreamKernels,
-    buffer: CudaSlice<u8>,
-    sink: CudaSlice<u32>,
-}
-
-impl L2Flush {
-    fn new(dev: &Device) -> Result<L2Flush, GraderError> {
-        let kernels = StreamKernels::load(dev)?;
-        let bytes = (2 * dev.facts().l2_bytes.max(1) as usize).next_multiple_of(16);
-        let buffer = dev.stream().alloc_zeros::<u8>(bytes).context("allocating the L2 flush buffer")?;
-        let sink = dev.stream().alloc_zeros::<u32>(kernels.wave.grid_dim.0 as usize).context("allocating the L2 flush sink")?;
-        Ok(L2Flush { kernels, buffer, sink })
-    }
-
-    fn run(&mut self, dev: &Device) -> Result<(), GraderError> {
-        let wave = self.kernels.wave;
-        Ok(self.kernels.read(dev, &mut self.sink, &self.buffer.as_view(), wave)?)
-    }
 }

@@ -379,7 +379,7 @@ mod tests {
             cache: CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(1e-3) },
             integrity: Integrity { weight_vectors_changed: 0, inputs_changed: 0 },
             launches: Launches { submission: vec![], reference: vec![] },
-            audit: Audit { unavailable: Some("no counters".into()), calls: vec![None] },
+            audit: Audit { unavailable: Some("no counters".into()), calls: vec![None], batches: vec![] },
             watched: watched(),
             record: Record {
                 build: StepLaunches::of(&[]),

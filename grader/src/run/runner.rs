@@ -12,14 +12,19 @@
 //! before the submission's library is loaded, so no code of the submission ever runs unobserved or
 //! able to read the judge; process creation is forbidden once `build_layer` has returned.
 //!
-//! The audit's ranges are opened and closed between commands, after the acknowledgement and
-//! before the runner says it is ready: the profiler's own work at a range boundary (it waits on
-//! the GPU for milliseconds) never falls inside a call the judge times, and every command of calls
-//! runs in a range of its own, so every call is audited the same way.
+//! Between commands, after the acknowledgement and before the runner says it is ready, it closes
+//! the audit range of the last command, evicts L2 (a real model's other layers would have), and
+//! opens the next range: the profiler's own work at a range boundary (it waits on the GPU for a
+//! millisecond) never falls inside a call the judge times, every command of calls runs in a range
+//! of its own, and the flush runs in this process's context, so no switch between the judge's
+//! context and this one lands inside a timed call. Whether the flush ran is the runner's word; that
+//! skipping it would not pay is the audit's to show (a call that reads its weights from L2 reads
+//! fewer bytes from DRAM).
 
 use std::io::BufRead;
 use std::time::Instant;
 
+use cuda::cudarc::driver::CudaSlice;
 use cuda::cudarc::driver::sys::{self as driver, CUlimit};
 use cuda::ipc::RegionHandle;
 use cuda::{Context, Device};
@@ -32,6 +37,7 @@ use super::control::{Command, Control, Status};
 use super::sandbox;
 use super::shared::SharedData;
 use crate::audit::{AUDIT_METRICS, CTAS_LAUNCHED, DRAM_BYTES_READ, DRAM_BYTES_WRITE, RangeAudit};
+use crate::bandwidth::StreamKernels;
 use crate::cupti::{self, CallWindow, Record, Recording, Tag};
 use crate::error::{GraderError, Outcome};
 
@@ -123,6 +129,7 @@ struct Session<'a> {
     sub: Option<Box<dyn Submission>>,
     audit: Result<RangeAudit, String>,
     recording: Recording,
+    flush: L2Flush,
     shared: SharedData,
     dev: &'a Device,
     cfg: &'a Config,
@@ -145,6 +152,10 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
     sandbox::drop_ptrace().map_err(|e| GraderError::Runner(format!("dropping CAP_SYS_PTRACE: {e}")))?;
     dev.synchronize()?;
     let recording = Recording::start()?;
+    let flush = L2Flush::new(&dev)?;
+    // A context can start with a persisting-L2 set-aside (seen: 11.25 MiB once the profiler is
+    // enabled); the submission starts with none, and any it sets is found at the next command.
+    reset_persisting_l2()?;
     // A range for build, one per command of calls, one for teardown.
     let audit = RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, calls.len() + 3).map_err(|e| e.to_string());
     let mut s = Session {
@@ -154,6 +165,7 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
         calls,
         shared,
         recording,
+        flush,
         audit,
         sub: None,
         tampering: Vec::new(),
@@ -186,8 +198,6 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
 
 impl Session<'_> {
     fn build(&mut self, name_or_path: &str) -> Result<(), GraderError> {
-        // Whatever the driver or the profiler left set, the submission starts with no persisting L2.
-        reset_persisting_l2()?;
         cupti::set_current(Tag::Build);
         let t = Instant::now();
         // The library is loaded only now: everything it does, its initialisers included, is recorded.
@@ -249,6 +259,10 @@ impl Session<'_> {
             self.pop_range();
         }
         if matches!(kind, Some(Command::Build | Command::Calls)) {
+            cupti::set_current(Tag::Runner);
+            self.flush.run(self.dev)?;
+            self.dev.synchronize()?;
+            cupti::set_current(Tag::Outside);
             self.push_range(None);
         }
         self.dev.synchronize()?;
@@ -334,6 +348,30 @@ impl Session<'_> {
             runner_us: self.runner_us,
             l2: self.l2,
         })
+    }
+}
+
+/// Evicts everything the last call left in L2 by reading twice the L2's size: reading (not
+/// writing) leaves clean lines, so no write-back of the flush spills into the next call.
+struct L2Flush {
+    kernels: StreamKernels,
+    buffer: CudaSlice<u8>,
+    sink: CudaSlice<u32>,
+}
+
+impl L2Flush {
+    fn new(dev: &Device) -> Result<L2Flush, GraderError> {
+        let kernels = StreamKernels::load(dev)?;
+        let bytes = (2 * dev.facts().l2_bytes.max(1) as usize).next_multiple_of(16);
+        let buffer = dev.stream().alloc_zeros::<u8>(bytes).context("allocating the L2 flush buffer")?;
+        let blocks = kernels.wave.grid_dim.0 as usize;
+        let sink = dev.stream().alloc_zeros::<u32>(blocks).context("allocating the L2 flush sink")?;
+        Ok(L2Flush { kernels, buffer, sink })
+    }
+
+    fn run(&mut self, dev: &Device) -> Result<(), GraderError> {
+        let wave = self.kernels.wave;
+        Ok(self.kernels.read(dev, &mut self.sink, &self.buffer.as_view(), wave)?)
     }
 }
 

@@ -32,7 +32,8 @@ pub fn l2_gate(found: &[String]) -> Gate {
         value: found.len() as f64,
         limit: 0.0,
         detail: if found.is_empty() {
-            "the persisting-L2 limit stayed 0 around every call; L2 was flushed before every call timed alone".into()
+            "the persisting-L2 limit stayed 0 after build_layer and every command of calls; L2 was evicted before each"
+                .into()
         } else {
             found.join("; ")
         },

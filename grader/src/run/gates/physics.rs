@@ -221,9 +221,12 @@ mod tests {
     }
 
     fn audit(bytes: f64) -> Audit {
+        let c = Counters { bytes_read: bytes, bytes_written: 1e6, ctas: 132.0 };
+        let batch = Batch { first: 3, count: 2, counters: Counters { bytes_read: 2.0 * bytes, ..c.clone() } };
         Audit {
             unavailable: None,
-            calls: vec![Some(Counters { bytes_read: bytes, bytes_written: 1e6, ctas: 132.0 }); 5],
+            calls: vec![Some(c.clone()), Some(c.clone()), Some(c), None, None],
+            batches: vec![batch],
         }
     }
 
