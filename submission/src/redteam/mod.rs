@@ -25,6 +25,7 @@ mod modify_weights;
 mod nan_output;
 mod no_kv_write;
 mod pass_through;
+mod persisting_l2;
 mod raw;
 mod replay_by_pointer;
 mod replay_by_position;
@@ -63,7 +64,8 @@ pub struct Adversary {
 }
 
 /// The gates of `grader/src/run/verdict.rs`, by the names their verdicts carry.
-pub const GATES: [&str; 5] = ["correctness", "kernels_per_step", "dominant_share", "plausible_timing", "bytes_read"];
+pub const GATES: [&str; 6] =
+    ["correctness", "kernels_per_step", "dominant_share", "plausible_timing", "bytes_read", "l2_persisting"];
 
 const fn correctness(word: &'static str) -> Expect {
     Expect::GateFails { gate: "correctness", word }
@@ -199,6 +201,12 @@ pub const ALL: &[Adversary] = &[
         expect: READ_TOO_LITTLE,
         make: int8_down_padded::make,
     },
+    Adversary {
+        name: persisting_l2::NAME,
+        what: "the megakernel with the largest persisting-L2 set-aside and a window pinning w_o there",
+        expect: Expect::GateFails { gate: "l2_persisting", word: "persisting" },
+        make: persisting_l2::make,
+    },
 ];
 
 /// An adversary by name.
@@ -260,8 +268,8 @@ mod tests {
                 Expect::Crashed | Expect::Timeout => {}
             }
         }
-        // Every kind of conclusion is exercised, and the correctness, kernel and DRAM-traffic gates
-        // by at least one adversary. The share gate is the honest split's to fail (the
+        // Every kind of conclusion is exercised, and the correctness, kernel, DRAM-traffic and L2
+        // gates by at least one adversary. The share gate is the honest split's to fail (the
         // verdict's unit tests), and the timing guard is a backstop: deferring work past a step's
         // synchronisation, the one way to look faster than the floor, is caught first by
         // correctness (defer-to-teardown), and reading too little by the audit (int8-down-padded).
@@ -272,7 +280,7 @@ mod tests {
                 _ => None,
             })
             .collect();
-        for gate in ["correctness", "kernels_per_step", "bytes_read"] {
+        for gate in ["correctness", "kernels_per_step", "bytes_read", "l2_persisting"] {
             assert!(gates.contains(gate), "no adversary targets {gate}");
         }
         for kind in [Expect::Crashed, Expect::Timeout] {
