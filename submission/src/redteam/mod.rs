@@ -26,6 +26,7 @@ mod nan_output;
 mod no_kv_write;
 mod pass_through;
 mod persisting_l2;
+mod pure_read;
 mod raw;
 mod replay_by_pointer;
 mod replay_by_position;
@@ -207,6 +208,12 @@ pub const ALL: &[Adversary] = &[
         expect: Expect::GateFails { gate: "l2_persisting", word: "persisting" },
         make: persisting_l2::make,
     },
+    Adversary {
+        name: pure_read::NAME,
+        what: "computes nothing: one kernel reads every weight and attended K/V row once, out = x",
+        expect: correctness("over the tolerance"),
+        make: pure_read::make,
+    },
 ];
 
 /// An adversary by name.
@@ -328,6 +335,7 @@ mod tests {
             int8::KERNEL,
             int8_down_padded::STAMP,
             int8_down_padded::SPIN,
+            pure_read::KERNEL,
         ];
         for name in names {
             assert!(cu.contains(&format!("__global__ void {name}(")), "no kernel {name} in kernels/redteam.cu");
