@@ -2,8 +2,7 @@
 // accesses, grid-stride, several independent loads in flight per thread, buffers far larger than L2.
 #include <stdint.h>
 
-// Independent 16-byte loads each thread issues before the first use.
-constexpr int LOADS_IN_FLIGHT = 4;
+#include "stream.cuh"
 
 // dst = src, n 16-byte vectors. Counts 2 * 16 * n bytes (read + write).
 extern "C" __global__ void copy_u4(uint4* __restrict__ dst,  // (n)
@@ -27,19 +26,6 @@ extern "C" __global__ void read_u4(uint32_t* __restrict__ sink,  // (gridDim.x)
                                    const uint4* __restrict__ src,  // (n)
                                    uint64_t n) {
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
-    uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
-    uint32_t acc = 0;
-    for (; i + (LOADS_IN_FLIGHT - 1) * stride < n; i += LOADS_IN_FLIGHT * stride) {
-        uint4 v[LOADS_IN_FLIGHT];
-#pragma unroll
-        for (int j = 0; j < LOADS_IN_FLIGHT; ++j) v[j] = src[i + j * stride];
-#pragma unroll
-        for (int j = 0; j < LOADS_IN_FLIGHT; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-    }
-    for (; i < n; i += stride) acc ^= src[i].x ^ src[i].y ^ src[i].z ^ src[i].w;
-    // Every thread's accumulator must be used, or the compiler drops that thread's loads: thread 0
-    // always writes, the others only on an all-ones value the compiler cannot rule out. Racing
-    // writes of one word per block are fine: nobody reads a particular one.
-    if (acc == 0xFFFFFFFFu) sink[blockIdx.x] = acc;
-    else if (threadIdx.x == 0) sink[blockIdx.x] = acc;
+    const uint64_t first = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
+    keep_loads(sink, xor_stream(src, n, first, stride, 0));
 }

@@ -7,6 +7,9 @@
 // must never leave a shared GPU stuck.
 #include <stdint.h>
 
+#include "layer_math.cuh"
+#include "stream.cuh"
+
 // Nanoseconds of the GPU's global timer (%globaltimer). It is wall-clock time, the same on every SM
 // and independent of the SM clock, unlike clock64(), which counts one SM's cycles and whose rate
 // changes with the clock; its resolution (about a microsecond) is ample for limits of seconds.
@@ -16,8 +19,9 @@ __device__ inline uint64_t global_ns() {
     return t;
 }
 
-// Pause between two polls of a word the host writes: a microsecond keeps one warp's polling from
-// flooding L2 with loads and is invisible next to the limits (seconds) and the host's reaction time.
+// Pause between two polls of a word the host writes, or of the clock: a microsecond keeps one warp's
+// polling from flooding L2 with loads and is invisible next to the limits (seconds), the host's
+// reaction time, and the padding of a step (hundreds of microseconds).
 constexpr unsigned POLL_SLEEP_NS = 1000;
 
 // ---------------------------------------------------------------------------------------------------
@@ -112,4 +116,104 @@ extern "C" __global__ void serve_copies_u16(unsigned long long* mailbox,  // (6)
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// int8-down, int8-down-padded: the down projection streamed as int8 rows plus exact outliers
+// ---------------------------------------------------------------------------------------------------
+
+// int8 weights per 16-byte vector: a row's length must be a multiple of it (the launcher checks).
+constexpr uint32_t I8_PER_VEC = 16;
+// Independent 16-byte weight loads a lane keeps in flight.
+constexpr int I8_GEMV_UNROLL = 4;
+
+// acc + the dot product of 16 int8 weights (one vector) with 16 bf16 activations (two vectors), f32.
+__device__ inline float dot16_i8(uint4 w, uint4 h_lo, uint4 h_hi, float acc) {
+    const int8_t* ws = reinterpret_cast<const int8_t*>(&w);
+    const bf16* lo = reinterpret_cast<const bf16*>(&h_lo);
+    const bf16* hi = reinterpret_cast<const bf16*>(&h_hi);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc = fmaf((float)ws[j], __bfloat162float(lo[j]), acc);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc = fmaf((float)ws[8 + j], __bfloat162float(hi[j]), acc);
+    return acc;
+}
+
+// y[r] = bf16(scale[r] * (q[r, :] . h) + the row's outliers . h), one warp per row: lane l reads the
+// row's int8 vectors l, l + 32, ... and its outliers l, l + 32, ...; the warp's butterflies add the
+// lanes' two sums. cols is a multiple of I8_PER_VEC and every pointer the base of an allocation, so
+// the 16-byte loads are aligned.
+extern "C" __global__ void gemv_i8_outliers_bf16(
+    bf16* __restrict__ y,                      // (rows)
+    const int8_t* __restrict__ q,              // (rows, cols), zero where an outlier is
+    const float* __restrict__ scale,           // (rows)
+    const uint32_t* __restrict__ row_start,    // (rows + 1): row r's outliers are [row_start[r], row_start[r + 1])
+    const uint32_t* __restrict__ outlier_col,  // (outliers)
+    const bf16* __restrict__ outlier_val,      // (outliers)
+    const bf16* __restrict__ h,                // (cols)
+    uint32_t rows, uint32_t cols) {
+    const uint32_t warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const uint32_t row = blockIdx.x * (blockDim.x / WARP) + warp;
+    if (row >= rows) return;  // the whole warp leaves together: its shuffles below stay converged
+    const uint4* qr = reinterpret_cast<const uint4*>(q + (size_t)row * cols);  // (cols / I8_PER_VEC)
+    const uint4* hv = reinterpret_cast<const uint4*>(h);                       // (cols / VEC)
+    float dense = 0.0f;
+#pragma unroll I8_GEMV_UNROLL
+    for (uint32_t c = lane; c < cols / I8_PER_VEC; c += WARP) dense = dot16_i8(qr[c], hv[2 * c], hv[2 * c + 1], dense);
+    float sparse = 0.0f;
+    for (uint32_t i = row_start[row] + lane; i < row_start[row + 1]; i += WARP) {
+        sparse = fmaf(__bfloat162float(outlier_val[i]), __bfloat162float(h[outlier_col[i]]), sparse);
+    }
+    dense = warp_reduce(dense, Add{});
+    sparse = warp_reduce(sparse, Add{});
+    if (lane == 0) y[row] = __float2bfloat16_rn(fmaf(scale[row], dense, sparse));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// int8-down-padded: a step stretched to a chosen length
+// ---------------------------------------------------------------------------------------------------
+
+// *start = the global timer, when the GPU reaches this launch: the first of the step. Launch <<<1, 1>>>.
+extern "C" __global__ void record_global_ns_u64(uint64_t* start) {  // (1)
+    *start = global_ns();
+}
+
+// Sleeps until duration_ns have passed since *start, which record_global_ns_u64 wrote earlier on the
+// same stream (stream order makes it visible here). Bounded by construction: it never waits past
+// start + duration_ns, and a start in the future reads as long past (unsigned wrap). Launch <<<1, 1>>>.
+extern "C" __global__ void spin_until_elapsed_u64(const uint64_t* __restrict__ start,  // (1)
+                                                  uint64_t duration_ns) {
+    const uint64_t begin = *start;
+    while (global_ns() - begin < duration_ns) __nanosleep(POLL_SLEEP_NS);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// pure-read: every byte a step must read, read once, nothing computed
+// ---------------------------------------------------------------------------------------------------
+
+// Reads every weight and the attended prefix [0, attended_vecs) of every KV head's K and V block, each
+// with the read-only stream of stream.cuh, and copies x to out. No barrier anywhere: every thread
+// walks the segments in order at its own pace, so a short segment costs no wait. Any grid of whole
+// warps; the probe launches the bandwidth measurement's.
+extern "C" __global__ void read_layer_u4(
+    uint32_t* __restrict__ sink,                  // (gridDim.x)
+    const uint4* const* __restrict__ weights,     // (n_weights): each weight's base
+    const uint64_t* __restrict__ weight_vecs,     // (n_weights): each weight's length in 16-byte vectors
+    uint32_t n_weights,
+    const uint4* __restrict__ k_cache,            // (n_kv, head_vecs)
+    const uint4* __restrict__ v_cache,            // (n_kv, head_vecs)
+    uint32_t n_kv, uint64_t head_vecs, uint64_t attended_vecs,
+    uint4* __restrict__ out,                      // (x_vecs)
+    const uint4* __restrict__ x,                  // (x_vecs)
+    uint32_t x_vecs) {
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    const uint64_t first = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
+    for (uint64_t i = first; i < x_vecs; i += stride) out[i] = x[i];
+    uint32_t acc = 0;
+    for (uint32_t s = 0; s < n_weights; ++s) acc = xor_stream(weights[s], weight_vecs[s], first, stride, acc);
+    for (uint32_t head = 0; head < n_kv; ++head) {
+        acc = xor_stream(k_cache + head * head_vecs, attended_vecs, first, stride, acc);
+        acc = xor_stream(v_cache + head * head_vecs, attended_vecs, first, stride, acc);
+    }
+    keep_loads(sink, acc);
 }

@@ -443,6 +443,39 @@ impl Eager {
         out: &mut CudaSlice<bf16>,
         span: AttentionSpan,
     ) -> Result<(), CudaError> {
+        self.sequence(dev, w, cache, x, pos, out, span, |ops, act, down| ops.gemv(&w.down, act, down))
+    }
+
+    /// [`Eager::step`] with the down projection (step 11: `down = act @ Wdown^T`, `act` of `ffn`
+    /// elements into `down` of `d`) enqueued by `down_proj` instead of the bf16 GEMV, for a submission
+    /// that keeps that matrix in another form. 20 launches plus `down_proj`'s.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_with_down(
+        &mut self,
+        dev: &Device,
+        w: &DeviceWeights,
+        cache: &mut DeviceCache,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+        down_proj: impl FnOnce(&CudaSlice<bf16>, &mut CudaSlice<bf16>) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        self.sequence(dev, w, cache, x, pos, out, AttentionSpan::Full, |_, act, down| down_proj(act, down))
+    }
+
+    /// The step's ops in order, the down projection by `down_proj(ops, act, down)`.
+    #[allow(clippy::too_many_arguments)]
+    fn sequence(
+        &mut self,
+        dev: &Device,
+        w: &DeviceWeights,
+        cache: &mut DeviceCache,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+        span: AttentionSpan,
+        down_proj: impl FnOnce(&Ops, &CudaSlice<bf16>, &mut CudaSlice<bf16>) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
         let (ops, a) = (&mut self.ops, &mut self.act);
         ops.rmsnorm(dev, x, &w.in_norm, &mut a.h)?;
         ops.gemv(&w.q, &a.h, &mut a.q)?;
@@ -458,7 +491,7 @@ impl Eager {
         ops.gemv(&w.gate, &a.h2, &mut a.gate)?;
         ops.gemv(&w.up, &a.h2, &mut a.up)?;
         ops.silu_mul(dev, &a.gate, &a.up, &mut a.act)?;
-        ops.gemv(&w.down, &a.act, &mut a.down)?;
+        down_proj(ops, &a.act, &mut a.down)?;
         ops.add(dev, &a.x1, &a.down, out)
     }
 }

@@ -6,7 +6,8 @@
 //! runs each through `grader run` in a child process and checks that conclusion.
 //!
 //! Shared pieces: [`honest`] (the eager step and the wrapper that adds one twist to it), [`raw`]
-//! (device writes a well-behaved submission never makes: into read-only buffers, into cache slots).
+//! (device writes a well-behaved submission never makes: into read-only buffers, into cache slots),
+//! [`int8`] (the down projection as int8 rows with exact outliers, and the step that streams it).
 
 mod abort;
 mod build_kernel;
@@ -16,11 +17,16 @@ mod defer_to_teardown;
 mod graph_of_kernels;
 mod hang;
 mod honest;
+mod int8;
+mod int8_down;
+mod int8_down_padded;
 mod modify_input;
 mod modify_weights;
 mod nan_output;
 mod no_kv_write;
 mod pass_through;
+mod persisting_l2;
+mod pure_read;
 mod raw;
 mod replay_by_pointer;
 mod replay_by_position;
@@ -59,7 +65,8 @@ pub struct Adversary {
 }
 
 /// The gates of `grader/src/run/verdict.rs`, by the names their verdicts carry.
-pub const GATES: [&str; 4] = ["correctness", "kernels_per_step", "dominant_share", "plausible_timing"];
+pub const GATES: [&str; 6] =
+    ["correctness", "kernels_per_step", "dominant_share", "plausible_timing", "bytes_read", "l2_persisting"];
 
 const fn correctness(word: &'static str) -> Expect {
     Expect::GateFails { gate: "correctness", word }
@@ -68,6 +75,10 @@ const fn correctness(word: &'static str) -> Expect {
 const fn kernels(word: &'static str) -> Expect {
     Expect::GateFails { gate: "kernels_per_step", word }
 }
+
+/// The DRAM-traffic audit's verdict on a step that read under 0.98 of the byte model, as in "call 9
+/// read 1.50 GB, 0.87x of the 1.73 GB byte model".
+const READ_TOO_LITTLE: Expect = Expect::GateFails { gate: "bytes_read", word: "byte model" };
 
 /// Every adversary, in the order a report lists them.
 pub const ALL: &[Adversary] = &[
@@ -179,6 +190,30 @@ pub const ALL: &[Adversary] = &[
         expect: Expect::Crashed,
         make: abort::make,
     },
+    Adversary {
+        name: int8_down::NAME,
+        what: "the eager layer with the down projection streamed as int8 rows, outliers kept exact",
+        expect: READ_TOO_LITTLE,
+        make: int8_down::make,
+    },
+    Adversary {
+        name: int8_down_padded::NAME,
+        what: "int8-down, each step padded by a spin kernel to its byte model's time at 4.6 TB/s",
+        expect: READ_TOO_LITTLE,
+        make: int8_down_padded::make,
+    },
+    Adversary {
+        name: persisting_l2::NAME,
+        what: "the megakernel with the largest persisting-L2 set-aside and a window pinning w_o there",
+        expect: Expect::GateFails { gate: "l2_persisting", word: "persisting" },
+        make: persisting_l2::make,
+    },
+    Adversary {
+        name: pure_read::NAME,
+        what: "computes nothing: one kernel reads every weight and attended K/V row once, out = x",
+        expect: correctness("over the tolerance"),
+        make: pure_read::make,
+    },
 ];
 
 /// An adversary by name.
@@ -240,10 +275,11 @@ mod tests {
                 Expect::Crashed | Expect::Timeout => {}
             }
         }
-        // Every kind of conclusion is exercised, and the correctness and kernel gates by at least
-        // one adversary. The share gate is the honest split's to fail (the verdict's unit tests), and
-        // the timing guard is a backstop: deferring work past a step's synchronisation, the one way
-        // to look faster than the floor, is caught first by correctness (defer-to-teardown).
+        // Every kind of conclusion is exercised, and the correctness, kernel, DRAM-traffic and L2
+        // gates by at least one adversary. The share gate is the honest split's to fail (the
+        // verdict's unit tests), and the timing guard is a backstop: deferring work past a step's
+        // synchronisation, the one way to look faster than the floor, is caught first by
+        // correctness (defer-to-teardown), and reading too little by the audit (int8-down-padded).
         let gates: HashSet<&str> = ALL
             .iter()
             .filter_map(|a| match a.expect {
@@ -251,7 +287,7 @@ mod tests {
                 _ => None,
             })
             .collect();
-        for gate in ["correctness", "kernels_per_step"] {
+        for gate in ["correctness", "kernels_per_step", "bytes_read", "l2_persisting"] {
             assert!(gates.contains(gate), "no adversary targets {gate}");
         }
         for kind in [Expect::Crashed, Expect::Timeout] {
@@ -292,7 +328,16 @@ mod tests {
     #[test]
     fn launched_kernels_exist() {
         let cu = include_str!("../../../kernels/redteam.cu");
-        for name in [crash::KERNEL, hang::KERNEL, build_kernel::KERNEL] {
+        let names = [
+            crash::KERNEL,
+            hang::KERNEL,
+            build_kernel::KERNEL,
+            int8::KERNEL,
+            int8_down_padded::STAMP,
+            int8_down_padded::SPIN,
+            pure_read::KERNEL,
+        ];
+        for name in names {
             assert!(cu.contains(&format!("__global__ void {name}(")), "no kernel {name} in kernels/redteam.cu");
         }
     }
