@@ -155,7 +155,7 @@ pub fn summary(findings: &[Finding]) -> Option<String> {
         Evidence::Launch { usage, .. } => Some(*usage),
         Evidence::Uninspected { .. } => None,
     };
-    // `None` sorts first, so rank uninspected modules last by reversing the option.
+    // Modules not inspected (no usage) rank last.
     let first = findings.iter().min_by_key(|f| (rank(f).is_none(), rank(f)))?;
     Some(match findings.len() {
         1 => format!("1 finding: {first}"),
@@ -280,13 +280,24 @@ pub fn scan_library(file: &[u8]) -> Vec<Finding> {
     while let Some(found) = find(file, &fatbin::MAGIC.to_le_bytes(), at) {
         // A magic number alone can occur anywhere (code that parses fatbins compares with it); a
         // valid header that fits in the file marks a fatbin.
-        let Ok(len) = fatbin::container_len(&file[found..]) else {
-            at = found + 1;
-            continue;
+        let place = section(found);
+        let location = || {
+            let place = place.map_or_else(|| "outside any section".to_string(), |s| format!("section {s}"));
+            vec![place, format!("fatbin at {found:#x}")]
+        };
+        let len = match fatbin::container_len(&file[found..]) {
+            Ok(len) => len,
+            Err(why) => {
+                // Where the toolchain puts fatbins, one that cannot be read is not passed over.
+                if place.is_some_and(|p| FATBIN_SECTIONS.contains(&p)) {
+                    findings.push(malformed_fatbin(location(), file.len() - found, why));
+                }
+                at = found + 1;
+                continue;
+            }
         };
         scan_raw(file, outside..found, &section, &mut findings);
-        let place = section(found).map_or_else(|| "outside any section".to_string(), |s| format!("section {s}"));
-        scan_fatbin(&file[found..found + len], &[place, format!("fatbin at {found:#x}")], &mut findings);
+        scan_fatbin(&file[found..found + len], &location(), &mut findings);
         at = found + len;
         outside = at;
     }
@@ -294,21 +305,25 @@ pub fn scan_library(file: &[u8]) -> Vec<Finding> {
     findings
 }
 
+/// The sections of a host binary where the toolchain puts fatbins: linked code, relocatable code.
+const FATBIN_SECTIONS: &[&str] = &[".nv_fatbin", "__nv_relfatbin"];
+
+/// A fatbin that could not be read.
+fn malformed_fatbin(location: Vec<String>, bytes: usize, why: String) -> Finding {
+    let module = Module { location, kind: Some(Kind::Fatbin), arch: None, bytes, compression: None };
+    Finding { module, evidence: Evidence::Uninspected { why: malformed(&why) } }
+}
+
+/// The reason a malformed module was not inspected, with what to do about it.
+fn malformed(why: &str) -> String {
+    format!("malformed ({why}); rebuild it with nvcc 13.0")
+}
+
 /// Every entry of the fatbin `data`, at `location`.
 fn scan_fatbin(data: &[u8], location: &[String], findings: &mut Vec<Finding>) {
-    let malformed = |why: String| Finding {
-        module: Module {
-            location: location.to_vec(),
-            kind: Some(Kind::Fatbin),
-            arch: None,
-            bytes: data.len(),
-            compression: None,
-        },
-        evidence: Evidence::Uninspected { why: format!("malformed: {why}") },
-    };
     let parsed = match fatbin::parse(data) {
         Ok(parsed) => parsed,
-        Err(why) => return findings.push(malformed(why)),
+        Err(why) => return findings.push(malformed_fatbin(location.to_vec(), data.len(), why)),
     };
     let count = parsed.entries.len();
     for (i, e) in parsed.entries.iter().enumerate() {
@@ -332,28 +347,24 @@ fn scan_fatbin(data: &[u8], location: &[String], findings: &mut Vec<Finding>) {
         match e.contents() {
             Ok(contents) if kind == Kind::Cubin => scan_cubin(&contents, module, findings),
             Ok(contents) => scan_text(&contents, module, findings),
-            Err(why) => findings.push(Finding { module, evidence: Evidence::Uninspected { why: uninspected(&why) } }),
+            Err(why) => findings.push(Finding { module, evidence: Evidence::Uninspected { why: uninflated(&why) } }),
         }
     }
     if let Some(why) = parsed.truncated {
-        findings.push(malformed(format!("after entry {count}, {why}")));
+        findings.push(malformed_fatbin(location.to_vec(), data.len(), format!("after entry {count}, {why}")));
     }
 }
 
-/// The reason a fatbin entry was not inspected, with what to do about it.
-fn uninspected(why: &str) -> String {
+/// The reason a fatbin entry could not be inflated, with what to do about it.
+fn uninflated(why: &str) -> String {
     format!("{why}; rebuild with nvcc 13.0's default compression or with -Xfatbin -compress-mode=none")
 }
 
 /// The symbols of a cubin that name launch entry points, strongest evidence first.
 fn scan_cubin(data: &[u8], module: Module, findings: &mut Vec<Finding>) {
-    let mut found = match cubin_launches(data) {
+    let mut found = match elf::Elf::parse(data).map_err(|why| malformed(&why)).and_then(|elf| cubin_launches(&elf)) {
         Ok(found) => found,
-        Err(why) => {
-            let why = format!("malformed: {why}");
-            findings.push(Finding { module, evidence: Evidence::Uninspected { why } });
-            return;
-        }
+        Err(why) => return findings.push(Finding { module, evidence: Evidence::Uninspected { why } }),
     };
     found.sort_by_key(|(_, usage, _)| *usage);
     findings.extend(found.into_iter().map(|(symbol, usage, callers)| Finding {
@@ -363,15 +374,18 @@ fn scan_cubin(data: &[u8], module: Module, findings: &mut Vec<Finding>) {
 }
 
 /// `(symbol, usage, callers)` for each launch entry point a cubin's symbol tables name.
-fn cubin_launches(data: &[u8]) -> Result<Vec<(String, Usage, Vec<String>)>, String> {
-    let elf = elf::Elf::parse(data)?;
+fn cubin_launches(elf: &elf::Elf<'_>) -> Result<Vec<(String, Usage, Vec<String>)>, String> {
     if elf.machine() != elf::EM_CUDA {
-        return Err(format!("an ELF file for machine {}, not GPU code (machine {})", elf.machine(), elf::EM_CUDA));
+        return Err(format!(
+            "an ELF file for machine {}, not GPU code (machine {}): no module the driver loads",
+            elf.machine(),
+            elf::EM_CUDA
+        ));
     }
     let mut found = Vec::new();
     for table in elf.symbol_tables() {
-        let symbols = elf.symbols(table)?;
-        let references = elf.code_references(table, &symbols)?;
+        let symbols = elf.symbols(table).map_err(|why| malformed(&why))?;
+        let references = elf.code_references(table, &symbols).map_err(|why| malformed(&why))?;
         for (index, sym) in symbols.iter().enumerate().filter(|(_, s)| is_launch_entry_point(s.name)) {
             let mut callers: Vec<String> = references
                 .iter()

@@ -116,7 +116,8 @@ pub fn parse(data: &[u8]) -> Result<Fatbin<'_>, String> {
 
 /// The entry whose header starts at `at`, and where the next one starts.
 fn entry(data: &[u8], at: usize) -> Result<(Entry<'_>, usize), String> {
-    let field = |offset: usize| at.checked_add(offset).unwrap_or(usize::MAX);
+    // Saturates past the end, where every read fails.
+    let field = |offset: usize| at.saturating_add(offset);
     let read = || -> Option<(u16, usize, u64, Entry<'_>)> {
         let header = u32_at(data, field(4))? as usize;
         let stored = u64_at(data, field(8))?;

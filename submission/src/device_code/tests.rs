@@ -112,6 +112,8 @@ fn fixtures() -> &'static Fixtures {
         f.nvcc(&["-cubin", HOPPER, "-o", "graph.cubin", "graph.cu"]);
         f.nvcc(&["-rdc=true", "-cubin", HOPPER, "-o", "clean.rdc.cubin", "clean.cu"]);
         f.nvcc(&["-dlink", "-cubin", HOPPER, "-o", "clean.cubin", "clean.rdc.cubin", "-lcudadevrt"]);
+        f.library("cdp", CDP_SOURCE);
+        f.library("clean", CLEAN_SOURCE);
         f
     })
 }
@@ -287,8 +289,7 @@ fn grid_sync_printf_malloc_and_assert_are_no_launch() {
 /// linked module; a library with relocatable device code but no device launch carries neither.
 #[test]
 fn libraries_are_scanned_before_loading() {
-    let f = fixtures();
-    let cdp = scan_library(&std::fs::read(f.library("cdp", CDP_SOURCE)).unwrap());
+    let cdp = scan_library(&fixtures().read("libcdp.so"));
     let linked: Vec<&Finding> = cdp.iter().filter(|x| x.module.location[0] == "section .nv_fatbin").collect();
     assert!(
         linked[0].to_string().contains(", entry 1 of 1: cubin sm_90 (")
@@ -299,8 +300,34 @@ fn libraries_are_scanned_before_loading() {
     assert!(cdp.iter().any(|x| x.module.location[0] == "section __nv_relfatbin"), "{}", all_text(&cdp));
     assert!(cdp.iter().all(Finding::is_launch), "{}", all_text(&cdp));
 
-    let clean = scan_library(&std::fs::read(f.library("clean", CLEAN_SOURCE)).unwrap());
+    let clean = scan_library(&fixtures().read("libclean.so"));
     assert!(clean.is_empty(), "{}", all_text(&clean));
+}
+
+/// A fatbin where the toolchain keeps them that this scanner cannot read is reported, not passed over.
+#[test]
+fn an_unreadable_fatbin_in_a_library_is_reported() {
+    let mut file = fixtures().read("libclean.so");
+    let at = find(&file, &fatbin::MAGIC.to_le_bytes(), 0).unwrap();
+    // The container's version, which no nvcc writes as 2.
+    file[at + 4] = 2;
+    let findings = scan_library(&file);
+    assert_eq!(findings.len(), 1, "{}", all_text(&findings));
+    let text = findings[0].to_string();
+    let place = format!("section .nv_fatbin, fatbin at {at:#x}: fatbin (");
+    assert!(text.starts_with(&place) && text.contains("not inspected, malformed (fatbin version 2"), "{text}");
+}
+
+#[test]
+fn the_summary_quotes_the_most_telling_finding() {
+    assert_eq!(summary(&[]), None);
+    let mut findings = scan(b"no module");
+    findings.extend(scan(&fixtures().read("cdp.ptx")));
+    findings.extend(scan(&fixtures().read("cdp.cubin")));
+    let text = summary(&findings).unwrap();
+    let most_telling = format!("{} findings, the most telling: cubin (", findings.len());
+    assert!(text.starts_with(&most_telling) && text.contains(") imports __cuda_syscall_cnpv2LaunchDeviceV2"), "{text}");
+    assert!(summary(&findings[..1]).unwrap().starts_with("1 finding: unrecognised bytes (9 bytes): not inspected"));
 }
 
 /// PTX kept as plain data in a host file (for cuModuleLoadData at run time) is found by its names.
@@ -391,6 +418,9 @@ fn truncated_modules_are_never_passed() {
     }
 }
 
+/// Bytes at either end of a module where its headers and tables are.
+const HEADERS: usize = 1024;
+
 /// Garbage, and real modules with bytes overwritten, never panic.
 #[test]
 fn garbage_never_panics() {
@@ -416,13 +446,14 @@ fn garbage_never_panics() {
         let whole = fixtures().read(file);
         for _ in 0..300 {
             let mut broken = whole.clone();
-            // Headers and tables are where parsers go wrong: favour the first and last kilobytes.
             for _ in 0..1 + noise.next() % 8 {
-                let span = if noise.next() % 2 == 0 { 1024.min(broken.len()) } else { broken.len() };
-                let at = if noise.next() % 3 == 0 {
-                    broken.len() - 1 - noise.next() as usize % span
-                } else {
-                    noise.next() as usize % span
+                // Headers (first kilobyte) and section tables (last) are where parsers go wrong: each
+                // takes a quarter of the hits, the rest land anywhere.
+                let (len, edge) = (broken.len(), HEADERS.min(broken.len()));
+                let at = match noise.next() % 4 {
+                    0 => noise.next() as usize % edge,
+                    1 => len - 1 - noise.next() as usize % edge,
+                    _ => noise.next() as usize % len,
                 };
                 broken[at] = noise.next() as u8;
             }
