@@ -13,6 +13,7 @@ mod build_kernel;
 mod corrupt_prefix;
 mod crash;
 mod defer_to_teardown;
+mod device_launch;
 mod graph_of_kernels;
 mod hang;
 mod honest;
@@ -58,8 +59,9 @@ pub struct Adversary {
     pub make: fn() -> Box<dyn Submission>,
 }
 
-/// The gates of `grader/src/run/verdict.rs`, by the names their verdicts carry.
-pub const GATES: [&str; 4] = ["correctness", "kernels_per_step", "dominant_share", "plausible_timing"];
+/// The gates of `grader/src/run/verdict.rs`, by the names their verdicts carry. `launch_record` fails
+/// when a module loaded during the run launches kernels from the device ([`crate::device_code`]).
+pub const GATES: [&str; 5] = ["correctness", "kernels_per_step", "dominant_share", "plausible_timing", "launch_record"];
 
 const fn correctness(word: &'static str) -> Expect {
     Expect::GateFails { gate: "correctness", word }
@@ -179,6 +181,12 @@ pub const ALL: &[Adversary] = &[
         expect: Expect::Crashed,
         make: abort::make,
     },
+    Adversary {
+        name: device_launch::NAME,
+        what: "the megakernel, plus a one-thread parent per step that launches child kernels from the device",
+        expect: Expect::GateFails { gate: "launch_record", word: "device-side launch" },
+        make: device_launch::make,
+    },
 ];
 
 /// An adversary by name.
@@ -288,12 +296,28 @@ mod tests {
         }
     }
 
-    /// Every kernel the red team launches exists in `kernels/redteam.cu` by that exact name.
+    /// Every kernel the red team launches exists in its kernel file by that exact name.
     #[test]
     fn launched_kernels_exist() {
-        let cu = include_str!("../../../kernels/redteam.cu");
-        for name in [crash::KERNEL, hang::KERNEL, build_kernel::KERNEL] {
-            assert!(cu.contains(&format!("__global__ void {name}(")), "no kernel {name} in kernels/redteam.cu");
+        let redteam = ("kernels/redteam.cu", include_str!("../../../kernels/redteam.cu"));
+        let cdp = ("kernels/redteam_cdp.cu", include_str!("../../../kernels/redteam_cdp.cu"));
+        for ((file, cu), name) in [
+            (redteam, crash::KERNEL),
+            (redteam, hang::KERNEL),
+            (redteam, build_kernel::KERNEL),
+            (cdp, device_launch::KERNEL),
+        ] {
+            assert!(cu.contains(&format!("__global__ void {name}(")), "no kernel {name} in {file}");
         }
+    }
+
+    /// The device-launch adversary's verdict comes from the scanner's own words, on its own module.
+    #[test]
+    fn the_device_launch_module_is_what_the_scanner_catches() {
+        let Some(Adversary { expect: Expect::GateFails { word, .. }, .. }) = find(device_launch::NAME) else {
+            panic!("{} must expect a gate to fail", device_launch::NAME);
+        };
+        let findings = crate::device_code::scan(cuda::kernels::REDTEAM_CDP.fatbin);
+        assert!(!findings.is_empty() && findings.iter().all(|f| f.to_string().contains(word)));
     }
 }
