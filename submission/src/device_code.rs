@@ -8,7 +8,8 @@
 //! `__cudaCDP2LaunchDeviceV2` (external functions in PTX, undefined symbols in the relocatable cubin).
 //! The device link with `libcudadevrt.a` brings their code in, and that code imports the driver's
 //! device-side routines: the linked cubin has the undefined symbols `__cuda_syscall_cnpv2LaunchDeviceV2`
-//! and `__cuda_syscall_cnpv2GetParameterBufferV2`, with relocations at their call sites. Device-side
+//! and `__cuda_syscall_cnpv2GetParameterBufferV2`, named in the wrappers' `EIATTR_EXTERNS` attribute
+//! (the functions the driver must bind for them) and relocated at the call sites. Device-side
 //! `cudaGraphLaunch` compiles, even without `-rdc`, to an undefined `cudaGraphLaunch`; tail launches
 //! and fire-and-forget launches are stream handles passed to the same calls; device-side
 //! `cudaMemcpyAsync`/`cudaMemsetAsync` launch the runtime's own kernels through them.
@@ -36,10 +37,12 @@
 //! by an address found at run time carries no import (no toolchain emits that; the busy-time and
 //! kernel-count gates remain). Device code that a library decompresses or decrypts itself and loads
 //! at run time is invisible to [`scan_library`], but not to [`scan`] on the module the driver
-//! receives. LTO-IR entries are encrypted by nvcc and skipped: the driver cannot load them, only the
-//! cubin a JIT link makes of them, which [`scan`] reads when it is loaded.
+//! receives. LTO-IR entries are skipped: their payload is in no documented form (nvcc 13.0's is
+//! neither plain nor a zstd frame), and the driver cannot load them as they are, only the cubin a JIT
+//! link makes of them, which [`scan`] reads when it is loaded.
 //!
-//! **Not evidence:** grid-wide synchronisation (cooperative groups compile to inline code), `printf`,
+//! **Not evidence:** grid-wide synchronisation (cooperative groups compile to inline code; the device
+//! runtime's `cudaCGSynchronizeGrid`/`cudaCGGetIntrinsicHandle` are synchronisation too), `printf`,
 //! `malloc`, `free` and `assert` (the driver binds `vprintf`, `malloc`, `free`, `__assertfail` by name
 //! too, but they launch nothing), programmatic dependent launch (instructions, no call).
 
@@ -333,7 +336,7 @@ fn scan_fatbin(data: &[u8], location: &[String], findings: &mut Vec<Finding>) {
         let kind = match e.payload {
             fatbin::Payload::Cubin => Kind::Cubin,
             fatbin::Payload::Ptx => Kind::Ptx,
-            // Encrypted, and never loaded as it is: see the module's header.
+            // In no documented form, and never loaded as it is: see the module's header.
             fatbin::Payload::LtoIr => continue,
             fatbin::Payload::Other(k) => Kind::Other(k),
         };

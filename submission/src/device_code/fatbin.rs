@@ -39,7 +39,7 @@ const LZ4_MAX_RATIO: u64 = 255;
 pub enum Payload {
     Cubin,
     Ptx,
-    /// Link-time-optimisation IR (`-dlto`), which nvcc encrypts and the driver never loads as it is.
+    /// Link-time-optimisation IR (`-dlto`), in no documented form, which the driver never loads as it is.
     LtoIr,
     Other(u16),
 }
