@@ -13,7 +13,7 @@ use half::bf16;
 use libloading::Library;
 use spec::Config;
 
-use crate::{Layer, Submission, SubmissionError};
+use crate::{Layer, Submission, SubmissionError, device_code};
 
 /// `PL_ABI_VERSION` of `submission/include/persistent_layer.h`: the only version this grader speaks.
 pub const PL_ABI_VERSION: u32 = 1;
@@ -114,6 +114,17 @@ unsafe fn symbol<T: Copy>(lib: &Library, path: &Path, name: &str) -> Result<T, S
     }
 }
 
+/// Refuses a library whose device code launches kernels from the device, or cannot be inspected
+/// ([`device_code::scan_library`]), reading the file before dlopen runs any of its code.
+fn refuse_device_launches(path: &Path) -> Result<(), SubmissionError> {
+    let file = std::fs::read(path)
+        .map_err(|e| refused(format!("could not read the submission library {}: {e}", path.display())))?;
+    match device_code::summary(&device_code::scan_library(&file)) {
+        None => Ok(()),
+        Some(summary) => Err(refused(format!("{} carries device code the grader refuses, {summary}", path.display()))),
+    }
+}
+
 impl ExternalSubmission {
     /// Loads the library at `path`, checks that it speaks [`PL_ABI_VERSION`] and resolves the
     /// five functions of `persistent_layer.h`.
@@ -121,6 +132,7 @@ impl ExternalSubmission {
         if !path.is_file() {
             return Err(refused(format!("no submission library at {}", path.display())));
         }
+        refuse_device_launches(path)?;
         // A bare file name would make dlopen search the system's library folders instead.
         let file = if path.components().count() == 1 { Path::new(".").join(path) } else { path.to_path_buf() };
         // SAFETY: loading runs the library's initialisers; a submission library is trusted code
@@ -343,6 +355,22 @@ mod tests {
                 .expect("no libc.so.6 in the usual folders to test with");
         let msg = open_err(&libc);
         assert!(msg.contains("not a persistent-layer submission: symbol pl_abi_version missing"), "{msg}");
+    }
+
+    /// A library with dynamic parallelism is refused before it is loaded, naming the library, the
+    /// module and the symbol.
+    #[test]
+    fn a_library_that_launches_from_the_device_is_refused() {
+        let fixtures = crate::device_code::tests::Fixtures::new("external");
+        let path = crate::device_code::tests::cdp_library(&fixtures);
+        let msg = open_err(&path);
+        let library = path.display().to_string();
+        let named =
+            [library.as_str(), "section .nv_fatbin", "entry 1 of 1: cubin sm_90", "__cuda_syscall_cnpv2LaunchDeviceV2"];
+        for part in named {
+            assert!(msg.contains(part), "no '{part}' in: {msg}");
+        }
+        assert!(msg.contains("device-side launch"), "{msg}");
     }
 
     #[test]

@@ -14,6 +14,7 @@ mod build_kernel;
 mod corrupt_prefix;
 mod crash;
 mod defer_to_teardown;
+mod device_launch;
 mod graph_of_kernels;
 mod hang;
 mod honest;
@@ -64,9 +65,17 @@ pub struct Adversary {
     pub make: fn() -> Box<dyn Submission>,
 }
 
-/// The gates of `grader/src/run/verdict.rs`, by the names their verdicts carry.
-pub const GATES: [&str; 6] =
-    ["correctness", "kernels_per_step", "dominant_share", "plausible_timing", "bytes_read", "l2_persisting"];
+/// The gates of `grader/src/run/gates/`, by the names their verdicts carry.
+pub const GATES: [&str; 8] = [
+    "correctness",
+    "kernels_per_step",
+    "dominant_share",
+    "launch_record",
+    "exclusive_gpu",
+    "bytes_read",
+    "l2_persisting",
+    "plausible_timing",
+];
 
 const fn correctness(word: &'static str) -> Expect {
     Expect::GateFails { gate: "correctness", word }
@@ -214,6 +223,12 @@ pub const ALL: &[Adversary] = &[
         expect: correctness("over the tolerance"),
         make: pure_read::make,
     },
+    Adversary {
+        name: device_launch::NAME,
+        what: "the megakernel, plus a one-thread parent per step that launches child kernels from the device",
+        expect: Expect::GateFails { gate: "launch_record", word: "device-side launch" },
+        make: device_launch::make,
+    },
 ];
 
 /// An adversary by name.
@@ -324,21 +339,32 @@ mod tests {
         }
     }
 
-    /// Every kernel the red team launches exists in `kernels/redteam.cu` by that exact name.
+    /// Every kernel the red team launches exists in its kernel file by that exact name.
     #[test]
     fn launched_kernels_exist() {
-        let cu = include_str!("../../../kernels/redteam.cu");
-        let names = [
-            crash::KERNEL,
-            hang::KERNEL,
-            build_kernel::KERNEL,
-            int8::KERNEL,
-            int8_down_padded::STAMP,
-            int8_down_padded::SPIN,
-            pure_read::KERNEL,
-        ];
-        for name in names {
-            assert!(cu.contains(&format!("__global__ void {name}(")), "no kernel {name} in kernels/redteam.cu");
+        let redteam = ("kernels/redteam.cu", include_str!("../../../kernels/redteam.cu"));
+        let cdp = ("kernels/redteam_cdp.cu", include_str!("../../../kernels/redteam_cdp.cu"));
+        for ((file, cu), name) in [
+            (redteam, crash::KERNEL),
+            (redteam, hang::KERNEL),
+            (redteam, build_kernel::KERNEL),
+            (redteam, int8::KERNEL),
+            (redteam, int8_down_padded::STAMP),
+            (redteam, int8_down_padded::SPIN),
+            (redteam, pure_read::KERNEL),
+            (cdp, device_launch::KERNEL),
+        ] {
+            assert!(cu.contains(&format!("__global__ void {name}(")), "no kernel {name} in {file}");
         }
+    }
+
+    /// The device-launch adversary's verdict comes from the scanner's own words, on its own module.
+    #[test]
+    fn the_device_launch_module_is_what_the_scanner_catches() {
+        let Some(Adversary { expect: Expect::GateFails { word, .. }, .. }) = find(device_launch::NAME) else {
+            panic!("{} must expect a gate to fail", device_launch::NAME);
+        };
+        let findings = crate::device_code::scan(cuda::kernels::REDTEAM_CDP.fatbin);
+        assert!(!findings.is_empty() && findings.iter().all(|f| f.to_string().contains(word)));
     }
 }
