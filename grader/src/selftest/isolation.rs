@@ -39,6 +39,11 @@ fn caught(r: &Report, expect: Expect) -> Result<String, String> {
     };
     match expect {
         Expect::Crashed if v.status == Status::Crashed => Ok("crashed".into()),
+        Expect::CrashedFor { word }
+            if v.status == Status::Crashed && v.reason.as_deref().is_some_and(|r| r.contains(word)) =>
+        {
+            Ok(format!("crashed: {}", v.reason.as_deref().unwrap_or_default()))
+        }
         Expect::Timeout if v.status == Status::Timeout => Ok("timeout".into()),
         Expect::GateFails { gate, word } => match r.gates.iter().find(|g| g.name == gate) {
             Some(g) if !g.passed && g.detail.contains(word) => Ok(format!("{gate}: {}", g.detail)),

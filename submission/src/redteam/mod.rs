@@ -46,6 +46,8 @@ pub enum Expect {
     GateFails { gate: &'static str, word: &'static str },
     /// The run ends with status `crashed` (the submission process died or reported a CUDA error).
     Crashed,
+    /// The run ends with status `crashed` for the reason its message names (contains `word`).
+    CrashedFor { word: &'static str },
     /// The run ends with status `timeout` (the watchdog killed the submission process).
     Timeout,
     /// Nothing fails, but the measured step time includes the hidden work: at least `min_us` per step.
@@ -288,6 +290,7 @@ mod tests {
                 }
                 Expect::TimedHonestly { min_us } => assert!(min_us.is_finite() && min_us > 0.0, "{}", a.name),
                 Expect::Crashed | Expect::Timeout => {}
+                Expect::CrashedFor { word } => assert!(!word.trim().is_empty(), "{}: empty word", a.name),
             }
         }
         // Every kind of conclusion is exercised, and the correctness, kernel, DRAM-traffic and L2
