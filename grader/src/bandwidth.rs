@@ -2,7 +2,9 @@
 //! written), a read-only stream beside it, and the driver's device-to-device copy as a cross-check,
 //! over buffers far larger than L2, warmed up and repeated.
 
-use cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceSlice, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+use cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, DeviceSlice, LaunchConfig, PushKernelArg};
 use cuda::kernels::BANDWIDTH;
 use cuda::{Context, CudaError, Device};
 use half::bf16;
@@ -125,9 +127,20 @@ impl StreamKernels {
         src: &CudaView<'_, T>,
         cfg: LaunchConfig,
     ) -> Result<(), CudaError> {
+        self.read_on(dev.stream(), sink, src, cfg)
+    }
+
+    /// [`StreamKernels::read`] on `stream`.
+    pub fn read_on<T>(
+        &self,
+        stream: &Arc<CudaStream>,
+        sink: &mut CudaSlice<u32>,
+        src: &CudaView<'_, T>,
+        cfg: LaunchConfig,
+    ) -> Result<(), CudaError> {
         let n = vector_count(src.num_bytes());
         assert!(sink.len() >= cfg.grid_dim.0 as usize, "read_u4: the sink has fewer words than the grid has blocks");
-        let mut b = dev.stream().launch_builder(&self.read);
+        let mut b = stream.launch_builder(&self.read);
         b.arg(sink).arg(src).arg(&n);
         // SAFETY: read_u4(sink, src, n): src holds n 16-byte vectors, sink one word per block
         // (asserted).

@@ -6,6 +6,7 @@ mod data;
 mod flow;
 mod isolation;
 mod megakernel;
+mod recording;
 mod reference;
 
 use std::fmt::Write as _;
@@ -68,6 +69,7 @@ fn checks() -> Vec<Check> {
     let mut all = data::checks();
     all.extend(reference::checks());
     all.extend(megakernel::checks());
+    all.extend(recording::checks());
     all.extend(audit::checks());
     all.extend(flow::checks());
     all.extend(isolation::checks());
