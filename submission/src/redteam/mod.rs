@@ -246,6 +246,23 @@ pub fn names() -> impl Iterator<Item = &'static str> {
 /// A launch of one block of one thread.
 const ONE_THREAD: LaunchConfig = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
 
+/// Counts the calls of `layer_step` a submission has had.
+#[derive(Debug, Default)]
+struct CallCount(usize);
+
+impl CallCount {
+    /// The index, from 0, of the call being made now; counts it.
+    fn next(&mut self) -> usize {
+        self.0 += 1;
+        self.0 - 1
+    }
+
+    /// How many calls were counted.
+    fn made(&self) -> usize {
+        self.0
+    }
+}
+
 /// The error of a step called before `build_layer`.
 fn not_built() -> SubmissionError {
     SubmissionError::Refused("layer_step before build_layer".into())
