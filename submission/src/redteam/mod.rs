@@ -27,6 +27,7 @@ mod nan_output;
 mod no_kv_write;
 mod pass_through;
 mod persisting_l2;
+mod phase_aware;
 mod pure_read;
 mod raw;
 mod replay_by_pointer;
@@ -230,6 +231,12 @@ pub const ALL: &[Adversary] = &[
         what: "the megakernel, plus a one-thread parent per step that launches child kernels from the device",
         expect: Expect::GateFails { gate: "launch_record", word: "device-side launch" },
         make: device_launch::make,
+    },
+    Adversary {
+        name: phase_aware::NAME,
+        what: "the megakernel on the run's last 4 calls (once the only ones profiled), the eager layer on the rest",
+        expect: kernels("at most 21"),
+        make: phase_aware::make,
     },
 ];
 
