@@ -25,29 +25,37 @@ __device__ inline uint64_t global_ns() {
 constexpr unsigned POLL_SLEEP_NS = 1000;
 
 // ---------------------------------------------------------------------------------------------------
-// hang: a step that never finishes
+// hang, recording-off-waiter: a kernel that waits for a flag
 // ---------------------------------------------------------------------------------------------------
 
-// Waits for *flag to become nonzero, which nothing ever does, so the step hangs until the grader's
-// watchdog kills the process. Safety exit: it returns anyway once limit_ns have passed since it
-// started, so the GPU is freed even if no watchdog acts. One thread is enough; launch <<<1, 1>>>.
-extern "C" __global__ void spin_until_flag_u32(const uint32_t* flag,  // (1), zero, never written
-                                               uint64_t limit_ns) {
-    const volatile uint32_t* f = flag;  // volatile: every poll reads memory, never a register copy
+// Waits for *flag to equal value. hang waits for a value nothing ever writes, so the step hangs until
+// the grader's watchdog kills the process; recording-off-waiter waits, on a stream of its own, for
+// the epoch store_to_address_u32 writes once the step's hidden kernels have run. Safety exit: it
+// returns anyway once limit_ns have passed since it started, so the GPU is freed even if no watchdog
+// acts or no store comes. One thread is enough; launch <<<1, 1>>>.
+extern "C" __global__ void spin_until_flag_u32(const uint32_t* flag,  // (1)
+                                               uint32_t value, uint64_t limit_ns) {
+    // volatile: every poll is a load from memory, never a register copy, so a store another kernel
+    // makes (it lands in L2) is seen; no fence follows, as the flag publishes no other data.
+    const volatile uint32_t* f = flag;
     const uint64_t start = global_ns();
-    while (*f == 0) {
+    while (*f != value) {
         if (global_ns() - start >= limit_ns) return;
         __nanosleep(POLL_SLEEP_NS);
     }
 }
 
 // ---------------------------------------------------------------------------------------------------
-// crash: a step that faults
+// crash, recording-off-waiter: one store
 // ---------------------------------------------------------------------------------------------------
 
-// Stores value at target, which the host sets to an unmapped address (just above the null pointer).
-// The store faults: the context reports CUDA_ERROR_ILLEGAL_ADDRESS at the next synchronisation and is
-// unusable from then on. Launch <<<1, 1>>>.
+// Stores value at target. Launch <<<1, 1>>>.
+// - crash aims it at an unmapped address (just above the null pointer): the store faults, the context
+//   reports CUDA_ERROR_ILLEGAL_ADDRESS at the next synchronisation and is unusable from then on.
+// - recording-off-waiter sets its flag with it, after the step's hidden kernels on the same stream
+//   (stream order: they have all finished when it runs). A plain store is enough: global stores write
+//   through to L2, where the waiter's volatile loads look, and no fence is needed because the flag
+//   publishes no other data.
 extern "C" __global__ void store_to_address_u32(uint32_t* target, uint32_t value) { *target = value; }
 
 // ---------------------------------------------------------------------------------------------------

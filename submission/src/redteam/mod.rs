@@ -30,6 +30,9 @@ mod persisting_l2;
 mod phase_aware;
 mod pure_read;
 mod raw;
+mod recording;
+mod recording_off;
+mod recording_off_waiter;
 mod replay_by_pointer;
 mod replay_by_position;
 mod short_attention;
@@ -91,6 +94,10 @@ const fn kernels(word: &'static str) -> Expect {
 /// The DRAM-traffic audit's verdict on a step that read under 0.98 of the byte model, as in "call 9
 /// read 1.50 GB, 0.87x of the 1.73 GB byte model".
 const READ_TOO_LITTLE: Expect = Expect::GateFails { gate: "bytes_read", word: "byte model" };
+
+/// The launch record's verdict on a step whose launches left no GPU record, as in "20 kernel
+/// launch(es) (first: cuLaunchKernel in call 0) left no GPU record: the activity recording was switched off".
+const NO_GPU_RECORD: Expect = Expect::GateFails { gate: "launch_record", word: "left no GPU record" };
 
 /// Every adversary, in the order a report lists them.
 pub const ALL: &[Adversary] = &[
@@ -237,6 +244,18 @@ pub const ALL: &[Adversary] = &[
         what: "the megakernel on the run's last 4 calls (once the only ones profiled), the eager layer on the rest",
         expect: kernels("at most 21"),
         make: phase_aware::make,
+    },
+    Adversary {
+        name: recording_off::NAME,
+        what: "the eager layer with CUPTI's kernel records switched off after each step's first launch",
+        expect: NO_GPU_RECORD,
+        make: recording_off::make,
+    },
+    Adversary {
+        name: recording_off_waiter::NAME,
+        what: "recording-off, plus a recorded waiter kernel on a side stream spinning until the hidden work is done",
+        expect: NO_GPU_RECORD,
+        make: recording_off_waiter::make,
     },
 ];
 
