@@ -17,6 +17,7 @@ mod defer_to_teardown;
 mod device_launch;
 mod graph_of_kernels;
 mod hang;
+mod helper_process;
 mod honest;
 mod int8;
 mod int8_down;
@@ -256,6 +257,12 @@ pub const ALL: &[Adversary] = &[
         what: "recording-off, plus a recorded waiter kernel on a side stream spinning until the hidden work is done",
         expect: NO_GPU_RECORD,
         make: recording_off_waiter::make,
+    },
+    Adversary {
+        name: helper_process::NAME,
+        what: "the megakernel, plus a helper process holding a GPU context of its own from build_layer to teardown",
+        expect: Expect::GateFails { gate: "exclusive_gpu", word: "other process" },
+        make: helper_process::make,
     },
 ];
 
