@@ -38,6 +38,7 @@ mod replay_by_pointer;
 mod replay_by_position;
 mod short_attention;
 mod side_stream;
+mod spawn_in_step;
 mod wrong_slot;
 
 use cuda::cudarc::driver::LaunchConfig;
@@ -263,6 +264,12 @@ pub const ALL: &[Adversary] = &[
         what: "the megakernel, plus a helper process holding a GPU context of its own from build_layer to teardown",
         expect: Expect::GateFails { gate: "exclusive_gpu", word: "other process" },
         make: helper_process::make,
+    },
+    Adversary {
+        name: spawn_in_step::NAME,
+        what: "the megakernel, and on its third call it starts a process",
+        expect: Expect::CrashedFor { word: "start a process" },
+        make: spawn_in_step::make,
     },
 ];
 
