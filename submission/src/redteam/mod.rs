@@ -15,6 +15,7 @@ mod corrupt_prefix;
 mod crash;
 mod defer_to_teardown;
 mod device_launch;
+mod forged_report;
 mod graph_of_kernels;
 mod hang;
 mod helper_process;
@@ -40,6 +41,8 @@ mod short_attention;
 mod side_stream;
 mod spawn_in_step;
 mod wrong_slot;
+
+pub use forged_report::{REPORT_FD, forged_line};
 
 use cuda::cudarc::driver::LaunchConfig;
 
@@ -270,6 +273,12 @@ pub const ALL: &[Adversary] = &[
         what: "the megakernel, and on its third call it starts a process",
         expect: Expect::CrashedFor { word: "start a process" },
         make: spawn_in_step::make,
+    },
+    Adversary {
+        name: forged_report::NAME,
+        what: "the eager layer, and in teardown a forged report of one kernel per call on the runner's report channel",
+        expect: Expect::CrashedFor { word: "report channel" },
+        make: forged_report::make,
     },
 ];
 
