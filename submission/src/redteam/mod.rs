@@ -7,9 +7,12 @@
 //!
 //! Shared pieces: [`honest`] (the eager step and the wrapper that adds one twist to it), [`raw`]
 //! (device writes a well-behaved submission never makes: into read-only buffers, into cache slots),
-//! [`int8`] (the down projection as int8 rows with exact outliers, and the step that streams it).
+//! [`int8`] (the down projection as int8 rows with exact outliers, and the step that streams it),
+//! [`region`] (the buffers of later calls, next to a call's own), [`recording`] (the runner's CUPTI
+//! kernel records switched off from inside), [`CallCount`].
 
 mod abort;
+mod batcher;
 mod build_kernel;
 mod corrupt_prefix;
 mod crash;
@@ -23,6 +26,7 @@ mod honest;
 mod int8;
 mod int8_down;
 mod int8_down_padded;
+mod lookahead;
 mod modify_input;
 mod modify_weights;
 mod nan_output;
@@ -35,6 +39,7 @@ mod raw;
 mod recording;
 mod recording_off;
 mod recording_off_waiter;
+mod region;
 mod replay_by_pointer;
 mod replay_by_position;
 mod short_attention;
@@ -43,6 +48,7 @@ mod spawn_in_step;
 mod wrong_slot;
 
 pub use forged_report::{REPORT_FD, forged_line};
+pub use region::buffer_stride;
 
 use cuda::cudarc::driver::LaunchConfig;
 
@@ -279,6 +285,18 @@ pub const ALL: &[Adversary] = &[
         what: "the eager layer, and in teardown a forged report of one kernel per call on the runner's report channel",
         expect: Expect::CrashedFor { word: "report channel" },
         make: forged_report::make,
+    },
+    Adversary {
+        name: lookahead::NAME,
+        what: "tries to read the judge's memory; answers each call from its input's buffer, read a call ahead",
+        expect: correctness("NaN or Inf"),
+        make: lookahead::make,
+    },
+    Adversary {
+        name: batcher::NAME,
+        what: "computes the whole back-to-back phase at its first call, from the buffers where its inputs will be",
+        expect: correctness("NaN or Inf"),
+        make: batcher::make,
     },
 ];
 
