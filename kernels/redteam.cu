@@ -8,7 +8,6 @@
 #include <stdint.h>
 
 #include "layer_math.cuh"
-#include "stream.cuh"
 
 // Nanoseconds of the GPU's global timer (%globaltimer). It is wall-clock time, the same on every SM
 // and independent of the SM clock, unlike clock64(), which counts one SM's cycles and whose rate
@@ -193,35 +192,4 @@ extern "C" __global__ void spin_until_elapsed_u64(const uint64_t* __restrict__ s
                                                   uint64_t duration_ns) {
     const uint64_t begin = *start;
     while (global_ns() - begin < duration_ns) __nanosleep(POLL_SLEEP_NS);
-}
-
-// ---------------------------------------------------------------------------------------------------
-// pure-read: every byte a step must read, read once, nothing computed
-// ---------------------------------------------------------------------------------------------------
-
-// Reads every weight and the attended prefix [0, attended_vecs) of every KV head's K and V block, each
-// with the read-only stream of stream.cuh, and copies x to out. No barrier anywhere: every thread
-// walks the segments in order at its own pace, so a short segment costs no wait. Any grid of whole
-// warps; the probe launches the bandwidth measurement's.
-extern "C" __global__ void read_layer_u4(
-    uint32_t* __restrict__ sink,                  // (gridDim.x)
-    const uint4* const* __restrict__ weights,     // (n_weights): each weight's base
-    const uint64_t* __restrict__ weight_vecs,     // (n_weights): each weight's length in 16-byte vectors
-    uint32_t n_weights,
-    const uint4* __restrict__ k_cache,            // (n_kv, head_vecs)
-    const uint4* __restrict__ v_cache,            // (n_kv, head_vecs)
-    uint32_t n_kv, uint64_t head_vecs, uint64_t attended_vecs,
-    uint4* __restrict__ out,                      // (x_vecs)
-    const uint4* __restrict__ x,                  // (x_vecs)
-    uint32_t x_vecs) {
-    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
-    const uint64_t first = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
-    for (uint64_t i = first; i < x_vecs; i += stride) out[i] = x[i];
-    uint32_t acc = 0;
-    for (uint32_t s = 0; s < n_weights; ++s) acc = xor_stream(weights[s], weight_vecs[s], first, stride, acc);
-    for (uint32_t head = 0; head < n_kv; ++head) {
-        acc = xor_stream(k_cache + head * head_vecs, attended_vecs, first, stride, acc);
-        acc = xor_stream(v_cache + head * head_vecs, attended_vecs, first, stride, acc);
-    }
-    keep_loads(sink, acc);
 }

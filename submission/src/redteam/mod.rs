@@ -431,6 +431,8 @@ mod tests {
     fn launched_kernels_exist() {
         let redteam = ("kernels/redteam.cu", include_str!("../../../kernels/redteam.cu"));
         let cdp = ("kernels/redteam_cdp.cu", include_str!("../../../kernels/redteam_cdp.cu"));
+        let bandwidth = ("kernels/bandwidth.cu", include_str!("../../../kernels/bandwidth.cu"));
+        let megakernel = ("kernels/megakernel.cu", include_str!("../../../kernels/megakernel.cu"));
         for ((file, cu), name) in [
             (redteam, crash::KERNEL),
             (redteam, hang::KERNEL),
@@ -438,7 +440,8 @@ mod tests {
             (redteam, int8::KERNEL),
             (redteam, int8_down_padded::STAMP),
             (redteam, int8_down_padded::SPIN),
-            (redteam, pure_read::KERNEL),
+            (bandwidth, pure_read::READ),
+            (megakernel, pure_read::GATHER),
             (cdp, device_launch::KERNEL),
         ] {
             assert!(cu.contains(&format!("__global__ void {name}(")), "no kernel {name} in {file}");
