@@ -8,7 +8,6 @@
 #include <stdint.h>
 
 #include "layer_math.cuh"
-#include "stream.cuh"
 
 // Nanoseconds of the GPU's global timer (%globaltimer). It is wall-clock time, the same on every SM
 // and independent of the SM clock, unlike clock64(), which counts one SM's cycles and whose rate
@@ -25,29 +24,37 @@ __device__ inline uint64_t global_ns() {
 constexpr unsigned POLL_SLEEP_NS = 1000;
 
 // ---------------------------------------------------------------------------------------------------
-// hang: a step that never finishes
+// hang, recording-off-waiter: a kernel that waits for a flag
 // ---------------------------------------------------------------------------------------------------
 
-// Waits for *flag to become nonzero, which nothing ever does, so the step hangs until the grader's
-// watchdog kills the process. Safety exit: it returns anyway once limit_ns have passed since it
-// started, so the GPU is freed even if no watchdog acts. One thread is enough; launch <<<1, 1>>>.
-extern "C" __global__ void spin_until_flag_u32(const uint32_t* flag,  // (1), zero, never written
-                                               uint64_t limit_ns) {
-    const volatile uint32_t* f = flag;  // volatile: every poll reads memory, never a register copy
+// Waits for *flag to equal value. hang waits for a value nothing ever writes, so the step hangs until
+// the grader's watchdog kills the process; recording-off-waiter waits, on a stream of its own, for
+// the epoch store_to_address_u32 writes once the step's hidden kernels have run. Safety exit: it
+// returns anyway once limit_ns have passed since it started, so the GPU is freed even if no watchdog
+// acts or no store comes. One thread is enough; launch <<<1, 1>>>.
+extern "C" __global__ void spin_until_flag_u32(const uint32_t* flag,  // (1)
+                                               uint32_t value, uint64_t limit_ns) {
+    // volatile: every poll is a load from memory, never a register copy, so a store another kernel
+    // makes (it lands in L2) is seen; no fence follows, as the flag publishes no other data.
+    const volatile uint32_t* f = flag;
     const uint64_t start = global_ns();
-    while (*f == 0) {
+    while (*f != value) {
         if (global_ns() - start >= limit_ns) return;
         __nanosleep(POLL_SLEEP_NS);
     }
 }
 
 // ---------------------------------------------------------------------------------------------------
-// crash: a step that faults
+// crash, recording-off-waiter: one store
 // ---------------------------------------------------------------------------------------------------
 
-// Stores value at target, which the host sets to an unmapped address (just above the null pointer).
-// The store faults: the context reports CUDA_ERROR_ILLEGAL_ADDRESS at the next synchronisation and is
-// unusable from then on. Launch <<<1, 1>>>.
+// Stores value at target. Launch <<<1, 1>>>.
+// - crash aims it at an unmapped address (just above the null pointer): the store faults, the context
+//   reports CUDA_ERROR_ILLEGAL_ADDRESS at the next synchronisation and is unusable from then on.
+// - recording-off-waiter sets its flag with it, after the step's hidden kernels on the same stream
+//   (stream order: they have all finished when it runs). A plain store is enough: global stores write
+//   through to L2, where the waiter's volatile loads look, and no fence is needed because the flag
+//   publishes no other data.
 extern "C" __global__ void store_to_address_u32(uint32_t* target, uint32_t value) { *target = value; }
 
 // ---------------------------------------------------------------------------------------------------
@@ -185,35 +192,4 @@ extern "C" __global__ void spin_until_elapsed_u64(const uint64_t* __restrict__ s
                                                   uint64_t duration_ns) {
     const uint64_t begin = *start;
     while (global_ns() - begin < duration_ns) __nanosleep(POLL_SLEEP_NS);
-}
-
-// ---------------------------------------------------------------------------------------------------
-// pure-read: every byte a step must read, read once, nothing computed
-// ---------------------------------------------------------------------------------------------------
-
-// Reads every weight and the attended prefix [0, attended_vecs) of every KV head's K and V block, each
-// with the read-only stream of stream.cuh, and copies x to out. No barrier anywhere: every thread
-// walks the segments in order at its own pace, so a short segment costs no wait. Any grid of whole
-// warps; the probe launches the bandwidth measurement's.
-extern "C" __global__ void read_layer_u4(
-    uint32_t* __restrict__ sink,                  // (gridDim.x)
-    const uint4* const* __restrict__ weights,     // (n_weights): each weight's base
-    const uint64_t* __restrict__ weight_vecs,     // (n_weights): each weight's length in 16-byte vectors
-    uint32_t n_weights,
-    const uint4* __restrict__ k_cache,            // (n_kv, head_vecs)
-    const uint4* __restrict__ v_cache,            // (n_kv, head_vecs)
-    uint32_t n_kv, uint64_t head_vecs, uint64_t attended_vecs,
-    uint4* __restrict__ out,                      // (x_vecs)
-    const uint4* __restrict__ x,                  // (x_vecs)
-    uint32_t x_vecs) {
-    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
-    const uint64_t first = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
-    for (uint64_t i = first; i < x_vecs; i += stride) out[i] = x[i];
-    uint32_t acc = 0;
-    for (uint32_t s = 0; s < n_weights; ++s) acc = xor_stream(weights[s], weight_vecs[s], first, stride, acc);
-    for (uint32_t head = 0; head < n_kv; ++head) {
-        acc = xor_stream(k_cache + head * head_vecs, attended_vecs, first, stride, acc);
-        acc = xor_stream(v_cache + head * head_vecs, attended_vecs, first, stride, acc);
-    }
-    keep_loads(sink, acc);
 }

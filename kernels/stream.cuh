@@ -1,6 +1,6 @@
-// The read-only stream of 16-byte vectors that the bandwidth measurement (bandwidth.cu) and the red
-// team's pure-read probe (redteam.cu) share, so that the probe reads exactly the way the measured
-// read-only ceiling was read.
+// The read-only stream of 16-byte vectors of the bandwidth measurement (bandwidth.cu): the loop of
+// read_u4, which measures the read-only ceiling (and which the red team's pure-read probe launches
+// itself, so that it reads exactly the way the ceiling was measured).
 #pragma once
 #include <stdint.h>
 

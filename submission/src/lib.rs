@@ -24,6 +24,13 @@ pub struct Layer<'a> {
     pub cache: &'a mut DeviceCache,
 }
 
+impl Layer<'_> {
+    /// The same layer for a shorter borrow: to hand it to a submission this one wraps.
+    pub fn reborrow(&mut self) -> Layer<'_> {
+        Layer { weights: self.weights, cache: &mut *self.cache }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum SubmissionError {
     #[error(

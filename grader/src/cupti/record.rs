@@ -249,6 +249,24 @@ mod tests {
         assert!(r.problems.iter().any(|p| p.contains("no API call") && p.contains("hidden")), "{:?}", r.problems);
     }
 
+    /// recording-off and recording-off-waiter expect launch_record to fail with a word of the sentence
+    /// for launches the activity view never recorded (a recorded waiter beside them or not).
+    #[test]
+    fn hidden_launches_are_named_as_the_recording_adversaries_expect() {
+        use submission::redteam::{self, Expect};
+        let captured = Captured {
+            activities: vec![kernel("waiter", 2, 110, 190)],
+            seen: seen(vec![launch(2, Tag::Call(0)), launch(3, Tag::Call(0)), launch(4, Tag::Call(0))]),
+        };
+        let r = attribute(captured, &W[..1], no_scan, vec![]);
+        for name in ["recording-off", "recording-off-waiter"] {
+            let Some(Expect::GateFails { gate: "launch_record", word }) = redteam::find(name).map(|a| a.expect) else {
+                panic!("{name} must expect launch_record to fail");
+            };
+            assert!(r.problems.iter().any(|p| p.contains(word)), "{name}: {:?}", r.problems);
+        }
+    }
+
     #[test]
     fn a_runtime_launch_and_its_driver_launch_count_once() {
         let mut outer = launch(5, Tag::Call(0));

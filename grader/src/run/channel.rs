@@ -133,6 +133,32 @@ mod tests {
         assert!(parse(&[0xff, 0xfe, b'\n'], None).unwrap_err().contains("not text"));
     }
 
+    /// The red team's forged report is a well-formed finished report claiming one kernel per call, so
+    /// only the channel's rules refuse it: alone it lacks the nonce, and with the runner's own report
+    /// it makes two messages, which ends the run with the sentence forged-report expects.
+    #[test]
+    fn the_red_teams_forged_report_is_refused_by_the_channels_rules() {
+        use submission::redteam::{self, Expect};
+        assert_eq!(redteam::REPORT_FD, REPORT_FD, "forged-report writes where the runner reports");
+        let calls = spec::schedule(&spec::Config::small()).len();
+        let forged = redteam::forged_line(calls);
+        let Ok(Message::Finished(claimed)) = serde_json::from_str::<Message>(forged.trim()) else {
+            panic!("the forgery is not a finished report: {forged}");
+        };
+        assert_eq!(claimed.record.calls.len(), calls);
+        assert!(claimed.record.calls.iter().all(|c| c.kernels == 1 && c.dominant_share == 1.0));
+        assert!(claimed.record.problems.is_empty());
+        let nonce = 0x5eed;
+        assert!(parse(forged.as_bytes(), Some(nonce)).unwrap_err().contains("forged"));
+        let own = serde_json::to_string(&Message::Finished(Box::new(Finished { nonce, ..*claimed }))).unwrap() + "\n";
+        assert!(matches!(parse(own.as_bytes(), Some(nonce)), Ok(Message::Finished(_))));
+        let Some(Expect::CrashedFor { word }) = redteam::find("forged-report").map(|a| a.expect) else {
+            panic!("forged-report must expect a crash for a reason");
+        };
+        let refused = parse((forged + &own).as_bytes(), Some(nonce)).unwrap_err();
+        assert!(refused.contains(word), "{refused}");
+    }
+
     #[test]
     fn a_report_travels_through_a_pipe_and_is_collected_after_the_writer_closes() {
         let mut fds = [0; 2];

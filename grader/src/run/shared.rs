@@ -184,4 +184,16 @@ mod tests {
         assert_eq!(l.weights.down.1, cfg.d * cfg.ffn);
         assert_eq!(Layout::of(&cfg, calls), l, "both sides compute the same layout");
     }
+
+    /// The red team reaches later calls' buffers one stride apart (lookahead, batcher): the stride
+    /// between consecutive inputs, consecutive outputs, and the last input and the first output.
+    #[test]
+    fn the_red_teams_stride_is_the_layouts() {
+        for cfg in [Config::tiny(), Config::small(), Config::graded()] {
+            let l = Layout::of(&cfg, spec::schedule(&cfg).len());
+            let stride = submission::redteam::buffer_stride(&cfg);
+            let starts: Vec<usize> = l.inputs.iter().chain(&l.outputs).map(|&(o, _)| o).collect();
+            assert!(starts.windows(2).all(|w| w[1] - w[0] == stride), "{}", cfg.name);
+        }
+    }
 }

@@ -200,6 +200,18 @@ impl Ops {
         g: &CudaSlice<bf16>,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), CudaError> {
+        self.rmsnorm_then(dev, x, g, out, || ())
+    }
+
+    /// [`Ops::rmsnorm`], running `between` on the host once the first of its two launches is enqueued.
+    fn rmsnorm_then(
+        &mut self,
+        dev: &Device,
+        x: &CudaSlice<bf16>,
+        g: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+        between: impl FnOnce(),
+    ) -> Result<(), CudaError> {
         let len = out.len();
         check_len("rmsnorm", &[("x", x.len()), ("g", g.len())], len);
         let n = u32_of(len);
@@ -208,6 +220,7 @@ impl Ops {
         b.arg(&mut self.mean_square).arg(x).arg(&n);
         // SAFETY: rms_sumsq_f32(ms (1), x (n), n: u32); mean_square holds 1 f32, x holds n.
         unsafe { launch(&self.f.rms_sumsq, b, one_block(SUMSQ_BLOCK)) }?;
+        between();
 
         let grid = grid_1d(len, ELEMENTWISE_BLOCK, dev.facts().sms);
         let mut b = self.f.rms_scale.args(&self.stream);
@@ -443,7 +456,24 @@ impl Eager {
         out: &mut CudaSlice<bf16>,
         span: AttentionSpan,
     ) -> Result<(), CudaError> {
-        self.sequence(dev, w, cache, x, pos, out, span, |ops, act, down| ops.gemv(&w.down, act, down))
+        self.sequence(dev, w, cache, x, pos, out, span, || (), gemv_down(w))
+    }
+
+    /// [`Eager::step`], with `after_first_launch` run on the host once the step's first kernel is
+    /// enqueued and before the other 20 are: for a caller that changes how the rest are observed (the
+    /// red team's recording-off).
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_after_first_launch(
+        &mut self,
+        dev: &Device,
+        w: &DeviceWeights,
+        cache: &mut DeviceCache,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+        after_first_launch: impl FnOnce(),
+    ) -> Result<(), CudaError> {
+        self.sequence(dev, w, cache, x, pos, out, AttentionSpan::Full, after_first_launch, gemv_down(w))
     }
 
     /// [`Eager::step`] with the down projection (step 11: `down = act @ Wdown^T`, `act` of `ffn`
@@ -460,10 +490,11 @@ impl Eager {
         out: &mut CudaSlice<bf16>,
         down_proj: impl FnOnce(&CudaSlice<bf16>, &mut CudaSlice<bf16>) -> Result<(), CudaError>,
     ) -> Result<(), CudaError> {
-        self.sequence(dev, w, cache, x, pos, out, AttentionSpan::Full, |_, act, down| down_proj(act, down))
+        self.sequence(dev, w, cache, x, pos, out, AttentionSpan::Full, || (), |_, act, down| down_proj(act, down))
     }
 
-    /// The step's ops in order, the down projection by `down_proj(ops, act, down)`.
+    /// The step's ops in order, `after_first_launch` on the host once the first is enqueued, the
+    /// down projection by `down_proj(ops, act, down)`.
     #[allow(clippy::too_many_arguments)]
     fn sequence(
         &mut self,
@@ -474,10 +505,11 @@ impl Eager {
         pos: usize,
         out: &mut CudaSlice<bf16>,
         span: AttentionSpan,
+        after_first_launch: impl FnOnce(),
         down_proj: impl FnOnce(&Ops, &CudaSlice<bf16>, &mut CudaSlice<bf16>) -> Result<(), CudaError>,
     ) -> Result<(), CudaError> {
         let (ops, a) = (&mut self.ops, &mut self.act);
-        ops.rmsnorm(dev, x, &w.in_norm, &mut a.h)?;
+        ops.rmsnorm_then(dev, x, &w.in_norm, &mut a.h, after_first_launch)?;
         ops.gemv(&w.q, &a.h, &mut a.q)?;
         ops.gemv(&w.k, &a.h, &mut a.k)?;
         ops.gemv(&w.v, &a.h, &mut a.v)?;
@@ -494,6 +526,13 @@ impl Eager {
         down_proj(ops, &a.act, &mut a.down)?;
         ops.add(dev, &a.x1, &a.down, out)
     }
+}
+
+/// The down projection of a plain step: the bf16 GEMV of `w.down`.
+fn gemv_down(
+    w: &DeviceWeights,
+) -> impl FnOnce(&Ops, &CudaSlice<bf16>, &mut CudaSlice<bf16>) -> Result<(), CudaError> + '_ {
+    |ops, act, down| ops.gemv(&w.down, act, down)
 }
 
 #[cfg(test)]

@@ -9,20 +9,21 @@ use cuda::cudarc::driver::CudaSlice;
 use half::bf16;
 use reference::gpu::Eager;
 
+use super::CallCount;
 use super::honest::{Twist, Twisted, honest_step};
 use crate::{Layer, Submission, SubmissionError};
 
 pub const NAME: &str = "abort";
 
-/// The call (counting from 1) that aborts: past the first, so the run is well under way.
-const ABORT_ON_CALL: usize = 3;
+/// The call (from 0) that aborts: the third, so the run is well under way.
+const ABORT_AT_CALL: usize = 2;
 
 pub fn make() -> Box<dyn Submission> {
-    Twisted::boxed(NAME, Abort { calls: 0 })
+    Twisted::boxed(NAME, Abort { calls: CallCount::default() })
 }
 
 struct Abort {
-    calls: usize,
+    calls: CallCount,
 }
 
 impl Twist for Abort {
@@ -35,8 +36,7 @@ impl Twist for Abort {
         pos: usize,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError> {
-        self.calls += 1;
-        if self.calls == ABORT_ON_CALL {
+        if self.calls.next() == ABORT_AT_CALL {
             std::process::abort();
         }
         honest_step(eager, dev, layer, x, pos, out)

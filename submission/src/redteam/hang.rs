@@ -25,6 +25,9 @@ pub const KERNEL: &str = "spin_until_flag_u32";
 /// only a watchdog can end the run in time, yet short enough that a GPU is never stuck for long.
 pub const SAFETY_EXIT_NS: u64 = 30_000_000_000;
 
+/// The value the kernel waits for: the flag is zero and nothing writes it.
+const NEVER_WRITTEN: u32 = 1;
+
 pub fn make() -> Box<dyn Submission> {
     Twisted::boxed(NAME, Hang { built: None })
 }
@@ -59,8 +62,9 @@ impl Twist for Hang {
         let b = self.built.as_ref().ok_or_else(not_built)?;
         honest_step(eager, dev, layer, x, pos, out)?;
         let mut args = dev.stream().launch_builder(&b.spin);
-        args.arg(&b.flag).arg(&SAFETY_EXIT_NS);
-        // SAFETY: spin_until_flag_u32(flag (1), limit_ns: u64), one thread; it only reads the flag.
+        args.arg(&b.flag).arg(&NEVER_WRITTEN).arg(&SAFETY_EXIT_NS);
+        // SAFETY: spin_until_flag_u32(flag (1), value: u32, limit_ns: u64), one thread; it only reads
+        // the flag.
         unsafe { args.launch(ONE_THREAD) }.context("launching spin_until_flag_u32")?;
         Ok(())
     }

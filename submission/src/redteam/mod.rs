@@ -7,33 +7,48 @@
 //!
 //! Shared pieces: [`honest`] (the eager step and the wrapper that adds one twist to it), [`raw`]
 //! (device writes a well-behaved submission never makes: into read-only buffers, into cache slots),
-//! [`int8`] (the down projection as int8 rows with exact outliers, and the step that streams it).
+//! [`int8`] (the down projection as int8 rows with exact outliers, and the step that streams it),
+//! [`region`] (the buffers of later calls, next to a call's own), [`recording`] (the runner's CUPTI
+//! kernel records switched off from inside), [`CallCount`].
 
 mod abort;
+mod batcher;
 mod build_kernel;
 mod corrupt_prefix;
 mod crash;
 mod defer_to_teardown;
 mod device_launch;
+mod forged_report;
 mod graph_of_kernels;
 mod hang;
+mod helper_process;
 mod honest;
 mod int8;
 mod int8_down;
 mod int8_down_padded;
+mod lookahead;
 mod modify_input;
 mod modify_weights;
 mod nan_output;
 mod no_kv_write;
 mod pass_through;
 mod persisting_l2;
+mod phase_aware;
 mod pure_read;
 mod raw;
+mod recording;
+mod recording_off;
+mod recording_off_waiter;
+mod region;
 mod replay_by_pointer;
 mod replay_by_position;
 mod short_attention;
 mod side_stream;
+mod spawn_in_step;
 mod wrong_slot;
+
+pub use forged_report::{REPORT_FD, forged_line};
+pub use region::buffer_stride;
 
 use cuda::cudarc::driver::LaunchConfig;
 
@@ -90,6 +105,10 @@ const fn kernels(word: &'static str) -> Expect {
 /// The DRAM-traffic audit's verdict on a step that read under 0.98 of the byte model, as in "call 9
 /// read 1.50 GB, 0.87x of the 1.73 GB byte model".
 const READ_TOO_LITTLE: Expect = Expect::GateFails { gate: "bytes_read", word: "byte model" };
+
+/// The launch record's verdict on a step whose launches left no GPU record, as in "20 kernel
+/// launch(es) (first: cuLaunchKernel in call 0) left no GPU record: the activity recording was switched off".
+const NO_GPU_RECORD: Expect = Expect::GateFails { gate: "launch_record", word: "left no GPU record" };
 
 /// Every adversary, in the order a report lists them.
 pub const ALL: &[Adversary] = &[
@@ -231,6 +250,54 @@ pub const ALL: &[Adversary] = &[
         expect: Expect::GateFails { gate: "launch_record", word: "device-side launch" },
         make: device_launch::make,
     },
+    Adversary {
+        name: phase_aware::NAME,
+        what: "the megakernel on the run's last 4 calls (once the only ones profiled), the eager layer on the rest",
+        expect: kernels("at most 21"),
+        make: phase_aware::make,
+    },
+    Adversary {
+        name: recording_off::NAME,
+        what: "the eager layer with CUPTI's kernel records switched off after each step's first launch",
+        expect: NO_GPU_RECORD,
+        make: recording_off::make,
+    },
+    Adversary {
+        name: recording_off_waiter::NAME,
+        what: "recording-off, plus a recorded waiter kernel on a side stream spinning until the hidden work is done",
+        expect: NO_GPU_RECORD,
+        make: recording_off_waiter::make,
+    },
+    Adversary {
+        name: helper_process::NAME,
+        what: "the megakernel, plus a helper process holding a GPU context of its own from build_layer to teardown",
+        expect: Expect::GateFails { gate: "exclusive_gpu", word: "other process" },
+        make: helper_process::make,
+    },
+    Adversary {
+        name: spawn_in_step::NAME,
+        what: "the megakernel, and on its third call it starts a process",
+        expect: Expect::CrashedFor { word: "start a process" },
+        make: spawn_in_step::make,
+    },
+    Adversary {
+        name: forged_report::NAME,
+        what: "the eager layer, and in teardown a forged report of one kernel per call on the runner's report channel",
+        expect: Expect::CrashedFor { word: "report channel" },
+        make: forged_report::make,
+    },
+    Adversary {
+        name: lookahead::NAME,
+        what: "tries to read the judge's memory; answers each call from its input's buffer, read a call ahead",
+        expect: correctness("NaN or Inf"),
+        make: lookahead::make,
+    },
+    Adversary {
+        name: batcher::NAME,
+        what: "computes the whole back-to-back phase at its first call, from the buffers where its inputs will be",
+        expect: correctness("NaN or Inf"),
+        make: batcher::make,
+    },
 ];
 
 /// An adversary by name.
@@ -245,6 +312,23 @@ pub fn names() -> impl Iterator<Item = &'static str> {
 
 /// A launch of one block of one thread.
 const ONE_THREAD: LaunchConfig = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+
+/// Counts the calls of `layer_step` a submission has had.
+#[derive(Debug, Default)]
+struct CallCount(usize);
+
+impl CallCount {
+    /// The index, from 0, of the call being made now; counts it.
+    fn next(&mut self) -> usize {
+        self.0 += 1;
+        self.0 - 1
+    }
+
+    /// How many calls were counted.
+    fn made(&self) -> usize {
+        self.0
+    }
+}
 
 /// The error of a step called before `build_layer`.
 fn not_built() -> SubmissionError {
@@ -347,6 +431,8 @@ mod tests {
     fn launched_kernels_exist() {
         let redteam = ("kernels/redteam.cu", include_str!("../../../kernels/redteam.cu"));
         let cdp = ("kernels/redteam_cdp.cu", include_str!("../../../kernels/redteam_cdp.cu"));
+        let bandwidth = ("kernels/bandwidth.cu", include_str!("../../../kernels/bandwidth.cu"));
+        let megakernel = ("kernels/megakernel.cu", include_str!("../../../kernels/megakernel.cu"));
         for ((file, cu), name) in [
             (redteam, crash::KERNEL),
             (redteam, hang::KERNEL),
@@ -354,7 +440,8 @@ mod tests {
             (redteam, int8::KERNEL),
             (redteam, int8_down_padded::STAMP),
             (redteam, int8_down_padded::SPIN),
-            (redteam, pure_read::KERNEL),
+            (bandwidth, pure_read::READ),
+            (megakernel, pure_read::GATHER),
             (cdp, device_launch::KERNEL),
         ] {
             assert!(cu.contains(&format!("__global__ void {name}(")), "no kernel {name} in {file}");

@@ -1,6 +1,11 @@
-//! **pure-read**: computes nothing. Each step is one kernel (`read_layer_u4`) that reads every weight
-//! and the attended K and V rows once, with the very loop of the grader's read-only bandwidth
-//! measurement (`kernels/stream.cuh`, shared with `read_u4`), and copies `x` to `out`.
+//! **pure-read**: computes nothing. `build_layer` packs every byte a step reads into one buffer: the
+//! nine weights, then the K and V rows of every cache slot, slot by slot, so that what a step at `pos`
+//! attends over (slots `0..=pos`) follows the weights. Each step copies `x` to `out` and reads the
+//! buffer's first [`read_vectors`] vectors with one launch of the grader's own read-only stream
+//! (`read_u4` of `kernels/bandwidth.cu`, one wave of resident blocks, as the bandwidth measurement
+//! launches it): one kernel per step, over one contiguous range, read exactly the way the read-only
+//! ceiling was measured. The cache never changes (nothing writes it), so the packed rows hold what the
+//! cache holds.
 //!
 //! It is the calibration of the plausible_timing bound: the fastest a step that reads its bytes can
 //! be, so its time must sit just above the bound (the bytes over the read-only bandwidth measured in
@@ -9,8 +14,8 @@
 //! correctness: `x_out = x` is over the tolerance at every step, as for pass-through.
 
 use cuda::cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
-use cuda::kernels::REDTEAM;
-use cuda::{Context, Device};
+use cuda::kernels::{BANDWIDTH, MEGAKERNEL};
+use cuda::{Context, Device, grid_1d};
 use half::bf16;
 use spec::{Config, Tensor};
 
@@ -18,11 +23,15 @@ use super::not_built;
 use crate::{Layer, Submission, SubmissionError};
 
 pub const NAME: &str = "pure-read";
-/// The kernel of `kernels/redteam.cu`.
-pub const KERNEL: &str = "read_layer_u4";
+/// The read-only stream of `kernels/bandwidth.cu`.
+pub const READ: &str = "read_u4";
+/// The row gather of `kernels/megakernel.cu`, which packs the cache rows.
+pub const GATHER: &str = "gather_rows_u4";
 
-/// Threads per block, as the bandwidth measurement's read-only stream.
-const BLOCK: u32 = 512;
+/// Threads per block of the read, as the bandwidth measurement launches it.
+const READ_BLOCK: u32 = 512;
+/// Threads per block of the gather, as the megakernel's packing launches it.
+const GATHER_BLOCK: u32 = 256;
 /// bf16 per 16-byte vector.
 const VEC: usize = 8;
 
@@ -30,32 +39,69 @@ pub fn make() -> Box<dyn Submission> {
     Box::new(PureRead { built: None })
 }
 
-/// 16-byte vectors of each weight in [`Tensor::WEIGHTS`] order; `None` if one is not whole vectors.
-fn weight_vectors(cfg: &Config) -> Option<Vec<u64>> {
-    Tensor::WEIGHTS.iter().map(|t| t.elems(cfg)).map(|n| n.is_multiple_of(VEC).then_some((n / VEC) as u64)).collect()
+/// 16-byte vectors of the nine weights; `None` if one is not whole vectors.
+fn weight_vectors(cfg: &Config) -> Option<u64> {
+    Tensor::WEIGHTS
+        .iter()
+        .map(|t| t.elems(cfg))
+        .try_fold(0, |sum, n| n.is_multiple_of(VEC).then_some(sum + (n / VEC) as u64))
 }
 
-/// 16-byte vectors of each KV head's K (and V) rows a step at `pos` attends over: slots `0..=pos`.
-fn attended_vectors(cfg: &Config, pos: usize) -> u64 {
-    ((pos + 1) * cfg.hd / VEC) as u64
+/// 16-byte vectors of one packed cache slot: the K row, then the V row, of every KV head.
+fn slot_vectors(cfg: &Config) -> u64 {
+    (2 * cfg.kv_dim() / VEC) as u64
+}
+
+/// 16-byte vectors a step at `pos` reads: the weights and the slots it attends over, `0..=pos`.
+fn read_vectors(cfg: &Config, weights: u64, pos: usize) -> u64 {
+    weights + (pos + 1) as u64 * slot_vectors(cfg)
+}
+
+/// The weights, then every cache slot's K and V rows, in one buffer (see the module's header).
+fn pack(dev: &Device, layer: &Layer<'_>, cfg: &Config) -> Result<CudaSlice<bf16>, SubmissionError> {
+    let s = dev.stream();
+    let weight_elems: usize = Tensor::WEIGHTS.iter().map(|t| t.elems(cfg)).sum();
+    let rows = 2 * cfg.n_kv * cfg.max_seq_len;
+    // SAFETY: every element is written below, the weights by copies and the slots by the gather,
+    // before anything reads the buffer.
+    let mut packed = unsafe { s.alloc::<bf16>(weight_elems + rows * cfg.hd) }.context("allocating the packed bytes")?;
+    let mut at = 0;
+    for &t in Tensor::WEIGHTS {
+        let w = layer.weights.get(t);
+        s.memcpy_dtod(w, &mut packed.slice_mut(at..at + w.len())).context("packing a weight")?;
+        at += w.len();
+    }
+    // Row r of the packed slots is slot r / (2 n_kv), tensor (K then V), KV head.
+    let row_bytes = (cfg.hd * size_of::<bf16>()) as u64;
+    let (k, v) = (layer.cache.k.device_ptr(s).0, layer.cache.v.device_ptr(s).0);
+    let sources: Vec<u64> = (0..cfg.max_seq_len)
+        .flat_map(|slot| [k, v].into_iter().flat_map(move |t| (0..cfg.n_kv).map(move |h| (t, h, slot))))
+        .map(|(t, h, slot)| t + (h * cfg.max_seq_len + slot) as u64 * row_bytes)
+        .collect();
+    let sources = s.clone_htod(&sources).context("uploading the cache rows' addresses")?;
+    let gather = dev.function(&MEGAKERNEL, GATHER)?;
+    let (n_rows, vecs) = (rows as u32, (cfg.hd / VEC) as u32);
+    let mut args = s.launch_builder(&gather);
+    let mut slots = packed.slice_mut(at..);
+    args.arg(&mut slots).arg(&sources).arg(&n_rows).arg(&vecs);
+    // SAFETY: gather_rows_u4(dst (rows, vecs), src_rows (rows), rows: u32, vecs: u32); dst is the
+    // packed buffer past the weights, rows * hd elements; every source is the start of an hd-long row
+    // of a cache tensor (n_kv, max_seq_len, hd); hd is whole 16-byte vectors and every row starts
+    // 16-byte aligned (allocation bases, whole-vector weights and rows before it).
+    unsafe { args.launch(grid_1d(rows * cfg.hd / VEC, GATHER_BLOCK, dev.facts().sms)) }
+        .context("launching gather_rows_u4")?;
+    Ok(packed)
 }
 
 struct Built {
-    func: CudaFunction,
-    /// One wave of resident blocks of [`BLOCK`] threads, as the bandwidth measurement launches.
-    launch: LaunchConfig,
-    /// `(blocks)`: where the kernel folds what it read.
+    read: CudaFunction,
+    /// One wave of resident blocks of [`READ_BLOCK`] threads, as the bandwidth measurement launches.
+    wave: LaunchConfig,
+    /// `(blocks)`: where the read folds what it read.
     sink: CudaSlice<u32>,
-    /// `(weights)`: each weight's device address.
-    bases: CudaSlice<u64>,
-    /// `(weights)`: each weight's length in 16-byte vectors.
-    lens: CudaSlice<u64>,
-    n_weights: u32,
-    n_kv: u32,
-    /// 16-byte vectors of one KV head's block of a cache tensor, `max_seq_len * hd / 8`.
-    head_vecs: u64,
-    /// 16-byte vectors of `x`.
-    x_vecs: u32,
+    /// See [`pack`].
+    packed: CudaSlice<bf16>,
+    weight_vectors: u64,
     cfg: Config,
 }
 
@@ -69,25 +115,19 @@ impl Submission for PureRead {
     }
 
     fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
-        let lens = weight_vectors(cfg).filter(|_| cfg.hd.is_multiple_of(VEC) && cfg.d.is_multiple_of(VEC));
-        let lens = lens.ok_or_else(|| SubmissionError::Refused("a tensor is not whole 16-byte vectors".into()))?;
-        let s = dev.stream();
-        let bases: Vec<u64> = Tensor::WEIGHTS.iter().map(|&t| layer.weights.get(t).device_ptr(s).0).collect();
-        let func = dev.function(&REDTEAM, KERNEL)?;
+        let weights = weight_vectors(cfg).filter(|_| cfg.hd.is_multiple_of(VEC) && cfg.d.is_multiple_of(VEC));
+        let weights =
+            weights.ok_or_else(|| SubmissionError::Refused("a tensor is not whole 16-byte vectors".into()))?;
+        let read = dev.function(&BANDWIDTH, READ)?;
         let resident =
-            func.occupancy_max_active_blocks_per_multiprocessor(BLOCK, 0, None).context("reading occupancy")?;
+            read.occupancy_max_active_blocks_per_multiprocessor(READ_BLOCK, 0, None).context("reading occupancy")?;
         let blocks = resident.max(1) * dev.facts().sms as u32;
-        let launch = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
         self.built = Some(Built {
-            func,
-            launch,
-            sink: s.alloc_zeros(blocks as usize).context("allocating the sink")?,
-            bases: s.clone_htod(&bases).context("uploading the weights' addresses")?,
-            lens: s.clone_htod(&lens).context("uploading the weights' lengths")?,
-            n_weights: Tensor::WEIGHTS.len() as u32,
-            n_kv: cfg.n_kv as u32,
-            head_vecs: (cfg.max_seq_len * cfg.hd / VEC) as u64,
-            x_vecs: (cfg.d / VEC) as u32,
+            read,
+            wave: LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (READ_BLOCK, 1, 1), shared_mem_bytes: 0 },
+            sink: dev.stream().alloc_zeros(blocks as usize).context("allocating the sink")?,
+            packed: pack(dev, &layer, cfg)?,
+            weight_vectors: weights,
             cfg: cfg.clone(),
         });
         Ok(())
@@ -96,25 +136,21 @@ impl Submission for PureRead {
     fn layer_step(
         &mut self,
         dev: &Device,
-        layer: Layer<'_>,
+        _layer: Layer<'_>,
         x: &CudaSlice<bf16>,
         pos: usize,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError> {
         let b = self.built.as_mut().ok_or_else(not_built)?;
-        let attended = attended_vectors(&b.cfg, pos);
         assert!(pos < b.cfg.max_seq_len && x.len() == b.cfg.d && out.len() == b.cfg.d, "pure-read: a bad call");
-        let mut args = dev.stream().launch_builder(&b.func);
-        args.arg(&mut b.sink).arg(&b.bases).arg(&b.lens).arg(&b.n_weights);
-        args.arg(&layer.cache.k).arg(&layer.cache.v).arg(&b.n_kv).arg(&b.head_vecs).arg(&attended);
-        args.arg(out).arg(x).arg(&b.x_vecs);
-        // SAFETY: read_layer_u4(sink (blocks), weights (n_weights), weight_vecs (n_weights), n_weights:
-        // u32, k_cache, v_cache (n_kv, head_vecs), n_kv: u32, head_vecs: u64, attended_vecs: u64,
-        // out (x_vecs), x (x_vecs), x_vecs: u32), in that order. The table holds the base and the
-        // whole-vector length of every live weight; each cache tensor is n_kv blocks of head_vecs and
-        // attended_vecs <= head_vecs as pos < max_seq_len; x and out hold d = 8 * x_vecs bf16; every
-        // buffer is an allocation's base, so the 16-byte accesses are aligned.
-        unsafe { args.launch(b.launch) }.context("launching read_layer_u4")?;
+        dev.stream().memcpy_dtod(x, out).context("copying x to out")?;
+        let n = read_vectors(&b.cfg, b.weight_vectors, pos);
+        let mut args = dev.stream().launch_builder(&b.read);
+        args.arg(&mut b.sink).arg(&b.packed).arg(&n);
+        // SAFETY: read_u4(sink (gridDim.x), src (n), n: u64); the sink holds one word per block of the
+        // wave, and packed holds the weights and max_seq_len slots, so n (pos < max_seq_len, asserted)
+        // vectors are inside it; its base is an allocation's, so the 16-byte loads are aligned.
+        unsafe { args.launch(b.wave) }.context("launching read_u4")?;
         Ok(())
     }
 
@@ -129,16 +165,15 @@ mod tests {
 
     use super::*;
 
-    /// The kernel reads what the byte model counts: every weight, the K and V rows up to the deepest
-    /// timed position, `x`, and writes `out`; only the appended K/V rows are missing.
+    /// A step reads what the byte model counts: every weight, the K and V rows up to the deepest timed
+    /// position, `x`, and writes `out`; only the appended K/V rows are missing.
     #[test]
     fn a_step_reads_the_byte_model() {
         for cfg in [Config::tiny(), Config::small(), Config::graded()] {
             let model = ByteModel::of(&cfg);
-            let weights: u64 = weight_vectors(&cfg).unwrap().iter().sum();
-            let kv = 2 * cfg.n_kv as u64 * attended_vectors(&cfg, cfg.deepest_timed_pos());
-            let x_and_out = 2 * (cfg.d / VEC) as u64;
-            assert_eq!(16 * (weights + kv + x_and_out), model.total - model.kv_append, "{}", cfg.name);
+            let read = read_vectors(&cfg, weight_vectors(&cfg).unwrap(), cfg.deepest_timed_pos());
+            let x_and_out = 2 * (cfg.d * size_of::<bf16>()) as u64;
+            assert_eq!(16 * read + x_and_out, model.total - model.kv_append, "{}", cfg.name);
         }
     }
 }

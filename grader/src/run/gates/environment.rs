@@ -60,6 +60,22 @@ mod tests {
         assert!(!exclusive_gpu_gate(&blind).passed);
     }
 
+    /// helper-process expects this gate to fail with a word of its sentence.
+    #[test]
+    fn the_helper_process_is_named_as_this_gate_names_it() {
+        use submission::redteam::{self, Expect};
+        let Some(Expect::GateFails { gate, word }) = redteam::find("helper-process").map(|a| a.expect) else {
+            panic!("helper-process must expect a gate to fail");
+        };
+        let helper = Watched {
+            unavailable: None,
+            polls: 500,
+            intruders: vec![Intruder { pid: 9, name: "grader".into(), first_seen_ms: 40 }],
+        };
+        let g = exclusive_gpu_gate(&helper);
+        assert!(g.name == gate && !g.passed && g.detail.contains(word), "{g:?}");
+    }
+
     #[test]
     fn a_persisting_limit_fails_with_its_sentence() {
         assert!(l2_gate(&[]).passed);

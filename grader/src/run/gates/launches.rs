@@ -242,6 +242,24 @@ mod tests {
         assert!(!share_gate(&[], &g).passed);
     }
 
+    /// The gate and the word an adversary's entry expects.
+    fn expected(name: &str) -> (&'static str, &'static str) {
+        match submission::redteam::find(name).map(|a| a.expect) {
+            Some(submission::redteam::Expect::GateFails { gate, word }) => (gate, word),
+            other => panic!("{name} must expect a gate to fail, not {other:?}"),
+        }
+    }
+
+    /// phase-aware: one call of the eager layer among one-kernel calls fails with the words it expects.
+    #[test]
+    fn phase_aware_is_caught_by_its_worst_call() {
+        let (gate, word) = expected("phase-aware");
+        let mut steps = vec![launches(&[(100, "k"); 21]); 8];
+        steps[7] = launches(&[(1000, "mega")]);
+        let k = kernels_gate(&calls(8), &steps, &Gates::TASK);
+        assert!(k.name == gate && !k.passed && k.detail.contains(word), "{k:?}");
+    }
+
     fn paced(call_us: Vec<Option<f64>>) -> Paced {
         Paced {
             build_s: 0.1,

@@ -1,0 +1,61 @@
+//! **spawn-in-step**: the megakernel, honest and fast; on its third call it starts a process
+//! (`true`) before launching.
+//!
+//! The exploit: a process started during the calls could do work the runner's records never see (or
+//! a compiler could run where no build time is allowed). Caught by the runner's sandbox: once
+//! `build_layer` has returned, a seccomp filter kills the runner on any system call that makes a
+//! process, and the judge reads the death by SIGSYS as "tried to start a process during the calls".
+
+use std::process::Command;
+
+use cuda::Device;
+use cuda::cudarc::driver::CudaSlice;
+use half::bf16;
+use spec::Config;
+
+use super::CallCount;
+use crate::megakernel::{Megakernel, Mode};
+use crate::{Layer, Submission, SubmissionError};
+
+pub const NAME: &str = "spawn-in-step";
+
+/// The call (from 0) that starts a process: the third, so the run is well under way.
+const SPAWN_AT_CALL: usize = 2;
+
+pub fn make() -> Box<dyn Submission> {
+    Box::new(SpawnInStep { mega: Megakernel::new(Mode::Fused), calls: CallCount::default() })
+}
+
+struct SpawnInStep {
+    mega: Megakernel,
+    calls: CallCount,
+}
+
+impl Submission for SpawnInStep {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
+        self.mega.build_layer(dev, layer, cfg)
+    }
+
+    fn layer_step(
+        &mut self,
+        dev: &Device,
+        layer: Layer<'_>,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), SubmissionError> {
+        if self.calls.next() == SPAWN_AT_CALL {
+            // Under the runner's filter this never returns; anywhere else its outcome does not matter.
+            let _ = Command::new("true").status();
+        }
+        self.mega.layer_step(dev, layer, x, pos, out)
+    }
+
+    fn teardown(&mut self) {
+        self.mega.teardown();
+    }
+}
