@@ -21,7 +21,7 @@ use reference::gpu::{DeviceCache, Eager, generate_weights};
 use spec::{ByteModel, Config, Gates};
 
 use crate::bandwidth;
-use crate::cli::SubmissionArgs;
+use crate::cli::RunArgs;
 use crate::error::{GraderError, Outcome};
 use crate::metrics::to_f32;
 use crate::stats::Summary;
@@ -58,14 +58,21 @@ pub fn weight_bytes(cfg: &Config) -> u64 {
     b.matrices + b.norms
 }
 
-pub fn command(device: usize, args: &SubmissionArgs) -> Result<Outcome, GraderError> {
+pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
+    // Every argument is checked before the device opens: a typo costs a second and one sentence,
+    // not a GPU start-up, and no judgement is lost to an output path that cannot be written.
     let cfg = Config::load(&args.config.config)?;
-    // Refuse an unknown name here, with the list, before any process or GPU work.
-    submission::check_name(&args.submission)?;
+    let submission = crate::preflight::submission(&args.submission)?;
+    if let Some(path) = &args.json {
+        crate::preflight::output_file("--json", path)?;
+    }
+    if let Some(dir) = &args.dump {
+        crate::preflight::output_dir("--dump", dir)?;
+    }
     let dev = Device::open(device)?;
     let progress = Progress::new(args.quiet);
     let seeds = Seeds { weights: args.seed, inputs: rand::random() };
-    let report = judge(&dev, &args.submission, &cfg, seeds, &progress, args.dump.as_deref())?;
+    let report = judge(&dev, &submission, &cfg, seeds, &progress, args.dump.as_deref())?;
     eprint!("{}", if args.quiet { report.verdict_line() } else { report.table() });
     let json = serde_json::to_string_pretty(&report).expect("the report serialises") + "\n";
     match &args.json {
