@@ -1,6 +1,7 @@
 //! Compiles every `kernels/*.cu` with nvcc into a fatbin embedded in the binary, plus ptxas's resource
 //! report (registers, shared memory, spills) beside it, and generates `kernels.rs`: one constant per
-//! file. Fails with a clear message when no nvcc can be found: it never embeds nothing.
+//! file. The compiler is found, or the pinned one installed, by `build/nvcc.rs`; a failure stops the
+//! build with one clear message (never a panic trace), and it never embeds nothing.
 //!
 //! The grader's own kernels are built for sm_80, sm_89 and sm_90a with compute_80 PTX, so the grader
 //! runs on any card from Ampere on; the megakernel uses Hopper-only instructions and is built for
@@ -10,6 +11,9 @@ use std::env;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+#[path = "build/nvcc.rs"]
+mod nvcc;
 
 /// Files that need Hopper (sm_90a) and are built for it alone.
 const HOPPER_ONLY: &[&str] = &["megakernel.cu"];
@@ -28,17 +32,16 @@ fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let kernels = root.join("kernels");
     println!("cargo:rerun-if-changed={}", kernels.display());
-    for var in ["NVCC", "CUDA_HOME", "CUDA_PATH"] {
-        println!("cargo:rerun-if-env-changed={var}");
-    }
+    nvcc::rerun_triggers(&root);
 
-    let nvcc = find_nvcc(&root).unwrap_or_else(|| {
-        panic!(
-            "\n\nnvcc not found: the CUDA kernels cannot be built.\n\
-             Set NVCC to an nvcc 13.0, or CUDA_HOME to a CUDA 13.0 toolkit, or run `scripts/test`, \
-             which installs the pinned compiler wheels into .cuda-venv/ (see README.md).\n\n"
-        )
-    });
+    let found = nvcc::find_or_install(&root).unwrap_or_else(|why| fail(&why));
+    if found.installed {
+        println!(
+            "cargo:warning=no nvcc was found: installed the pinned CUDA compiler of {} into .cuda-venv/",
+            nvcc::REQUIREMENTS
+        );
+    }
+    let nvcc = found.nvcc;
 
     let mut sources: Vec<PathBuf> = std::fs::read_dir(&kernels)
         .expect("kernels/ must exist")
@@ -82,39 +85,20 @@ fn compile(nvcc: &Path, include: &Path, src: &Path, targets: &[&str], fatbin: &P
         .arg(fatbin)
         .arg(src)
         .output()
-        .unwrap_or_else(|e| panic!("could not run {}: {e}", nvcc.display()));
+        .unwrap_or_else(|e| fail(&format!("could not run {}: {e}", nvcc.display())));
     let stderr = String::from_utf8_lossy(&output.stderr);
     if !output.status.success() {
-        panic!("\n\nnvcc failed on {}:\n{stderr}\n", src.display());
+        fail(&format!("nvcc ({}) failed on {}:\n{stderr}", nvcc.display(), src.display()));
     }
     std::fs::write(report, stderr.as_bytes()).unwrap();
 }
 
-/// `$NVCC`, `$CUDA_HOME/bin/nvcc`, `$CUDA_PATH/bin/nvcc`, `nvcc` on PATH, then the pinned wheels that
-/// `scripts/test` installs into `.cuda-venv/`.
-fn find_nvcc(root: &Path) -> Option<PathBuf> {
-    if let Ok(p) = env::var("NVCC") {
-        return Some(PathBuf::from(p));
+/// Stops the build with `message` as cargo's own error lines, one per line of the message. The
+/// script then exits 0 on purpose: `cargo::error` alone fails the build, while a nonzero exit would
+/// add a dump of every line the script printed.
+fn fail(message: &str) -> ! {
+    for line in message.lines().filter(|l| !l.trim().is_empty()) {
+        println!("cargo::error={line}");
     }
-    let candidates = ["CUDA_HOME", "CUDA_PATH"]
-        .iter()
-        .filter_map(|v| env::var(v).ok())
-        .map(|home| PathBuf::from(home).join("bin/nvcc"))
-        .chain(
-            env::var_os("PATH")
-                .into_iter()
-                .flat_map(|p| env::split_paths(&p).collect::<Vec<_>>())
-                .map(|d| d.join("nvcc")),
-        )
-        .chain(venv_nvcc(root));
-    candidates.into_iter().find(|p| p.is_file())
-}
-
-fn venv_nvcc(root: &Path) -> Option<PathBuf> {
-    let lib = root.join(".cuda-venv/lib");
-    std::fs::read_dir(lib)
-        .ok()?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path().join("site-packages/nvidia/cu13/bin/nvcc"))
-        .find(|p| p.is_file())
+    std::process::exit(0)
 }
