@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The pins, relative to the workspace root.
-pub const REQUIREMENTS: &str = "build/nvcc-requirements.txt";
+const REQUIREMENTS: &str = "build/nvcc-requirements.txt";
 /// Where the pinned wheels go, relative to the workspace root (ignored by git).
 const VENV: &str = ".cuda-venv";
 /// Written into the venv after a complete install, holding the requirements it was made from.
@@ -24,12 +24,6 @@ const TOOLKIT_VARS: [&str; 2] = ["CUDA_HOME", "CUDA_PATH"];
 /// What every "no compiler" message offers instead of the install.
 const ALTERNATIVE: &str = "or set NVCC to an nvcc 13.0 (or CUDA_HOME to a CUDA 13.0 toolkit)";
 
-/// The compiler, and whether this build installed it (build.rs then says so).
-pub struct Found {
-    pub nvcc: PathBuf,
-    pub installed: bool,
-}
-
 /// The rerun triggers of the search: the variables it reads and the pins.
 pub fn rerun_triggers(root: &Path) {
     for var in ["NVCC"].iter().chain(&TOOLKIT_VARS) {
@@ -39,11 +33,11 @@ pub fn rerun_triggers(root: &Path) {
 }
 
 /// The nvcc to use, installing the pinned wheels when no other is found.
-pub fn find_or_install(root: &Path) -> Result<Found, String> {
+pub fn find_or_install(root: &Path) -> Result<PathBuf, String> {
     if let Some(nvcc) = env::var_os("NVCC") {
         let nvcc = PathBuf::from(nvcc);
         return if nvcc.is_file() {
-            Ok(Found { nvcc, installed: false })
+            Ok(nvcc)
         } else {
             Err(format!("NVCC={} is not a file: point it at an nvcc 13.0, or unset it", nvcc.display()))
         };
@@ -51,7 +45,7 @@ pub fn find_or_install(root: &Path) -> Result<Found, String> {
     let named = TOOLKIT_VARS.iter().filter_map(env::var_os).map(|home| PathBuf::from(home).join("bin/nvcc"));
     let on_path = env::var_os("PATH").into_iter().flat_map(|p| env::split_paths(&p).collect::<Vec<_>>());
     if let Some(nvcc) = named.chain(on_path.map(|dir| dir.join("nvcc"))).find(|p| p.is_file()) {
-        return Ok(Found { nvcc, installed: false });
+        return Ok(nvcc);
     }
     let requirements = std::fs::read_to_string(root.join(REQUIREMENTS))
         .map_err(|e| format!("cannot read {REQUIREMENTS}: {e}; restore it from git"))?;
@@ -59,9 +53,9 @@ pub fn find_or_install(root: &Path) -> Result<Found, String> {
     if let Some(nvcc) = venv_nvcc(&venv)
         && std::fs::read_to_string(venv.join(MARKER)).is_ok_and(|installed| installed == requirements)
     {
-        return Ok(Found { nvcc, installed: false });
+        return Ok(nvcc);
     }
-    install(root, &venv, &requirements).map(|nvcc| Found { nvcc, installed: true })
+    install(root, &venv, &requirements)
 }
 
 /// Installs the pinned wheels into `venv` (creating it if needed; pip leaves satisfied pins alone)
