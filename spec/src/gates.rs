@@ -1,4 +1,4 @@
-//! The gates a submission must pass, with the numbers of TASK.md.
+//! The gates a submission must pass, with the numbers of the task statement (`docs/task.md`).
 
 use serde::{Deserialize, Serialize};
 

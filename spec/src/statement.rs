@@ -76,10 +76,10 @@ fn schedule(s: &mut String, cfg: &Config) {
     let _ = writeln!(s);
 }
 
-/// The gates, one line each, by the names reports give them.
-fn gates(s: &mut String) {
+/// The gates, by the names reports give them, each with what it checks in one line.
+fn gate_lines() -> [(&'static str, String); 8] {
     let g = Gates::TASK;
-    let lines = [
+    [
         (
             "correctness",
             format!(
@@ -101,9 +101,12 @@ fn gates(s: &mut String) {
             "plausible_timing",
             "no faster than the read-only bandwidth measured in the run allows; runner and judge clocks agree".into(),
         ),
-    ];
+    ]
+}
+
+fn gates(s: &mut String) {
     let _ = writeln!(s, "gates (each must pass):");
-    for (name, what) in lines {
+    for (name, what) in gate_lines() {
         let _ = writeln!(s, "  {name:<17} {what}");
     }
     let _ = writeln!(s);
@@ -147,5 +150,46 @@ mod tests {
             assert!(text.lines().any(|l| l.trim_start().starts_with(gate)), "no gate {gate}");
         }
         assert!(text.contains("1728253952 bytes"), "{text}");
+    }
+
+    /// `docs/task.md` quotes the graded figures in prose: they must be the ones `grader spec` prints.
+    #[test]
+    fn the_task_document_quotes_these_figures() {
+        let doc = include_str!("../../docs/task.md");
+        let cfg = Config::graded();
+        let with_commas = |v: u64| {
+            let digits = v.to_string();
+            let mut out = String::new();
+            for (i, c) in digits.chars().enumerate() {
+                if i > 0 && (digits.len() - i) % 3 == 0 {
+                    out.push(',');
+                }
+                out.push(c);
+            }
+            out
+        };
+        let b = ByteModel::of(&cfg);
+        for v in [b.matrices, b.norms, b.kv_read, b.kv_append, b.activations, b.weights_plus_kv, b.total] {
+            assert!(doc.contains(&format!("| {} |", with_commas(v))), "docs/task.md lacks {}", with_commas(v));
+        }
+        for (field, v) in [("d", cfg.d), ("ffn", cfg.ffn), ("prefill", cfg.prefill), ("max_seq_len", cfg.max_seq_len)] {
+            assert!(doc.contains(&format!("| {field} | {v} |")), "docs/task.md lacks the row of {field}");
+        }
+        let g = Gates::TASK;
+        for quoted in [
+            format!("at most {:e}", g.rel_err_tol),
+            format!("at most {} kernels", g.max_kernels_per_step),
+            format!("at least {} of the call's kernel time", g.min_dominant_share),
+            format!("makes {} calls", crate::schedule(&cfg).len()),
+        ] {
+            assert!(doc.contains(&quoted), "docs/task.md lacks '{quoted}'");
+        }
+        for phase in Phase::ALL {
+            let row = format!("| {} | {} calls", format!("{phase:?}").to_lowercase(), phase.calls(&cfg));
+            assert!(doc.contains(&row), "docs/task.md lacks '{row}'");
+        }
+        for (gate, _) in gate_lines() {
+            assert!(doc.contains(&format!("| {gate} |")), "docs/task.md lacks the gate {gate}");
+        }
     }
 }
