@@ -35,13 +35,18 @@ impl GraderError {
         ExitCode::from(EXIT_ERROR)
     }
 
-    /// A command-line parse error as one sentence: clap's first paragraph without its `error:`
-    /// prefix and its line breaks, and where to read what `command` (`grader run`, say) takes.
+    /// A command-line parse error as one line: clap's first paragraph without its `error:` prefix
+    /// and line breaks, clap's tips (`a similar argument exists: '--json'`), and where to read what
+    /// `command` (`grader run`, say) takes.
     pub fn from_clap(e: &clap::Error, command: &str) -> Self {
         let rendered = e.render().to_string();
-        let first_paragraph = rendered.split("\n\n").next().unwrap_or_default();
-        let message = first_paragraph.split_whitespace().collect::<Vec<_>>().join(" ");
-        let message = message.strip_prefix("error: ").unwrap_or(&message);
+        let one_line = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ");
+        let mut paragraphs = rendered.split("\n\n").map(one_line);
+        let first = paragraphs.next().unwrap_or_default();
+        let mut message = first.strip_prefix("error: ").unwrap_or(&first).to_string();
+        for tip in paragraphs.filter(|p| p.starts_with("tip: ")) {
+            message += &format!("; {tip}");
+        }
         GraderError::Usage(format!("{message} (`{command} --help` lists what it takes)"))
     }
 }

@@ -217,6 +217,7 @@ fn bad_values_are_refused_with_a_reason() {
         (&["run"], "--submission"),
         (&["run", "--submission", "fastest"], "grader list"),
         (&["selftest", "--filter", "no such check"], "no selftest check matches"),
+        (&["lsit"], "tip: a similar subcommand exists: 'list'"),
     ] {
         let line = refused(args);
         assert!(line.contains(words), "{args:?}: {line}");
