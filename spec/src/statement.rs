@@ -161,7 +161,7 @@ mod tests {
             let digits = v.to_string();
             let mut out = String::new();
             for (i, c) in digits.chars().enumerate() {
-                if i > 0 && (digits.len() - i) % 3 == 0 {
+                if i > 0 && (digits.len() - i).is_multiple_of(3) {
                     out.push(',');
                 }
                 out.push(c);
