@@ -73,7 +73,10 @@ fn install(root: &Path, venv: &Path, requirements: &str) -> Result<PathBuf, Stri
         .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"])
         .arg(root.join(REQUIREMENTS)))
     .map_err(|why| {
-        format!("no nvcc found, and pip could not install the pinned wheels of {REQUIREMENTS} ({why}): {ALTERNATIVE}")
+        format!(
+            "no nvcc found, and pip could not install the pinned wheels of {REQUIREMENTS} ({why}): check the \
+             network and build again, {ALTERNATIVE}"
+        )
     })?;
     let nvcc = venv_nvcc(venv).ok_or_else(|| {
         format!("the wheels of {REQUIREMENTS} installed no {WHEEL_NVCC}: check the pins, {ALTERNATIVE}")
