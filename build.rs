@@ -1,7 +1,8 @@
 //! Compiles every `kernels/*.cu` with nvcc into a fatbin embedded in the binary, plus ptxas's resource
 //! report (registers, shared memory, spills) beside it, and generates `kernels.rs`: one constant per
-//! file, plus the toolchain's paths for tests that compile fixtures of their own. Fails with a clear
-//! message when no nvcc can be found: it never embeds nothing.
+//! file, plus the toolchain's paths for tests that compile fixtures of their own. The compiler is
+//! found, or the pinned one installed, by `build/nvcc.rs`; a failure stops the build with one clear
+//! message (never a panic trace), and it never embeds nothing.
 //!
 //! The grader's own kernels are built for sm_80, sm_89 and sm_90a with compute_80 PTX, so the grader
 //! runs on any card from Ampere on; the megakernel uses Hopper-only instructions and is built for
@@ -13,6 +14,9 @@ use std::env;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+#[path = "build/nvcc.rs"]
+mod nvcc;
 
 /// Files that need Hopper (sm_90a) and are built for it alone.
 const HOPPER_ONLY: &[&str] = &["megakernel.cu"];
@@ -34,17 +38,11 @@ fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let kernels = root.join("kernels");
     println!("cargo:rerun-if-changed={}", kernels.display());
-    for var in ["NVCC", "CUDA_HOME", "CUDA_PATH"] {
-        println!("cargo:rerun-if-env-changed={var}");
-    }
+    nvcc::rerun_triggers(&root);
 
-    let nvcc = find_nvcc(&root).unwrap_or_else(|| {
-        panic!(
-            "\n\nnvcc not found: the CUDA kernels cannot be built.\n\
-             Set NVCC to an nvcc 13.0, or CUDA_HOME to a CUDA 13.0 toolkit, or run `scripts/test`, \
-             which installs the pinned compiler wheels into .cuda-venv/ (see README.md).\n\n"
-        )
-    });
+    // No cargo:warning when the pinned compiler is installed: cargo would replay it on every later
+    // build. README.md says where it goes.
+    let nvcc = nvcc::find_or_install(&root).unwrap_or_else(|why| fail(&why));
 
     let mut sources: Vec<PathBuf> = std::fs::read_dir(&kernels)
         .expect("kernels/ must exist")
@@ -99,13 +97,14 @@ fn nvcc_compile(nvcc: &Path, include: &Path, src: &Path) -> Command {
     cmd
 }
 
-/// Runs `cmd`, an nvcc working on `src`; panics with its messages when it fails, else returns its
-/// stderr (ptxas's report).
+/// Runs `cmd`, an nvcc working on `src`; stops the build with its messages when it fails, else
+/// returns its stderr (ptxas's report).
 fn run(cmd: &mut Command, src: &Path) -> String {
-    let output = cmd.output().unwrap_or_else(|e| panic!("could not run {:?}: {e}", cmd.get_program()));
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    let output = cmd.output().unwrap_or_else(|e| fail(&format!("could not run {program}: {e}")));
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     if !output.status.success() {
-        panic!("\n\nnvcc failed on {}:\n{stderr}\n", src.display());
+        fail(&format!("nvcc ({program}) failed on {}:\n{stderr}", src.display()));
     }
     stderr
 }
@@ -162,40 +161,21 @@ fn cudadevrt_dir(nvcc: &Path) -> PathBuf {
         ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(|v| env::var(v).ok()).map(|h| PathBuf::from(h).join("lib64"));
     let mut candidates = [root.join("lib64"), root.join("lib")].into_iter().chain(targets).chain(homes);
     candidates.find(|d| d.join(CUDADEVRT).is_file()).unwrap_or_else(|| {
-        panic!(
-            "\n\n{CUDADEVRT} not found beside {} (in lib64/, lib/ or targets/*/lib/ of its toolkit): the \
-             device-launch kernels of the red team cannot be linked. A toolkit has it; with the PyPI wheels, \
-             install nvidia-cuda-runtime next to nvidia-cuda-nvcc (scripts/test does).\n\n",
+        fail(&format!(
+            "{CUDADEVRT} not found beside {} (in lib64/, lib/ or targets/*/lib/ of its toolkit): the \
+             device-launch kernels of the red team cannot be linked. A toolkit has it; the pinned wheels \
+             (build/nvcc-requirements.txt) include nvidia-cuda-runtime, which does.",
             nvcc.display()
-        )
+        ))
     })
 }
 
-/// `$NVCC`, `$CUDA_HOME/bin/nvcc`, `$CUDA_PATH/bin/nvcc`, `nvcc` on PATH, then the pinned wheels that
-/// `scripts/test` installs into `.cuda-venv/`.
-fn find_nvcc(root: &Path) -> Option<PathBuf> {
-    if let Ok(p) = env::var("NVCC") {
-        return Some(PathBuf::from(p));
+/// Stops the build with `message` as cargo's own error lines, one per line of the message. The
+/// script then exits 0 on purpose: `cargo::error` alone fails the build, while a nonzero exit would
+/// add a dump of every line the script printed.
+fn fail(message: &str) -> ! {
+    for line in message.lines().filter(|l| !l.trim().is_empty()) {
+        println!("cargo::error={line}");
     }
-    let candidates = ["CUDA_HOME", "CUDA_PATH"]
-        .iter()
-        .filter_map(|v| env::var(v).ok())
-        .map(|home| PathBuf::from(home).join("bin/nvcc"))
-        .chain(
-            env::var_os("PATH")
-                .into_iter()
-                .flat_map(|p| env::split_paths(&p).collect::<Vec<_>>())
-                .map(|d| d.join("nvcc")),
-        )
-        .chain(venv_nvcc(root));
-    candidates.into_iter().find(|p| p.is_file())
-}
-
-fn venv_nvcc(root: &Path) -> Option<PathBuf> {
-    let lib = root.join(".cuda-venv/lib");
-    std::fs::read_dir(lib)
-        .ok()?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path().join("site-packages/nvidia/cu13/bin/nvcc"))
-        .find(|p| p.is_file())
+    std::process::exit(0)
 }

@@ -186,6 +186,9 @@ fn check_copy(dev: &Device, src: &CudaSlice<bf16>, dst: &CudaSlice<bf16>) -> Res
 }
 
 pub fn command(device: usize, args: &BandwidthArgs) -> Result<Outcome, GraderError> {
+    if let Some(path) = &args.json {
+        crate::preflight::output_file("--json", path)?;
+    }
     let dev = Device::open(device)?;
     let f = dev.facts();
     eprintln!(

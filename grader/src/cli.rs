@@ -1,4 +1,7 @@
-//! The command line: subcommands and their options, with help that teaches.
+//! The command line: subcommands and their options, with help that teaches. Each subcommand takes
+//! only the options it uses, so a misplaced option is refused instead of silently ignored; values
+//! are parsed here, and whatever needs the file system is checked by `preflight` before any device
+//! opens.
 
 use std::path::PathBuf;
 
@@ -6,24 +9,30 @@ use clap::{Args, Parser, Subcommand};
 
 const ABOUT: &str = "Judges submissions to the persistent-layer task: one Llama-style decoder layer \
 (70B class, batch 1, 4096 cached positions) per call, checked for correctness against an eager \
-reference, counted for kernel launches with CUPTI, and timed against the bandwidth floor.";
+reference, counted for kernel launches with CUPTI, and timed against the bandwidth floor. \
+The task statement is docs/task.md; `grader spec` prints its figures.";
 
 const AFTER_HELP: &str = "\
-Exit codes: 0 every gate (or check) passed, 1 a gate failed, 2 the grader could not judge.
+Exit codes: 0 every gate (or check) passed, 1 a gate failed, 2 the grader could not judge (bad
+arguments, no GPU, ...). `grader <command> --help` explains each command's options.
 
 Examples:
-  grader spec                         the task statement and byte model of the graded config
-  grader spec --config tiny --json    a small config as JSON
-  grader bandwidth                    measure the HBM stream-copy bandwidth (the floor's denominator)
+  grader spec                         the task statement, schedule, gates and byte model
+  grader spec --config tiny --json    a small config as JSON, a file --config accepts
+  grader list                         every built-in submission and red-team adversary
+  grader bandwidth                    measure the HBM bandwidth (the floor's denominator)
   grader selftest                     check the grader's own GPU code against the CPU golden model
   grader run --submission megakernel  judge a submission (prints a table, writes JSON with --json)";
+
+const SUBMISSION_HELP: &str = "Submission: a built-in name (`grader list` names them all) or the path of a shared \
+library speaking the C ABI of submission/include/persistent_layer.h. Names come first: a file named like one is \
+given as ./NAME.";
+
+const SEED_HELP: &str = "Public seed of the weights and the KV prefix (decimal, or hex with 0x).";
 
 #[derive(Debug, Parser)]
 #[command(name = "grader", version, about = ABOUT, after_help = AFTER_HELP)]
 pub struct Cli {
-    /// CUDA device ordinal.
-    #[arg(long, global = true, default_value_t = 0)]
-    pub device: usize,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -31,41 +40,51 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Judge a submission end to end: correctness, launch gates, speed against the floor.
-    Run(SubmissionArgs),
+    Run(RunArgs),
     /// Measure HBM bandwidth with a 16-byte stream copy, a read-only stream and the driver's copy.
     Bandwidth(BandwidthArgs),
     /// List the kernels of one step of a submission (name, grid, block, registers, time, share).
-    Launches(SubmissionArgs),
+    Launches(LaunchesArgs),
     /// Time each phase of the megakernel's phase-per-launch mode against its own floor.
     Profile(ProfileArgs),
-    /// Print the task statement, gates and byte model of a configuration.
+    /// Print the task statement, schedule, gates and byte model of a configuration.
     Spec(SpecArgs),
+    /// Name every built-in submission and red-team adversary, one line each.
+    List,
     /// Check the grader's GPU code (RNG, reference ops, full-size step) against the CPU golden model.
     Selftest(SelftestArgs),
     /// The process a submission runs in, started by `grader run` (reads its job on stdin).
     #[command(hide = true)]
     Runner,
+    /// Loads a submission library and checks its ABI, in a process of its own so that the library's
+    /// code never runs inside the judge; started by the argument checks of `run` and `launches`.
+    #[command(hide = true)]
+    CheckLibrary(CheckLibraryArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DeviceArg {
+    /// CUDA device ordinal.
+    #[arg(long = "device", default_value_t = 0, value_name = "N")]
+    pub ordinal: usize,
 }
 
 #[derive(Debug, Args)]
 pub struct ConfigArg {
-    /// Configuration: graded, small, tiny, or the path of a JSON file with every field.
+    /// Configuration: graded, small, tiny, or the path of a JSON file with every field (`grader spec
+    /// --config tiny --json` prints one).
     #[arg(long, default_value = "graded", value_name = "NAME|FILE")]
     pub config: String,
 }
 
-/// The arguments of `run`.
-pub type RunArgs = SubmissionArgs;
-
 #[derive(Debug, Args)]
-pub struct SubmissionArgs {
-    /// Submission to judge: a built-in name (reference, megakernel) or the path of a shared library.
-    #[arg(long, value_name = "NAME|PATH")]
+pub struct RunArgs {
+    #[arg(long, value_name = "NAME|PATH", help = SUBMISSION_HELP)]
     pub submission: String,
     #[command(flatten)]
     pub config: ConfigArg,
-    /// Public seed of the weights and the KV prefix.
-    #[arg(long, default_value_t = spec::DEFAULT_SEED)]
+    #[arg(long, default_value_t = spec::DEFAULT_SEED, value_parser = parse_seed, allow_hyphen_values = true,
+          help = SEED_HELP)]
     pub seed: u64,
     /// Write the JSON report here instead of stdout.
     #[arg(long, value_name = "FILE")]
@@ -73,23 +92,52 @@ pub struct SubmissionArgs {
     /// Print only the verdict line on stderr.
     #[arg(long)]
     pub quiet: bool,
-    /// (run) Fail the run when the DRAM-traffic audit cannot run (no access to hardware counters);
-    /// a leaderboard sets this.
-    #[arg(long)]
-    pub require_audit: bool,
-    /// (run) Also write config, weights, KV prefix, every input and both sides' outputs here as
+    /// Also write config, weights, KV prefix, every input and both sides' outputs here as
     /// safetensors with a manifest, to re-check the verdict outside the grader.
     #[arg(long, value_name = "DIR")]
     pub dump: Option<PathBuf>,
+    /// Fail the run when the DRAM-traffic audit cannot run (e.g. no access to hardware counters);
+    /// a leaderboard sets it.
+    #[arg(long)]
+    pub require_audit: bool,
+    #[command(flatten)]
+    pub device: DeviceArg,
+}
+
+#[derive(Debug, Args)]
+pub struct LaunchesArgs {
+    #[arg(long, value_name = "NAME|PATH", help = SUBMISSION_HELP)]
+    pub submission: String,
+    #[command(flatten)]
+    pub config: ConfigArg,
+    #[arg(long, default_value_t = spec::DEFAULT_SEED, value_parser = parse_seed, allow_hyphen_values = true,
+          help = SEED_HELP)]
+    pub seed: u64,
+    /// Print no progress lines, only the table.
+    #[arg(long)]
+    pub quiet: bool,
+    #[command(flatten)]
+    pub device: DeviceArg,
 }
 
 #[derive(Debug, Args)]
 pub struct ProfileArgs {
     #[command(flatten)]
-    pub submission: SubmissionArgs,
+    pub config: ConfigArg,
+    #[arg(long, default_value_t = spec::DEFAULT_SEED, value_parser = parse_seed, allow_hyphen_values = true,
+          help = SEED_HELP)]
+    pub seed: u64,
+    /// Also write the phases as JSON to this file ('-' for stdout).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
     /// Also draw the phases as an SVG bar chart into this file.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
+    /// Print no progress lines, only the table.
+    #[arg(long)]
+    pub quiet: bool,
+    #[command(flatten)]
+    pub device: DeviceArg,
 }
 
 #[derive(Debug, Args)]
@@ -103,13 +151,15 @@ pub struct BandwidthArgs {
     /// Also write the result as JSON to this file ('-' for stdout).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub device: DeviceArg,
 }
 
 #[derive(Debug, Args)]
 pub struct SpecArgs {
     #[command(flatten)]
     pub config: ConfigArg,
-    /// Print the configuration, gates and byte model as JSON instead of the statement.
+    /// Print the configuration as JSON (a file `--config` accepts) instead of the statement.
     #[arg(long)]
     pub json: bool,
 }
@@ -122,9 +172,17 @@ pub struct SelftestArgs {
     /// Write every check's full detail to this file.
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
-    /// Public seed of the weights and the KV prefix.
-    #[arg(long, default_value_t = spec::DEFAULT_SEED)]
+    #[arg(long, default_value_t = spec::DEFAULT_SEED, value_parser = parse_seed, allow_hyphen_values = true,
+          help = SEED_HELP)]
     pub seed: u64,
+    #[command(flatten)]
+    pub device: DeviceArg,
+}
+
+#[derive(Debug, Args)]
+pub struct CheckLibraryArgs {
+    /// The library to load.
+    pub path: PathBuf,
 }
 
 fn positive_gib(s: &str) -> Result<f64, String> {
@@ -133,5 +191,37 @@ fn positive_gib(s: &str) -> Result<f64, String> {
         Ok(v)
     } else {
         Err(format!("{v} GiB is out of range: use 0.0625 to 64 (several times the L2 size)"))
+    }
+}
+
+/// A seed: any u64, in decimal or as 0x-prefixed hex. Negative values reach this parser (rather
+/// than being taken for an option) so that `--seed -1` is answered with the range.
+fn parse_seed(s: &str) -> Result<u64, String> {
+    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    parsed.map_err(|_| format!("a seed is a whole number from 0 to {} (decimal, or hex with 0x)", u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn the_cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn seeds_parse_in_decimal_and_hex_and_refuse_negatives() {
+        assert_eq!(parse_seed("42"), Ok(42));
+        assert_eq!(parse_seed("0x5EED0001"), Ok(spec::DEFAULT_SEED));
+        assert_eq!(parse_seed(&u64::MAX.to_string()), Ok(u64::MAX));
+        for bad in ["-1", "1e3", "0x", "18446744073709551616", ""] {
+            assert!(parse_seed(bad).unwrap_err().contains("whole number from 0"), "{bad}");
+        }
     }
 }

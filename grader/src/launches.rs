@@ -8,7 +8,7 @@ use reference::gpu::data::generate_input;
 use spec::Config;
 use submission::Layer;
 
-use crate::cli::SubmissionArgs;
+use crate::cli::LaunchesArgs;
 use crate::cupti::{self, Activity, ActivityKind, CallWindow, Recording, Tag};
 use crate::error::{GraderError, Outcome};
 use crate::run::Progress;
@@ -16,9 +16,10 @@ use crate::run::Progress;
 /// Untimed steps before the recorded one, so module loads and first-touch costs stay out of it.
 const WARMUP_STEPS: usize = 2;
 
-pub fn command(device: usize, args: &SubmissionArgs) -> Result<Outcome, GraderError> {
+pub fn command(device: usize, args: &LaunchesArgs) -> Result<Outcome, GraderError> {
+    // Every argument is checked before the device opens, as `grader run` does.
     let cfg = Config::load(&args.config.config)?;
-    let mut sub = submission::load(&args.submission)?;
+    let mut sub = submission::load(&crate::preflight::submission(&args.submission)?)?;
     let dev = Device::open(device)?;
     let progress = Progress::new(args.quiet);
     progress.say(&format!("generating the '{}' layer on the GPU", cfg.name));

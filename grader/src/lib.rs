@@ -7,6 +7,7 @@ pub mod cupti;
 pub mod error;
 pub mod launches;
 pub mod metrics;
+pub mod preflight;
 pub mod profile;
 pub mod run;
 pub mod selftest;
@@ -17,38 +18,59 @@ use std::path::Path;
 
 use cli::{Cli, Command};
 use error::{GraderError, Outcome};
-use serde::Serialize;
-use spec::{ByteModel, Config, Gates};
+use spec::Config;
 
 /// Runs one command of the CLI.
 pub fn run(cli: Cli) -> Result<Outcome, GraderError> {
     match cli.command {
         Command::Spec(args) => spec_command(&Config::load(&args.config.config)?, args.json),
-        Command::Bandwidth(args) => bandwidth::command(cli.device, &args),
-        Command::Selftest(args) => selftest::command(cli.device, &args),
-        Command::Run(args) => run::command(cli.device, &args),
+        Command::List => list_command(),
+        Command::Bandwidth(args) => bandwidth::command(args.device.ordinal, &args),
+        Command::Selftest(args) => selftest::command(args.device.ordinal, &args),
+        Command::Run(args) => run::command(args.device.ordinal, &args),
         Command::Runner => run::runner::command(),
-        Command::Launches(args) => launches::command(cli.device, &args),
-        Command::Profile(args) => profile::command(cli.device, &args),
+        Command::CheckLibrary(args) => preflight::check_library_command(&args.path),
+        Command::Launches(args) => launches::command(args.device.ordinal, &args),
+        Command::Profile(args) => profile::command(args.device.ordinal, &args),
     }
 }
 
-/// The JSON `grader spec --json` prints.
-#[derive(Serialize)]
-struct SpecDocument<'a> {
-    config: &'a Config,
-    gates: Gates,
-    bytes: ByteModel,
-}
-
+/// `grader spec`: the statement, or with `--json` the config alone, as a file `--config` accepts.
 fn spec_command(cfg: &Config, json: bool) -> Result<Outcome, GraderError> {
     if json {
-        let doc = SpecDocument { config: cfg, gates: Gates::TASK, bytes: ByteModel::of(cfg) };
-        println!("{}", serde_json::to_string_pretty(&doc).expect("spec serialises"));
+        println!("{}", serde_json::to_string_pretty(cfg).expect("a config serialises"));
     } else {
         print!("{}", spec::statement(cfg));
     }
     Ok(Outcome::Pass)
+}
+
+/// `grader list`: what `--submission` accepts by name, one line each.
+fn list_command() -> Result<Outcome, GraderError> {
+    print!("{}", list());
+    Ok(Outcome::Pass)
+}
+
+/// The text of `grader list`.
+pub fn list() -> String {
+    let width = submission::BUILTIN
+        .iter()
+        .map(|b| b.name)
+        .chain(submission::redteam::names())
+        .map(str::len)
+        .max()
+        .unwrap_or_default();
+    let mut s = String::from("Built-in submissions (--submission NAME):\n");
+    for b in submission::BUILTIN {
+        s += &format!("  {:<width$}  {}\n", b.name, b.what);
+    }
+    s += "\nRed-team adversaries, each a trick the grader must catch (`grader selftest --filter \"red team\"`):\n";
+    for a in submission::redteam::ALL {
+        s += &format!("  {:<width$}  {}\n", a.name, a.what);
+    }
+    s += "\nAny other submission is a shared library given by its path, speaking the C ABI of\n\
+          submission/include/persistent_layer.h (scripts/build-example builds an example).\n";
+    s
 }
 
 /// Writes `text` to `path`, or to stdout when the path is `-`.

@@ -45,25 +45,23 @@ pub struct Profile {
 }
 
 pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError> {
-    let sub = &args.submission;
-    if !sub.submission.starts_with("megakernel") {
-        return Err(GraderError::Usage(format!(
-            "`grader profile` times the megakernel's phases; '{}' has no phases (try --submission megakernel)",
-            sub.submission
-        )));
+    let cfg = Config::load(&args.config.config)?;
+    for (flag, path) in [("--json", &args.json), ("--svg", &args.svg)] {
+        if let Some(path) = path {
+            crate::preflight::output_file(flag, path)?;
+        }
     }
-    let cfg = Config::load(&sub.config.config)?;
     let dev = Device::open(device)?;
-    let progress = Progress::new(sub.quiet);
+    let progress = Progress::new(args.quiet);
     progress.say("measuring the copy bandwidth");
     let bw = bandwidth::measure(&dev, 2 << 30, 20)?;
     progress.say(&format!("generating the '{}' layer and building both modes", cfg.name));
-    let profile = measure(&dev, &cfg, sub.seed, bw.floor_bytes_per_s())?;
+    let profile = measure(&dev, &cfg, args.seed, bw.floor_bytes_per_s())?;
     eprint!("{}", table(&profile));
     if let Some(path) = &args.svg {
         crate::write_output(path, &svg(&profile))?;
     }
-    if let Some(path) = &sub.json {
+    if let Some(path) = &args.json {
         crate::write_output(path, &(serde_json::to_string_pretty(&profile).expect("serialises") + "\n"))?;
     }
     Ok(Outcome::Pass)

@@ -1,10 +1,19 @@
-//! The binary as a user meets it: help, the spec, clear errors for bad input, and a clean refusal
-//! (never a panic) on a machine without a GPU.
+//! The binary as a user meets it: help, the spec, the list of submissions, and every bad input
+//! refused with one sentence and exit code 2 before any device opens (so these run in CI without a
+//! GPU and mean the same on a GPU machine), and a clean refusal, never a panic, without a GPU.
 
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The exit code of "the grader could not judge".
+const EXIT_ERROR: i32 = 2;
+
+fn grader_in(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_grader")).args(args).current_dir(dir).output().expect("the grader binary runs")
+}
+
 fn grader(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_grader")).args(args).output().expect("the grader binary runs")
+    grader_in(Path::new(env!("CARGO_MANIFEST_DIR")), args)
 }
 
 fn text(out: &Output) -> (String, String) {
@@ -15,56 +24,203 @@ fn has_gpu() -> bool {
     cuda::Device::open(0).is_ok()
 }
 
+/// A fresh folder of this test process.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("grader-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Asserts that `args`, run in `dir`, are refused before any device work: exit 2, nothing on
+/// stdout, one line on stderr. Returns that line.
+fn refused_in(dir: &Path, args: &[&str]) -> String {
+    let out = grader_in(dir, args);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(EXIT_ERROR), "{args:?}: {stderr}");
+    assert!(stdout.is_empty(), "{args:?} printed {stdout}");
+    let line = stderr.trim_end();
+    assert_eq!(line.lines().count(), 1, "{args:?}: not one line:\n{stderr}");
+    assert!(line.starts_with("grader: "), "{args:?}: {line}");
+    assert!(!line.contains("panicked"), "{args:?}: {line}");
+    // Refused on the arguments, not by the device: the same answer with or without a GPU.
+    assert!(!line.contains("no CUDA device"), "{args:?} reached the device: {line}");
+    line.to_string()
+}
+
+fn refused(args: &[&str]) -> String {
+    refused_in(Path::new(env!("CARGO_MANIFEST_DIR")), args)
+}
+
+/// Writes `cfg` as a config file into a scratch folder and returns its path.
+fn config_file(name: &str, cfg: &serde_json::Value) -> PathBuf {
+    let path = scratch(name).join("config.json");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    path
+}
+
+fn tiny_with(field: &str, value: serde_json::Value) -> serde_json::Value {
+    let mut cfg = serde_json::to_value(spec::Config::tiny()).unwrap();
+    cfg[field] = value;
+    cfg
+}
+
 #[test]
-fn help_lists_every_subcommand() {
+fn help_lists_every_subcommand_and_points_at_the_list() {
     let out = grader(&["--help"]);
     assert!(out.status.success());
     let (stdout, _) = text(&out);
-    for sub in ["run", "bandwidth", "launches", "profile", "spec", "selftest"] {
+    for sub in ["run", "bandwidth", "launches", "profile", "spec", "list", "selftest"] {
         assert!(stdout.lines().any(|l| l.trim_start().starts_with(sub)), "--help lacks {sub}:\n{stdout}");
     }
-    assert!(stdout.contains("Exit codes"), "{stdout}");
+    assert!(stdout.contains("Exit codes") && stdout.contains("docs/task.md"), "{stdout}");
+    let (run_help, _) = text(&grader(&["run", "--help"]));
+    assert!(run_help.contains("grader list") && run_help.contains("--require-audit"), "{run_help}");
 }
 
 #[test]
-fn spec_json_has_the_graded_byte_model() {
-    let out = grader(&["spec", "--json"]);
+fn list_names_every_builtin_and_adversary_once() {
+    let out = grader(&["list"]);
     assert!(out.status.success());
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(doc["bytes"]["weights_plus_kv"], 1_728_184_320u64);
-    assert_eq!(doc["config"]["d"], 8192);
-    assert_eq!(doc["gates"]["rel_err_tol"], 0.015);
+    let (stdout, _) = text(&out);
+    let names = submission::BUILTIN.iter().map(|b| (b.name, b.what));
+    for (name, what) in names.chain(submission::redteam::ALL.iter().map(|a| (a.name, a.what))) {
+        let lines: Vec<&str> = stdout.lines().filter(|l| l.split_whitespace().next() == Some(name)).collect();
+        assert_eq!(lines.len(), 1, "'{name}' is not listed once:\n{stdout}");
+        assert!(lines[0].ends_with(what), "{}", lines[0]);
+    }
 }
 
 #[test]
-fn spec_statement_for_tiny() {
+fn spec_json_is_a_config_that_config_takes_back() {
+    let out = grader(&["spec", "--config", "tiny", "--json"]);
+    assert!(out.status.success());
+    let cfg: spec::Config = serde_json::from_slice(&out.stdout).expect("spec --json is a config");
+    assert_eq!(cfg, spec::Config::tiny());
+    let path = scratch("round-trip").join("tiny.json");
+    std::fs::write(&path, &out.stdout).unwrap();
+    let again = grader(&["spec", "--config", path.to_str().unwrap(), "--json"]);
+    assert!(again.status.success(), "{}", text(&again).1);
+    assert_eq!(again.stdout, out.stdout);
+}
+
+#[test]
+fn spec_shows_the_whole_schedule() {
     let out = grader(&["spec", "--config", "tiny"]);
     assert!(out.status.success());
     let (stdout, _) = text(&out);
+    let cfg = spec::Config::tiny();
     assert!(stdout.contains("config 'tiny'") && stdout.contains("d 256"), "{stdout}");
+    assert!(stdout.contains(&format!("{} calls of layer_step", spec::schedule(&cfg).len())), "{stdout}");
+    for phase in spec::Phase::ALL {
+        let name = format!("{phase:?}").to_lowercase();
+        assert!(stdout.lines().any(|l| l.trim_start().starts_with(&name)), "no phase {name}:\n{stdout}");
+    }
 }
 
 #[test]
 fn bad_config_file_names_the_field() {
-    let mut cfg: serde_json::Value = serde_json::to_value(spec::Config::tiny()).unwrap();
-    cfg["n_kv"] = 3.into();
-    let path = std::env::temp_dir().join(format!("grader-bad-config-{}.json", std::process::id()));
-    std::fs::write(&path, cfg.to_string()).unwrap();
-    let out = grader(&["spec", "--config", path.to_str().unwrap()]);
-    std::fs::remove_file(&path).unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let (_, stderr) = text(&out);
-    assert!(stderr.contains("field 'n_q'"), "{stderr}");
+    let path = config_file("n-kv", &tiny_with("n_kv", 3.into()));
+    let line = refused(&["spec", "--config", path.to_str().unwrap()]);
+    assert!(line.contains("field 'n_q'"), "{line}");
+}
+
+#[test]
+fn config_sizes_are_bounded_before_any_arithmetic() {
+    // 10^9 fits an int32 but not a device: 5.9 TB of weights.
+    let path = config_file("d-1e9", &tiny_with("d", 1_000_000_000u64.into()));
+    let line = refused(&["spec", "--config", path.to_str().unwrap()]);
+    assert!(line.contains("TB") && line.contains("use smaller sizes"), "{line}");
+    // Past int32: refused by field (it used to wrap in release and overflow in debug).
+    let mut huge = tiny_with("d", 1_000_000_000_000u64.into());
+    huge["ffn"] = 1_000_000_000_000u64.into();
+    let path = config_file("d-ffn-1e12", &huge);
+    let line = refused(&["spec", "--config", path.to_str().unwrap()]);
+    assert!(line.contains("field 'd'") && line.contains("int32"), "{line}");
+    let path = config_file("seq-1e15", &tiny_with("max_seq_len", 1_000_000_000_000_000u64.into()));
+    let line = refused(&["run", "--submission", "megakernel", "--config", path.to_str().unwrap()]);
+    assert!(line.contains("field 'max_seq_len'"), "{line}");
+}
+
+#[test]
+fn a_config_file_cannot_pass_for_a_builtin_one() {
+    let path = config_file("named-graded", &tiny_with("name", "graded".into()));
+    let line = refused(&["spec", "--config", path.to_str().unwrap()]);
+    assert!(line.contains("named 'graded'") && line.contains("name of its own"), "{line}");
+}
+
+#[test]
+fn submissions_are_checked_before_the_device() {
+    let dir = scratch("submissions");
+    // Not a name, not a file.
+    let line = refused_in(&dir, &["run", "--submission", "./missing.so"]);
+    assert!(line.contains("neither a file nor a built-in name") && line.contains("grader list"), "{line}");
+    // A folder.
+    let line = refused_in(&dir, &["run", "--submission", "."]);
+    assert!(line.ends_with("is a directory, not a submission library"), "{line}");
+    // Any file in the current folder is a path, whatever its name, with dlopen's own reason.
+    std::fs::write(dir.join("README.md"), "# not a library\n").unwrap();
+    let line = refused_in(&dir, &["run", "--submission", "README.md"]);
+    assert!(line.contains("dlopen: ") && line.contains("README.md"), "{line}");
+    // A real library without the ABI, named like a system one.
+    let libz = ["/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib/aarch64-linux-gnu"]
+        .iter()
+        .map(|d| Path::new(d).join("libz.so.1"))
+        .find(|p| p.is_file())
+        .expect("no libz.so.1 in the usual folders to test with");
+    std::fs::copy(&libz, dir.join("libz.so.1")).unwrap();
+    let line = refused_in(&dir, &["run", "--submission", "libz.so.1"]);
+    assert!(line.contains("no symbol pl_abi_version"), "{line}");
+    // launches checks the same way, with the same words.
+    assert_eq!(refused_in(&dir, &["launches", "--submission", "libz.so.1"]), line);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn output_paths_are_checked_before_the_device() {
+    let folder = std::env::temp_dir();
+    let line = refused(&["run", "--submission", "megakernel", "--json", folder.to_str().unwrap()]);
+    assert!(line.contains("--json") && line.contains("it is a folder"), "{line}");
+    let line = refused(&["run", "--submission", "megakernel", "--dump", "/proc/x"]);
+    assert!(line.contains("cannot write --dump /proc/x"), "{line}");
+    let line = refused(&["run", "--submission", "megakernel", "--json", "/no/such/folder/report.json"]);
+    assert!(line.contains("does not exist"), "{line}");
+    for (cmd, flag) in [("bandwidth", "--json"), ("profile", "--svg"), ("selftest", "--log")] {
+        let line = refused(&[cmd, flag, folder.to_str().unwrap()]);
+        assert!(line.contains(flag) && line.contains("it is a folder"), "{cmd}: {line}");
+    }
+}
+
+#[test]
+fn each_subcommand_takes_only_its_options() {
+    for args in [
+        &["launches", "--submission", "megakernel", "--json", "x.json"][..],
+        &["launches", "--submission", "megakernel", "--dump", "x"],
+        &["profile", "--dump", "x"],
+        &["profile", "--submission", "megakernel"],
+        &["spec", "--device", "1"],
+        &["spec", "--seed", "1"],
+        &["list", "--config", "tiny"],
+    ] {
+        let line = refused(args);
+        assert!(line.contains("unexpected argument") && line.contains("--help"), "{args:?}: {line}");
+    }
 }
 
 #[test]
 fn bad_values_are_refused_with_a_reason() {
-    for args in [&["bandwidth", "--gib", "0"][..], &["bandwidth", "--reps", "1"], &["spec", "--config", "huge"]] {
-        let out = grader(args);
-        assert_eq!(out.status.code(), Some(2), "{args:?}");
-        let (_, stderr) = text(&out);
-        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
-        assert!(stderr.len() > 20, "{args:?}: no reason given: {stderr}");
+    for (args, words) in [
+        (&["bandwidth", "--gib", "0"][..], "out of range"),
+        (&["bandwidth", "--reps", "1"], "3..=10000"),
+        (&["spec", "--config", "huge"], "neither a file nor one of graded"),
+        (&["run", "--submission", "megakernel", "--seed", "-1"], "a seed is a whole number from 0"),
+        (&["run"], "--submission"),
+        (&["run", "--submission", "fastest"], "grader list"),
+        (&["selftest", "--filter", "no such check"], "no selftest check matches"),
+        (&["lsit"], "tip: a similar subcommand exists: 'list'"),
+    ] {
+        let line = refused(args);
+        assert!(line.contains(words), "{args:?}: {line}");
     }
 }
 
@@ -77,12 +233,28 @@ fn gpu_commands_without_a_gpu_say_so_in_one_sentence() {
         assert!(stdout.trim_end().ends_with("1 passed, 0 failed"), "{stdout}");
         return;
     }
-    for args in [&["selftest"][..], &["bandwidth"]] {
+    for args in [&["selftest"][..], &["bandwidth"], &["run", "--submission", "megakernel"], &["profile"]] {
         let out = grader(args);
-        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert_eq!(out.status.code(), Some(EXIT_ERROR), "{args:?}");
         let (stdout, stderr) = text(&out);
         assert!(stdout.is_empty(), "{args:?}: {stdout}");
         assert!(stderr.starts_with("grader: no CUDA device"), "{args:?}: {stderr}");
         assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
     }
+}
+
+/// A library that speaks the ABI passes every check and gets as far as the device.
+#[test]
+fn a_library_with_the_abi_passes_the_checks() {
+    if has_gpu() {
+        return; // there it would be judged in full: `grader selftest` covers that path
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let built = Command::new(root.join("scripts/build-example")).current_dir(root).output().unwrap();
+    assert!(built.status.success(), "scripts/build-example: {}", text(&built).1);
+    let library = root.join(String::from_utf8_lossy(&built.stdout).trim());
+    let out = grader(&["run", "--submission", library.to_str().unwrap(), "--config", "tiny"]);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(EXIT_ERROR), "{stderr}");
+    assert!(stderr.starts_with("grader: no CUDA device"), "{stderr}");
 }

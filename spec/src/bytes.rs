@@ -1,5 +1,6 @@
 //! The byte model: the fewest bytes one decode step must move through device memory. At batch 1 the
-//! layer is pure weight bandwidth, so these bytes over the measured copy bandwidth are the floor.
+//! layer is pure weight bandwidth, so these bytes over the measured copy bandwidth are the floor. All
+//! arithmetic is checked: a config too large for 64-bit byte counts is refused, never wrapped.
 
 use serde::{Deserialize, Serialize};
 
@@ -22,43 +23,77 @@ pub struct ByteModel {
     pub kv_append: u64,
     /// `x` read and `x_out` written, bf16.
     pub activations: u64,
-    /// `matrices + kv_read`: the figure TASK.md quotes (1,728,184,320 for the graded config).
+    /// `matrices + kv_read`: the figure `docs/task.md` quotes (1,728,184,320 for the graded config).
     pub weights_plus_kv: u64,
     /// Everything above: the floor's numerator.
     pub total: u64,
 }
 
 impl ByteModel {
-    /// The floor's byte model: a call at the deepest timed position.
+    /// The floor's byte model: a call at the deepest timed position, of a validated configuration
+    /// ([`Config::validate`] bounds every size, so [`ByteModel::checked`] cannot overflow for it).
     pub fn of(cfg: &Config) -> Self {
         Self::at(cfg, cfg.deepest_timed_pos())
     }
 
-    /// What a call at position `pos` must move (it attends over positions `0 ..= pos`).
+    /// What a call at position `pos` of a validated configuration must move (it attends over
+    /// positions `0 ..= pos`).
     pub fn at(cfg: &Config, pos: usize) -> Self {
-        let (d, ffn) = (cfg.d as u64, cfg.ffn as u64);
-        let (q, kv) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
-        let matrices = BF16_BYTES * (q * d + 2 * kv * d + d * q + 3 * ffn * d);
-        let norms = BF16_BYTES * 2 * d;
-        let positions = pos as u64 + 1;
-        let kv_read = BF16_BYTES * 2 * kv * positions * cfg.batch as u64;
-        let kv_append = BF16_BYTES * 2 * kv * cfg.batch as u64;
-        let activations = BF16_BYTES * 2 * d * cfg.batch as u64;
-        Self {
+        Self::checked(cfg, pos).expect("a validated config's byte model fits in 64 bits")
+    }
+
+    /// The byte model at `pos` in checked arithmetic: `None` when a figure overflows 64 bits.
+    pub fn checked(cfg: &Config, pos: usize) -> Option<Self> {
+        let (d, ffn, batch) = (cfg.d as u64, cfg.ffn as u64, cfg.batch as u64);
+        let q = (cfg.n_q as u64).checked_mul(cfg.hd as u64)?;
+        let kv = (cfg.n_kv as u64).checked_mul(cfg.hd as u64)?;
+        let bf16 = |elems: u64| elems.checked_mul(BF16_BYTES);
+        // Wq and Wo are q x d, Wk and Wv kv x d, gate, up and down ffn x d.
+        let matrix_elems = sum(&[mul(&[2, q, d])?, mul(&[2, kv, d])?, mul(&[3, ffn, d])?])?;
+        let matrices = bf16(matrix_elems)?;
+        let norms = bf16(mul(&[2, d])?)?;
+        // Positions 0 ..= pos.
+        let positions = (pos as u64).checked_add(1)?;
+        let kv_read = bf16(mul(&[2, kv, positions, batch])?)?;
+        let kv_append = bf16(mul(&[2, kv, batch])?)?;
+        let activations = bf16(mul(&[2, d, batch])?)?;
+        Some(Self {
             matrices,
             norms,
             kv_read,
             kv_append,
             activations,
-            weights_plus_kv: matrices + kv_read,
-            total: matrices + norms + kv_read + kv_append + activations,
-        }
+            weights_plus_kv: matrices.checked_add(kv_read)?,
+            total: sum(&[matrices, norms, kv_read, kv_append, activations])?,
+        })
     }
 
     /// The roofline floor in microseconds at a measured bandwidth in bytes per second.
     pub fn floor_us(&self, bandwidth_bytes_per_s: f64) -> f64 {
         self.total as f64 / bandwidth_bytes_per_s * 1e6
     }
+}
+
+/// Device bytes of one copy of the data of a run of `calls` calls: the weights, the whole KV cache
+/// (K and V at capacity) and every call's input and output. Each side of a run (the judge, the
+/// runner) holds one such copy; `None` when the figure overflows 64 bits.
+pub fn data_bytes(cfg: &Config, calls: usize) -> Option<u64> {
+    let deepest = (cfg.prefill as u64).checked_add(cfg.timed_steps as u64)?.checked_sub(1)? as usize;
+    let b = ByteModel::checked(cfg, deepest)?;
+    let cache_elems = mul(&[cfg.batch as u64, cfg.n_kv as u64, cfg.max_seq_len as u64, cfg.hd as u64])?;
+    let cache = mul(&[2, cache_elems, BF16_BYTES])?;
+    let io = mul(&[2, calls as u64, cfg.d as u64, cfg.batch as u64, BF16_BYTES])?;
+    sum(&[b.matrices, b.norms, cache, io])
+}
+
+/// The product of `factors`, `None` on overflow.
+fn mul(factors: &[u64]) -> Option<u64> {
+    factors.iter().try_fold(1u64, |acc, &f| acc.checked_mul(f))
+}
+
+/// The sum of `terms`, `None` on overflow.
+fn sum(terms: &[u64]) -> Option<u64> {
+    terms.iter().try_fold(0u64, |acc, &t| acc.checked_add(t))
 }
 
 #[cfg(test)]
@@ -73,7 +108,7 @@ mod tests {
         assert_eq!(b.weights_plus_kv, 1_728_184_320);
         assert_eq!(b.kv_append, 4096);
         assert_eq!(b.total, 1_728_184_320 + 32_768 + 4096 + 32_768);
-        // TASK.md: about 408 us at 4.23 TB/s.
+        // docs/task.md: about 408 us at 4.23 TB/s.
         let floor = b.floor_us(4.23e12);
         assert!((floor - 408.0).abs() < 1.5, "{floor}");
     }

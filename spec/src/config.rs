@@ -1,5 +1,6 @@
-//! The layer's shape and the run's schedule: the graded configuration of TASK.md and small named
-//! configurations for tests, with validation that names the offending field.
+//! The layer's shape and the run's schedule: the graded configuration of the task (`docs/task.md`) and
+//! small named configurations for tests, with validation that names the offending field and bounds
+//! every size by what a device could hold, so nothing downstream can overflow.
 
 use serde::{Deserialize, Serialize};
 
@@ -42,8 +43,16 @@ pub struct Config {
 /// Names accepted by [`Config::named`], in the order `--help` lists them.
 pub const CONFIG_NAMES: [&str; 3] = ["graded", "small", "tiny"];
 
+/// The largest value of any size field, and of `n_q * hd`: the C ABI passes sizes as int32
+/// (`submission/include/persistent_layer.h`) and the kernels index rows with 32-bit integers.
+pub const MAX_SIZE: usize = i32::MAX as usize;
+
+/// The most device memory one copy of a run's data may need ([`crate::bytes::data_bytes`]). The
+/// largest GPUs hold under 300 GB; 1 TiB leaves room for bigger ones and still refuses a typo.
+pub const MAX_DEVICE_BYTES: u64 = 1 << 40;
+
 impl Config {
-    /// The graded configuration: one layer of a 70B-class model (TASK.md, "The regime").
+    /// The graded configuration: one layer of a 70B-class model (`docs/task.md`, "The layer").
     pub fn graded() -> Self {
         Self {
             name: "graded".into(),
@@ -107,33 +116,44 @@ impl Config {
         }
     }
 
-    /// A configuration from JSON text (every field required, unknown fields refused), validated.
+    /// A configuration from JSON text (every field required, unknown fields refused), validated. A
+    /// file may carry a built-in config's name only with that config's exact values, so a report's
+    /// `config 'graded'` always means the graded layer.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, SpecError> {
-        let cfg: Self = serde_json::from_str(text)
-            .map_err(|e| SpecError::BadConfigFile { path: origin.into(), reason: e.to_string() })?;
+        let bad = |reason: String| SpecError::BadConfigFile { path: origin.into(), reason };
+        let cfg: Self = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
         cfg.validate()?;
+        if let Ok(builtin) = Self::named(&cfg.name)
+            && builtin != cfg
+        {
+            return Err(bad(format!(
+                "it is named '{}' like the built-in config but its values differ: give it a name of its own",
+                cfg.name
+            )));
+        }
         Ok(cfg)
     }
 
     /// A name from [`CONFIG_NAMES`] or the path of a JSON file, validated.
     pub fn load(name_or_path: &str) -> Result<Self, SpecError> {
         if CONFIG_NAMES.contains(&name_or_path) {
-            let cfg = Self::named(name_or_path)?;
-            cfg.validate()?;
-            return Ok(cfg);
-        }
-        if !name_or_path.ends_with(".json") && !std::path::Path::new(name_or_path).exists() {
             return Self::named(name_or_path);
+        }
+        if !std::path::Path::new(name_or_path).exists() {
+            return Err(SpecError::UnknownConfig { name: name_or_path.into(), known: CONFIG_NAMES.join(", ") });
         }
         let text = std::fs::read_to_string(name_or_path)
             .map_err(|e| SpecError::BadConfigFile { path: name_or_path.into(), reason: e.to_string() })?;
         Self::from_json(&text, name_or_path)
     }
 
-    /// Refuses a configuration that cannot work, naming the field.
+    /// Refuses a configuration that cannot work or that no device could hold, naming the field.
     pub fn validate(&self) -> Result<(), SpecError> {
         let bad = |field: &'static str, reason: String| Err(SpecError::InvalidConfig { field, reason });
-        let positive = [
+        if self.name.trim().is_empty() {
+            return bad("name", "must not be empty: reports name the config by it".into());
+        }
+        let sizes = [
             ("layers", self.layers),
             ("d", self.d),
             ("ffn", self.ffn),
@@ -146,9 +166,12 @@ impl Config {
             ("timed_steps", self.timed_steps),
             ("correctness_steps", self.correctness_steps),
         ];
-        for (field, value) in positive {
+        for (field, value) in sizes {
             if value == 0 {
                 return bad(field, "must be at least 1".into());
+            }
+            if value > MAX_SIZE {
+                return bad(field, format!("{value} is over {MAX_SIZE}, the largest size the C ABI's int32 carries"));
             }
         }
         if self.layers != 1 {
@@ -159,6 +182,9 @@ impl Config {
         }
         if !self.n_q.is_multiple_of(self.n_kv) {
             return bad("n_q", format!("{} query heads cannot be shared evenly by {} KV heads", self.n_q, self.n_kv));
+        }
+        if self.n_q.checked_mul(self.hd).is_none_or(|q_dim| q_dim > MAX_SIZE) {
+            return bad("n_q", format!("n_q * hd is over {MAX_SIZE}, the widest row the kernels index"));
         }
         if !self.hd.is_multiple_of(2) {
             return bad("hd", format!("RoPE rotates pairs, so the head size must be even, not {}", self.hd));
@@ -175,6 +201,7 @@ impl Config {
         if !(self.theta > 1.0 && self.theta.is_finite()) {
             return bad("theta", format!("must be a finite number above 1, not {}", self.theta));
         }
+        // Every size is under 2^31 (above), so these sums cannot overflow a 64-bit usize.
         let needed = self.prefill + self.steps_per_phase_max();
         if needed > self.max_seq_len {
             return bad(
@@ -187,7 +214,10 @@ impl Config {
                 ),
             );
         }
-        Ok(())
+        match crate::schedule::call_count(self).and_then(|calls| crate::bytes::data_bytes(self, calls)) {
+            Some(bytes) if bytes <= MAX_DEVICE_BYTES => Ok(()),
+            too_many => Err(SpecError::TooLarge { bytes: too_many, limit: MAX_DEVICE_BYTES }),
+        }
     }
 
     /// Query heads per KV head.
@@ -241,7 +271,7 @@ mod tests {
     }
 
     #[test]
-    fn graded_matches_task_md() {
+    fn graded_matches_the_task() {
         let c = Config::graded();
         assert_eq!((c.d, c.ffn, c.n_q, c.n_kv, c.hd), (8192, 28672, 64, 8, 128));
         assert_eq!((c.prefill, c.max_seq_len), (4096, 4224));
@@ -277,6 +307,47 @@ mod tests {
     }
 
     #[test]
+    fn sizes_are_bounded_by_the_abi_and_the_device() {
+        // d = 10^9 fits an int32 but its 5.9 TB of weights fit no device.
+        let mut c = Config::tiny();
+        c.d = 1_000_000_000;
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(matches!(c.validate(), Err(SpecError::TooLarge { bytes: Some(b), .. }) if b > MAX_DEVICE_BYTES));
+        assert!(msg.contains("TB") && msg.contains("use smaller sizes"), "{msg}");
+        // Sizes past int32 are refused by field, before any arithmetic could wrap.
+        for (field, set) in [
+            ("d", (|c: &mut Config| c.d = 1_000_000_000_000) as fn(&mut Config)),
+            ("ffn", |c| c.ffn = 1_000_000_000_000),
+            ("max_seq_len", |c| c.max_seq_len = 1_000_000_000_000_000),
+            ("timed_steps", |c| c.timed_steps = usize::MAX),
+        ] {
+            let mut c = Config::tiny();
+            set(&mut c);
+            assert_eq!(field_of(c.validate().unwrap_err()), field);
+        }
+        // Within int32 everywhere, but a product no 64-bit count holds: refused, not wrapped.
+        let mut c = Config::tiny();
+        (c.d, c.ffn, c.max_seq_len) = (MAX_SIZE / 8 * 8, MAX_SIZE / 8 * 8, MAX_SIZE);
+        assert_eq!(crate::ByteModel::checked(&c, c.prefill), None);
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(matches!(c.validate(), Err(SpecError::TooLarge { bytes: None, .. })), "{msg}");
+        assert!(msg.contains("more than 2^64 bytes"), "{msg}");
+    }
+
+    #[test]
+    fn a_file_may_not_borrow_a_builtin_name() {
+        let mut c = Config::tiny();
+        c.name = "graded".into();
+        let msg = Config::from_json(&serde_json::to_string(&c).unwrap(), "x.json").unwrap_err().to_string();
+        assert!(msg.contains("named 'graded'") && msg.contains("name of its own"), "{msg}");
+        // The built-in config itself, as a file, loads as itself.
+        let graded = serde_json::to_string(&Config::graded()).unwrap();
+        assert_eq!(Config::from_json(&graded, "g.json").unwrap(), Config::graded());
+        c.name = String::new();
+        assert_eq!(field_of(Config::from_json(&serde_json::to_string(&c).unwrap(), "e.json").unwrap_err()), "name");
+    }
+
+    #[test]
     fn json_round_trip_and_refusals() {
         let c = Config::small();
         let text = serde_json::to_string(&c).unwrap();
@@ -290,6 +361,6 @@ mod tests {
     #[test]
     fn unknown_name_lists_known_ones() {
         let msg = Config::load("huge").unwrap_err().to_string();
-        assert!(msg.contains("graded") && msg.contains("tiny"), "{msg}");
+        assert!(msg.contains("graded") && msg.contains("tiny") && msg.contains("neither a file"), "{msg}");
     }
 }

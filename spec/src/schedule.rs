@@ -63,6 +63,11 @@ pub struct Call {
     pub input: Input,
 }
 
+/// How many calls a run at `cfg` makes, over every phase; `None` if that overflows.
+pub fn call_count(cfg: &Config) -> Option<usize> {
+    Phase::ALL.iter().try_fold(0usize, |n, phase| n.checked_add(phase.calls(cfg)))
+}
+
 /// Every call of a run at `cfg`, in order.
 pub fn schedule(cfg: &Config) -> Vec<Call> {
     let mut calls = Vec::new();
@@ -85,6 +90,7 @@ mod tests {
         let cfg = Config::graded();
         let calls = schedule(&cfg);
         assert_eq!(calls.len(), 8 + 32 + 32);
+        assert_eq!(call_count(&cfg), Some(calls.len()));
         assert!(calls.iter().enumerate().all(|(i, c)| c.index == i));
         let timed: Vec<usize> = calls.iter().filter(|c| c.phase == Phase::Timed).map(|c| c.pos).collect();
         assert_eq!(timed, (4096..4128).collect::<Vec<_>>());

@@ -1,27 +1,35 @@
-//! The task statement for people, filled in from a configuration (`grader spec`).
+//! The task statement for people, filled in from a configuration (`grader spec`): the layer, the
+//! contract, every call of the schedule, the gates and the byte model. `docs/task.md` says the same
+//! in prose; a test pins its figures to these.
 
 use std::fmt::Write;
 
-use crate::{ByteModel, Config, Gates};
+use crate::{ByteModel, Config, Gates, Phase};
 
 const COMPUTATION: &str = "\
-h  = rmsnorm(x, in_norm)                 # x * rsqrt(mean(x^2) + eps) * g, sums in fp32
-q  = h @ Wq^T ; k = h @ Wk^T ; v = h @ Wv^T   # grouped-query attention
-q, k = rope(q, pos), rope(k, pos)        # rotate-half, fp32 tables
-K[:, :, pos] = k ; V[:, :, pos] = v      # append this position in place, bf16
-a  = softmax(q . K[:pos+1]^T / sqrt(hd)) @ V[:pos+1]
-x  = x + a_flat @ Wo^T
-h  = rmsnorm(x, post_norm)
-x  = x + (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
-return x";
+  h  = rmsnorm(x, in_norm)                      # x * rsqrt(mean(x^2) + eps) * g, sums in fp32
+  q  = h @ Wq^T ; k = h @ Wk^T ; v = h @ Wv^T   # grouped-query attention
+  q, k = rope(q, pos), rope(k, pos)             # rotate-half, fp32 tables
+  K[:, :, pos] = k ; V[:, :, pos] = v           # append this position in place, bf16
+  a  = softmax(q . K[:pos+1]^T / sqrt(hd)) @ V[:pos+1]
+  x  = x + a_flat @ Wo^T
+  h  = rmsnorm(x, post_norm)
+  x  = x + (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
+  return x";
 
-/// The statement of the task at `cfg`, with its gates and byte model.
+const CONTRACT: &str = "\
+contract (Rust: trait submission::Submission; C: submission/include/persistent_layer.h):
+  build_layer(weights, kv_cache, cfg) -> handle   untimed: repack, build tables, allocate
+  layer_step(handle, x, pos, out)                 one token: out from x, K and V written at slot pos
+  weights and x are read-only; the cache is written only at slot pos; the judge process owns the
+  inputs, the outputs and the clock, the submission runs in a child 'runner' process";
+
+/// The statement of the task at `cfg`, with its schedule, gates and byte model.
 pub fn statement(cfg: &Config) -> String {
-    let b = ByteModel::of(cfg);
-    let g = Gates::TASK;
     let mut s = String::new();
-    let _ = writeln!(s, "persistent-layer: one Llama-style decoder layer at batch 1, one decode position per call\n");
-    let _ = writeln!(s, "{COMPUTATION}\n");
+    let _ = writeln!(s, "persistent-layer: one Llama-style decoder layer at batch 1, one decode position per call");
+    let _ = writeln!(s, "(the task statement in full: docs/task.md)\n");
+    let _ = writeln!(s, "the layer:\n{COMPUTATION}\n");
     let _ = writeln!(s, "config '{}':", cfg.name);
     let _ = writeln!(
         s,
@@ -30,35 +38,83 @@ pub fn statement(cfg: &Config) -> String {
     );
     let _ = writeln!(
         s,
-        "  prefilled KV slots 0..{}  cache capacity {}  bf16 weights and cache",
-        cfg.prefill - 1,
-        cfg.max_seq_len
+        "  KV cache: {} slots, 0..{} prefilled; weights and cache bf16\n",
+        cfg.max_seq_len,
+        cfg.prefill - 1
     );
+    let _ = writeln!(s, "{CONTRACT}\n");
+    schedule(&mut s, cfg);
+    gates(&mut s);
+    byte_model(&mut s, cfg);
+    s
+}
+
+/// Every phase of the run: which calls, at which positions, and what the judge does around them.
+fn schedule(s: &mut String, cfg: &Config) {
+    let calls = crate::schedule(cfg);
     let _ = writeln!(
         s,
-        "  schedule: {} calls, every one recorded and compared; each phase starts at pos {}",
-        crate::schedule(cfg).len(),
+        "schedule: {} calls of layer_step, every one recorded (CUPTI) and compared with the reference;\n\
+         each phase starts again at pos {}:",
+        calls.len(),
         cfg.prefill
     );
-    for phase in crate::Phase::ALL {
+    for phase in Phase::ALL {
+        let of_phase: Vec<_> = calls.iter().filter(|c| c.phase == phase).collect();
+        let (first, last) = (of_phase[0], of_phase[of_phase.len() - 1]);
         let _ = writeln!(
             s,
-            "    {:<12} {:>3} calls  {}",
+            "  {:<11} calls {:>3}..{:<3} pos {}..{}  {}",
             format!("{phase:?}").to_lowercase(),
-            phase.calls(cfg),
+            first.index,
+            last.index,
+            first.pos,
+            last.pos,
             phase.describe()
         );
     }
     let _ = writeln!(s);
-    let _ = writeln!(s, "contract:");
-    let _ = writeln!(s, "  build_layer(weights, kv_cache, cfg, max_seq_len) -> handle   untimed");
-    let _ = writeln!(s, "  layer_step(handle, x, pos, out)                         timed, one token");
-    let _ = writeln!(s, "  weights and x are read-only; the cache is written only at slot pos\n");
-    let _ = writeln!(s, "gates:");
-    let _ =
-        writeln!(s, "  1. relative error ||x_out - ref|| / ||ref|| <= {:e} at every step, no NaN/Inf", g.rel_err_tol);
-    let _ = writeln!(s, "  2. kernels per step (CUPTI) <= {}", g.max_kernels_per_step);
-    let _ = writeln!(s, "  3. largest kernel's share of a step's kernel time >= {}\n", g.min_dominant_share);
+}
+
+/// The gates, by the names reports give them, each with what it checks in one line.
+fn gate_lines() -> [(&'static str, String); 8] {
+    let g = Gates::TASK;
+    [
+        (
+            "correctness",
+            format!(
+                "||out - ref|| / ||ref|| <= {:e} on every call, no NaN/Inf; cache and read-only buffers intact",
+                g.rel_err_tol
+            ),
+        ),
+        ("kernels_per_step", format!("at most {} kernels on every call, every call recorded", g.max_kernels_per_step)),
+        ("dominant_share", format!("the largest kernel takes >= {} of each call's kernel time", g.min_dominant_share)),
+        ("launch_record", "two independent CUPTI paths agree, recording never off, no device-side launches".into()),
+        ("exclusive_gpu", "no process but the judge and its runner on the GPU, none started during the steps".into()),
+        (
+            "bytes_read",
+            "DRAM bytes each call reads (hardware counters) >= 0.98x the byte model; 'unaudited' without counters"
+                .into(),
+        ),
+        ("l2_persisting", "no persisting-L2 set-aside or access-policy window".into()),
+        (
+            "plausible_timing",
+            "no faster than the read-only bandwidth measured in the run allows; runner and judge clocks agree".into(),
+        ),
+    ]
+}
+
+fn gates(s: &mut String) {
+    let _ = writeln!(s, "gates (each must pass):");
+    for (name, what) in gate_lines() {
+        let _ = writeln!(s, "  {name:<17} {what}");
+    }
+    let _ = writeln!(s);
+}
+
+/// The bytes one step must move, and the floor and score they give.
+fn byte_model(s: &mut String, cfg: &Config) {
+    let b = ByteModel::of(cfg);
     let _ = writeln!(s, "byte model (one step):");
     for (name, v) in [
         ("weight matrices", b.matrices),
@@ -71,6 +127,69 @@ pub fn statement(cfg: &Config) -> String {
     ] {
         let _ = writeln!(s, "  {name:<30} {v:>15} bytes");
     }
-    let _ = writeln!(s, "\nfloor = total bytes / stream-copy bandwidth measured on the same device; score = tokens/s.");
-    s
+    let _ = writeln!(
+        s,
+        "\nfloor = total bytes / copy bandwidth measured on the same device in the same run;\n\
+         score = tokens/s (1 / median time of a timed call); x floor = median time / floor."
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_statement_shows_every_phase_and_gate() {
+        let text = statement(&Config::graded());
+        assert!(text.contains("72 calls"), "{text}");
+        for line in ["correctness calls   0..7   pos 4096..4103", "timed       calls   8..39  pos 4096..4127"] {
+            assert!(text.contains(line), "no '{line}' in\n{text}");
+        }
+        assert!(text.contains("throughput  calls  40..71  pos 4096..4127"), "{text}");
+        for gate in ["correctness", "kernels_per_step", "dominant_share", "launch_record", "bytes_read"] {
+            assert!(text.lines().any(|l| l.trim_start().starts_with(gate)), "no gate {gate}");
+        }
+        assert!(text.contains("1728253952 bytes"), "{text}");
+    }
+
+    /// `docs/task.md` quotes the graded figures in prose: they must be the ones `grader spec` prints.
+    #[test]
+    fn the_task_document_quotes_these_figures() {
+        let doc = include_str!("../../docs/task.md");
+        let cfg = Config::graded();
+        let with_commas = |v: u64| {
+            let digits = v.to_string();
+            let mut out = String::new();
+            for (i, c) in digits.chars().enumerate() {
+                if i > 0 && (digits.len() - i).is_multiple_of(3) {
+                    out.push(',');
+                }
+                out.push(c);
+            }
+            out
+        };
+        let b = ByteModel::of(&cfg);
+        for v in [b.matrices, b.norms, b.kv_read, b.kv_append, b.activations, b.weights_plus_kv, b.total] {
+            assert!(doc.contains(&format!("| {} |", with_commas(v))), "docs/task.md lacks {}", with_commas(v));
+        }
+        for (field, v) in [("d", cfg.d), ("ffn", cfg.ffn), ("prefill", cfg.prefill), ("max_seq_len", cfg.max_seq_len)] {
+            assert!(doc.contains(&format!("| {field} | {v} |")), "docs/task.md lacks the row of {field}");
+        }
+        let g = Gates::TASK;
+        for quoted in [
+            format!("at most {:e}", g.rel_err_tol),
+            format!("at most {} kernels", g.max_kernels_per_step),
+            format!("at least {} of the call's kernel time", g.min_dominant_share),
+            format!("makes {} calls", crate::schedule(&cfg).len()),
+        ] {
+            assert!(doc.contains(&quoted), "docs/task.md lacks '{quoted}'");
+        }
+        for phase in Phase::ALL {
+            let row = format!("| {} | {} calls", format!("{phase:?}").to_lowercase(), phase.calls(&cfg));
+            assert!(doc.contains(&row), "docs/task.md lacks '{row}'");
+        }
+        for (gate, _) in gate_lines() {
+            assert!(doc.contains(&format!("| {gate} |")), "docs/task.md lacks the gate {gate}");
+        }
+    }
 }

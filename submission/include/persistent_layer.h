@@ -9,7 +9,7 @@
  *     pl_layer_step(handle, x, pos, out, stream)              once per decoded token, timed
  *     pl_teardown(handle)                                     once, at the end
  *
- * all from one host thread. This is the contract of TASK.md ("The contract") in C.
+ * all from one host thread. This is the contract of docs/task.md ("The contract") in C.
  *
  * The layer (one Llama-style decoder layer, batch 1, bf16):
  *
@@ -40,9 +40,10 @@
  *     else of the cache. The next step attends over it, and the grader compares the whole cache with
  *     the reference's at the end (prefix bitwise, written slots within the tolerance, unused slots
  *     still zero).
- *  4. x, (batch, d), is read-only and fresh at every call. out, (batch, d) bf16, is written in full.
- *     pos advances by one per call within a phase; each phase (correctness, timing, profiling) starts
- *     again at the same first position, so a slot may be written more than once.
+ *  4. x, (batch, d), is read-only; it is fresh at every call, except in the throughput phase, where
+ *     it is the previous call's out. out, (batch, d) bf16, is written in full. pos advances by one
+ *     per call within a phase; each phase (correctness, timed, throughput) starts again at the same
+ *     first position, so a slot may be written more than once (docs/task.md, "The schedule").
  *  5. Streams. `stream` is a CUstream, which is the same thing as a cudaStream_t. It may be NULL: the
  *     legacy default stream, a valid stream, not "no stream". All work of a call goes on it, or on
  *     streams the submission joins back into it, and nothing of a step may still run on a side

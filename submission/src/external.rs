@@ -1,5 +1,5 @@
 //! External submissions: a shared library that speaks the C ABI of
-//! `submission/include/persistent_layer.h` (the contract of TASK.md in C), loaded at run time. The
+//! `submission/include/persistent_layer.h` (the contract of `docs/task.md` in C), loaded at run time. The
 //! header documents the rules; this module mirrors its structs, checks the library's ABI version and
 //! forwards the [`Submission`] calls. `submission/examples/external_eager/` is an example library,
 //! built by `scripts/build-example`.
@@ -99,6 +99,16 @@ fn refused(msg: impl Into<String>) -> SubmissionError {
     SubmissionError::Refused(msg.into())
 }
 
+/// A file that cannot be used as a submission library, and why.
+fn not_a_library(msg: String) -> SubmissionError {
+    SubmissionError::NotALibrary(msg)
+}
+
+/// The reason dlopen gave: libloading's own message is only "dlopen failed", its source has dlerror().
+fn dlopen_reason(e: &libloading::Error) -> String {
+    std::error::Error::source(e).map_or_else(|| e.to_string(), |source| source.to_string())
+}
+
 /// Resolves `name` in `lib` as a function of type `T`.
 ///
 /// # Safety
@@ -108,9 +118,10 @@ unsafe fn symbol<T: Copy>(lib: &Library, path: &Path, name: &str) -> Result<T, S
     // SAFETY: the caller's contract: T is the symbol's declared type.
     match unsafe { lib.get::<T>(name.as_bytes()) } {
         Ok(sym) => Ok(*sym),
-        Err(_) => {
-            Err(refused(format!("{} is not a persistent-layer submission: symbol {name} missing", path.display())))
-        }
+        Err(_) => Err(not_a_library(format!(
+            "{} is not a persistent-layer submission: it has no symbol {name} (see submission/include/persistent_layer.h)",
+            path.display()
+        ))),
     }
 }
 
@@ -129,24 +140,32 @@ impl ExternalSubmission {
     /// Loads the library at `path`, checks that it speaks [`PL_ABI_VERSION`] and resolves the
     /// five functions of `persistent_layer.h`.
     pub fn open(path: &Path) -> Result<Self, SubmissionError> {
+        if path.is_dir() {
+            return Err(not_a_library(format!("{} is a directory, not a submission library", path.display())));
+        }
         if !path.is_file() {
-            return Err(refused(format!("no submission library at {}", path.display())));
+            return Err(not_a_library(format!("no submission library at {}", path.display())));
         }
         refuse_device_launches(path)?;
         // A bare file name would make dlopen search the system's library folders instead.
         let file = if path.components().count() == 1 { Path::new(".").join(path) } else { path.to_path_buf() };
         // SAFETY: loading runs the library's initialisers; a submission library is trusted code
         // the user asked to run, and it is loaded once, from this thread.
-        let lib = unsafe { Library::new(&file) }
-            .map_err(|e| refused(format!("could not load the submission library {}: {e}", path.display())))?;
+        let lib = unsafe { Library::new(&file) }.map_err(|e| {
+            not_a_library(format!(
+                "could not load the submission library {}: dlopen: {}",
+                path.display(),
+                dlopen_reason(&e)
+            ))
+        })?;
         // SAFETY: pl_abi_version is declared `uint32_t pl_abi_version(void)`.
         let abi_version: AbiVersionFn = unsafe { symbol(&lib, path, "pl_abi_version") }?;
         // SAFETY: it takes no arguments and, per the header, only returns a constant.
         let version = unsafe { abi_version() };
         if version != PL_ABI_VERSION {
-            return Err(refused(format!(
-                "{} was built against ABI version {version}, this grader speaks {PL_ABI_VERSION} \
-                 (rebuild it with this grader's submission/include/persistent_layer.h)",
+            return Err(not_a_library(format!(
+                "{} was built against ABI version {version}, this grader speaks {PL_ABI_VERSION}: \
+                 rebuild it with this grader's submission/include/persistent_layer.h",
                 path.display()
             )));
         }
@@ -354,7 +373,7 @@ mod tests {
                 .find(|p| p.is_file())
                 .expect("no libc.so.6 in the usual folders to test with");
         let msg = open_err(&libc);
-        assert!(msg.contains("not a persistent-layer submission: symbol pl_abi_version missing"), "{msg}");
+        assert!(msg.contains("not a persistent-layer submission: it has no symbol pl_abi_version"), "{msg}");
     }
 
     /// A library with dynamic parallelism is refused before it is loaded, naming the library, the
@@ -374,9 +393,13 @@ mod tests {
     }
 
     #[test]
-    fn a_file_that_is_no_library_is_refused() {
+    fn a_file_that_is_no_library_is_refused_with_dlopens_reason() {
         let msg = open_err(&workspace().join("submission/include/persistent_layer.h"));
         assert!(msg.contains("could not load the submission library"), "{msg}");
+        // dlerror()'s own words, not libloading's bare "dlopen failed".
+        assert!(msg.contains("dlopen: ") && !msg.contains("dlopen failed"), "{msg}");
+        let msg = open_err(&workspace().join("submission/include"));
+        assert!(msg.ends_with("is a directory, not a submission library"), "{msg}");
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! The submission contract of TASK.md in Rust, and the built-in submissions selected by name.
+//! The submission contract of the task (`docs/task.md`) in Rust, and the submissions `--submission`
+//! selects: a built-in one or a red-team adversary by name, or a shared library by its path.
 //!
 //! `build_layer` is untimed; `layer_step` is one timed token. Weights and `x` are read-only; the KV
 //! cache is the only thing a step writes in place (slot `pos`), besides its own output. The grader
@@ -10,6 +11,8 @@ mod eager;
 pub mod external;
 pub mod megakernel;
 pub mod redteam;
+
+use std::path::{Path, PathBuf};
 
 use cuda::cudarc::driver::CudaSlice;
 use cuda::{CudaError, Device};
@@ -33,14 +36,14 @@ impl Layer<'_> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SubmissionError {
-    #[error(
-        "unknown submission '{name}': built-in ones are {known} (the red team's are in submission/src/redteam); a library is given by its path"
-    )]
-    Unknown { name: String, known: String },
+    #[error("unknown submission '{name}': it is neither a file nor a built-in name (`grader list` names them all)")]
+    Unknown { name: String },
     #[error(transparent)]
     Cuda(#[from] CudaError),
     #[error("the submission refused: {0}")]
     Refused(String),
+    #[error("{0}")]
+    NotALibrary(String),
 }
 
 /// What a submission implements. All work goes on [`Device::stream`] or streams the grader can see
@@ -66,28 +69,57 @@ pub trait Submission {
     fn teardown(&mut self) {}
 }
 
-/// Names of the built-in submissions.
-pub const BUILTIN: [&str; 3] = ["reference", "megakernel", "megakernel-phases"];
-
-/// A submission by what `--submission` says: a built-in name, a red-team adversary, or the path of
-/// a shared library speaking the C ABI of `include/persistent_layer.h`.
-pub fn load(name_or_path: &str) -> Result<Box<dyn Submission>, SubmissionError> {
-    if is_library(name_or_path) { external::load(std::path::Path::new(name_or_path)) } else { builtin(name_or_path) }
+/// A built-in submission: the name `--submission` takes and what it is, in one line.
+#[derive(Debug, Clone, Copy)]
+pub struct Builtin {
+    pub name: &'static str,
+    pub what: &'static str,
 }
 
-/// Refuses, with the list of built-in names, what [`load`] could never load; a library path is
-/// checked when it is loaded.
-pub fn check_name(name_or_path: &str) -> Result<(), SubmissionError> {
-    if is_library(name_or_path) || BUILTIN.contains(&name_or_path) || redteam::find(name_or_path).is_some() {
-        Ok(())
-    } else {
-        Err(SubmissionError::Unknown { name: name_or_path.into(), known: BUILTIN.join(", ") })
+/// The built-in submissions (the red team's adversaries are listed in [`redteam::ALL`]).
+pub const BUILTIN: &[Builtin] = &[
+    Builtin {
+        name: "reference",
+        what: "the eager reference: correct, 21 launches per step, so it fails the launch gates on purpose",
+    },
+    Builtin {
+        name: "megakernel",
+        what: "the reference submission: the layer as a table of phases that one persistent kernel runs, one launch per step",
+    },
+    Builtin {
+        name: "megakernel-phases",
+        what: "the megakernel's code with one launch per phase, for profiling: fails the launch gates",
+    },
+];
+
+/// What `--submission` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Choice {
+    /// A built-in submission or a red-team adversary.
+    Named(&'static str),
+    /// A file: a shared library that should speak the C ABI of `include/persistent_layer.h`.
+    Library(PathBuf),
+}
+
+/// What `--submission` names. Names come first, so the crate folder `reference/` never hides the
+/// built-in `reference` (a file named like a built-in is given as `./NAME`); anything else that
+/// exists on disk is a path, whatever its name, and what it holds is checked when it is loaded.
+pub fn resolve(name_or_path: &str) -> Result<Choice, SubmissionError> {
+    let named = BUILTIN.iter().map(|b| b.name).chain(redteam::names()).find(|&n| n == name_or_path);
+    match named {
+        Some(name) => Ok(Choice::Named(name)),
+        None if Path::new(name_or_path).exists() => Ok(Choice::Library(name_or_path.into())),
+        None => Err(SubmissionError::Unknown { name: name_or_path.into() }),
     }
 }
 
-/// A path names a library: it has a folder in it or the shared-library suffix.
-fn is_library(name_or_path: &str) -> bool {
-    name_or_path.ends_with(".so") || name_or_path.contains('/')
+/// The submission `--submission` names (see [`resolve`]), constructed; a library is loaded and its
+/// ABI checked.
+pub fn load(name_or_path: &str) -> Result<Box<dyn Submission>, SubmissionError> {
+    match resolve(name_or_path)? {
+        Choice::Named(name) => builtin(name),
+        Choice::Library(path) => external::load(&path),
+    }
 }
 
 /// A built-in submission, or a red-team adversary, by name.
@@ -98,7 +130,7 @@ pub fn builtin(name: &str) -> Result<Box<dyn Submission>, SubmissionError> {
         "megakernel-phases" => Ok(Box::new(megakernel::Megakernel::new(megakernel::Mode::PerPhase))),
         _ => match redteam::find(name) {
             Some(adversary) => Ok((adversary.make)()),
-            None => Err(SubmissionError::Unknown { name: name.into(), known: BUILTIN.join(", ") }),
+            None => Err(SubmissionError::Unknown { name: name.into() }),
         },
     }
 }
@@ -108,9 +140,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn unknown_names_list_the_known_ones() {
+    fn unknown_names_point_at_the_list() {
         let msg = builtin("fastest").err().unwrap().to_string();
-        assert!(msg.contains("'fastest'") && msg.contains("reference"), "{msg}");
+        assert!(msg.contains("'fastest'") && msg.contains("grader list"), "{msg}");
         assert_eq!(builtin("reference").unwrap().name(), "reference");
+    }
+
+    #[test]
+    fn every_builtin_constructs_under_its_name() {
+        for b in BUILTIN {
+            assert_eq!(builtin(b.name).unwrap().name(), b.name);
+            assert!(!b.what.is_empty(), "{}: no description", b.name);
+        }
+    }
+
+    #[test]
+    fn names_win_then_anything_on_disk_is_a_path() {
+        // The crate folder `reference/` sits beside the built-in of that name: the name wins.
+        let crate_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../reference");
+        assert!(Path::new(crate_dir).is_dir());
+        assert_eq!(resolve("reference").unwrap(), Choice::Named("reference"));
+        assert_eq!(resolve("pass-through").unwrap(), Choice::Named("pass-through"));
+        // Any existing file is a path, whatever its suffix; what it holds is the loader's to judge.
+        let header = concat!(env!("CARGO_MANIFEST_DIR"), "/include/persistent_layer.h");
+        assert_eq!(resolve(header).unwrap(), Choice::Library(header.into()));
+        assert!(matches!(resolve("libz.so.1.nowhere"), Err(SubmissionError::Unknown { .. })));
     }
 }

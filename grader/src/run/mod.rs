@@ -78,14 +78,21 @@ pub struct Policy {
 }
 
 pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
+    // Every argument is checked before the device opens: a typo costs a second and one sentence,
+    // not a GPU start-up, and no judgement is lost to an output path that cannot be written.
     let cfg = Config::load(&args.config.config)?;
-    // Refuse an unknown name here, with the list, before any process or GPU work.
-    submission::check_name(&args.submission)?;
+    let submission = crate::preflight::submission(&args.submission)?;
+    if let Some(path) = &args.json {
+        crate::preflight::output_file("--json", path)?;
+    }
+    if let Some(dir) = &args.dump {
+        crate::preflight::output_dir("--dump", dir)?;
+    }
     let dev = Device::open(device)?;
     let progress = Progress::new(args.quiet);
     let seeds = Seeds { weights: args.seed, inputs: rand::random() };
     let policy = Policy { require_audit: args.require_audit };
-    let report = judge(&dev, &args.submission, &cfg, seeds, policy, &progress, args.dump.as_deref())?;
+    let report = judge(&dev, &submission, &cfg, seeds, policy, &progress, args.dump.as_deref())?;
     eprint!("{}", if args.quiet { report.verdict_line() } else { report.table() });
     let json = serde_json::to_string_pretty(&report).expect("the report serialises") + "\n";
     match &args.json {

@@ -77,18 +77,21 @@ fn checks() -> Vec<Check> {
 }
 
 pub fn command(device: usize, args: &SelftestArgs) -> Result<Outcome, GraderError> {
-    let dev = Device::open(device)?;
-    let f = dev.facts();
-    eprintln!("grader selftest on {} (sm_{}{}, {} SMs)", f.name, f.compute_capability.0, f.compute_capability.1, f.sms);
-    let mut ctx = Ctx { dev, seed: args.seed };
     let selected: Vec<Check> =
         checks().into_iter().filter(|c| args.filter.as_deref().is_none_or(|t| c.name.contains(t))).collect();
     if selected.is_empty() {
         return Err(GraderError::Usage(format!(
-            "no selftest check matches --filter {:?}",
+            "no selftest check matches --filter {:?}: `grader selftest` without it runs them all",
             args.filter.as_deref().unwrap_or("")
         )));
     }
+    if let Some(path) = &args.log {
+        crate::preflight::output_file("--log", path)?;
+    }
+    let dev = Device::open(device)?;
+    let f = dev.facts();
+    eprintln!("grader selftest on {} (sm_{}{}, {} SMs)", f.name, f.compute_capability.0, f.compute_capability.1, f.sms);
+    let mut ctx = Ctx { dev, seed: args.seed };
     let (mut passed, mut failed, mut log) = (0, 0, String::new());
     for check in &selected {
         let start = Instant::now();

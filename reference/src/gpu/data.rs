@@ -5,9 +5,9 @@ use cuda::cudarc::driver::{CudaSlice, PushKernelArg};
 use cuda::kernels::RNG;
 use cuda::{Context, CudaError, Device, grid_1d};
 use half::bf16;
+use spec::Config;
 use spec::data::{ANCHOR_KEY_STD, INPUT_STREAM_BASE, LayerWeights, Tensor, anchor_positions};
 use spec::rng::{scale_for_std, stream_key};
-use spec::{ByteModel, Config};
 
 /// Threads per block of the fill kernels.
 const FILL_BLOCK: u32 = 256;
@@ -74,10 +74,7 @@ pub fn fill_normal(dev: &Device, n: usize, key: u64, mean: f32, scale: f32) -> R
 
 /// Device memory the run's data needs: weights, cache, and the per-call inputs and outputs.
 pub fn bytes_needed(cfg: &Config, calls: usize) -> u64 {
-    let b = ByteModel::of(cfg);
-    let cache = 2 * 2 * cfg.cache_elems() as u64;
-    let io = 2 * 2 * (calls * cfg.d) as u64;
-    b.matrices + b.norms + cache + io
+    spec::bytes::data_bytes(cfg, calls).expect("a validated config's data fits in 64-bit byte counts")
 }
 
 #[cfg(test)]

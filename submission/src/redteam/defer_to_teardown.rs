@@ -67,7 +67,7 @@ impl DeferToTeardown {
         let dev = Device::open(l.ordinal)?;
         let s = dev.stream();
         // SAFETY (every upgrade_device_ptr below): each address is a live allocation of the grader's
-        // of that many bf16 (TASK.md: the buffers stay where they are for the whole run, and the
+        // of that many bf16 (docs/task.md: the buffers stay where they are for the whole run, and the
         // grader frees nothing before teardown returns), in the primary context this device shares.
         // The slices are ManuallyDrop and never dropped: they must not free what the grader owns.
         let Ok(weights) = LayerWeights::try_from_fn(|t| {

@@ -359,8 +359,8 @@ mod tests {
             assert!(!a.what.is_empty(), "{}: no description", a.name);
         }
         // The red team never shadows a built-in submission.
-        for name in crate::BUILTIN {
-            assert!(find(name).is_none(), "'{name}' is both a built-in and an adversary");
+        for builtin in crate::BUILTIN {
+            assert!(find(builtin.name).is_none(), "'{}' is both a built-in and an adversary", builtin.name);
         }
     }
 
