@@ -26,7 +26,7 @@ const ANCHOR_STREAM: u64 = 100;
 /// Streams of per-call inputs start here; call `c` of a run uses `INPUT_STREAM_BASE + c`.
 pub const INPUT_STREAM_BASE: u64 = 1 << 32;
 
-/// The layer's tensors in the order of TASK.md's contract, plus the two cache tensors.
+/// The layer's tensors in the order of the contract (docs/task.md), plus the two cache tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub enum Tensor {
     InNorm,

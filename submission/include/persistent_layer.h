@@ -50,9 +50,12 @@
  *     stream when pl_layer_step returns unless the stream waits on it. The grader times each
  *     pl_layer_step between two device-wide synchronisations, so work hidden on other streams is
  *     timed anyway; pl_layer_step need not synchronise.
- *  6. The gates. Correct: ||out - ref|| / ||ref|| (fp32) at most 1.5e-2 at every compared step, no
- *     NaN or Inf. At most 2 kernels per step (counted by CUPTI; a CUDA graph's nodes count as
- *     kernels), the largest with at least 0.95 of the step's kernel time.
+ *  6. The gates (docs/task.md). Correct: ||out - ref|| / ||ref|| (fp32) at most 1.5e-2 at every
+ *     call, no NaN or Inf. At most 2 kernels in every call (counted by CUPTI from before the library
+ *     is loaded until after teardown; a CUDA graph's nodes count as kernels; no kernel may be
+ *     launched from the device), the largest with at least 0.95 of the call's kernel time. Every
+ *     call reads at least 0.98x its byte model from DRAM (hardware counters). No other process may
+ *     use the GPU, no process may be started after pl_build_layer returns, no persisting L2.
  *  7. pl_build_layer is untimed: repack weights, build tables, allocate scratch (cudaMalloc), load
  *     modules. pl_layer_step should not allocate. pl_teardown frees everything pl_build_layer made.
  *  8. Errors. Every int-returning function returns PL_OK (0) on success and one of the PL_ERR_ codes
