@@ -57,11 +57,7 @@ impl KvCache {
     /// The seeded prefix of [`spec::data`]: slots `[0, prefill)` filled, anchor keys included, zeros
     /// after.
     pub fn generate(cfg: &Config, seed: u64) -> Self {
-        let anchors = data::anchor_positions(cfg, seed);
-        Self {
-            k: data::cache(cfg, seed, Tensor::KCache, &anchors),
-            v: data::cache(cfg, seed, Tensor::VCache, &anchors),
-        }
+        Self { k: data::cache(cfg, seed, Tensor::KCache), v: data::cache(cfg, seed, Tensor::VCache) }
     }
 }
 
