@@ -6,7 +6,8 @@
 //! runs each through `grader run` in a child process and checks that conclusion.
 //!
 //! Shared pieces: [`honest`] (the eager step and the wrapper that adds one twist to it), [`raw`]
-//! (device writes a well-behaved submission never makes: into read-only buffers, into cache slots).
+//! (device writes a well-behaved submission never makes: into read-only buffers, into cache slots),
+//! [`quantize`] (lossy weight formats, simulated on the host).
 
 mod abort;
 mod build_kernel;
@@ -16,11 +17,13 @@ mod defer_to_teardown;
 mod graph_of_kernels;
 mod hang;
 mod honest;
+mod lossy_weights;
 mod modify_input;
 mod modify_weights;
 mod nan_output;
 mod no_kv_write;
 mod pass_through;
+pub mod quantize;
 mod raw;
 mod replay_by_pointer;
 mod replay_by_position;
@@ -178,6 +181,24 @@ pub const ALL: &[Adversary] = &[
         what: "computes correctly, and aborts the process on its third call",
         expect: Expect::Crashed,
         make: abort::make,
+    },
+    Adversary {
+        name: lossy_weights::INT8_ROWS_DOWN,
+        what: "the eager layer with Wdown stored as int8, one scale per row",
+        expect: correctness("over the tolerance"),
+        make: lossy_weights::make_int8_rows_down,
+    },
+    Adversary {
+        name: lossy_weights::INT8_GROUPS_GATE,
+        what: "the eager layer with Wgate stored as int8, one scale per group of 128 columns",
+        expect: correctness("over the tolerance"),
+        make: lossy_weights::make_int8_groups_gate,
+    },
+    Adversary {
+        name: lossy_weights::FP8_UP,
+        what: "the eager layer with Wup stored as fp8 e4m3, one scale per row",
+        expect: correctness("over the tolerance"),
+        make: lossy_weights::make_fp8_up,
     },
 ];
 
