@@ -2,6 +2,7 @@
 //! Each check prints one `Pass:` or `FAIL:` line; the last line is `N passed, M failed`.
 
 mod data;
+mod ensemble;
 mod flow;
 mod isolation;
 mod megakernel;
@@ -54,6 +55,7 @@ pub fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Failure> {
 fn checks() -> Vec<Check> {
     let mut all = data::checks();
     all.extend(reference::checks());
+    all.extend(ensemble::checks());
     all.extend(megakernel::checks());
     all.extend(flow::checks());
     all.extend(isolation::checks());
