@@ -162,7 +162,10 @@ impl Rounding {
                 let mut lanes = [0f32; LANES];
                 for (i, (a, b)) in pairs.enumerate() {
                     let lane = &mut lanes[(i / CHUNK) % LANES];
-                    *lane = (a as f32).mul_add(b as f32, *lane);
+                    // A fused multiply-add: the product of two f32 values is exact in f64, the sum is
+                    // rounded to f64 and then to f32 (as one rounding but in rare double-rounding
+                    // ties), without a call to the library's fmaf.
+                    *lane = (f64::from(*lane) + f64::from(a as f32) * f64::from(b as f32)) as f32;
                 }
                 let mut width = LANES / 2;
                 while width > 0 {
