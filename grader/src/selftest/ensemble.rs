@@ -7,8 +7,8 @@
 //!
 //! Seed `s` of `seed..seed + SEEDS` draws the weights, the prefix and the first input; each later call
 //! takes the reference's previous output as its input, as the throughput phase does. The variants run
-//! in parallel on the host's cores; the graded size gets one call per seed (a graded step is about a
-//! second of CPU per variant), the others more.
+//! in parallel on the host's cores; the graded size gets one call per seed (a graded step costs a
+//! variant 3 to 5 core-seconds), the others more.
 
 use cuda::cudarc::driver::CudaSlice;
 use cuda::{Context, CudaError, Device};

@@ -15,8 +15,8 @@ use super::{HONEST, KvCache, Weights, output_bf16, step_as};
 pub const SEEDS: u64 = 16;
 
 /// Calls per seed at `cfg`: the first on a fresh input, each later one on the reference's previous
-/// output, as the throughput phase chains them. A graded step costs the golden model about a second
-/// of CPU per variant, so the graded size takes one call per seed.
+/// output, as the throughput phase chains them. A graded step costs a variant 3 to 5 core-seconds,
+/// so the graded size takes one call per seed.
 pub fn calls(cfg: &Config) -> usize {
     /// Multiply-adds of a step's matrices up to which a config gets [`MAX_CALLS`] calls.
     const CHEAP_STEP: usize = 1 << 23;

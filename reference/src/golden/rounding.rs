@@ -133,6 +133,11 @@ impl Rounding {
     /// v unrounded (the cache row written is still bf16).
     pub const EXACT: Rounding = Rounding { points: [Precision::Exact; Point::ALL.len()], sum: Sum::Wide };
 
+    /// A fused implementation's: every point f32 (f32 sums in a warp's order) but the step's own k and
+    /// v, which attention reads back from the bf16 cache.
+    pub const FP32_STREAM: Rounding =
+        Rounding { points: [Precision::F32; Point::ALL.len()], sum: Sum::Lanes }.with(Point::OwnKv, Precision::Bf16);
+
     /// This rounding with `point` kept at `precision`.
     pub const fn with(mut self, point: Point, precision: Precision) -> Self {
         self.points[point as usize] = precision;
@@ -203,16 +208,9 @@ pub const HONEST: [(&str, Rounding); 5] = [
             .with(Point::Silu, Precision::Bf16)
             .with(Point::Probs, Precision::Bf16),
     ),
-    ("fp32 stream", Rounding::fp32_stream()),
+    ("fp32 stream", Rounding::FP32_STREAM),
     ("exact", Rounding::EXACT),
 ];
-
-impl Rounding {
-    /// Every point f32 but the step's own k and v, which attention reads back from the bf16 cache.
-    const fn fp32_stream() -> Rounding {
-        Rounding { points: [Precision::F32; Point::ALL.len()], sum: Sum::Lanes }.with(Point::OwnKv, Precision::Bf16)
-    }
-}
 
 #[cfg(test)]
 mod tests {
