@@ -1,5 +1,6 @@
-//! The CPU golden model of one decode step, rounding where the eager GPU reference rounds, and the
-//! same step in exact f64 arithmetic to cross-check it.
+//! The CPU golden model of one decode step, rounding where the eager GPU reference rounds; the same
+//! step in exact f64 arithmetic to cross-check it; and the same step as other honest implementations
+//! round it (the selftest's ensemble).
 //!
 //! Each op of the eager reference reads bf16 tensors and stores its result as bf16. The rounding
 //! points of a step, in order:
@@ -17,14 +18,14 @@
 //! 11. `down = act @ Wdown^T`
 //! 12. `x_out = x1 + down`
 //!
-//! Attention scores and softmax weights stay f32, never bf16. Every reduction (the norm's sum of
-//! squares, dot products, the softmax sums) accumulates in f64, so the model's own summation error
+//! Attention scores and softmax probabilities stay f32, never bf16. Every reduction (the norm's sum
+//! of squares, dot products, the softmax sums) accumulates in f64, so the model's own summation error
 //! is negligible next to the bf16 rounding it models.
 //!
-//! One body serves both models: values travel as f64 and [`Rounding`] decides what a rounding point
-//! does. f32 arithmetic is emulated as f64 arithmetic rounded to f32, which is the f32 result bit for
-//! bit for `+ - * /` and `sqrt` of f32 operands (53 >= 2 * 24 + 2 makes the double rounding
-//! innocuous).
+//! One body serves every model: values travel as f64 and a [`Rounding`] decides what each rounding
+//! point ([`Point`]) does and how reductions add ([`Sum`]). f32 arithmetic is emulated as f64
+//! arithmetic rounded to f32, which is the f32 result bit for bit for `+ - * /` and `sqrt` of f32
+//! operands (53 >= 2 * 24 + 2 makes the double rounding innocuous).
 
 use std::ops::Range;
 use std::thread;
@@ -33,8 +34,12 @@ use half::bf16;
 use spec::Config;
 use spec::data::{self, Tensor};
 
+pub mod ensemble;
+mod rounding;
 #[cfg(test)]
 mod tests;
+
+pub use rounding::{HONEST, Point, Precision, Rounding, Sum};
 
 /// One layer's weights on the host, row-major with the shapes of [`Tensor::shape`]: matrices are
 /// `(out, in)`.
@@ -57,11 +62,7 @@ impl KvCache {
     /// The seeded prefix of [`spec::data`]: slots `[0, prefill)` filled, anchor keys included, zeros
     /// after.
     pub fn generate(cfg: &Config, seed: u64) -> Self {
-        let anchors = data::anchor_positions(cfg, seed);
-        Self {
-            k: data::cache(cfg, seed, Tensor::KCache, &anchors),
-            v: data::cache(cfg, seed, Tensor::VCache, &anchors),
-        }
+        Self { k: data::cache(cfg, seed, Tensor::KCache), v: data::cache(cfg, seed, Tensor::VCache) }
     }
 }
 
@@ -118,6 +119,12 @@ impl Rotation {
             .unzip();
         Self { cos, sin }
     }
+
+    /// Each cos and sin kept at `precision`.
+    fn rounded(self, precision: Precision) -> Self {
+        let round = |v: Vec<f64>| v.into_iter().map(|c| precision.round(c)).collect();
+        Self { cos: round(self.cos), sin: round(self.sin) }
+    }
 }
 
 /// Which cached slots a step attends over. The layer is [`AttentionSpan::Full`]; the others are
@@ -143,60 +150,39 @@ impl AttentionSpan {
     }
 }
 
-/// What a rounding point does: what the eager reference does, or nothing.
-#[derive(Debug, Clone, Copy)]
-enum Rounding {
-    Eager,
-    Exact,
-}
-
-impl Rounding {
-    /// An f32 intermediate.
-    fn f32(self, x: f64) -> f64 {
-        match self {
-            Rounding::Eager => f64::from(x as f32),
-            Rounding::Exact => x,
-        }
-    }
-
-    /// An op's result at its boundary: computed in f32, stored as bf16.
-    fn store(self, x: f64) -> f64 {
-        match self {
-            Rounding::Eager => bf16::from_f32(x as f32).to_f64(),
-            Rounding::Exact => x,
-        }
-    }
-}
-
 fn to_f64(x: &[bf16]) -> Vec<f64> {
     x.iter().map(|v| v.to_f64()).collect()
 }
 
-/// Exact for values that have passed [`Rounding::store`] under [`Rounding::Eager`].
+/// Exact for values that have passed a [`Precision::Bf16`] rounding point.
 fn to_bf16(x: &[f64]) -> Vec<bf16> {
     x.iter().map(|&v| bf16::from_f64(v)).collect()
 }
 
-fn dot(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(a, b)| a * b).sum()
+/// The step's output as the contract returns it: computed in f32, stored as bf16.
+pub fn output_bf16(x: &[f64]) -> Vec<bf16> {
+    x.iter().map(|&v| bf16::from_f32(v as f32)).collect()
 }
 
-/// `x * (1 / sqrt(mean(x^2) + eps)) * g`: the mean in f64, the inverse root rounded to f32, the two
-/// products in f32.
-fn norm(r: Rounding, x: &[f64], g: &[bf16], eps: f32) -> Vec<f64> {
+/// `x * (1 / sqrt(mean(x^2) + eps)) * g`: the inverse root rounded at [`Point::Arithmetic`], the
+/// normalised vector at [`Point::Normalised`], the result at [`Point::Normed`].
+fn norm(r: &Rounding, x: &[f64], g: &[bf16], eps: f32) -> Vec<f64> {
     assert_eq!(x.len(), g.len(), "rmsnorm: x and g differ in length");
-    let mean_square = dot(x, x) / x.len() as f64;
-    let inv_rms = r.f32(1.0 / (mean_square + f64::from(eps)).sqrt());
-    // Op boundary: the eager reference stores the normalised vector as bf16.
-    x.iter().zip(g).map(|(&v, g)| r.store(r.f32(v * inv_rms) * g.to_f64())).collect()
+    let mean_square = r.dot(x.iter().map(|&v| (v, v))) / x.len() as f64;
+    let inv_rms = r.round(Point::Arithmetic, 1.0 / (mean_square + f64::from(eps)).sqrt());
+    x.iter()
+        .zip(g)
+        .map(|(&v, g)| r.round(Point::Normed, r.round(Point::Normalised, v * inv_rms) * g.to_f64()))
+        .collect()
 }
 
 /// Below this many weights per thread, spawning costs more than it saves.
 const MIN_WEIGHTS_PER_THREAD: usize = 1 << 18;
 
-/// `y = W h` for row-major `W (rows, cols)`. Rows are split across threads, but each row's dot product
-/// runs sequentially in one fixed order, so the result does not depend on the thread count.
-fn matvec(r: Rounding, w: &[bf16], rows: usize, cols: usize, h: &[f64]) -> Vec<f64> {
+/// `y = W h` for row-major `W (rows, cols)`, each result rounded at `point`. Rows are split across
+/// threads, but each row's dot product runs in one fixed order, so the result does not depend on the
+/// thread count.
+fn matvec(r: &Rounding, point: Point, w: &[bf16], rows: usize, cols: usize, h: &[f64]) -> Vec<f64> {
     assert_eq!((w.len(), h.len()), (rows * cols, cols), "gemv: matrix or vector of the wrong size");
     let threads = thread::available_parallelism().map_or(1, |n| n.get());
     let chunk = rows.div_ceil(threads).max(MIN_WEIGHTS_PER_THREAD.div_ceil(cols));
@@ -205,8 +191,7 @@ fn matvec(r: Rounding, w: &[bf16], rows: usize, cols: usize, h: &[f64]) -> Vec<f
         for (ys, ws) in y.chunks_mut(chunk).zip(w.chunks(chunk * cols)) {
             s.spawn(move || {
                 for (y, row) in ys.iter_mut().zip(ws.chunks_exact(cols)) {
-                    // Op boundary: the eager reference's GEMV accumulates in f32 and stores bf16.
-                    *y = r.store(row.iter().zip(h).map(|(w, h)| w.to_f64() * h).sum());
+                    *y = r.round(point, r.dot(row.iter().map(|w| w.to_f64()).zip(h.iter().copied())));
                 }
             });
         }
@@ -214,21 +199,22 @@ fn matvec(r: Rounding, w: &[bf16], rows: usize, cols: usize, h: &[f64]) -> Vec<f
     y
 }
 
-/// Rotate-half RoPE of every `hd`-long head of `v`: element `i < hd / 2` pairs with `i + hd / 2`.
-fn rotate(r: Rounding, v: &mut [f64], hd: usize, rot: &Rotation) {
+/// Rotate-half RoPE of every `hd`-long head of `v`, rounded at `point`: element `i < hd / 2` pairs
+/// with `i + hd / 2`.
+fn rotate(r: &Rounding, point: Point, v: &mut [f64], hd: usize, rot: &Rotation) {
+    let f = |x: f64| r.round(Point::Arithmetic, x);
     for head in v.chunks_exact_mut(hd) {
         let (lo, hi) = head.split_at_mut(hd / 2);
         for (((a, b), &c), &s) in lo.iter_mut().zip(hi).zip(&rot.cos).zip(&rot.sin) {
             let (x, y) = (*a, *b);
-            // Op boundary: the eager reference stores the roped q and k as bf16.
-            *a = r.store(r.f32(x * c) - r.f32(y * s));
-            *b = r.store(r.f32(y * c) + r.f32(x * s));
+            *a = r.round(point, f(x * c) - f(y * s));
+            *b = r.round(point, f(y * c) + f(x * s));
         }
     }
 }
 
 /// What a step attends over: the cache, except that slot `pos` of every KV head holds this step's
-/// own `k` and `v` (`n_kv * hd` each), which the exact model never writes into the bf16 cache.
+/// own `k` and `v` (`n_kv * hd` each) as [`Point::OwnKv`] keeps them.
 struct Context<'a> {
     cfg: &'a Config,
     cache: &'a KvCache,
@@ -253,85 +239,97 @@ impl Context<'_> {
 }
 
 /// Softmax attention of every query head over `slots` of its KV head; an empty span contributes
-/// nothing (zeros). The softmax subtracts the maximum score before exponentiating: a GPU's one-pass
-/// running maximum with rescaling computes the same function and differs only in f32 rounding.
-fn attend(r: Rounding, ctx: &Context, q: &[f64], slots: Range<usize>) -> Vec<f64> {
+/// nothing (zeros). The softmax subtracts the maximum score before exponentiating and normalises the
+/// probabilities before weighting the values, as the eager reference does; a GPU's one-pass running
+/// maximum with rescaling computes the same function and differs only in rounding.
+fn attend(r: &Rounding, ctx: &Context, q: &[f64], slots: Range<usize>) -> Vec<f64> {
     let (cfg, hd) = (ctx.cfg, ctx.cfg.hd);
     let mut out = vec![0.0; cfg.q_dim()];
     if slots.is_empty() {
         return out;
     }
     let scale = (hd as f64).sqrt();
+    let f = |x: f64| r.round(Point::Arithmetic, x);
     for head in 0..cfg.n_kv {
         let keys = ctx.rows(&ctx.cache.k, ctx.k, head, slots.clone());
         let values = ctx.rows(&ctx.cache.v, ctx.v, head, slots.clone());
         for j in head * cfg.group()..(head + 1) * cfg.group() {
-            let out = &mut out[j * hd..(j + 1) * hd];
-            // Scores and weights are f32 and never rounded to bf16.
-            let scores: Vec<f64> =
-                keys.chunks_exact(hd).map(|k| r.f32(dot(&q[j * hd..(j + 1) * hd], k) / scale)).collect();
+            let qj = &q[j * hd..(j + 1) * hd];
+            let scores: Vec<f64> = keys
+                .chunks_exact(hd)
+                .map(|k| r.round(Point::Scores, r.dot(qj.iter().copied().zip(k.iter().copied())) / scale))
+                .collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let weights: Vec<f64> = scores.iter().map(|&s| r.f32(r.f32(s - max).exp())).collect();
-            for (w, v) in weights.iter().zip(values.chunks_exact(hd)) {
-                out.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+            let weights: Vec<f64> = scores.iter().map(|&s| f(f(s - max).exp())).collect();
+            let total = r.dot(weights.iter().map(|&w| (w, 1.0)));
+            let probs: Vec<f64> = weights.iter().map(|&w| r.round(Point::Probs, w / total)).collect();
+            for (e, o) in out[j * hd..(j + 1) * hd].iter_mut().enumerate() {
+                let terms = probs.iter().zip(values.chunks_exact(hd)).map(|(&p, v)| (p, v[e]));
+                *o = r.round(Point::Attended, r.dot(terms));
             }
-            let total: f64 = weights.iter().sum();
-            // Op boundary: the eager reference stores the attention output as bf16.
-            out.iter_mut().for_each(|o| *o = r.store(*o / total));
         }
     }
     out
 }
 
-fn residual(r: Rounding, a: &[f64], b: &[f64]) -> Vec<f64> {
-    assert_eq!(a.len(), b.len(), "add: operands differ in length");
-    // Op boundary: the eager reference stores the residual stream as bf16.
-    a.iter().zip(b).map(|(a, b)| r.store(a + b)).collect()
-}
-
-/// `silu(gate) * up` with `silu(g) = g / (1 + exp(-g))`, every operation in f32.
-fn swiglu(r: Rounding, gate: &[f64], up: &[f64]) -> Vec<f64> {
+/// `silu(gate) * up` with `silu(g) = g / (1 + exp(-g))`, SiLU's parts rounded at
+/// [`Point::Arithmetic`], SiLU at [`Point::Silu`], the product at [`Point::Act`].
+fn swiglu(r: &Rounding, gate: &[f64], up: &[f64]) -> Vec<f64> {
     assert_eq!(gate.len(), up.len(), "silu_mul: operands differ in length");
+    let f = |x: f64| r.round(Point::Arithmetic, x);
     gate.iter()
         .zip(up)
-        .map(|(&g, &u)| {
-            let silu = r.f32(g / r.f32(1.0 + r.f32((-g).exp())));
-            // Op boundary: the eager reference stores the activation as bf16.
-            r.store(silu * u)
-        })
+        .map(|(&g, &u)| r.round(Point::Act, r.round(Point::Silu, f(g / f(1.0 + f((-g).exp())))) * u))
         .collect()
 }
 
-/// The step up to attention: rmsnorm, the Q, K and V GEMVs and RoPE. Returns `[q, k, v]`.
-fn qkv(r: Rounding, cfg: &Config, w: &Weights, x: &[f64], rot: &Rotation) -> [Vec<f64>; 3] {
-    let h = norm(r, x, &w.in_norm, cfg.eps);
-    let mut q = matvec(r, &w.q, cfg.q_dim(), cfg.d, &h);
-    let mut k = matvec(r, &w.k, cfg.kv_dim(), cfg.d, &h);
-    let v = matvec(r, &w.v, cfg.kv_dim(), cfg.d, &h);
-    rotate(r, &mut q, cfg.hd, rot);
-    rotate(r, &mut k, cfg.hd, rot);
-    [q, k, v]
+/// `a + b`, each sum rounded at `point`.
+fn residual(r: &Rounding, point: Point, a: &[f64], b: &[f64]) -> Vec<f64> {
+    assert_eq!(a.len(), b.len(), "add: operands differ in length");
+    a.iter().zip(b).map(|(a, b)| r.round(point, a + b)).collect()
 }
 
-/// The step after attention: the output projection and its residual, then the MLP and its residual.
-fn output(r: Rounding, cfg: &Config, w: &Weights, x: &[f64], a: &[f64]) -> Vec<f64> {
-    let x1 = residual(r, x, &matvec(r, &w.o, cfg.d, cfg.q_dim(), a));
-    let h = norm(r, &x1, &w.post_norm, cfg.eps);
-    let gate = matvec(r, &w.gate, cfg.ffn, cfg.d, &h);
-    let up = matvec(r, &w.up, cfg.ffn, cfg.d, &h);
+/// One decode step at `pos` as `r` rounds it, rotating by `rot` and attending over `span`: writes the
+/// roped k and v, as bf16, into slot `pos` of `cache` and returns `x_out` unrounded.
+#[allow(clippy::too_many_arguments)]
+fn layer(
+    r: &Rounding,
+    cfg: &Config,
+    w: &Weights,
+    cache: &mut KvCache,
+    x: &[f64],
+    pos: usize,
+    rot: &Rotation,
+    span: AttentionSpan,
+) -> Vec<f64> {
+    let (d, qd, kvd) = (cfg.d, cfg.q_dim(), cfg.kv_dim());
+    let h = norm(r, x, &w.in_norm, cfg.eps);
+    let mut q = matvec(r, Point::Projected, &w.q, qd, d, &h);
+    let mut k = matvec(r, Point::Projected, &w.k, kvd, d, &h);
+    let v = matvec(r, Point::Projected, &w.v, kvd, d, &h);
+    rotate(r, Point::RopedQ, &mut q, cfg.hd, rot);
+    rotate(r, Point::RopedK, &mut k, cfg.hd, rot);
+    append(cache, cfg, &to_bf16(&k), &to_bf16(&v), pos);
+    let own = |t: &[f64]| -> Vec<f64> { t.iter().map(|&v| r.round(Point::OwnKv, v)).collect() };
+    let (k, v) = (own(&k), own(&v));
+    let a = attend(r, &Context { cfg, cache, pos, k: &k, v: &v }, &q, span.slots(pos));
+    let x1 = residual(r, Point::Residual, x, &matvec(r, Point::OutProj, &w.o, d, qd, &a));
+    let h2 = norm(r, &x1, &w.post_norm, cfg.eps);
+    let gate = matvec(r, Point::GateUp, &w.gate, cfg.ffn, d, &h2);
+    let up = matvec(r, Point::GateUp, &w.up, cfg.ffn, d, &h2);
     let act = swiglu(r, &gate, &up);
-    residual(r, &x1, &matvec(r, &w.down, cfg.d, cfg.ffn, &act))
+    residual(r, Point::Arithmetic, &x1, &matvec(r, Point::Down, &w.down, d, cfg.ffn, &act))
 }
 
 /// `rmsnorm(x, g)` as the eager reference computes it: `mean(x^2)` in f64, `1 / sqrt(mean + eps)`
 /// rounded to f32, `(x * that) * g` in f32, stored as bf16.
 pub fn rmsnorm(x: &[bf16], g: &[bf16], eps: f32) -> Vec<bf16> {
-    to_bf16(&norm(Rounding::Eager, &to_f64(x), g, eps))
+    to_bf16(&norm(&Rounding::EAGER, &to_f64(x), g, eps))
 }
 
 /// `y = W h` for row-major `W (rows, cols)`: each sum in f64, rounded to f32, stored as bf16.
 pub fn gemv(w: &[bf16], rows: usize, cols: usize, h: &[bf16]) -> Vec<bf16> {
-    to_bf16(&matvec(Rounding::Eager, w, rows, cols, &to_f64(h)))
+    to_bf16(&matvec(&Rounding::EAGER, Point::Projected, w, rows, cols, &to_f64(h)))
 }
 
 /// Rotate-half RoPE at `pos` of `heads` heads of size `hd`, in place, in f32 (no fused multiply-add)
@@ -339,7 +337,7 @@ pub fn gemv(w: &[bf16], rows: usize, cols: usize, h: &[bf16]) -> Vec<bf16> {
 pub fn rope(v: &mut [bf16], heads: usize, hd: usize, table: &RopeTable, pos: usize) {
     assert_eq!(v.len(), heads * hd, "rope: vector is not heads * hd long");
     let mut x = to_f64(v);
-    rotate(Rounding::Eager, &mut x, hd, &table.rotation(pos));
+    rotate(&Rounding::EAGER, Point::RopedQ, &mut x, hd, &table.rotation(pos));
     v.copy_from_slice(&to_bf16(&x));
 }
 
@@ -364,17 +362,17 @@ fn slot_rows(cfg: &Config, tensor: &[bf16], pos: usize) -> Vec<f64> {
 pub fn attention(cfg: &Config, q: &[bf16], cache: &KvCache, pos: usize) -> Vec<bf16> {
     let (k, v) = (slot_rows(cfg, &cache.k, pos), slot_rows(cfg, &cache.v, pos));
     let ctx = Context { cfg, cache, pos, k: &k, v: &v };
-    to_bf16(&attend(Rounding::Eager, &ctx, &to_f64(q), AttentionSpan::Full.slots(pos)))
+    to_bf16(&attend(&Rounding::EAGER, &ctx, &to_f64(q), AttentionSpan::Full.slots(pos)))
 }
 
 /// `a + b` in f32, stored as bf16.
 pub fn add(a: &[bf16], b: &[bf16]) -> Vec<bf16> {
-    to_bf16(&residual(Rounding::Eager, &to_f64(a), &to_f64(b)))
+    to_bf16(&residual(&Rounding::EAGER, Point::Residual, &to_f64(a), &to_f64(b)))
 }
 
 /// `silu(gate) * up` in f32, stored as bf16 once (the activation is one op boundary).
 pub fn silu_mul(gate: &[bf16], up: &[bf16]) -> Vec<bf16> {
-    to_bf16(&swiglu(Rounding::Eager, &to_f64(gate), &to_f64(up)))
+    to_bf16(&swiglu(&Rounding::EAGER, &to_f64(gate), &to_f64(up)))
 }
 
 /// One decode step at `pos` with the eager reference's rounding points: writes K and V at `pos` into
@@ -393,22 +391,21 @@ pub fn step_with(
     pos: usize,
     span: AttentionSpan,
 ) -> Vec<bf16> {
-    let r = Rounding::Eager;
-    let x = to_f64(x);
-    let [q, k, v] = qkv(r, cfg, w, &x, &table.rotation(pos));
-    // Op boundary: the cache rows are the roped k and v, already bf16.
-    append(cache, cfg, &to_bf16(&k), &to_bf16(&v), pos);
-    let a = attend(r, &Context { cfg, cache, pos, k: &k, v: &v }, &q, span.slots(pos));
-    to_bf16(&output(r, cfg, w, &x, &a))
+    output_bf16(&layer(&Rounding::EAGER, cfg, w, cache, &to_f64(x), pos, &table.rotation(pos), span))
 }
 
-/// [`step`] in exact f64 arithmetic, with no rounding anywhere and RoPE by exact angles rather than
-/// the f32 table: the weights, the cache and `x` are taken as exact values. Slot `pos` holds the
-/// step's own unrounded k and v; `cache` is not written.
+/// One decode step at `pos` of an implementation that rounds as `r` says, with RoPE by the exact
+/// angles rounded at [`Point::Arithmetic`] (for f32 arithmetic, the reference's table): writes the
+/// roped k and v, as bf16, into slot `pos` of `cache` and returns `x_out` unrounded ([`output_bf16`]
+/// gives what the implementation returns).
+pub fn step_as(r: &Rounding, cfg: &Config, w: &Weights, cache: &mut KvCache, x: &[bf16], pos: usize) -> Vec<f64> {
+    let rot = Rotation::exact(cfg, pos).rounded(r.at(Point::Arithmetic));
+    layer(r, cfg, w, cache, &to_f64(x), pos, &rot, AttentionSpan::Full)
+}
+
+/// [`step`] in exact f64 arithmetic ([`Rounding::EXACT`]), with no rounding anywhere and RoPE by exact
+/// angles rather than the f32 table: the weights, the cache and `x` are taken as exact values. Slot
+/// `pos` holds the step's own unrounded k and v; `cache` is not written.
 pub fn step_f64(cfg: &Config, w: &Weights, cache: &KvCache, x: &[bf16], pos: usize) -> Vec<f64> {
-    let r = Rounding::Exact;
-    let x = to_f64(x);
-    let [q, k, v] = qkv(r, cfg, w, &x, &Rotation::exact(cfg, pos));
-    let a = attend(r, &Context { cfg, cache, pos, k: &k, v: &v }, &q, AttentionSpan::Full.slots(pos));
-    output(r, cfg, w, &x, &a)
+    step_as(&Rounding::EXACT, cfg, w, &mut cache.clone(), x, pos)
 }

@@ -3,6 +3,7 @@
 
 mod audit;
 mod data;
+mod ensemble;
 mod flow;
 mod isolation;
 mod megakernel;
@@ -68,6 +69,7 @@ pub fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Failure> {
 fn checks() -> Vec<Check> {
     let mut all = data::checks();
     all.extend(reference::checks());
+    all.extend(ensemble::checks());
     all.extend(megakernel::checks());
     all.extend(recording::checks());
     all.extend(audit::checks());

@@ -3,6 +3,10 @@ use spec::rng::{normal_bf16, scale_for_std, stream_key};
 
 use super::*;
 
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(a, b)| a * b).sum()
+}
+
 /// `||a - b|| / ||b||`, the grader's measure.
 fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     let diff: f64 = a.iter().zip(b).map(|(a, b)| (a - b).powi(2)).sum();
@@ -40,6 +44,20 @@ fn step_agrees_with_exact_arithmetic() {
     }
     let (least, most) = (errs.iter().copied().fold(f64::INFINITY, f64::min), errs.iter().copied().fold(0.0, f64::max));
     println!("rounded vs exact step: relative error {least:.3e} to {most:.3e}");
+}
+
+/// The generic step with [`Rounding::EAGER`] is the reference's step bit for bit: RoPE by the exact
+/// angles rounded to f32 is the table's rotation.
+#[test]
+fn eager_rounding_is_the_reference_step() {
+    let (cfg, w, cache, table) = tiny(3);
+    let (mut a, mut b) = (cache.clone(), cache);
+    for call in 0..3 {
+        let (pos, x) = (cfg.prefill + call, data::input(&cfg, 3, call));
+        let want = step(&cfg, &w, &mut a, &table, &x, pos);
+        assert_eq!(output_bf16(&step_as(&Rounding::EAGER, &cfg, &w, &mut b, &x, pos)), want, "call {call}");
+    }
+    assert_eq!(a, b, "the caches differ");
 }
 
 #[test]
@@ -126,8 +144,8 @@ fn rope_rotates_pairs_by_position() {
     let (q, k) = (to_f64(&normal(hd, 21, 1.0)), to_f64(&normal(hd, 22, 1.0)));
     let score = |p1: usize, p2: usize| {
         let (mut a, mut b) = (q.clone(), k.clone());
-        rotate(Rounding::Exact, &mut a, hd, &table.rotation(p1));
-        rotate(Rounding::Exact, &mut b, hd, &table.rotation(p2));
+        rotate(&Rounding::EXACT, Point::RopedQ, &mut a, hd, &table.rotation(p1));
+        rotate(&Rounding::EXACT, Point::RopedK, &mut b, hd, &table.rotation(p2));
         dot(&a, &b)
     };
     let tol = 1e-6 * dot(&q, &q).sqrt() * dot(&k, &k).sqrt();
@@ -196,6 +214,37 @@ fn wrong_answers_fail_the_gate_by_a_margin() {
         println!("seed {seed:#x}: least relative error of pass-through, skip, recent quarter: {least_text}");
         for (name, err) in ["pass-through", "attention skipped", "recent quarter only"].iter().zip(least) {
             assert!(err >= margin, "seed {seed}: {name} is only {err:e} from the reference (margin {margin:e})");
+        }
+    }
+}
+
+/// Every honest implementation of [`HONEST`] stays within half the correctness gate's tolerance of the
+/// eager reference over [`ensemble::SEEDS`] seeds, on fresh inputs and on chained ones (each call's
+/// input the reference's previous output), while the rounding ones do differ from it. The seeds are
+/// those `grader selftest` measures the ensemble over by default.
+#[test]
+fn honest_variants_stay_within_half_the_tolerance() {
+    let half = Gates::TASK.rel_err_tol / 2.0;
+    for cfg in [Config::tiny(), Config::small()] {
+        let mut worst = [0f64; HONEST.len()];
+        for seed in (0..ensemble::SEEDS).map(|s| spec::DEFAULT_SEED + s) {
+            let (w, cache, table) = (generate_weights(&cfg, seed), KvCache::generate(&cfg, seed), RopeTable::new(&cfg));
+            let (mut ens, mut ref_cache) = (ensemble::Ensemble::new(&cfg, &w, &cache), cache.clone());
+            let mut x = data::input(&cfg, seed, 0);
+            for call in 0..ensemble::calls(&cfg) {
+                let pos = cfg.prefill + call;
+                let reference = step(&cfg, &w, &mut ref_cache, &table, &x, pos);
+                ens.call(&x, pos, &reference);
+                x = reference;
+            }
+            worst.iter_mut().zip(ens.worst()).for_each(|(w, e)| *w = w.max(e));
+        }
+        for ((name, r), err) in HONEST.iter().zip(worst) {
+            println!("{} {name}: worst {err:.2e}, margin {:.2}x", cfg.name, Gates::TASK.rel_err_tol / err);
+            assert!(err <= half, "{} {name}: {err:.2e} from the reference, over half the tolerance", cfg.name);
+            if r.sum == Sum::Wide {
+                assert!(err > 1e-3, "{} {name}: {err:.2e}, no sign of rounding", cfg.name);
+            }
         }
     }
 }

@@ -2,8 +2,10 @@
 //! `build_layer` as int8 rows with its outliers kept exact, and the eager step that streams it.
 //!
 //! Each row of `down` (`d` rows of `ffn`) is split in two. Its outliers, every element over
-//! [`OUTLIER_RMS`] times the row's RMS, stay exact in bf16 in a per-row sparse list as long as the data
-//! makes it (real weights carry a few very large entries; a fixed count per row would miss some).
+//! [`OUTLIER_SIGMAS`] times the row's typical spread, stay exact in bf16 in a per-row sparse list as
+//! long as the data makes it (real weights carry outlier channels; a fixed count per row would miss
+//! some). The spread is robust (the median magnitude, scaled to a normal's standard deviation), so
+//! the outliers themselves cannot widen it.
 //! The rest become int8 with one f32 scale per row, set by the largest of them, so an outlier never
 //! coarsens its row's grid. The GEMV over that form (`gemv_i8_outliers_bf16` of `kernels/redteam.cu`)
 //! reads a little over half the bytes of the bf16 matrix; every other op is the eager reference's.
@@ -22,10 +24,12 @@ use crate::{Layer, SubmissionError};
 /// The GEMV kernel of `kernels/redteam.cu`.
 pub const KERNEL: &str = "gemv_i8_outliers_bf16";
 
-/// An element more than this many times its row's RMS is an outlier. Three keeps the int8 grid of a
-/// row at most 3/127 of its RMS and sends the tail beyond to the list at six bytes an element: 0.3%
-/// of a normal row, 0.045% of the generated rows today (their tails are lighter than a normal's).
-pub const OUTLIER_RMS: f64 = 3.0;
+/// An element more than this many typical spreads from zero is an outlier. Four keeps the int8 grid
+/// of a row at most 4/127 of its spread and sends the tail beyond to the list at six bytes an
+/// element: under 0.01% of a normal row, plus the data's outlier channels.
+pub const OUTLIER_SIGMAS: f64 = 4.0;
+/// A normal distribution's median magnitude over its standard deviation.
+const MEDIAN_ABS_PER_SIGMA: f64 = 0.674_489_75;
 /// The int8 grid's largest step count either side of zero.
 const Q_MAX: f64 = 127.0;
 /// int8 per 16-byte load of the kernel: a row's length must be a multiple of it.
@@ -67,8 +71,8 @@ impl Int8Rows {
             outlier_val: Vec::new(),
         };
         for row in w.chunks_exact(cols) {
-            let rms = (row.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / cols as f64).sqrt();
-            let is_outlier = |v: bf16| v.to_f64().abs() > OUTLIER_RMS * rms;
+            let sigma = robust_sigma(row);
+            let is_outlier = |v: bf16| v.to_f64().abs() > OUTLIER_SIGMAS * sigma;
             let largest = row.iter().filter(|&&v| !is_outlier(v)).fold(0.0f64, |m, v| m.max(v.to_f64().abs()));
             let scale = (largest / Q_MAX) as f32;
             for (c, &v) in row.iter().enumerate() {
@@ -88,6 +92,15 @@ impl Int8Rows {
         }
         m
     }
+}
+
+/// The standard deviation a normal row with `row`'s median magnitude would have: its outliers
+/// cannot inflate it, as they inflate the RMS.
+fn robust_sigma(row: &[bf16]) -> f64 {
+    let mut mags: Vec<f64> = row.iter().map(|v| v.to_f64().abs()).collect();
+    let mid = mags.len() / 2;
+    mags.select_nth_unstable_by(mid, f64::total_cmp);
+    mags[mid] / MEDIAN_ABS_PER_SIGMA
 }
 
 /// [`Int8Rows`] on the GPU, with the kernel that multiplies by it.
@@ -309,11 +322,11 @@ mod tests {
         let cfg = Config::tiny();
         let mut w = golden::generate_weights(&cfg, 7).down;
         // Plant a huge entry, as in real down projections: it must not coarsen its row's grid.
-        let rms = (w[..cfg.ffn].iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / cfg.ffn as f64).sqrt();
-        w[5] = bf16::from_f64(100.0 * rms);
+        let sigma = robust_sigma(&w[..cfg.ffn]);
+        w[5] = bf16::from_f64(100.0 * sigma);
         let m = Int8Rows::quantise(&w, cfg.d, cfg.ffn);
         assert_eq!(m.row_start.len(), cfg.d + 1);
-        assert!(m.scale[0] < (4.0 * rms / Q_MAX) as f32, "the outlier set row 0's scale");
+        assert!(m.scale[0] <= (OUTLIER_SIGMAS * sigma / Q_MAX) as f32, "the outlier set row 0's scale");
         for r in 0..cfg.d {
             let row = &w[r * cfg.ffn..(r + 1) * cfg.ffn];
             let list = m.row_start[r] as usize..m.row_start[r + 1] as usize;

@@ -9,7 +9,8 @@
 //! (device writes a well-behaved submission never makes: into read-only buffers, into cache slots),
 //! [`int8`] (the down projection as int8 rows with exact outliers, and the step that streams it),
 //! [`region`] (the buffers of later calls, next to a call's own), [`recording`] (the runner's CUPTI
-//! kernel records switched off from inside), [`CallCount`].
+//! kernel records switched off from inside), [`CallCount`],
+//! [`quantize`] (lossy weight formats, simulated on the host).
 
 mod abort;
 mod batcher;
@@ -27,6 +28,7 @@ mod int8;
 mod int8_down;
 mod int8_down_padded;
 mod lookahead;
+mod lossy_weights;
 mod modify_input;
 mod modify_weights;
 mod nan_output;
@@ -35,6 +37,7 @@ mod pass_through;
 mod persisting_l2;
 mod phase_aware;
 mod pure_read;
+pub mod quantize;
 mod raw;
 mod recording;
 mod recording_off;
@@ -297,6 +300,24 @@ pub const ALL: &[Adversary] = &[
         what: "computes the whole back-to-back phase at its first call, from the buffers where its inputs will be",
         expect: correctness("NaN or Inf"),
         make: batcher::make,
+    },
+    Adversary {
+        name: lossy_weights::INT8_ROWS_DOWN,
+        what: "the eager layer with Wdown stored as int8, one scale per row",
+        expect: correctness("over the tolerance"),
+        make: lossy_weights::make_int8_rows_down,
+    },
+    Adversary {
+        name: lossy_weights::INT8_GROUPS_GATE,
+        what: "the eager layer with Wgate stored as int8, one scale per group of 128 columns",
+        expect: correctness("over the tolerance"),
+        make: lossy_weights::make_int8_groups_gate,
+    },
+    Adversary {
+        name: lossy_weights::FP8_UP,
+        what: "the eager layer with Wup stored as fp8 e4m3, one scale per row",
+        expect: correctness("over the tolerance"),
+        make: lossy_weights::make_fp8_up,
     },
 ];
 

@@ -2,9 +2,9 @@
 //! whole cache (none, or the most recent quarter), which is most of the attention cost saved.
 //!
 //! The exploit: with a random cache, attention output is nearly an average of V and a truncated
-//! attention would pass. Caught by correctness: the generated prefix holds anchor keys far above the
-//! background in its oldest three quarters, so the softmax mass sits where these variants do not
-//! look and every step misses the tolerance.
+//! attention would pass. Caught by correctness: the generated prefix holds anchor keys in its oldest
+//! three quarters, whose scores stand a few units above the background, so most of the softmax mass
+//! sits where these variants do not look and every step misses the tolerance.
 
 use cuda::Device;
 use cuda::cudarc::driver::CudaSlice;
