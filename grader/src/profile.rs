@@ -1,9 +1,11 @@
 //! `grader profile`: the megakernel's phase-per-launch mode timed phase by phase with events, each
-//! phase against its own floor, beside the fused launch; as a table and as an SVG chart.
+//! phase against its own floor, beside the fused launch; as a table and as an SVG chart. Where the
+//! GPU's counters can be read, a second pass measures the DRAM bytes each phase reads (one audit
+//! range per phase launch; the ranges' own cost stays out of the timed pass).
 
 use std::fmt::Write as _;
 
-use cuda::{Context, Device};
+use cuda::{Context, CudaError, Device};
 use reference::gpu::DeviceCache;
 use reference::gpu::data::generate_input;
 use serde::Serialize;
@@ -12,7 +14,8 @@ use submission::megakernel::program::{Op, phase_bytes};
 use submission::megakernel::{Megakernel, Mode};
 use submission::{Layer, Submission};
 
-use crate::bandwidth;
+use crate::audit::{DRAM_BYTES_READ, RangeAudit};
+use crate::bandwidth::{self, StreamKernels};
 use crate::cli::ProfileArgs;
 use crate::error::{GraderError, Outcome};
 use crate::run::Progress;
@@ -31,6 +34,8 @@ pub struct PhaseTime {
     pub x_floor: f64,
     /// Median time over the sum of the phases' medians.
     pub share: f64,
+    /// DRAM bytes the phase read (median over the audited steps), when the counters could be read.
+    pub dram_bytes_read: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -42,6 +47,8 @@ pub struct Profile {
     /// The fused launch (the submission itself) on the same steps.
     pub fused_us: Summary,
     pub fused_x_floor: f64,
+    /// Why the DRAM bytes per phase are missing, when they are.
+    pub unaudited: Option<String>,
 }
 
 pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError> {
@@ -109,9 +116,20 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
                 x_floor: us.median / floor_us(b),
                 share: us.median / phases_sum_us,
                 us,
+                dram_bytes_read: None,
             }
         })
-        .collect();
+        .collect::<Vec<PhaseTime>>();
+    let mut phases = phases;
+    let unaudited = match audit_phases(dev, cfg, &mut phased, input_seed, phases.len() as u32) {
+        Ok(read) => {
+            for (ph, bytes) in phases.iter_mut().zip(read) {
+                ph.dram_bytes_read = Some(bytes);
+            }
+            None
+        }
+        Err(reason) => Some(reason),
+    };
     let fused_us = Summary::of(&fused_us).expect("timed");
     let total: u64 = bytes.iter().map(|b| b.1).sum();
     Ok(Profile {
@@ -121,22 +139,68 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
         phases_sum_us,
         fused_x_floor: fused_us.median / floor_us(total),
         fused_us,
+        unaudited,
     })
+}
+
+/// Steps of the audited pass.
+const AUDITED_STEPS: usize = 4;
+
+/// The DRAM bytes each phase reads: every phase launch of [`AUDITED_STEPS`] steps in a range of its
+/// own, L2 evicted before each (as in a run); the median per phase. `Err` says why not.
+fn audit_phases(
+    dev: &Device,
+    cfg: &Config,
+    phased: &mut Megakernel,
+    input_seed: u64,
+    phases: u32,
+) -> Result<Vec<f64>, String> {
+    let mut audit = RangeAudit::enable(dev.ctx(), &[DRAM_BYTES_READ], AUDITED_STEPS * phases as usize)
+        .map_err(|e| e.to_string())?;
+    let cuda = |e: CudaError| e.to_string();
+    let kernels = StreamKernels::load(dev).map_err(cuda)?;
+    let evict = dev.stream().alloc_zeros::<u8>(2 * dev.facts().l2_bytes.max(1) as usize).map_err(|e| e.to_string())?;
+    let mut sink = dev.stream().alloc_zeros::<u32>(kernels.wave.grid_dim.0 as usize).map_err(|e| e.to_string())?;
+    let mut out = dev.stream().alloc_zeros(cfg.d).map_err(|e| e.to_string())?;
+    for s in 0..AUDITED_STEPS {
+        let x = generate_input(dev, cfg, input_seed, s).map_err(cuda)?;
+        for p in 0..phases {
+            kernels.read(dev, &mut sink, &evict.as_view(), kernels.wave).map_err(cuda)?;
+            dev.synchronize().map_err(cuda)?;
+            audit.push(&format!("step {s} phase {p}")).map_err(|e| e.to_string())?;
+            phased.launch_phases(dev, &x, cfg.prefill + s, &mut out, p, p + 1).map_err(|e| e.to_string())?;
+            audit.pop().map_err(|e| e.to_string())?;
+        }
+    }
+    let ranges = audit.finish().map_err(|e| e.to_string())?;
+    Ok((0..phases as usize)
+        .map(|p| {
+            let read: Vec<f64> = ranges.iter().skip(p).step_by(phases as usize).map(|r| r.values[0]).collect();
+            Summary::of(&read).map_or(f64::NAN, |s| s.median)
+        })
+        .collect())
 }
 
 pub fn table(p: &Profile) -> String {
     let mut s = format!("\nmegakernel phases ('{}' config, floor bandwidth {:.3} TB/s)\n", p.config, p.floor_tbps);
     let _ = writeln!(
         s,
-        "  {:<10} {:>14} {:>10} {:>10} {:>8} {:>7}",
-        "phase", "bytes", "median us", "p90 us", "x floor", "share"
+        "  {:<10} {:>14} {:>10} {:>10} {:>8} {:>7} {:>14} {:>8}",
+        "phase", "bytes", "median us", "p90 us", "x floor", "share", "DRAM read", "TB/s"
     );
     for ph in &p.phases {
+        let (read, tbps) = match ph.dram_bytes_read {
+            Some(b) => (format!("{b:.0}"), format!("{:.2}", b / (ph.us.median * 1e-6) / 1e12)),
+            None => ("-".into(), "-".into()),
+        };
         let _ = writeln!(
             s,
-            "  {:<10} {:>14} {:>10.1} {:>10.1} {:>8.3} {:>7.3}",
+            "  {:<10} {:>14} {:>10.1} {:>10.1} {:>8.3} {:>7.3} {read:>14} {tbps:>8}",
             ph.phase, ph.bytes, ph.us.median, ph.us.p90, ph.x_floor, ph.share
         );
+    }
+    if let Some(why) = &p.unaudited {
+        let _ = writeln!(s, "  DRAM bytes per phase: unaudited: {why}");
     }
     let _ = writeln!(s, "  phases, one launch each: {:.1} us", p.phases_sum_us);
     let _ = writeln!(s, "  fused, one launch:       {:.1} us = {:.3}x floor", p.fused_us.median, p.fused_x_floor);

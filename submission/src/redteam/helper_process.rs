@@ -23,10 +23,10 @@ use crate::{Layer, Submission, SubmissionError};
 
 pub const NAME: &str = "helper-process";
 
-/// The helper's command after the binary and its `--device`: a bandwidth measurement over 1 GiB
-/// buffers with the most repetitions the command accepts, tens of seconds of GPU work, far longer
-/// than a run of the red team's config; its report goes nowhere.
-const HELPER_ARGS: [&str; 7] = ["bandwidth", "--gib", "1", "--reps", "10000", "--json", "/dev/null"];
+/// The helper's command after the binary (its `--device` follows): a bandwidth measurement over
+/// 1 GiB buffers with the most repetitions the command accepts, tens of seconds of GPU work, far
+/// longer than a run of the red team's config; its report goes to stderr, which is discarded.
+const HELPER_ARGS: [&str; 5] = ["bandwidth", "--gib", "1", "--reps", "10000"];
 /// The helper's first buffer, 1 GiB as `--gib` says: once the device's free memory has dropped by that
 /// much, the helper holds a context.
 const HELPER_BUFFER_BYTES: usize = 1 << 30;
@@ -52,8 +52,8 @@ impl Helper {
         let exe = std::env::current_exe().map_err(|e| refused("finding the running binary", e))?;
         let (free_before, _) = dev.ctx().mem_get_info().context("reading free memory")?;
         let child = Command::new(exe)
-            .args(["--device", &dev.facts().ordinal.to_string()])
             .args(HELPER_ARGS)
+            .args(["--device", &dev.facts().ordinal.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
