@@ -92,6 +92,8 @@ pub fn attribute(
             Some(Tag::Build) => build.push(a),
             Some(Tag::Teardown | Tag::Runner) => {}
             Some(Tag::Outside) => outside.push(a),
+            // Records of other kinds are not work a call could hide (no kernel, copy or set).
+            Some(Tag::Call(_)) | None if matches!(a.kind, ActivityKind::Other(_)) => {}
             Some(Tag::Call(_)) | None => unseen.push(a),
         }
     }

@@ -28,11 +28,13 @@ use cuda::cudarc::driver::CudaSlice;
 use cuda::cudarc::driver::sys::{self as driver, CUlimit};
 use cuda::ipc::RegionHandle;
 use cuda::{Context, Device};
+use reference::gpu::DeviceWeights;
 use serde::{Deserialize, Serialize};
-use spec::{Call, Config, schedule};
+use spec::{Call, Config, Tensor, schedule};
 use submission::{Layer, Submission};
 
 use super::channel::{self, CONTROL_FD, Message, REPORT_FD};
+use super::check;
 use super::control::{Command, Control, Status};
 use super::sandbox;
 use super::shared::SharedData;
@@ -90,6 +92,9 @@ pub struct Finished {
     pub runner_us: Vec<(usize, usize, f64)>,
     /// Each time the persisting L2 was found set: one sentence each.
     pub l2: Vec<String>,
+    /// 16-byte vectors of the submission's weights (the runner's copy) that differ from the shared
+    /// ones after teardown.
+    pub weight_vectors_changed: u64,
 }
 
 /// `grader runner`: reads the job, obeys the control page, and always ends with one report.
@@ -130,6 +135,8 @@ struct Session<'a> {
     audit: Result<RangeAudit, String>,
     recording: Recording,
     flush: L2Flush,
+    /// The submission's weights: this process's own copy of the shared ones (see `shared`).
+    weights: DeviceWeights,
     shared: SharedData,
     dev: &'a Device,
     cfg: &'a Config,
@@ -148,6 +155,8 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
     let dev = Device::open(job.device)?;
     let calls = schedule(&job.config);
     let shared = SharedData::open(&dev, &job.config, calls.len(), &job.region)?;
+    let weights = DeviceWeights::try_from_fn(|t| dev.stream().clone_dtod(shared.weights.get(t)))
+        .context("copying the weights into the runner's own memory")?;
     // Before any code of the submission runs: it may not read the judge's memory.
     sandbox::drop_ptrace().map_err(|e| GraderError::Runner(format!("dropping CAP_SYS_PTRACE: {e}")))?;
     dev.synchronize()?;
@@ -166,6 +175,7 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
         shared,
         recording,
         flush,
+        weights,
         audit,
         sub: None,
         tampering: Vec::new(),
@@ -203,7 +213,7 @@ impl Session<'_> {
         // The library is loaded only now: everything it does, its initialisers included, is recorded.
         let mut sub = submission::load(name_or_path)?;
         self.push_range(None);
-        let layer = Layer { weights: &self.shared.weights, cache: &mut self.shared.cache };
+        let layer = Layer { weights: &self.weights, cache: &mut self.shared.cache };
         sub.build_layer(self.dev, layer, self.cfg)?;
         self.dev.synchronize()?;
         self.pop_range();
@@ -228,7 +238,7 @@ impl Session<'_> {
         for i in range.clone() {
             cupti::set_current(Tag::Call(i));
             let call = self.calls[i];
-            let (layer, x, out) = self.shared.for_call(&call);
+            let (layer, x, out) = self.shared.for_call(&self.weights, &call);
             sub.layer_step(self.dev, layer, x, call.pos, out)?;
         }
         self.dev.synchronize()?;
@@ -337,6 +347,11 @@ impl Session<'_> {
                 }
             },
         };
+        let mut weight_vectors_changed = 0;
+        for &t in Tensor::WEIGHTS {
+            weight_vectors_changed +=
+                check::vectors_differing(self.dev, self.weights.get(t), self.shared.weights.get(t))?;
+        }
         let captured = self.recording.finish()?;
         let record = cupti::record::attribute(captured, &self.windows, scan_module, self.tampering);
         Ok(Finished {
@@ -347,6 +362,7 @@ impl Session<'_> {
             audit,
             runner_us: self.runner_us,
             l2: self.l2,
+            weight_vectors_changed,
         })
     }
 }
