@@ -88,6 +88,7 @@ pub fn forged_line(calls: usize) -> String {
         ("audit", audit),
         ("runner_us", "[]".into()),
         ("l2", "[]".into()),
+        ("weight_vectors_changed", "0".into()),
     ]);
     report + "\n"
 }
