@@ -119,53 +119,96 @@ pub fn is_kernel_launch(function: &str) -> bool {
     (function.starts_with("cuLaunch") || function.starts_with("cudaLaunch")) && !function.contains("HostFunc")
 }
 
-/// The subscription; dropping it unsubscribes.
+/// The API entry points that put work on the GPU the activity view records (kernels, graphs,
+/// copies, sets), by name prefix. Only these are called back: a callback on every API call (a
+/// synchronisation, a context query) would cost every call of every submission time for nothing. A
+/// kernel, copy or set that still arrives without a seen API call (one made through an entry point
+/// not listed here) is reported, never hidden.
+const GPU_WORK: [&str; 8] =
+    ["cuLaunch", "cuGraphLaunch", "cuMemcpy", "cuMemset", "cudaLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset"];
+
+/// The API domains and how many callback ids each has in the CUDA 13.0 headers.
+const API_DOMAINS: [(CUpti_CallbackDomain, u32); 2] = [
+    (
+        CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API,
+        sys::CUpti_driver_api_trace_cbid_enum::CUPTI_DRIVER_TRACE_CBID_SIZE as u32,
+    ),
+    (
+        CUpti_CallbackDomain::CUPTI_CB_DOMAIN_RUNTIME_API,
+        sys::CUpti_runtime_api_trace_cbid_enum::CUPTI_RUNTIME_TRACE_CBID_SIZE as u32,
+    ),
+];
+
+/// The resource callbacks that must stay on: module loads (scanned) and context creation.
+const RESOURCES: [CUpti_CallbackIdResource; 2] = [
+    CUpti_CallbackIdResource::CUPTI_CBID_RESOURCE_MODULE_LOADED,
+    CUpti_CallbackIdResource::CUPTI_CBID_RESOURCE_CONTEXT_CREATED,
+];
+
+/// The subscription and the callbacks it enabled; dropping it unsubscribes.
 pub struct Subscription {
     handle: CUpti_SubscriberHandle,
+    enabled: Vec<(CUpti_CallbackDomain, CUpti_CallbackId, String)>,
 }
 
 // SAFETY: the handle is an opaque token CUPTI accepts from any thread.
 unsafe impl Send for Subscription {}
 
-/// The domains subscribed to, and one callback id of each that must stay enabled.
-const DOMAINS: [(CUpti_CallbackDomain, CUpti_CallbackId, &str); 3] = [
-    (CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API, 307, "driver API (cuLaunchKernel)"),
-    (CUpti_CallbackDomain::CUPTI_CB_DOMAIN_RUNTIME_API, 211, "runtime API (cudaLaunchKernel)"),
-    (
-        CUpti_CallbackDomain::CUPTI_CB_DOMAIN_RESOURCE,
-        CUpti_CallbackIdResource::CUPTI_CBID_RESOURCE_MODULE_LOADED as CUpti_CallbackId,
-        "resource (module loaded)",
-    ),
-];
+/// The callbacks to enable: every GPU-work entry point of the API domains, and the resources.
+fn callbacks_to_enable() -> Vec<(CUpti_CallbackDomain, CUpti_CallbackId, String)> {
+    let mut all = Vec::new();
+    for (domain, size) in API_DOMAINS {
+        for cbid in 1..size {
+            let mut name: *const std::ffi::c_char = std::ptr::null();
+            // SAFETY: a valid out-pointer; CUPTI returns a static NUL-terminated name or an error.
+            let r = unsafe { sys::cuptiGetCallbackName(domain, cbid, &mut name) };
+            if r != sys::CUptiResult::CUPTI_SUCCESS || name.is_null() {
+                continue;
+            }
+            // SAFETY: non-null and NUL-terminated (CUPTI's static string).
+            let name = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
+            if GPU_WORK.iter().any(|p| name.starts_with(p)) {
+                all.push((domain, cbid, name));
+            }
+        }
+    }
+    let resource = CUpti_CallbackDomain::CUPTI_CB_DOMAIN_RESOURCE;
+    all.extend(RESOURCES.iter().map(|&r| (resource, r as CUpti_CallbackId, format!("{r:?}"))));
+    all
+}
 
 impl Subscription {
-    /// Subscribes and enables the driver, runtime and resource domains.
+    /// Subscribes and enables the GPU-work entry points and the resource callbacks.
     pub fn start() -> Result<Subscription, CuptiError> {
         *lock(&SEEN) = Some(Seen::default());
         let mut handle: CUpti_SubscriberHandle = std::ptr::null_mut();
         // SAFETY: a valid out-pointer and a callback with CUPTI's signature; no user data.
         let r = unsafe { sys::cuptiSubscribe(&mut handle, Some(api_callback), std::ptr::null_mut()) };
         check("cuptiSubscribe", r)?;
-        let sub = Subscription { handle };
-        for (domain, _, _) in DOMAINS {
+        let mut sub = Subscription { handle, enabled: Vec::new() };
+        sub.enabled = callbacks_to_enable();
+        if !sub.enabled.iter().any(|(_, _, name)| name == "cuLaunchKernel") {
+            return Err(CuptiError::Call { call: "cuptiGetCallbackName", code: "no cuLaunchKernel callback".into() });
+        }
+        for (domain, cbid, _) in &sub.enabled {
             // SAFETY: the handle is live (subscribed above).
-            check("cuptiEnableDomain", unsafe { sys::cuptiEnableDomain(1, sub.handle, domain) })?;
+            check("cuptiEnableCallback", unsafe { sys::cuptiEnableCallback(1, sub.handle, *domain, *cbid) })?;
         }
         Ok(sub)
     }
 
-    /// The domains whose callbacks were found switched off (and are switched back on): each one is
-    /// something in the process tampering with the record.
-    pub fn reassert(&self) -> Vec<&'static str> {
+    /// The callbacks found switched off (and switched back on): each one is something in the
+    /// process tampering with the record.
+    pub fn reassert(&self) -> Vec<String> {
         let mut off = Vec::new();
-        for (domain, cbid, what) in DOMAINS {
+        for (domain, cbid, name) in &self.enabled {
             let mut enabled = 0u32;
             // SAFETY: a live handle and a valid out-pointer.
-            let r = unsafe { sys::cuptiGetCallbackState(&mut enabled, self.handle, domain, cbid) };
+            let r = unsafe { sys::cuptiGetCallbackState(&mut enabled, self.handle, *domain, *cbid) };
             if r != sys::CUptiResult::CUPTI_SUCCESS || enabled == 0 {
-                off.push(what);
+                off.push(name.clone());
                 // SAFETY: as above; a failure here shows again at the next look.
-                let _ = unsafe { sys::cuptiEnableDomain(1, self.handle, domain) };
+                let _ = unsafe { sys::cuptiEnableCallback(1, self.handle, *domain, *cbid) };
             }
         }
         off
@@ -302,13 +345,16 @@ mod tests {
         set_current(Tag::Outside);
     }
 
-    /// The ids `DOMAINS` checks are the launch entry points of the CUDA 13.0 headers.
     #[test]
-    fn checked_callback_ids_are_the_launch_entry_points() {
-        assert_eq!(sys::CUpti_driver_api_trace_cbid_enum::CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel as u32, DOMAINS[0].1);
-        assert_eq!(
-            sys::CUpti_runtime_api_trace_cbid_enum::CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000 as u32,
-            DOMAINS[1].1
-        );
+    fn every_gpu_work_prefix_is_a_launch_copy_or_set() {
+        for p in GPU_WORK {
+            assert!(["Launch", "Memcpy", "Memset"].iter().any(|w| p.contains(w)), "{p}");
+        }
+        for f in ["cuLaunchKernel", "cuMemcpyDtoDAsync_v2", "cudaMemsetAsync", "cuGraphLaunch"] {
+            assert!(GPU_WORK.iter().any(|p| f.starts_with(p)), "{f}");
+        }
+        for f in ["cuCtxSynchronize", "cuStreamQuery", "cuEventRecord", "cudaDeviceSynchronize"] {
+            assert!(!GPU_WORK.iter().any(|p| f.starts_with(p)), "{f}");
+        }
     }
 }

@@ -78,7 +78,7 @@ impl Recording {
     /// the process tampering with the record. (The activity API cannot be queried for what is
     /// enabled, so its kinds are simply enabled again; switching them off shows up as launches
     /// without records.)
-    pub fn reassert(&self) -> Result<Vec<&'static str>, CuptiError> {
+    pub fn reassert(&self) -> Result<Vec<String>, CuptiError> {
         let off = self.subscription.as_ref().map(|s| s.reassert()).unwrap_or_default();
         activity::reassert()?;
         Ok(off)

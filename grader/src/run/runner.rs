@@ -347,12 +347,13 @@ impl Session<'_> {
                 }
             },
         };
+        let captured = self.recording.finish()?;
+        // After the recording: the runner's own kernels are not the submission's.
         let mut weight_vectors_changed = 0;
         for &t in Tensor::WEIGHTS {
             weight_vectors_changed +=
                 check::vectors_differing(self.dev, self.weights.get(t), self.shared.weights.get(t))?;
         }
-        let captured = self.recording.finish()?;
         let record = cupti::record::attribute(captured, &self.windows, scan_module, self.tampering);
         Ok(Finished {
             nonce,
