@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::activity::{Activity, ActivityKind};
 
 /// One step's activities, summarised for the gates.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepLaunches {
     pub kernels: usize,
     /// Sum of the kernels' GPU times.
@@ -34,21 +34,7 @@ pub struct StepLaunches {
 
 impl StepLaunches {
     pub fn of(activities: &[Activity]) -> StepLaunches {
-        let mut s = StepLaunches {
-            kernels: 0,
-            kernel_ns: 0,
-            largest_kernel_ns: 0,
-            largest_kernel: String::new(),
-            dominant_share: 0.0,
-            span_ns: 0,
-            memcpys: 0,
-            memsets: 0,
-            graph_kernels: 0,
-            device_launched: 0,
-            other: 0,
-            ctas: 0,
-            busy_ns: busy_ns(activities),
-        };
+        let mut s = StepLaunches { busy_ns: busy_ns(activities), ..StepLaunches::default() };
         let mut first_start = u64::MAX;
         let mut last_end = 0u64;
         for a in activities {
@@ -174,21 +160,7 @@ mod tests {
     #[test]
     fn no_activity_is_all_zeros() {
         let s = StepLaunches::of(&[]);
-        let zero = StepLaunches {
-            kernels: 0,
-            kernel_ns: 0,
-            largest_kernel_ns: 0,
-            largest_kernel: String::new(),
-            dominant_share: 0.0,
-            span_ns: 0,
-            memcpys: 0,
-            memsets: 0,
-            graph_kernels: 0,
-            device_launched: 0,
-            other: 0,
-            ctas: 0,
-            busy_ns: 0,
-        };
+        let zero = StepLaunches::default();
         assert_eq!(s, zero);
     }
 
