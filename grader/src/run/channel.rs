@@ -20,6 +20,8 @@ use super::runner::Finished;
 pub const REPORT_FD: RawFd = 3;
 /// The control page's descriptor in the runner.
 pub const CONTROL_FD: RawFd = 4;
+/// The input page's descriptor in the runner: where the judge puts each input for `Stage`.
+pub const INPUT_FD: RawFd = 5;
 
 /// Largest report accepted (a graded run's report, every kernel record included, is well under).
 const MAX_REPORT_BYTES: usize = 64 << 20;

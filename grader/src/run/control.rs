@@ -15,9 +15,11 @@
 //! before it starts the next command, so no bookkeeping ever falls inside a timed window. Each side
 //! only ever writes its own words, so no lock is needed.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+use super::memfd::SharedMemory;
 
 /// How long a waiting side spins before it starts to sleep between looks: longer than any timed
 /// window (a back-to-back batch of 32 graded calls is ~14 ms), so every timed wait is a pure spin.
@@ -39,11 +41,15 @@ pub enum Command {
     Teardown = 4,
     /// Write the final report, carrying the nonce `arg0`, and exit.
     Report = 5,
+    /// Copy the input on the input page into call `arg0`'s input buffer, untimed: the input reaches
+    /// the device from the runner's own context, so no work of the judge's context sits on the GPU
+    /// right before a timed call.
+    Stage = 6,
 }
 
 impl Command {
     fn from_byte(b: u8) -> Option<Command> {
-        [Command::Ping, Command::Build, Command::Calls, Command::Teardown, Command::Report]
+        [Command::Ping, Command::Build, Command::Calls, Command::Teardown, Command::Report, Command::Stage]
             .into_iter()
             .find(|c| *c as u8 == b)
     }
@@ -76,65 +82,29 @@ const _: () = assert!(size_of::<Page>() <= PAGE_BYTES);
 
 /// One side's mapping of the page.
 pub struct Control {
-    page: *const Page,
-    fd: OwnedFd,
+    memory: SharedMemory,
 }
-
-// SAFETY: the page is only accessed through atomics, which are Sync; the mapping lives as long as
-// the Control.
-unsafe impl Send for Control {}
-// SAFETY: as above.
-unsafe impl Sync for Control {}
 
 impl Control {
     /// Creates the page (an anonymous memory file the child inherits as a descriptor).
     pub fn create() -> std::io::Result<Control> {
-        // SAFETY: the name is a valid C string; the flags are plain constants.
-        let fd = unsafe { libc::memfd_create(c"persistent-layer-control".as_ptr(), 0) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: memfd_create returned a fresh descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: a valid descriptor and a size.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), PAGE_BYTES as libc::off_t) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Self::map(fd)
+        Ok(Control { memory: SharedMemory::create(c"persistent-layer-control", PAGE_BYTES)? })
     }
 
     /// Maps the page from a descriptor the judge passed down (the runner's side).
     pub fn from_fd(fd: OwnedFd) -> std::io::Result<Control> {
-        Self::map(fd)
-    }
-
-    fn map(fd: OwnedFd) -> std::io::Result<Control> {
-        // SAFETY: maps PAGE_BYTES of a descriptor sized to at least that, shared between processes.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                PAGE_BYTES,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Control { page: p.cast(), fd })
+        Ok(Control { memory: SharedMemory::map(fd, PAGE_BYTES)? })
     }
 
     /// The descriptor, for handing the page to the child.
     pub fn raw_fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
+        self.memory.raw_fd()
     }
 
     fn page(&self) -> &Page {
         // SAFETY: the mapping is valid and page-aligned for as long as self lives; a zero-filled
-        // page is a valid Page (atomics of zero).
-        unsafe { &*self.page }
+        // page is a valid Page (atomics of zero), and it is only ever accessed through them.
+        unsafe { &*self.memory.as_ptr().cast::<Page>() }
     }
 
     // ---- the judge's side ----
@@ -223,15 +193,10 @@ fn wait_for(mut done: impl FnMut() -> bool, mut give_up: impl FnMut() -> bool) -
     }
 }
 
-impl Drop for Control {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly the mapping made in `map`; nothing refers to it afterwards.
-        unsafe { libc::munmap(self.page as *mut libc::c_void, PAGE_BYTES) };
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::os::fd::FromRawFd;
+
     use super::*;
 
     #[test]

@@ -11,10 +11,12 @@ use std::process::{Child, ChildStderr, Command as Process, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use half::bf16;
 use serde::Serialize;
 
-use super::channel::{CONTROL_FD, Collector, Message, REPORT_FD};
+use super::channel::{CONTROL_FD, Collector, INPUT_FD, Message, REPORT_FD};
 use super::control::{Command, Control, Status};
+use super::memfd::SharedMemory;
 use super::runner::{Finished, Job};
 use super::sandbox::SECCOMP_KILL_SIGNAL;
 use super::watch::{ProcessWatch, Watched};
@@ -64,6 +66,8 @@ pub struct Runner {
     collector: Option<Collector>,
     stderr: Option<Arc<Mutex<String>>>,
     watch: Option<ProcessWatch>,
+    /// Where the judge puts each input for [`Command::Stage`].
+    input: SharedMemory,
     /// What the runner was last asked, for the messages of a crash or a timeout.
     last: &'static str,
 }
@@ -75,13 +79,19 @@ impl Runner {
         let exe =
             std::env::current_exe().map_err(|e| GraderError::Runner(format!("cannot find the grader binary: {e}")))?;
         let control = Control::create().map_err(|e| GraderError::Runner(format!("creating the control page: {e}")))?;
+        let input = SharedMemory::create(c"persistent-layer-input", input_bytes(&job.config))
+            .map_err(|e| GraderError::Runner(format!("creating the input page: {e}")))?;
         let (read_end, write_end) =
             pipe().map_err(|e| GraderError::Runner(format!("creating the report channel: {e}")))?;
-        let (report_fd, control_fd) = (write_end.as_raw_fd(), control.raw_fd());
+        let (report_fd, control_fd, input_fd) = (write_end.as_raw_fd(), control.raw_fd(), input.raw_fd());
         let mut process = Process::new(exe);
         process.arg("runner").stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::piped());
         // SAFETY: only async-signal-safe calls (fcntl, dup2) run between fork and exec.
-        unsafe { process.pre_exec(move || place_descriptors(&[(report_fd, REPORT_FD), (control_fd, CONTROL_FD)])) };
+        unsafe {
+            process.pre_exec(move || {
+                place_descriptors(&[(report_fd, REPORT_FD), (control_fd, CONTROL_FD), (input_fd, INPUT_FD)])
+            })
+        };
         let mut child =
             process.spawn().map_err(|e| GraderError::Runner(format!("cannot start the runner process: {e}")))?;
         drop(write_end);
@@ -99,6 +109,7 @@ impl Runner {
             collector: Some(Collector::start(read_end)),
             stderr,
             watch: Some(watch),
+            input,
             last: "its start",
         })
     }
@@ -162,6 +173,18 @@ impl Runner {
                 )))
             }
         }
+    }
+
+    /// Puts `x` on the input page and has the runner copy it into call `index`'s input buffer.
+    pub fn stage(&mut self, index: usize, x: &[bf16]) -> Result<(), Failure> {
+        // The runner reads the page only after this command is posted, and the previous command
+        // finished (`command` waits for it to be ready first), so the page is not being read now.
+        self.wait_ready(CALL_TIMEOUT)?;
+        let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(bytes.len(), self.input.len(), "an input of the job's size");
+        // SAFETY: the page holds exactly `bytes.len()` bytes (asserted) and nothing reads it now.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.input.as_ptr(), bytes.len()) };
+        self.command(Command::Stage, index as u64, 0, CALL_TIMEOUT).map(drop)
     }
 
     /// Asks for the report with `nonce`, waits for the runner to exit, and reads the one message.
@@ -250,7 +273,13 @@ fn describe(kind: Command) -> &'static str {
         Command::Calls => "a call of layer_step",
         Command::Teardown => "teardown",
         Command::Report => "its report",
+        Command::Stage => "handing over an input",
     }
+}
+
+/// Bytes of one input `x`: `(batch, d)` bf16.
+pub fn input_bytes(cfg: &spec::Config) -> usize {
+    cfg.batch * cfg.d * size_of::<bf16>()
 }
 
 /// A pipe whose two ends are closed on exec (the child gets its end through `place_descriptors`).
@@ -268,7 +297,7 @@ fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
 /// Each is first copied above the targets, so no placement overwrites a descriptor still to move.
 fn place_descriptors(moves: &[(RawFd, RawFd)]) -> std::io::Result<()> {
     const ABOVE_TARGETS: RawFd = 64;
-    let mut staged = [0; 2];
+    let mut staged = [0; 3];
     for (slot, &(from, _)) in staged.iter_mut().zip(moves) {
         // SAFETY: duplicates an open descriptor (async-signal-safe).
         *slot = unsafe { libc::fcntl(from, libc::F_DUPFD_CLOEXEC, ABOVE_TARGETS) };

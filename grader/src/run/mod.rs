@@ -20,6 +20,7 @@ mod control;
 mod dump;
 pub mod gates;
 mod isolate;
+mod memfd;
 pub mod pace;
 mod replay;
 pub mod report;

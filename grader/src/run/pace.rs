@@ -86,7 +86,7 @@ pub fn pace(
             progress.say(&format!("{} {:?} calls", phase.len(), phase[0].phase));
             let first = phase[0];
             if first.phase == Phase::Throughput {
-                hand_over(dev, shared, cfg, &first, input_seed, &mut p)?;
+                obey!(hand_over(runner, cfg, &first, input_seed, &mut p));
                 let stamps =
                     obey!(runner.command(Command::Calls, first.index as u64, phase.len() as u64, CALL_TIMEOUT));
                 (p.batch_us, p.batch_calls) = (stamps.us(), phase.len());
@@ -98,7 +98,7 @@ pub fn pace(
                 }
             } else {
                 for c in phase {
-                    hand_over(dev, shared, cfg, c, input_seed, &mut p)?;
+                    obey!(hand_over(runner, cfg, c, input_seed, &mut p));
                     let stamps = obey!(runner.command(Command::Calls, c.index as u64, 1, CALL_TIMEOUT));
                     p.call_us[c.index] = Some(stamps.us());
                     p.outputs[c.index] = shared.read_output(dev, c.index)?;
@@ -110,18 +110,11 @@ pub fn pace(
     })()
 }
 
-/// Writes `call`'s fresh input into its buffer and waits until it is there: outside the call's
-/// clock, after the previous call's output was read.
-fn hand_over(
-    dev: &Device,
-    shared: &mut SharedData,
-    cfg: &Config,
-    call: &Call,
-    input_seed: u64,
-    p: &mut Paced,
-) -> Result<(), GraderError> {
+/// Hands `call`'s fresh input over: drawn now, put on the input page, and copied into its buffer by
+/// the runner (untimed), after the previous call's output was read.
+fn hand_over(runner: &mut Runner, cfg: &Config, call: &Call, input_seed: u64, p: &mut Paced) -> Result<(), Failure> {
     let x = spec::data::input(cfg, input_seed, call.index);
-    shared.write_input(dev, call.index, &x)?;
+    runner.stage(call.index, &x)?;
     p.inputs[call.index] = x;
     Ok(())
 }

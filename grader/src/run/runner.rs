@@ -28,14 +28,17 @@ use cuda::cudarc::driver::CudaSlice;
 use cuda::cudarc::driver::sys::{self as driver, CUlimit};
 use cuda::ipc::RegionHandle;
 use cuda::{Context, Device};
+use half::bf16;
 use reference::gpu::DeviceWeights;
 use serde::{Deserialize, Serialize};
 use spec::{Call, Config, Tensor, schedule};
 use submission::{Layer, Submission};
 
-use super::channel::{self, CONTROL_FD, Message, REPORT_FD};
+use super::channel::{self, CONTROL_FD, INPUT_FD, Message, REPORT_FD};
 use super::check;
 use super::control::{Command, Control, Status};
+use super::isolate::input_bytes;
+use super::memfd::SharedMemory;
 use super::sandbox;
 use super::shared::SharedData;
 use crate::audit::{AUDIT_METRICS, CTAS_LAUNCHED, DRAM_BYTES_READ, DRAM_BYTES_WRITE, RangeAudit};
@@ -167,6 +170,10 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
     reset_persisting_l2()?;
     // A range for build, one per command of calls, one for teardown.
     let audit = RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, calls.len() + 3).map_err(|e| e.to_string());
+    // SAFETY: the judge starts the runner with this descriptor open and owned by nobody else.
+    let input = unsafe { channel::inherit(INPUT_FD) }
+        .and_then(|fd| SharedMemory::map(fd, input_bytes(&job.config)))
+        .map_err(|e| GraderError::Runner(format!("no input page on fd {INPUT_FD}: {e}")))?;
     let mut s = Session {
         dev: &dev,
         cfg: &job.config,
@@ -195,6 +202,7 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
             Some(Command::Build) => s.build(&job.submission)?,
             Some(Command::Calls) => s.calls(arg0 as usize, arg1 as usize)?,
             Some(Command::Teardown) => s.teardown()?,
+            Some(Command::Stage) => s.stage(&input, arg0 as usize)?,
             Some(Command::Report) => return s.finish(arg0),
             None => return Err(GraderError::Runner("the judge posted an unknown command".into())),
         }
@@ -249,6 +257,26 @@ impl Session<'_> {
             *w = CallWindow { start_ns, end_ns };
         }
         Ok(())
+    }
+
+    /// Copies the input the judge put on the input page into call `index`'s input buffer.
+    fn stage(&mut self, page: &SharedMemory, index: usize) -> Result<(), GraderError> {
+        let Some(buffer) = self.shared.inputs.get_mut(index) else {
+            return Err(GraderError::Runner(format!(
+                "the judge staged an input for call {index}, which does not exist"
+            )));
+        };
+        // SAFETY: the page holds one input's bytes (its size is the job's) and the judge does not
+        // write it while this command runs (it waits for the command to be acknowledged).
+        let bytes = unsafe { std::slice::from_raw_parts(page.as_ptr(), page.len()) };
+        let x: Vec<bf16> = bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
+        // The runner's own copy, set apart from the submission's work in the record.
+        cupti::set_current(Tag::Runner);
+        let copied = self.dev.stream().memcpy_htod(&x, &mut **buffer).context("staging an input");
+        let synced = self.dev.synchronize();
+        cupti::set_current(Tag::Outside);
+        copied?;
+        Ok(synced?)
     }
 
     fn teardown(&mut self) -> Result<(), GraderError> {

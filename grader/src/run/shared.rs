@@ -141,12 +141,6 @@ impl SharedData {
         self.region.handle()
     }
 
-    /// Writes call `index`'s input and waits until it is in place.
-    pub fn write_input(&mut self, dev: &Device, index: usize, x: &[bf16]) -> Result<(), CudaError> {
-        dev.stream().memcpy_htod(x, &mut *self.inputs[index]).context("handing over an input")?;
-        dev.stream().synchronize().context("handing over an input")
-    }
-
     /// Reads call `index`'s output as it is now.
     pub fn read_output(&self, dev: &Device, index: usize) -> Result<Vec<bf16>, CudaError> {
         dev.stream().clone_dtoh(&*self.outputs[index]).context("reading an output")
