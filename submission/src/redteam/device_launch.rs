@@ -12,11 +12,10 @@
 use cuda::cudarc::driver::{CudaFunction, CudaSlice, PushKernelArg};
 use cuda::kernels::REDTEAM_CDP;
 use cuda::{Context, Device};
-use half::bf16;
 use spec::Config;
 
+use super::honest::{Extra, WithExtra};
 use super::{ONE_THREAD, not_built};
-use crate::megakernel::{Megakernel, Mode};
 use crate::{Layer, Submission, SubmissionError};
 
 pub const NAME: &str = "device-launch";
@@ -27,7 +26,7 @@ pub const KERNEL: &str = "cdp_parent_launch_u64";
 pub const CHILDREN: u32 = 20;
 
 pub fn make() -> Box<dyn Submission> {
-    Box::new(DeviceLaunch { mega: Megakernel::new(Mode::Fused), parent: None })
+    WithExtra::boxed(NAME, DeviceLaunch { parent: None })
 }
 
 /// The parent kernel and the counter its children add to.
@@ -55,37 +54,21 @@ impl Parent {
 }
 
 struct DeviceLaunch {
-    mega: Megakernel,
     parent: Option<Parent>,
 }
 
-impl Submission for DeviceLaunch {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
-        self.mega.build_layer(dev, layer, cfg)?;
+impl Extra for DeviceLaunch {
+    fn build(&mut self, dev: &Device, _layer: &Layer<'_>, _cfg: &Config) -> Result<(), SubmissionError> {
         self.parent = Some(Parent::new(dev)?);
         Ok(())
     }
 
-    fn layer_step(
-        &mut self,
-        dev: &Device,
-        layer: Layer<'_>,
-        x: &CudaSlice<bf16>,
-        pos: usize,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), SubmissionError> {
-        let parent = self.parent.as_mut().ok_or_else(not_built)?;
-        self.mega.layer_step(dev, layer, x, pos, out)?;
-        parent.launch(dev)
+    fn after_step(&mut self, dev: &Device) -> Result<(), SubmissionError> {
+        self.parent.as_mut().ok_or_else(not_built)?.launch(dev)
     }
 
     fn teardown(&mut self) {
         self.parent = None;
-        self.mega.teardown();
     }
 }
 

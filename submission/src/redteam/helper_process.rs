@@ -13,12 +13,10 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cuda::cudarc::driver::CudaSlice;
 use cuda::{Context, Device};
-use half::bf16;
 use spec::Config;
 
-use crate::megakernel::{Megakernel, Mode};
+use super::honest::{Extra, WithExtra};
 use crate::{Layer, Submission, SubmissionError};
 
 pub const NAME: &str = "helper-process";
@@ -37,7 +35,7 @@ const START_LIMIT: Duration = Duration::from_secs(60);
 const LOOK_INTERVAL: Duration = Duration::from_millis(10);
 
 pub fn make() -> Box<dyn Submission> {
-    Box::new(HelperProcess { mega: Megakernel::new(Mode::Fused), helper: None })
+    WithExtra::boxed(NAME, HelperProcess { helper: None })
 }
 
 /// The helper process; dropping it kills and reaps it.
@@ -89,17 +87,11 @@ impl Drop for Helper {
 }
 
 struct HelperProcess {
-    mega: Megakernel,
     helper: Option<Helper>,
 }
 
-impl Submission for HelperProcess {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
-        self.mega.build_layer(dev, layer, cfg)?;
+impl Extra for HelperProcess {
+    fn build(&mut self, dev: &Device, _layer: &Layer<'_>, _cfg: &Config) -> Result<(), SubmissionError> {
         // After the megakernel's allocations have settled, so that the drop in free memory is the
         // helper's alone.
         dev.synchronize()?;
@@ -107,19 +99,7 @@ impl Submission for HelperProcess {
         Ok(())
     }
 
-    fn layer_step(
-        &mut self,
-        dev: &Device,
-        layer: Layer<'_>,
-        x: &CudaSlice<bf16>,
-        pos: usize,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), SubmissionError> {
-        self.mega.layer_step(dev, layer, x, pos, out)
-    }
-
     fn teardown(&mut self) {
         self.helper = None;
-        self.mega.teardown();
     }
 }

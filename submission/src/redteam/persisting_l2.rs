@@ -18,18 +18,16 @@ use cuda::{Context, CudaError, Device};
 use half::bf16;
 use spec::Config;
 
-use crate::megakernel::{Megakernel, Mode};
+use super::honest::{Extra, WithExtra};
 use crate::{Layer, Submission, SubmissionError};
 
 pub const NAME: &str = "persisting-l2";
 
 pub fn make() -> Box<dyn Submission> {
-    Box::new(PersistingL2 { mega: Megakernel::new(Mode::Fused) })
+    WithExtra::boxed(NAME, PersistingL2)
 }
 
-struct PersistingL2 {
-    mega: Megakernel,
-}
+struct PersistingL2;
 
 /// Attaches `window` to the device's stream: every kernel launched there from now on applies it.
 fn set_window(dev: &Device, window: CUaccessPolicyWindow) -> Result<(), CudaError> {
@@ -48,12 +46,8 @@ fn set_window(dev: &Device, window: CUaccessPolicyWindow) -> Result<(), CudaErro
     .context("setting an access-policy window on the device's stream")
 }
 
-impl Submission for PersistingL2 {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
+impl Extra for PersistingL2 {
+    fn build(&mut self, dev: &Device, layer: &Layer<'_>, _cfg: &Config) -> Result<(), SubmissionError> {
         let attr = |a: CUdevice_attribute| -> Result<usize, CudaError> {
             let v = dev.ctx().attribute(a).context(format!("reading {a:?}"))?;
             Ok(usize::try_from(v).unwrap_or(0))
@@ -67,7 +61,6 @@ impl Submission for PersistingL2 {
         let base = o.device_ptr(dev.stream()).0;
         // As much of w_o as the set-aside holds, so that a hit ratio of 1 does not thrash it.
         let num_bytes = set_aside.min(max_window).min(o.len() * size_of::<bf16>());
-        self.mega.build_layer(dev, layer, cfg)?;
         let limit = CUlimit::CU_LIMIT_PERSISTING_L2_CACHE_SIZE;
         dev.ctx().set_limit(limit, set_aside).context("setting the persisting-L2 limit")?;
         set_window(
@@ -81,20 +74,5 @@ impl Submission for PersistingL2 {
             },
         )?;
         Ok(())
-    }
-
-    fn layer_step(
-        &mut self,
-        dev: &Device,
-        layer: Layer<'_>,
-        x: &CudaSlice<bf16>,
-        pos: usize,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), SubmissionError> {
-        self.mega.layer_step(dev, layer, x, pos, out)
-    }
-
-    fn teardown(&mut self) {
-        self.mega.teardown();
     }
 }

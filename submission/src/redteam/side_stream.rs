@@ -13,11 +13,10 @@ use std::sync::Arc;
 
 use cuda::cudarc::driver::{CudaSlice, CudaStream};
 use cuda::{Context, Device};
-use half::bf16;
 use spec::Config;
 
+use super::honest::{Extra, WithExtra};
 use super::not_built;
-use crate::megakernel::{Megakernel, Mode};
 use crate::{Layer, Submission, SubmissionError};
 
 pub const NAME: &str = "side-stream";
@@ -30,7 +29,7 @@ const COPY_BYTES: usize = 4 << 30;
 pub const MIN_STEP_US: f64 = 1500.0;
 
 pub fn make() -> Box<dyn Submission> {
-    Box::new(SideStream { mega: Megakernel::new(Mode::Fused), side: None })
+    WithExtra::boxed(NAME, SideStream { side: None })
 }
 
 /// The stream the grader never hears of, and the copy's buffers.
@@ -41,17 +40,11 @@ struct Side {
 }
 
 struct SideStream {
-    mega: Megakernel,
     side: Option<Side>,
 }
 
-impl Submission for SideStream {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
-        self.mega.build_layer(dev, layer, cfg)?;
+impl Extra for SideStream {
+    fn build(&mut self, dev: &Device, _layer: &Layer<'_>, _cfg: &Config) -> Result<(), SubmissionError> {
         // A non-blocking stream: nothing on the device's stream waits for it, nor it for that.
         let stream = dev.ctx().new_stream().context("creating the side stream")?;
         let src = stream.alloc_zeros::<u8>(COPY_BYTES).context("allocating the side copy's source")?;
@@ -60,16 +53,8 @@ impl Submission for SideStream {
         Ok(())
     }
 
-    fn layer_step(
-        &mut self,
-        dev: &Device,
-        layer: Layer<'_>,
-        x: &CudaSlice<bf16>,
-        pos: usize,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), SubmissionError> {
+    fn after_step(&mut self, _dev: &Device) -> Result<(), SubmissionError> {
         let side = self.side.as_mut().ok_or_else(not_built)?;
-        self.mega.layer_step(dev, layer, x, pos, out)?;
         side.stream.memcpy_dtod(&side.src, &mut side.dst).context("the hidden copy")?;
         Ok(())
     }
@@ -79,6 +64,5 @@ impl Submission for SideStream {
             // Teardown cannot fail: a failed wait leaves the buffers to be freed in stream order.
             let _ = side.stream.synchronize();
         }
-        self.mega.teardown();
     }
 }

@@ -9,13 +9,10 @@
 use std::process::Command;
 
 use cuda::Device;
-use cuda::cudarc::driver::CudaSlice;
-use half::bf16;
-use spec::Config;
 
 use super::CallCount;
-use crate::megakernel::{Megakernel, Mode};
-use crate::{Layer, Submission, SubmissionError};
+use super::honest::{Extra, WithExtra};
+use crate::{Submission, SubmissionError};
 
 pub const NAME: &str = "spawn-in-step";
 
@@ -23,39 +20,19 @@ pub const NAME: &str = "spawn-in-step";
 const SPAWN_AT_CALL: usize = 2;
 
 pub fn make() -> Box<dyn Submission> {
-    Box::new(SpawnInStep { mega: Megakernel::new(Mode::Fused), calls: CallCount::default() })
+    WithExtra::boxed(NAME, SpawnInStep { calls: CallCount::default() })
 }
 
 struct SpawnInStep {
-    mega: Megakernel,
     calls: CallCount,
 }
 
-impl Submission for SpawnInStep {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
-        self.mega.build_layer(dev, layer, cfg)
-    }
-
-    fn layer_step(
-        &mut self,
-        dev: &Device,
-        layer: Layer<'_>,
-        x: &CudaSlice<bf16>,
-        pos: usize,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), SubmissionError> {
+impl Extra for SpawnInStep {
+    fn before_step(&mut self, _dev: &Device) -> Result<(), SubmissionError> {
         if self.calls.next() == SPAWN_AT_CALL {
             // Under the runner's filter this never returns; anywhere else its outcome does not matter.
             let _ = Command::new("true").status();
         }
-        self.mega.layer_step(dev, layer, x, pos, out)
-    }
-
-    fn teardown(&mut self) {
-        self.mega.teardown();
+        Ok(())
     }
 }
