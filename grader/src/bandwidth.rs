@@ -148,6 +148,36 @@ impl StreamKernels {
     }
 }
 
+/// Evicts everything L2 holds by reading a buffer several times its size: reading (not writing)
+/// leaves clean lines, so no write-back of the eviction spills into the work that follows.
+pub struct L2Eviction {
+    kernels: StreamKernels,
+    buffer: CudaSlice<u8>,
+    sink: CudaSlice<u32>,
+}
+
+impl L2Eviction {
+    /// A buffer of `l2_multiple` times the device's L2.
+    pub fn new(dev: &Device, l2_multiple: usize) -> Result<L2Eviction, CudaError> {
+        let kernels = StreamKernels::load(dev)?;
+        let bytes = (l2_multiple * dev.facts().l2_bytes.max(1) as usize).next_multiple_of(VECTOR_BYTES);
+        let buffer = dev.stream().alloc_zeros::<u8>(bytes).context("allocating the L2 eviction buffer")?;
+        let sink = dev.stream().alloc_zeros::<u32>(kernels.wave.grid_dim.0 as usize).context("allocating a sink")?;
+        Ok(L2Eviction { kernels, buffer, sink })
+    }
+
+    /// Bytes the eviction reads.
+    pub fn bytes(&self) -> usize {
+        self.buffer.num_bytes()
+    }
+
+    /// Enqueues the eviction on the device's stream.
+    pub fn enqueue(&mut self, dev: &Device) -> Result<(), CudaError> {
+        let wave = self.kernels.wave;
+        self.kernels.read(dev, &mut self.sink, &self.buffer.as_view(), wave)
+    }
+}
+
 /// 16-byte vectors in `bytes`, which must be a whole number of them.
 fn vector_count(bytes: usize) -> u64 {
     assert!(bytes.is_multiple_of(VECTOR_BYTES), "the stream kernels move whole 16-byte vectors; {bytes} bytes is not");

@@ -15,7 +15,7 @@ use submission::megakernel::{Megakernel, Mode};
 use submission::{Layer, Submission};
 
 use crate::audit::{DRAM_BYTES_READ, RangeAudit};
-use crate::bandwidth::{self, StreamKernels};
+use crate::bandwidth::{self, L2Eviction};
 use crate::cli::ProfileArgs;
 use crate::error::{GraderError, Outcome};
 use crate::run::Progress;
@@ -158,14 +158,12 @@ fn audit_phases(
     let mut audit = RangeAudit::enable(dev.ctx(), &[DRAM_BYTES_READ], AUDITED_STEPS * phases as usize)
         .map_err(|e| e.to_string())?;
     let cuda = |e: CudaError| e.to_string();
-    let kernels = StreamKernels::load(dev).map_err(cuda)?;
-    let evict = dev.stream().alloc_zeros::<u8>(2 * dev.facts().l2_bytes.max(1) as usize).map_err(|e| e.to_string())?;
-    let mut sink = dev.stream().alloc_zeros::<u32>(kernels.wave.grid_dim.0 as usize).map_err(|e| e.to_string())?;
+    let mut evict = L2Eviction::new(dev, 2).map_err(cuda)?;
     let mut out = dev.stream().alloc_zeros(cfg.d).map_err(|e| e.to_string())?;
     for s in 0..AUDITED_STEPS {
         let x = generate_input(dev, cfg, input_seed, s).map_err(cuda)?;
         for p in 0..phases {
-            kernels.read(dev, &mut sink, &evict.as_view(), kernels.wave).map_err(cuda)?;
+            evict.enqueue(dev).map_err(cuda)?;
             dev.synchronize().map_err(cuda)?;
             audit.push(&format!("step {s} phase {p}")).map_err(|e| e.to_string())?;
             phased.launch_phases(dev, &x, cfg.prefill + s, &mut out, p, p + 1).map_err(|e| e.to_string())?;

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::callbacks::{Tag, is_kernel_launch};
+use super::callbacks::{Launch, Tag};
 use super::summary::StepLaunches;
 use super::{Activity, ActivityKind, Captured};
 
@@ -120,27 +120,27 @@ pub fn attribute(
             names.join(", ")
         ));
     }
+    // A runtime launch and the driver launch it makes inside are one launch: grouped under the
+    // outer call's id, recorded if the kernel record carries either id.
+    let mut order = Vec::new();
+    let mut grouped: HashMap<u32, (&Launch, bool)> = HashMap::new();
+    for l in &seen.launches {
+        let id = l.runtime_correlation_id.unwrap_or(l.correlation_id);
+        let recorded = recorded_ids.contains(&l.correlation_id) || recorded_ids.contains(&id);
+        grouped.entry(id).and_modify(|g| g.1 |= recorded).or_insert_with(|| {
+            order.push(id);
+            (l, recorded)
+        });
+    }
     let mut api_launches = vec![0; n];
-    let missing: Vec<&super::callbacks::Launch> = seen
-        .launches
-        .iter()
-        .filter(|l| is_kernel_launch(&l.function))
-        .inspect(|l| {
-            if let Tag::Call(i) = l.tag
-                && i < n
-                && l.runtime_correlation_id.is_none_or(|rt| !seen.launches.iter().any(|o| o.correlation_id == rt))
-            {
-                api_launches[i] += 1;
-            }
-        })
-        .filter(|l| {
-            !recorded_ids.contains(&l.correlation_id)
-                && l.runtime_correlation_id.is_none_or(|rt| !recorded_ids.contains(&rt))
-                && !seen.launches.iter().any(|o| {
-                    o.runtime_correlation_id == Some(l.correlation_id) && recorded_ids.contains(&o.correlation_id)
-                })
-        })
-        .collect();
+    for (l, _) in grouped.values() {
+        if let Tag::Call(i) = l.tag
+            && i < n
+        {
+            api_launches[i] += 1;
+        }
+    }
+    let missing: Vec<&Launch> = order.iter().map(|id| grouped[id]).filter(|g| !g.1).map(|g| g.0).collect();
     if let Some(first) = missing.first() {
         problems.push(format!(
             "{} kernel launch(es) (first: {} in {}) left no GPU record: the activity recording was switched off",
@@ -186,7 +186,7 @@ fn describe(tag: Option<Tag>) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::callbacks::{Launch, Module, Seen};
+    use super::super::callbacks::{Module, Seen};
     use super::*;
 
     fn kernel(name: &str, corr: u32, start: u64, end: u64) -> Activity {

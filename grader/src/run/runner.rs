@@ -24,7 +24,6 @@
 use std::io::BufRead;
 use std::time::Instant;
 
-use cuda::cudarc::driver::CudaSlice;
 use cuda::cudarc::driver::sys::{self as driver, CUlimit};
 use cuda::ipc::RegionHandle;
 use cuda::{Context, Device};
@@ -42,9 +41,13 @@ use super::memfd::SharedMemory;
 use super::sandbox;
 use super::shared::SharedData;
 use crate::audit::{AUDIT_METRICS, CTAS_LAUNCHED, DRAM_BYTES_READ, DRAM_BYTES_WRITE, RangeAudit};
-use crate::bandwidth::StreamKernels;
+use crate::bandwidth::L2Eviction;
 use crate::cupti::{self, CallWindow, Record, Recording, Tag};
 use crate::error::{GraderError, Outcome};
+
+/// The eviction before every command of calls reads this many times L2: enough to replace every
+/// line the last call left.
+const EVICTION_L2_MULTIPLE: usize = 2;
 
 /// What the judge asks of the runner, as the first line of its stdin. Nothing secret: the inputs
 /// arrive one call at a time through the shared region.
@@ -137,7 +140,7 @@ struct Session<'a> {
     sub: Option<Box<dyn Submission>>,
     audit: Result<RangeAudit, String>,
     recording: Recording,
-    flush: L2Flush,
+    flush: L2Eviction,
     /// The submission's weights: this process's own copy of the shared ones (see `shared`).
     weights: DeviceWeights,
     shared: SharedData,
@@ -164,7 +167,7 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
     sandbox::drop_ptrace().map_err(|e| GraderError::Runner(format!("dropping CAP_SYS_PTRACE: {e}")))?;
     dev.synchronize()?;
     let recording = Recording::start()?;
-    let flush = L2Flush::new(&dev)?;
+    let flush = L2Eviction::new(&dev, EVICTION_L2_MULTIPLE)?;
     // A context can start with a persisting-L2 set-aside (seen: 11.25 MiB once the profiler is
     // enabled); the submission starts with none, and any it sets is found at the next command.
     reset_persisting_l2()?;
@@ -293,12 +296,16 @@ impl Session<'_> {
     /// audit range of the last command of calls closed and the next one opened, with the device
     /// idle again afterwards.
     fn after_command(&mut self, kind: Option<Command>) -> Result<(), GraderError> {
+        // Only commands that ran the submission's code can have changed anything to check.
+        if !matches!(kind, Some(Command::Build | Command::Calls | Command::Teardown)) {
+            return Ok(());
+        }
         if matches!(kind, Some(Command::Calls | Command::Teardown)) {
             self.pop_range();
         }
         if matches!(kind, Some(Command::Build | Command::Calls)) {
             cupti::set_current(Tag::Runner);
-            self.flush.run(self.dev)?;
+            self.flush.enqueue(self.dev)?;
             self.dev.synchronize()?;
             cupti::set_current(Tag::Outside);
             self.push_range(None);
@@ -393,30 +400,6 @@ impl Session<'_> {
             l2: self.l2,
             weight_vectors_changed,
         })
-    }
-}
-
-/// Evicts everything the last call left in L2 by reading twice the L2's size: reading (not
-/// writing) leaves clean lines, so no write-back of the flush spills into the next call.
-struct L2Flush {
-    kernels: StreamKernels,
-    buffer: CudaSlice<u8>,
-    sink: CudaSlice<u32>,
-}
-
-impl L2Flush {
-    fn new(dev: &Device) -> Result<L2Flush, GraderError> {
-        let kernels = StreamKernels::load(dev)?;
-        let bytes = (2 * dev.facts().l2_bytes.max(1) as usize).next_multiple_of(16);
-        let buffer = dev.stream().alloc_zeros::<u8>(bytes).context("allocating the L2 flush buffer")?;
-        let blocks = kernels.wave.grid_dim.0 as usize;
-        let sink = dev.stream().alloc_zeros::<u32>(blocks).context("allocating the L2 flush sink")?;
-        Ok(L2Flush { kernels, buffer, sink })
-    }
-
-    fn run(&mut self, dev: &Device) -> Result<(), GraderError> {
-        let wave = self.kernels.wave;
-        Ok(self.kernels.read(dev, &mut self.sink, &self.buffer.as_view(), wave)?)
     }
 }
 

@@ -15,7 +15,7 @@ use half::bf16;
 
 use super::{Check, CheckResult, Ctx, Failure, ensure};
 use crate::audit::{AUDIT_METRICS, CTAS_LAUNCHED, DRAM_BYTES_READ, DRAM_BYTES_WRITE, RangeAudit, RangeValues};
-use crate::bandwidth::StreamKernels;
+use crate::bandwidth::{L2Eviction, StreamKernels};
 use crate::cupti::{self as recording, Activity, ActivityKind, CallWindow, Recording, Tag};
 
 const MIB: usize = 1 << 20;
@@ -60,19 +60,18 @@ pub fn checks() -> Vec<Check> {
 struct Bench<'a> {
     dev: &'a Device,
     kernels: StreamKernels,
-    scratch: CudaSlice<u8>,
+    eviction: L2Eviction,
     sink: CudaSlice<u32>,
 }
 
 impl<'a> Bench<'a> {
     fn new(dev: &'a Device) -> Result<Bench<'a>, Failure> {
         let kernels = StreamKernels::load(dev)?;
-        let scratch_bytes = (EVICT_L2_TIMES * dev.facts().l2_bytes as usize).next_multiple_of(MIB);
-        let scratch = dev.stream().alloc_zeros::<u8>(scratch_bytes).context("allocating the L2 scratch")?;
+        let eviction = L2Eviction::new(dev, EVICT_L2_TIMES)?;
         let blocks = [kernels.wave.grid_dim.0, ODD_GRID, BACK_TO_BACK as u32 * STEP_BLOCKS];
         let words = blocks.into_iter().max().unwrap_or_default() as usize;
         let sink = dev.stream().alloc_zeros::<u32>(words).context("allocating the sink")?;
-        Ok(Bench { dev, kernels, scratch, sink })
+        Ok(Bench { dev, kernels, eviction, sink })
     }
 
     /// `bytes` of random data (never measure on zeros).
@@ -85,14 +84,13 @@ impl<'a> Bench<'a> {
     }
 
     fn scratch_bytes(&self) -> usize {
-        self.scratch.num_bytes()
+        self.eviction.bytes()
     }
 
     /// Reads the scratch buffer and waits for it: afterwards L2 holds clean scratch lines only and
     /// the device is idle, as before the grader's synchronised calls.
     fn evict(&mut self) -> Result<(), Failure> {
-        let wave = self.kernels.wave;
-        self.kernels.read(self.dev, &mut self.sink, &self.scratch.as_view(), wave)?;
+        self.eviction.enqueue(self.dev)?;
         Ok(self.dev.synchronize()?)
     }
 
