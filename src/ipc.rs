@@ -81,10 +81,6 @@ impl SharedRegion {
         Ok(Self { base, bytes: h.bytes, owned: false, dev: DeviceRef(dev.stream().clone()) })
     }
 
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
     /// `len` elements of `T` at byte `offset`, as a slice that must not outlive the region.
     ///
     /// # Panics
