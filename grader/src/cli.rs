@@ -130,7 +130,8 @@ pub struct ProfileArgs {
     /// Also write the phases as JSON to this file ('-' for stdout).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
-    /// Also draw the phases as an SVG bar chart into this file.
+    /// Also draw the fused launch's timeline as SVG into this file: one row per block, a colour per
+    /// phase, white where a block waits at a grid barrier.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
     /// Print no progress lines, only the table.

@@ -27,6 +27,9 @@ pub enum GraderError {
     Usage(String),
     #[error("the runner (the submission's process) could not be used: {0}")]
     Runner(String),
+    /// A measurement came back unusable (e.g. a trace with missing stamps).
+    #[error("{0}")]
+    Measurement(String),
 }
 
 impl GraderError {

@@ -27,6 +27,31 @@ pub struct ByteModel {
     pub weights_plus_kv: u64,
     /// Everything above: the floor's numerator.
     pub total: u64,
+    /// `total` split over the layer's operations, in order; the parts sum to `total`.
+    pub by_op: [OpBytes; 5],
+}
+
+/// The layer's operations in order, as `grader profile` and the megakernel's program name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LayerOp {
+    /// `rmsnorm`, the q, k and v projections, RoPE and the cache append.
+    Qkv,
+    Attention,
+    OProj,
+    /// `rmsnorm` and the gate and up projections.
+    GateUp,
+    Down,
+}
+
+impl LayerOp {
+    pub const ALL: [LayerOp; 5] = [LayerOp::Qkv, LayerOp::Attention, LayerOp::OProj, LayerOp::GateUp, LayerOp::Down];
+}
+
+/// One operation's share of the byte model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpBytes {
+    pub op: LayerOp,
+    pub bytes: u64,
 }
 
 impl ByteModel {
@@ -57,6 +82,17 @@ impl ByteModel {
         let kv_read = bf16(mul(&[2, kv, positions, batch])?)?;
         let kv_append = bf16(mul(&[2, kv, batch])?)?;
         let activations = bf16(mul(&[2, d, batch])?)?;
+        // Each operation is charged the weights it reads, a norm with the projection it feeds, the
+        // cache with attention, x with the first operation and x_out with the last.
+        let (x, norm) = (activations / 2, norms / 2);
+        let part = |op, terms: &[u64]| Some(OpBytes { op, bytes: sum(terms)? });
+        let by_op = [
+            part(LayerOp::Qkv, &[bf16(mul(&[q + 2 * kv, d])?)?, norm, x])?,
+            part(LayerOp::Attention, &[kv_read, kv_append])?,
+            part(LayerOp::OProj, &[bf16(mul(&[q, d])?)?])?,
+            part(LayerOp::GateUp, &[bf16(mul(&[2, ffn, d])?)?, norm])?,
+            part(LayerOp::Down, &[bf16(mul(&[ffn, d])?)?, x])?,
+        ];
         Some(Self {
             matrices,
             norms,
@@ -65,6 +101,7 @@ impl ByteModel {
             activations,
             weights_plus_kv: matrices.checked_add(kv_read)?,
             total: sum(&[matrices, norms, kv_read, kv_append, activations])?,
+            by_op,
         })
     }
 
@@ -111,6 +148,24 @@ mod tests {
         // docs/task.md: about 408 us at 4.23 TB/s.
         let floor = b.floor_us(4.23e12);
         assert!((floor - 408.0).abs() < 1.5, "{floor}");
+    }
+
+    #[test]
+    fn the_operations_share_the_total_exactly() {
+        for cfg in [Config::graded(), Config::small(), Config::tiny()] {
+            for pos in [0, cfg.prefill, cfg.deepest_timed_pos()] {
+                let b = ByteModel::at(&cfg, pos);
+                assert_eq!(b.by_op.iter().map(|o| o.bytes).sum::<u64>(), b.total, "{} at {pos}", cfg.name);
+                assert_eq!(b.by_op.map(|o| o.op), LayerOp::ALL);
+                assert_eq!(b.by_op[1].bytes, b.kv_read + b.kv_append);
+            }
+        }
+        // The graded layer: Wq, Wk, Wv and in_norm and x; Wo; Wgate, Wup and post_norm; Wdown and out.
+        let g = ByteModel::of(&Config::graded());
+        assert_eq!(g.by_op[0].bytes, 2 * (10240 * 8192 + 8192 + 8192));
+        assert_eq!(g.by_op[2].bytes, 2 * 8192 * 8192);
+        assert_eq!(g.by_op[3].bytes, 2 * (2 * 28672 * 8192 + 8192));
+        assert_eq!(g.by_op[4].bytes, 2 * (28672 * 8192 + 8192));
     }
 
     #[test]

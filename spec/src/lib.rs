@@ -10,7 +10,7 @@ pub mod rng;
 pub mod schedule;
 mod statement;
 
-pub use bytes::ByteModel;
+pub use bytes::{ByteModel, LayerOp, OpBytes};
 pub use config::{CONFIG_NAMES, Config, MAX_DEVICE_BYTES, MAX_SIZE};
 pub use data::Tensor;
 pub use gates::Gates;

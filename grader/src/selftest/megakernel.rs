@@ -18,7 +18,15 @@ pub fn checks() -> Vec<Check> {
         Check { name: "megakernel matches eager (tiny)", run: |c| matches(c, Config::tiny(), 3) },
         Check { name: "megakernel matches eager (small)", run: |c| matches(c, Config::small(), 3) },
         Check { name: "megakernel matches eager (graded)", run: |c| matches(c, Config::graded(), 3) },
+        Check { name: "megakernel matches eager (attention in rounds)", run: |c| matches(c, deep_cache(), 2) },
     ]
+}
+
+/// `small` with 4 KV heads over 10,000 cached positions: 4 x 79 attention items, more than the teams of
+/// any grid up to 158 SMs, so teams take several items and the last to finish a head combines it
+/// (the graded layer's 8 x 33 items fit one round and are combined by all of a head's teams).
+fn deep_cache() -> Config {
+    Config { name: "small-deep".into(), n_q: 32, n_kv: 4, prefill: 10_000, max_seq_len: 10_112, ..Config::small() }
 }
 
 /// `steps` steps of the fused megakernel, the phase-per-launch mode and the eager reference on

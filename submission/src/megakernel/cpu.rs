@@ -94,7 +94,7 @@ impl CpuLayer {
             sin: a.alloc_f32(&rope.sin),
             part_o: a.alloc(&zeros(4 * chunks * cfg.hd)),
             part_ml: a.alloc(&zeros(4 * chunks * 2)),
-            counters: a.alloc(&zeros(4 * cfg.n_kv)),
+            counters: a.alloc(&zeros(4 * 2 * cfg.n_kv)),
             a: a.alloc(&zeros(2 * cfg.q_dim())),
             w_o: a.alloc_bf16(&w.o),
             x1: a.alloc(&zeros(2 * cfg.d)),

@@ -83,15 +83,53 @@ impl Megakernel {
         begin: u32,
         end: u32,
     ) -> Result<(), SubmissionError> {
+        self.launch(dev, x, pos, out, begin..end, None)
+    }
+
+    /// Runs the whole program in one launch, as `layer_step` does in [`Mode::Fused`], with every
+    /// block stamping the GPU's global timer at the start and end of each phase. `Ok` holds the
+    /// stamps in ns, `(block, phase, [start, end])` flattened, and the grid.
+    pub fn trace_step(
+        &mut self,
+        dev: &Device,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(Vec<u64>, u32), SubmissionError> {
+        let (phases, grid) = match &self.built {
+            Some(b) => (b.phases, b.grid),
+            None => return Err(SubmissionError::Refused("trace_step before build_layer".into())),
+        };
+        let mut trace =
+            dev.stream().alloc_zeros::<u64>((grid * phases * 2) as usize).context("allocating the trace")?;
+        self.launch(dev, x, pos, out, 0..phases, Some(&mut trace))?;
+        Ok((dev.stream().clone_dtoh(&trace).context("reading the trace")?, grid))
+    }
+
+    fn launch(
+        &mut self,
+        dev: &Device,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+        phases: std::ops::Range<u32>,
+        trace: Option<&mut CudaSlice<u64>>,
+    ) -> Result<(), SubmissionError> {
         let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
         let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
-        let pos = pos as u32;
+        let (pos, begin, end) = (pos as u32, phases.start, phases.end);
+        let no_trace = 0u64;
         let mut args = dev.stream().launch_builder(&b.func);
         args.arg(&b.program).arg(&begin).arg(&end).arg(x).arg(out).arg(&pos);
         args.arg(&mut b.barrier).arg(&b.barrier_base).arg(&b.red_rows);
+        match trace {
+            Some(t) => args.arg(t),
+            None => args.arg(&no_trace),
+        };
         // SAFETY: megakernel_bf16(program, phase_begin: u32, phase_end: u32, x, out, pos: u32,
-        // barrier, barrier_base: u32, red_rows: u32); the grid is co-resident (occupancy-sized, and
-        // the cooperative launch fails rather than run it otherwise), smem as build_layer sized it.
+        // barrier, barrier_base: u32, red_rows: u32, trace (null or grid * phases * 2 u64)); the grid
+        // is co-resident (occupancy-sized, and the cooperative launch fails rather than run it
+        // otherwise), smem as build_layer sized it.
         unsafe { args.launch_cooperative(cfg) }.context("launching megakernel_bf16")?;
         b.barrier_base = b.barrier_base.wrapping_add((end - begin - 1) * b.grid);
         Ok(())
@@ -193,7 +231,8 @@ impl Submission for Megakernel {
         let partials = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
         let part_o = s.alloc_zeros::<f32>(partials * cfg.hd).context("allocating attention partials")?;
         let part_ml = s.alloc_zeros::<f32>(partials * 2).context("allocating attention partials")?;
-        let counters = s.alloc_zeros::<u32>(cfg.n_kv).context("allocating attention counters")?;
+        // Arrivals and departures per KV head (see phase_attention).
+        let counters = s.alloc_zeros::<u32>(2 * cfg.n_kv).context("allocating attention counters")?;
         let buffers = Buffers {
             w_qkv: addr(dev, &w_qkv),
             in_norm: addr(dev, &w.in_norm),

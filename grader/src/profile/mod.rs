@@ -1,7 +1,11 @@
 //! `grader profile`: the megakernel's phase-per-launch mode timed phase by phase with events, each
-//! phase against its own floor, beside the fused launch; as a table and as an SVG chart. Where the
-//! GPU's counters can be read, a second pass measures the DRAM bytes each phase reads (one audit
-//! range per phase launch; the ranges' own cost stays out of the timed pass).
+//! phase against its own floor, beside the fused launch; then the fused launch traced block by block
+//! (`timeline`), as a table and an SVG timeline. Where the GPU's counters can be read, a second pass
+//! measures the DRAM bytes each phase reads (one audit range per phase launch; the ranges' own cost
+//! stays out of the timed pass). Every phase's bytes are the byte model's (`ByteModel::by_op`), the
+//! figures `grader run` judges.
+
+mod timeline;
 
 use std::fmt::Write as _;
 
@@ -9,8 +13,7 @@ use cuda::{Context, CudaError, Device};
 use reference::gpu::DeviceCache;
 use reference::gpu::data::generate_input;
 use serde::Serialize;
-use spec::Config;
-use submission::megakernel::program::{Op, phase_bytes};
+use spec::{ByteModel, Config};
 use submission::megakernel::{Megakernel, Mode};
 use submission::{Layer, Submission};
 
@@ -24,6 +27,10 @@ use crate::stats::Summary;
 /// Untimed steps first; then timed steps, each phase timed once per step.
 const WARMUP_STEPS: usize = 2;
 const TIMED_STEPS: usize = 16;
+/// Traced fused launches, L2 evicted before each as in a run; the one of median length is shown.
+const TRACED_STEPS: usize = 5;
+
+pub use timeline::{Timeline, TracedPhase};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct PhaseTime {
@@ -49,6 +56,8 @@ pub struct Profile {
     pub fused_x_floor: f64,
     /// Why the DRAM bytes per phase are missing, when they are.
     pub unaudited: Option<String>,
+    /// The fused launch traced block by block; `None` when its stamps were incomplete.
+    pub timeline: Option<Timeline>,
 }
 
 pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError> {
@@ -65,8 +74,21 @@ pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError
     progress.say(&format!("generating the '{}' layer and building both modes", cfg.name));
     let profile = measure(&dev, &cfg, args.seed, bw.floor_bytes_per_s())?;
     eprint!("{}", table(&profile));
+    match &profile.timeline {
+        Some(t) => eprint!("{}", t.table()),
+        None => eprintln!("  the fused launch's trace was incomplete: no timeline"),
+    }
     if let Some(path) = &args.svg {
-        crate::write_output(path, &svg(&profile))?;
+        let Some(t) = &profile.timeline else {
+            return Err(GraderError::Measurement(
+                "--svg: the fused launch's trace was incomplete, nothing to draw".into(),
+            ));
+        };
+        let title = format!(
+            "megakernel, '{}' config: fused {:.1} us = {:.3}x floor; one row per block, white = waiting",
+            profile.config, profile.fused_us.median, profile.fused_x_floor
+        );
+        crate::write_output(path, &t.svg(&title))?;
     }
     if let Some(path) = &args.json {
         crate::write_output(path, &(serde_json::to_string_pretty(&profile).expect("serialises") + "\n"))?;
@@ -101,19 +123,19 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
             fused_us.push(ms as f64 * 1e3);
         }
     }
-    let bytes = phase_bytes(cfg, cfg.deepest_timed_pos());
+    let model = ByteModel::at(cfg, cfg.deepest_timed_pos());
     let medians: Vec<f64> = per_phase.iter().map(|t| Summary::of(t).expect("timed").median).collect();
     let phases_sum_us: f64 = medians.iter().sum();
     let floor_us = |b: u64| b as f64 / floor_bytes_per_s * 1e6;
     let phases = per_phase
         .iter()
-        .zip(&bytes)
-        .map(|(t, &(op, b)): (&Vec<f64>, &(Op, u64))| {
+        .zip(model.by_op)
+        .map(|(t, part)| {
             let us = Summary::of(t).expect("timed");
             PhaseTime {
-                phase: format!("{op:?}"),
-                bytes: b,
-                x_floor: us.median / floor_us(b),
+                phase: format!("{:?}", part.op),
+                bytes: part.bytes,
+                x_floor: us.median / floor_us(part.bytes),
                 share: us.median / phases_sum_us,
                 us,
                 dram_bytes_read: None,
@@ -130,17 +152,47 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
         }
         Err(reason) => Some(reason),
     };
+    let names: Vec<String> = phases.iter().map(|p| p.phase.clone()).collect();
+    let floors: Vec<f64> = phases.iter().map(|p| floor_us(p.bytes)).collect();
+    let timeline = trace(dev, cfg, &mut fused, input_seed, &names, &floors)?;
     let fused_us = Summary::of(&fused_us).expect("timed");
-    let total: u64 = bytes.iter().map(|b| b.1).sum();
     Ok(Profile {
         config: cfg.name.clone(),
         floor_tbps: floor_bytes_per_s / 1e12,
         phases,
         phases_sum_us,
-        fused_x_floor: fused_us.median / floor_us(total),
+        fused_x_floor: fused_us.median / floor_us(model.total),
         fused_us,
         unaudited,
+        timeline,
     })
+}
+
+/// [`TRACED_STEPS`] fused launches at the deepest timed position, each after an L2 eviction; the
+/// timeline of median length, or `None` when any trace was incomplete.
+fn trace(
+    dev: &Device,
+    cfg: &Config,
+    fused: &mut Megakernel,
+    input_seed: u64,
+    names: &[String],
+    floors_us: &[f64],
+) -> Result<Option<Timeline>, GraderError> {
+    let mut evict = L2Eviction::new(dev, 2)?;
+    let mut out = dev.stream().alloc_zeros(cfg.d).context("allocating the output")?;
+    let mut traced = Vec::with_capacity(TRACED_STEPS);
+    for s in 0..TRACED_STEPS {
+        let x = generate_input(dev, cfg, input_seed, s)?;
+        evict.enqueue(dev)?;
+        dev.synchronize()?;
+        let (stamps, grid) = fused.trace_step(dev, &x, cfg.deepest_timed_pos(), &mut out)?;
+        match Timeline::of(&stamps, grid as usize, names, floors_us) {
+            Some(t) => traced.push(t),
+            None => return Ok(None),
+        }
+    }
+    traced.sort_by(|a, b| a.total_us.total_cmp(&b.total_us));
+    Ok(Some(traced.swap_remove(TRACED_STEPS / 2)))
 }
 
 /// Steps of the audited pass.
@@ -203,42 +255,4 @@ pub fn table(p: &Profile) -> String {
     let _ = writeln!(s, "  phases, one launch each: {:.1} us", p.phases_sum_us);
     let _ = writeln!(s, "  fused, one launch:       {:.1} us = {:.3}x floor", p.fused_us.median, p.fused_x_floor);
     s
-}
-
-/// A horizontal bar per phase, its length the median time, labelled with time and x floor.
-pub fn svg(p: &Profile) -> String {
-    const W: f64 = 720.0;
-    const LABEL: f64 = 110.0;
-    const BAR_H: f64 = 26.0;
-    let max = p.phases.iter().map(|ph| ph.us.median).fold(1e-9, f64::max);
-    let height = 60.0 + BAR_H * p.phases.len() as f64;
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{height}\" font-family=\"monospace\" font-size=\"12\">\n"
-    );
-    let _ = writeln!(
-        s,
-        "<text x=\"8\" y=\"18\">megakernel phases, '{}': fused {:.1} us = {:.3}x floor</text>",
-        p.config, p.fused_us.median, p.fused_x_floor
-    );
-    for (i, ph) in p.phases.iter().enumerate() {
-        let y = 34.0 + BAR_H * i as f64;
-        let len = (W - LABEL - 170.0) * ph.us.median / max;
-        // Red where a phase is far over its own floor, so the slowest phase stands out.
-        let colour = if ph.x_floor > 1.2 { "#d9534f" } else { "#5b9bd5" };
-        let _ = writeln!(s, "<text x=\"8\" y=\"{}\">{}</text>", y + 16.0, ph.phase);
-        let _ = writeln!(
-            s,
-            "<rect x=\"{LABEL}\" y=\"{y}\" width=\"{len:.1}\" height=\"{}\" fill=\"{colour}\"/>",
-            BAR_H - 6.0
-        );
-        let _ = writeln!(
-            s,
-            "<text x=\"{:.1}\" y=\"{}\">{:.1} us, {:.2}x floor</text>",
-            LABEL + len + 6.0,
-            y + 16.0,
-            ph.us.median,
-            ph.x_floor
-        );
-    }
-    s + "</svg>\n"
 }

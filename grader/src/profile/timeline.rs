@@ -1,0 +1,200 @@
+//! The fused launch as its blocks lived it: every block stamps the GPU's global timer when it starts
+//! and finishes each phase (`Megakernel::trace_step`), so the time a phase holds the critical path,
+//! the spread of its blocks and the time they wait at the grid barrier are visible, as a table and
+//! as an SVG timeline (one row per block, a colour per phase, white where a block waits).
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+/// One phase of the traced launch. Times in microseconds from the launch's first stamp.
+#[derive(Debug, Clone, Serialize)]
+pub struct TracedPhase {
+    pub phase: String,
+    /// The earliest start and the latest end of any block.
+    pub first_start_us: f64,
+    pub last_end_us: f64,
+    /// What the phase adds to the launch: its last end minus the previous phase's last end.
+    pub critical_us: f64,
+    /// `critical_us` over the phase's bytes at the floor bandwidth.
+    pub x_floor: f64,
+    /// A block's time inside the phase (start to end): median and largest over the blocks.
+    pub busy_median_us: f64,
+    pub busy_max_us: f64,
+    /// Mean time a block waited after finishing the phase until it started the next.
+    pub wait_mean_us: f64,
+}
+
+/// The traced launch: per-phase figures and each block's stamps.
+#[derive(Debug, Clone, Serialize)]
+pub struct Timeline {
+    pub blocks: usize,
+    pub total_us: f64,
+    pub phases: Vec<TracedPhase>,
+    /// `spans[block][phase] = (start_us, end_us)`.
+    #[serde(skip)]
+    pub spans: Vec<Vec<(f64, f64)>>,
+}
+
+impl Timeline {
+    /// Reads the stamps of `trace_step` (`(block, phase, [start, end])` in ns) for phases named
+    /// `names` whose floors (us at the floor bandwidth) are `floors_us`. `None` when a stamp is
+    /// missing (zero) or out of order: a trace that cannot be trusted is not drawn.
+    pub fn of(stamps: &[u64], blocks: usize, names: &[String], floors_us: &[f64]) -> Option<Timeline> {
+        let phases = names.len();
+        if phases == 0 || blocks == 0 || stamps.len() != blocks * phases * 2 || stamps.contains(&0) {
+            return None;
+        }
+        let origin = *stamps.iter().min()?;
+        let us = |ns: u64| (ns - origin) as f64 / 1e3;
+        let spans: Vec<Vec<(f64, f64)>> = (0..blocks)
+            .map(|b| {
+                (0..phases).map(|p| (us(stamps[(b * phases + p) * 2]), us(stamps[(b * phases + p) * 2 + 1]))).collect()
+            })
+            .collect();
+        let ordered =
+            spans.iter().all(|row| row.iter().all(|&(s, e)| s <= e) && row.windows(2).all(|w| w[0].1 <= w[1].0));
+        if !ordered {
+            return None;
+        }
+        let mut previous_end = 0.0;
+        let mut out = Vec::with_capacity(phases);
+        for p in 0..phases {
+            let column: Vec<(f64, f64)> = spans.iter().map(|row| row[p]).collect();
+            let first_start = column.iter().map(|c| c.0).fold(f64::INFINITY, f64::min);
+            let last_end = column.iter().map(|c| c.1).fold(0.0, f64::max);
+            let mut busy: Vec<f64> = column.iter().map(|c| c.1 - c.0).collect();
+            busy.sort_by(f64::total_cmp);
+            let wait_mean = if p + 1 < phases {
+                spans.iter().map(|row| row[p + 1].0 - row[p].1).sum::<f64>() / blocks as f64
+            } else {
+                0.0
+            };
+            let critical = last_end - previous_end;
+            out.push(TracedPhase {
+                phase: names[p].clone(),
+                first_start_us: first_start,
+                last_end_us: last_end,
+                critical_us: critical,
+                x_floor: critical / floors_us[p],
+                busy_median_us: busy[blocks / 2],
+                busy_max_us: busy[blocks - 1],
+                wait_mean_us: wait_mean,
+            });
+            previous_end = last_end;
+        }
+        Some(Timeline { blocks, total_us: previous_end, phases: out, spans })
+    }
+
+    pub fn table(&self) -> String {
+        let mut s =
+            format!("\nfused launch, traced ({} blocks, {:.1} us stamp to stamp)\n", self.blocks, self.total_us);
+        let _ = writeln!(
+            s,
+            "  {:<10} {:>9} {:>9} {:>11} {:>8} {:>12} {:>9} {:>10}",
+            "phase", "start us", "end us", "critical us", "x floor", "busy med us", "busy max", "wait after"
+        );
+        for p in &self.phases {
+            let _ = writeln!(
+                s,
+                "  {:<10} {:>9.1} {:>9.1} {:>11.1} {:>8.3} {:>12.1} {:>9.1} {:>10.1}",
+                p.phase,
+                p.first_start_us,
+                p.last_end_us,
+                p.critical_us,
+                p.x_floor,
+                p.busy_median_us,
+                p.busy_max_us,
+                p.wait_mean_us
+            );
+        }
+        s
+    }
+
+    /// One row per block, a coloured bar per phase from its start to its end; white is waiting.
+    pub fn svg(&self, title: &str) -> String {
+        const W: f64 = 960.0;
+        const LEFT: f64 = 60.0;
+        const TOP: f64 = 40.0;
+        const ROW: f64 = 3.0;
+        const COLOURS: [&str; 6] = ["#5b9bd5", "#d9534f", "#f0ad4e", "#5cb85c", "#8e6fb8", "#777777"];
+        let plot_h = ROW * self.blocks as f64;
+        let height = TOP + plot_h + 60.0;
+        let scale = (W - LEFT - 20.0) / self.total_us.max(1e-9);
+        let mut s = format!(
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{height}\" font-family=\"monospace\" font-size=\"12\">\n"
+        );
+        let _ = writeln!(s, "<text x=\"8\" y=\"18\">{title}</text>");
+        let _ = writeln!(s, "<text x=\"8\" y=\"{}\">block</text>", TOP - 6.0);
+        for (b, row) in self.spans.iter().enumerate() {
+            let y = TOP + ROW * b as f64;
+            for (p, &(start, end)) in row.iter().enumerate() {
+                let _ = writeln!(
+                    s,
+                    "<rect x=\"{:.2}\" y=\"{y:.1}\" width=\"{:.2}\" height=\"{ROW}\" fill=\"{}\"/>",
+                    LEFT + start * scale,
+                    ((end - start) * scale).max(0.5),
+                    COLOURS[p % COLOURS.len()]
+                );
+            }
+        }
+        // A tick every 50 us, then the legend: each phase's colour and its critical time.
+        let axis = TOP + plot_h + 14.0;
+        let mut t = 0.0;
+        while t <= self.total_us {
+            let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{axis}\">{t:.0}</text>", LEFT + t * scale);
+            t += 50.0;
+        }
+        let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{axis}\">us</text>", W - 18.0);
+        let mut x = LEFT;
+        for (p, ph) in self.phases.iter().enumerate() {
+            let y = axis + 22.0;
+            let _ = writeln!(
+                s,
+                "<rect x=\"{x:.1}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{}\"/>",
+                y - 10.0,
+                COLOURS[p % COLOURS.len()]
+            );
+            let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{y}\">{} {:.1} us</text>", x + 16.0, ph.phase, ph.critical_us);
+            x += 170.0;
+        }
+        s + "</svg>\n"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(n: usize) -> Vec<String> {
+        (0..n).map(|p| format!("P{p}")).collect()
+    }
+
+    #[test]
+    fn critical_times_add_up_and_waits_are_measured() {
+        // Two blocks, two phases; block 1 finishes phase 0 late, block 0 waits 3 us for it.
+        let ns = |us: u64| 1_000_000 + us * 1000;
+        let stamps = [ns(0), ns(10), ns(13), ns(20), ns(1), ns(13), ns(13), ns(25)];
+        let t = Timeline::of(&stamps, 2, &names(2), &[5.0, 6.0]).expect("a complete trace");
+        assert_eq!(t.total_us, 25.0);
+        assert_eq!(t.phases[0].critical_us, 13.0);
+        assert_eq!(t.phases[1].critical_us, 12.0);
+        assert_eq!(t.phases[0].x_floor, 13.0 / 5.0);
+        assert_eq!(t.phases[0].wait_mean_us, 1.5);
+        assert_eq!(t.phases[0].busy_max_us, 12.0);
+        assert_eq!(t.phases[1].first_start_us, 13.0);
+        let svg = t.svg("test");
+        assert_eq!(svg.matches("<rect").count(), 4 + 2, "a bar per block and phase, a legend box per phase");
+    }
+
+    #[test]
+    fn a_missing_or_disordered_stamp_is_not_drawn() {
+        assert!(Timeline::of(&[5, 0], 1, &names(1), &[1.0]).is_none(), "a zero stamp: the block never wrote it");
+        assert!(Timeline::of(&[9, 5], 1, &names(1), &[1.0]).is_none(), "an end before its start");
+        assert!(
+            Timeline::of(&[1, 5, 4, 9], 1, &names(2), &[1.0, 1.0]).is_none(),
+            "a phase starting before the last ended"
+        );
+        assert!(Timeline::of(&[1, 5], 2, &names(1), &[1.0]).is_none(), "too few stamps for the grid");
+    }
+}
