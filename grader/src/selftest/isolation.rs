@@ -3,12 +3,12 @@
 //! message its entry expects; and the example external submission (a C ABI library) must pass
 //! correctness.
 
-use spec::{Config, DEFAULT_SEED};
+use spec::Config;
 use submission::redteam::{self, Expect};
 
-use super::{Check, CheckResult, Ctx, Failure, ensure};
-use crate::run::report::{Report, Seeds, Status};
-use crate::run::{Policy, Progress, judge};
+use super::flow::gate;
+use super::{Check, CheckResult, Ctx, ensure, judged, named};
+use crate::run::report::{Report, Status};
 
 /// Where `scripts/build-example` leaves the example external submission.
 pub const EXAMPLE_LIBRARY: &str = "target/examples/libexternal_eager.so";
@@ -20,14 +20,8 @@ pub fn checks() -> Vec<Check> {
     ]
 }
 
-fn judged(ctx: &Ctx, submission: &str, cfg: &Config) -> Result<Report, Failure> {
-    let seeds = Seeds { weights: DEFAULT_SEED, inputs: rand::random() };
-    judge(&ctx.dev, submission, cfg, seeds, Policy { require_audit: false }, &Progress::new(true), None)
-        .map_err(|e| Failure(e.to_string()))
-}
-
 /// Whether a report shows what the adversary's entry expects; `Err` says what it showed instead.
-fn caught(r: &Report, expect: Expect) -> Result<String, String> {
+pub fn caught(r: &Report, expect: Expect) -> Result<String, String> {
     let v = &r.verdict;
     let shown = || match &v.reason {
         Some(reason) => format!("{:?}: {reason}", v.status),
@@ -63,7 +57,7 @@ fn red_team(ctx: &mut Ctx) -> CheckResult {
     let cfg = Config::small();
     let mut missed = Vec::new();
     for adversary in redteam::ALL {
-        let r = judged(ctx, adversary.name, &cfg)?;
+        let r = judged(ctx, &named(adversary.name), &cfg, None)?;
         if let Err(shown) = caught(&r, adversary.expect) {
             missed.push(format!("{} (expected {:?}, got {shown})", adversary.name, adversary.expect));
         }
@@ -79,10 +73,8 @@ fn external_example(ctx: &mut Ctx) -> CheckResult {
     ensure(std::path::Path::new(EXAMPLE_LIBRARY).exists(), || {
         format!("{EXAMPLE_LIBRARY} is missing: build it with scripts/build-example")
     })?;
-    let r = judged(ctx, EXAMPLE_LIBRARY, &Config::graded())?;
-    let c = r.gates.iter().find(|g| g.name == "correctness").ok_or_else(|| {
-        Failure(format!("not judged: {:?} {}", r.verdict.status, r.verdict.reason.as_deref().unwrap_or("")))
-    })?;
+    let r = judged(ctx, &named(EXAMPLE_LIBRARY), &Config::graded(), None)?;
+    let c = gate(&r, "correctness")?;
     ensure(c.passed, || format!("correctness failed: {}", c.detail))?;
     Ok(format!("graded config through the C ABI: {}", c.detail))
 }
