@@ -4,6 +4,7 @@
 //! correctness.
 
 use spec::Config;
+use submission::Chosen;
 use submission::redteam::{self, Expect};
 
 use super::flow::gate;
@@ -21,7 +22,7 @@ pub fn checks() -> Vec<Check> {
 }
 
 /// Whether a report shows what the adversary's entry expects; `Err` says what it showed instead.
-pub fn caught(r: &Report, expect: Expect) -> Result<String, String> {
+fn caught(r: &Report, expect: Expect) -> Result<String, String> {
     let v = &r.verdict;
     let shown = || match &v.reason {
         Some(reason) => format!("{:?}: {reason}", v.status),
@@ -54,19 +55,25 @@ pub fn caught(r: &Report, expect: Expect) -> Result<String, String> {
 }
 
 fn red_team(ctx: &mut Ctx) -> CheckResult {
+    let adversaries = redteam::ALL.iter().map(|a| (a.name.to_string(), named(a.name), a.expect)).collect();
+    every_one_caught(ctx, adversaries)
+}
+
+/// Judges each `(label, submission, expected verdict)` at the small config; every one must end as
+/// expected. The judge and the GPU must still work after each one: the next one shows it.
+pub fn every_one_caught(ctx: &Ctx, adversaries: Vec<(String, Chosen, Expect)>) -> CheckResult {
     let cfg = Config::small();
     let mut missed = Vec::new();
-    for adversary in redteam::ALL {
-        let r = judged(ctx, &named(adversary.name), &cfg, None)?;
-        if let Err(shown) = caught(&r, adversary.expect) {
-            missed.push(format!("{} (expected {:?}, got {shown})", adversary.name, adversary.expect));
+    for (label, chosen, expect) in &adversaries {
+        let r = judged(ctx, chosen, &cfg, None)?;
+        if let Err(shown) = caught(&r, *expect) {
+            missed.push(format!("{label} (expected {expect:?}, got {shown})"));
         }
-        // The judge and the GPU must still work after each one: the next adversary shows it.
     }
     ensure(missed.is_empty(), || {
-        format!("{} of {} not caught: {}", missed.len(), redteam::ALL.len(), missed.join(" | "))
+        format!("{} of {} not caught: {}", missed.len(), adversaries.len(), missed.join(" | "))
     })?;
-    Ok(format!("{} adversaries, each caught as expected; the judge and GPU stayed usable", redteam::ALL.len()))
+    Ok(format!("{} adversaries, each caught as expected; the judge and GPU stayed usable", adversaries.len()))
 }
 
 fn external_example(ctx: &mut Ctx) -> CheckResult {

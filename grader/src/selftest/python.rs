@@ -8,7 +8,7 @@ use submission::Chosen;
 use submission::python::redteam;
 
 use super::flow::{eager_verdict, gate};
-use super::isolation::caught;
+use super::isolation::every_one_caught;
 use super::{Check, CheckResult, Ctx, Failure, ensure, judged};
 
 const EAGER: &str = "submission/examples/python/eager_layer.py";
@@ -65,17 +65,9 @@ fn output_copy(ctx: &mut Ctx) -> CheckResult {
 }
 
 fn red_team(ctx: &mut Ctx) -> CheckResult {
-    let cfg = Config::small();
-    let mut missed = Vec::new();
-    for adversary in redteam::ALL {
-        let path = format!("{}/{}", redteam::FOLDER, adversary.file);
-        let r = judged(ctx, &module(&path)?, &cfg, None)?;
-        if let Err(shown) = caught(&r, adversary.expect) {
-            missed.push(format!("{} (expected {:?}, got {shown})", adversary.file, adversary.expect));
-        }
-    }
-    ensure(missed.is_empty(), || {
-        format!("{} of {} not caught: {}", missed.len(), redteam::ALL.len(), missed.join(" | "))
-    })?;
-    Ok(format!("{} Python adversaries, each caught as expected", redteam::ALL.len()))
+    let adversaries = redteam::ALL
+        .iter()
+        .map(|a| Ok((a.file.to_string(), module(&format!("{}/{}", redteam::FOLDER, a.file))?, a.expect)))
+        .collect::<Result<_, Failure>>()?;
+    every_one_caught(ctx, adversaries)
 }

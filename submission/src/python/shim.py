@@ -60,7 +60,7 @@ class _Originals:
     """torch's descriptors and objects as they were before the submission was imported."""
 
     def __init__(self, torch):
-        base = torch._C.TensorBase
+        base = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase  # renamed in torch 2.1
         def attribute(name):
             for klass in base.__mro__:
                 if name in klass.__dict__:
