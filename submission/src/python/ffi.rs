@@ -8,6 +8,7 @@
 //! thread may call in (the tests do; the runner calls from its main thread only).
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -125,7 +126,7 @@ impl Python {
     /// Holds the GIL until the guard drops.
     pub fn gil(&self) -> Gil<'_> {
         // SAFETY: the interpreter is initialised; PyGILState_Ensure works from any thread.
-        Gil { python: self, state: unsafe { (self.api.gil_ensure)() } }
+        Gil { python: self, state: unsafe { (self.api.gil_ensure)() }, _thread: PhantomData }
     }
 }
 
@@ -133,12 +134,13 @@ impl Python {
 pub struct Gil<'p> {
     python: &'p Python,
     state: c_int,
+    /// Released on the thread that took it: the guard is neither Send nor Sync.
+    _thread: PhantomData<*const ()>,
 }
 
 impl Drop for Gil<'_> {
     fn drop(&mut self) {
-        // SAFETY: releases the state this guard's PyGILState_Ensure returned, on the same thread
-        // (the guard is neither Send nor Sync: it holds a raw state tied to the thread).
+        // SAFETY: releases the state this guard's PyGILState_Ensure returned, on the same thread.
         unsafe { (self.python.api.gil_release)(self.state) }
     }
 }

@@ -129,13 +129,12 @@ impl Submission for PythonSubmission {
     fn layer_step(
         &mut self,
         dev: &Device,
-        layer: Layer<'_>,
+        // The cache was handed over in build_layer as tensors; the module writes it through them.
+        _layer: Layer<'_>,
         x: &CudaSlice<bf16>,
         pos: usize,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError> {
-        // The cache was handed over in build_layer; the module writes it through those tensors.
-        let _ = layer;
         let (batch, d) = self.row.ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
         let output = self.shim.step(address(dev, x), pos, batch, d).map_err(SubmissionError::Python)?;
         // All of the step's work, on whatever stream, is done before its output is read.
