@@ -22,11 +22,18 @@ Examples:
   grader list                         every built-in submission and red-team adversary
   grader bandwidth                    measure the HBM bandwidth (the floor's denominator)
   grader selftest                     check the grader's own GPU code against the CPU golden model
-  grader run --submission megakernel  judge a submission (prints a table, writes JSON with --json)";
+  grader run --submission megakernel  judge a submission (prints a table, writes JSON with --json)
+  grader run --submission submission/examples/python/eager_layer.py --config small
+                                      judge a Python module (the task's contract in Python)";
 
-const SUBMISSION_HELP: &str = "Submission: a built-in name (`grader list` names them all) or the path of a shared \
-library speaking the C ABI of submission/include/persistent_layer.h. Names come first: a file named like one is \
-given as ./NAME.";
+const SUBMISSION_HELP: &str = "Submission: a built-in name (`grader list` names them all), the path of a shared \
+library speaking the C ABI of submission/include/persistent_layer.h, or the path of a Python module (.py) defining \
+build_layer(weights, kv_cache, cfg, max_seq_len) and layer_step(handle, x, pos) with torch tensors (see \
+submission/examples/python/). Names come first: a file named like one is given as ./NAME.";
+
+const PYTHON_HELP: &str = "The Python interpreter a .py submission runs in (default: $PYTHON, else python3 on \
+PATH). It needs torch, and a shared libpython: the grader embeds it, importing the module in its own runner \
+process, so the module is measured like any other submission.";
 
 const SEED_HELP: &str = "Public seed of the weights and the KV prefix (decimal, or hex with 0x).";
 
@@ -81,6 +88,8 @@ pub struct ConfigArg {
 pub struct RunArgs {
     #[arg(long, value_name = "NAME|PATH", help = SUBMISSION_HELP)]
     pub submission: String,
+    #[arg(long, value_name = "PATH", help = PYTHON_HELP)]
+    pub python: Option<PathBuf>,
     #[command(flatten)]
     pub config: ConfigArg,
     #[arg(long, default_value_t = spec::DEFAULT_SEED, value_parser = parse_seed, allow_hyphen_values = true,
@@ -108,6 +117,8 @@ pub struct RunArgs {
 pub struct LaunchesArgs {
     #[arg(long, value_name = "NAME|PATH", help = SUBMISSION_HELP)]
     pub submission: String,
+    #[arg(long, value_name = "PATH", help = PYTHON_HELP)]
+    pub python: Option<PathBuf>,
     #[command(flatten)]
     pub config: ConfigArg,
     #[arg(long, default_value_t = spec::DEFAULT_SEED, value_parser = parse_seed, allow_hyphen_values = true,

@@ -19,8 +19,10 @@ const WARMUP_STEPS: usize = 2;
 pub fn command(device: usize, args: &LaunchesArgs) -> Result<Outcome, GraderError> {
     // Every argument is checked before the device opens, as `grader run` does.
     let cfg = Config::load(&args.config.config)?;
-    let mut sub = submission::load(&crate::preflight::submission(&args.submission)?)?;
+    let chosen = crate::preflight::submission(&args.submission, args.python.as_deref())?;
     let dev = Device::open(device)?;
+    // A Python module is imported only now, with the device open, as the runner does.
+    let mut sub = chosen.load(device, crate::run::runner::as_runner)?;
     let progress = Progress::new(args.quiet);
     progress.say(&format!("generating the '{}' layer on the GPU", cfg.name));
     let weights = reference::gpu::generate_weights(&dev, &cfg, args.seed)?;

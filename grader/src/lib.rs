@@ -69,7 +69,19 @@ pub fn list() -> String {
         s += &format!("  {:<width$}  {}\n", a.name, a.what);
     }
     s += "\nAny other submission is a shared library given by its path, speaking the C ABI of\n\
-          submission/include/persistent_layer.h (scripts/build-example builds an example).\n";
+          submission/include/persistent_layer.h (scripts/build-example builds an example), or a Python\n\
+          module (.py) with the task's contract in torch, run in the interpreter of --python, $PYTHON or\n\
+          python3 (examples: submission/examples/python/eager_layer.py and triton_layer.py).\n";
+    let python = submission::python::redteam::ALL;
+    let width = python.iter().map(|a| a.file.len()).max().unwrap_or_default();
+    s += &format!(
+        "\nPython red-team adversaries in {}/, each a module the grader must catch\n\
+         (`grader selftest --filter python:`):\n",
+        submission::python::redteam::FOLDER
+    );
+    for a in python {
+        s += &format!("  {:<width$}  {}\n", a.file, a.what);
+    }
     s
 }
 

@@ -1,7 +1,8 @@
 //! Checks of the arguments that need the file system, made before any device opens: a typo then
 //! costs a second and one sentence, not a GPU start-up or a whole judgement that cannot be written
-//! at the end. The submission (a name, or a library whose ABI a child process checks) and every file
-//! or folder a command will write are checked here; the config is checked by `Config::load`.
+//! at the end. The submission (a name, a library whose ABI a child process checks, or a Python
+//! module whose interpreter is probed) and every file or folder a command will write are checked
+//! here; the config is checked by `Config::load`.
 
 use std::fs::{File, OpenOptions};
 use std::io::Read;
@@ -9,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use submission::Choice;
 use submission::external::ExternalSubmission;
+use submission::{Choice, Chosen};
 
 use crate::error::{GraderError, Outcome};
 
@@ -23,17 +24,22 @@ const POLL: Duration = Duration::from_millis(10);
 const CHECK_LIBRARY: &str = "check-library";
 
 /// `--submission` checked: a built-in or red-team name as it is, a library by its absolute path
-/// once a child process has loaded it and checked its ABI. The path is absolute so that the runner
-/// process finds the same file whatever its working folder.
-pub fn submission(name_or_path: &str) -> Result<String, GraderError> {
+/// once a child process has loaded it and checked its ABI, a Python module with what its
+/// interpreter (`python`: `--python`, else `$PYTHON`, else `python3`) reported. Paths are absolute
+/// so that the runner process finds the same file whatever its working folder.
+pub fn submission(name_or_path: &str, python: Option<&Path>) -> Result<Chosen, GraderError> {
     match submission::resolve(name_or_path)? {
-        Choice::Named(name) => Ok(name.to_string()),
+        Choice::Named(name) => Ok(Chosen::Native(name.to_string())),
         Choice::Library(path) => {
             let path = std::path::absolute(&path).map_err(|e| usage(format!("{}: {e}", path.display())))?;
             check_library(&path)?;
-            path.to_str().map(str::to_string).ok_or_else(|| {
+            path.to_str().map(|p| Chosen::Native(p.to_string())).ok_or_else(|| {
                 usage(format!("the path {} is not valid UTF-8: rename or move the library", path.display()))
             })
+        }
+        Choice::Python(path) => {
+            let info = submission::python::probe(&submission::python::interpreter(python), &path)?;
+            Ok(Chosen::Python(info))
         }
     }
 }

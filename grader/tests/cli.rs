@@ -84,7 +84,8 @@ fn list_names_every_builtin_and_adversary_once() {
     assert!(out.status.success());
     let (stdout, _) = text(&out);
     let names = submission::BUILTIN.iter().map(|b| (b.name, b.what));
-    for (name, what) in names.chain(submission::redteam::ALL.iter().map(|a| (a.name, a.what))) {
+    let python = submission::python::redteam::ALL.iter().map(|a| (a.file, a.what));
+    for (name, what) in names.chain(submission::redteam::ALL.iter().map(|a| (a.name, a.what))).chain(python) {
         let lines: Vec<&str> = stdout.lines().filter(|l| l.split_whitespace().next() == Some(name)).collect();
         assert_eq!(lines.len(), 1, "'{name}' is not listed once:\n{stdout}");
         assert!(lines[0].ends_with(what), "{}", lines[0]);
@@ -254,6 +255,44 @@ fn a_library_with_the_abi_passes_the_checks() {
     assert!(built.status.success(), "scripts/build-example: {}", text(&built).1);
     let library = root.join(String::from_utf8_lossy(&built.stdout).trim());
     let out = grader(&["run", "--submission", library.to_str().unwrap(), "--config", "tiny"]);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(EXIT_ERROR), "{stderr}");
+    assert!(stderr.starts_with("grader: no CUDA device"), "{stderr}");
+}
+
+/// A Python submission's interpreter is probed and its module checked before the device: each
+/// problem is one sentence, the same for `run` and `launches`.
+#[test]
+fn python_submissions_are_checked_before_the_device() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../submission/tests/python");
+    let module = |name: &str| fixtures.join(name).to_str().unwrap().to_string();
+    let plain = module("plain.py");
+    for cmd in ["run", "launches"] {
+        let line = refused(&[cmd, "--submission", &plain, "--python", "/nonexistent/python3"]);
+        assert!(line.contains("no Python interpreter /nonexistent/python3") && line.contains("--python"), "{line}");
+        let line = refused(&[cmd, "--submission", &module("syntax_error.py")]);
+        assert!(line.ends_with("syntax_error.py:3: SyntaxError: expected ':'"), "{line}");
+        let line = refused(&[cmd, "--submission", &module("no_build_layer.py")]);
+        assert!(line.contains("defines no build_layer at its top level"), "{line}");
+    }
+    // $PYTHON names the interpreter when --python does not.
+    let out = Command::new(env!("CARGO_BIN_EXE_grader"))
+        .args(["run", "--submission", &plain])
+        .env("PYTHON", "/nonexistent/python-from-env")
+        .output()
+        .unwrap();
+    assert!(text(&out).1.contains("no Python interpreter /nonexistent/python-from-env"), "{}", text(&out).1);
+}
+
+/// A module whose interpreter finds torch (here the CI's stand-in next to it) passes every check
+/// and gets as far as the device.
+#[test]
+fn a_python_module_with_torch_passes_the_checks() {
+    if has_gpu() {
+        return; // there it would be judged in full: `grader selftest --filter python:` covers that path
+    }
+    let module = Path::new(env!("CARGO_MANIFEST_DIR")).join("../submission/tests/python/fake_torch/contract.py");
+    let out = grader(&["run", "--submission", module.to_str().unwrap(), "--config", "tiny"]);
     let (_, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(EXIT_ERROR), "{stderr}");
     assert!(stderr.starts_with("grader: no CUDA device"), "{stderr}");

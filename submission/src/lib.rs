@@ -1,5 +1,6 @@
 //! The submission contract of the task (`docs/task.md`) in Rust, and the submissions `--submission`
-//! selects: a built-in one or a red-team adversary by name, or a shared library by its path.
+//! selects: a built-in one or a red-team adversary by name, a shared library or a Python module by
+//! its path.
 //!
 //! `build_layer` is untimed; `layer_step` is one timed token. Weights and `x` are read-only; the KV
 //! cache is the only thing a step writes in place (slot `pos`), besides its own output. The grader
@@ -10,6 +11,7 @@ pub mod device_code;
 mod eager;
 pub mod external;
 pub mod megakernel;
+pub mod python;
 pub mod redteam;
 
 use std::path::{Path, PathBuf};
@@ -18,6 +20,7 @@ use cuda::cudarc::driver::CudaSlice;
 use cuda::{CudaError, Device};
 use half::bf16;
 use reference::gpu::{DeviceCache, DeviceWeights};
+use serde::{Deserialize, Serialize};
 use spec::Config;
 
 /// The layer a submission works on: the weights (read-only) and the cache (written at `pos`). The
@@ -44,6 +47,10 @@ pub enum SubmissionError {
     Refused(String),
     #[error("{0}")]
     NotALibrary(String),
+    /// A Python submission's problem, said for a Python user (an exception with its traceback, a
+    /// broken contract, an interpreter that cannot be used).
+    #[error("{0}")]
+    Python(String),
 }
 
 /// What a submission implements. All work goes on [`Device::stream`] or streams the grader can see
@@ -99,6 +106,8 @@ pub enum Choice {
     Named(&'static str),
     /// A file: a shared library that should speak the C ABI of `include/persistent_layer.h`.
     Library(PathBuf),
+    /// A `.py` file: a Python module with the task's contract (see [`python`]).
+    Python(PathBuf),
 }
 
 /// What `--submission` names. Names come first, so the crate folder `reference/` never hides the
@@ -108,17 +117,56 @@ pub fn resolve(name_or_path: &str) -> Result<Choice, SubmissionError> {
     let named = BUILTIN.iter().map(|b| b.name).chain(redteam::names()).find(|&n| n == name_or_path);
     match named {
         Some(name) => Ok(Choice::Named(name)),
+        None if python::is_python_module(Path::new(name_or_path)) && Path::new(name_or_path).is_file() => {
+            Ok(Choice::Python(name_or_path.into()))
+        }
         None if Path::new(name_or_path).exists() => Ok(Choice::Library(name_or_path.into())),
         None => Err(SubmissionError::Unknown { name: name_or_path.into() }),
     }
 }
 
-/// The submission `--submission` names (see [`resolve`]), constructed; a library is loaded and its
-/// ABI checked.
+/// A submission checked and ready to be loaded where it will run: a built-in name or a library's
+/// path, or a Python module with the interpreter it was probed with.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Chosen {
+    Native(String),
+    Python(python::PythonInfo),
+}
+
+impl Chosen {
+    /// What reports call it before it is loaded: the name or path given.
+    pub fn label(&self) -> String {
+        match self {
+            Chosen::Native(name) => name.clone(),
+            Chosen::Python(info) => info.module.display().to_string(),
+        }
+    }
+
+    /// Constructs the submission; a library is loaded and its ABI checked, a Python module is
+    /// imported (with torch) in the embedded interpreter, on CUDA device `ordinal`, its output copy
+    /// made inside `runner_scope`.
+    pub fn load(
+        &self,
+        ordinal: usize,
+        runner_scope: python::RunnerScope,
+    ) -> Result<Box<dyn Submission>, SubmissionError> {
+        match self {
+            Chosen::Native(name) => load(name),
+            Chosen::Python(info) => python::load(info, ordinal, runner_scope),
+        }
+    }
+}
+
+/// The native submission `--submission` names (see [`resolve`]), constructed; a library is loaded
+/// and its ABI checked. A Python module needs its interpreter: see [`Chosen`].
 pub fn load(name_or_path: &str) -> Result<Box<dyn Submission>, SubmissionError> {
     match resolve(name_or_path)? {
         Choice::Named(name) => builtin(name),
         Choice::Library(path) => external::load(&path),
+        Choice::Python(path) => Err(SubmissionError::Python(format!(
+            "{} is a Python module: it is loaded with the interpreter the judge probed (grader run --submission {0})",
+            path.display()
+        ))),
     }
 }
 
@@ -164,6 +212,9 @@ mod tests {
         // Any existing file is a path, whatever its suffix; what it holds is the loader's to judge.
         let header = concat!(env!("CARGO_MANIFEST_DIR"), "/include/persistent_layer.h");
         assert_eq!(resolve(header).unwrap(), Choice::Library(header.into()));
+        // A .py file is a Python module.
+        let module = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/plain.py");
+        assert_eq!(resolve(module).unwrap(), Choice::Python(module.into()));
         assert!(matches!(resolve("libz.so.1.nowhere"), Err(SubmissionError::Unknown { .. })));
     }
 }

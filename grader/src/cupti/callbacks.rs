@@ -64,7 +64,8 @@ pub fn set_current(tag: Tag) {
     CURRENT.store(v, Ordering::SeqCst);
 }
 
-fn current() -> Tag {
+/// The tag of the work running now.
+pub fn current() -> Tag {
     match CURRENT.load(Ordering::SeqCst) {
         BUILD => Tag::Build,
         TEARDOWN => Tag::Teardown,

@@ -21,7 +21,7 @@ pub mod summary;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use activity::{Activity, ActivityKind};
-pub use callbacks::{Tag, set_current};
+pub use callbacks::{Tag, current, set_current};
 pub use record::{CallWindow, Record};
 pub use summary::StepLaunches;
 

@@ -269,6 +269,19 @@ mod tests {
         }
     }
 
+    /// A Python submission's x_out is copied by the runner inside the call, under its own tag
+    /// (`run::runner::as_runner`): the copy is never the call's, and is no problem.
+    #[test]
+    fn the_runners_copy_inside_a_call_is_not_the_calls() {
+        let copy = Activity { correlation_id: 7, ..Activity::synthetic(ActivityKind::Memcpy, "DtoD", 180, 185) };
+        let mut s = seen(vec![launch(2, Tag::Call(0))]);
+        s.tags.insert(7, Tag::Runner);
+        let captured = Captured { activities: vec![kernel("add", 2, 110, 170), copy], seen: s };
+        let r = attribute(captured, &W[..1], no_scan, vec![]);
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        assert_eq!((r.calls[0].kernels, r.calls[0].memcpys), (1, 0));
+    }
+
     #[test]
     fn a_runtime_launch_and_its_driver_launch_count_once() {
         let mut outer = launch(5, Tag::Call(0));

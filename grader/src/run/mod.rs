@@ -34,6 +34,7 @@ use std::time::Instant;
 use cuda::{Context, Device, DeviceFacts};
 use reference::gpu::{DeviceCache, generate_weights};
 use spec::{ByteModel, Call, Config, Gates, Phase};
+use submission::Chosen;
 
 use crate::bandwidth::{self, Bandwidth};
 use crate::cli::RunArgs;
@@ -82,7 +83,7 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     // Every argument is checked before the device opens: a typo costs a second and one sentence,
     // not a GPU start-up, and no judgement is lost to an output path that cannot be written.
     let cfg = Config::load(&args.config.config)?;
-    let submission = crate::preflight::submission(&args.submission)?;
+    let submission = crate::preflight::submission(&args.submission, args.python.as_deref())?;
     if let Some(path) = &args.json {
         crate::preflight::output_file("--json", path)?;
     }
@@ -103,10 +104,10 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     Ok(if report.verdict.passed { Outcome::Pass } else { Outcome::Fail })
 }
 
-/// The whole judgement of one submission (a built-in name or a library path).
+/// The whole judgement of one submission, checked by `preflight::submission`.
 pub fn judge(
     dev: &Device,
-    submission: &str,
+    chosen: &Chosen,
     cfg: &Config,
     seeds: Seeds,
     policy: Policy,
@@ -114,6 +115,7 @@ pub fn judge(
     dump_dir: Option<&std::path::Path>,
 ) -> Result<Report, GraderError> {
     let facts: DeviceFacts = dev.facts().clone();
+    let submission = &chosen.label();
     progress.say(&format!("{} ({} SMs), config '{}', submission '{submission}'", facts.name, facts.sms, cfg.name));
     progress.say("measuring the copy and read-only bandwidths (the floor and the timing bound)");
     let bw = bandwidth::measure(dev, RUN_BANDWIDTH_BYTES, RUN_BANDWIDTH_REPS)?;
@@ -126,12 +128,7 @@ pub fn judge(
         SharedData::create(dev, cfg, calls.len(), &pristine, &DeviceCache::generate(dev, cfg, seeds.weights)?)?;
 
     progress.say("starting the submission in its own process");
-    let job = Job {
-        device: facts.ordinal,
-        submission: submission.to_string(),
-        config: cfg.clone(),
-        region: shared.handle()?,
-    };
+    let job = Job { device: facts.ordinal, submission: chosen.clone(), config: cfg.clone(), region: shared.handle()? };
     let mut runner = Runner::start(&job, &facts.pci_bus_id)?;
     let (paced, finished, watched) =
         match pace::pace(&mut runner, dev, &mut shared, cfg, &calls, seeds.inputs, progress)? {

@@ -31,7 +31,7 @@ use half::bf16;
 use reference::gpu::DeviceWeights;
 use serde::{Deserialize, Serialize};
 use spec::{Call, Config, Tensor, schedule};
-use submission::{Layer, Submission};
+use submission::{Chosen, Layer, Submission, SubmissionError};
 
 use super::channel::{self, CONTROL_FD, INPUT_FD, Message, REPORT_FD};
 use super::check;
@@ -54,7 +54,7 @@ const EVICTION_L2_MULTIPLE: usize = 2;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Job {
     pub device: usize,
-    pub submission: String,
+    pub submission: Chosen,
     pub config: Config,
     pub region: RegionHandle,
 }
@@ -125,6 +125,12 @@ pub fn command() -> Result<Outcome, GraderError> {
     if let Some(seq) = state.pending {
         control.ack(seq, if failed { Status::Failed } else { Status::Ok });
     }
+    if matches!(job.submission, Chosen::Python(_)) {
+        // The report is out. An embedded Python is never finalised, and libtorch's static
+        // destructors at exit() would run against it and the driver's teardown: leave without them.
+        // SAFETY: ends the process at once; nothing of this process is needed any more.
+        unsafe { libc::_exit(i32::from(failed)) };
+    }
     Ok(if failed { Outcome::Fail } else { Outcome::Pass })
 }
 
@@ -193,7 +199,7 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
         runner_us: Vec::new(),
         l2: Vec::new(),
         build_s: 0.0,
-        name: job.submission.clone(),
+        name: job.submission.label(),
     };
     let mut last = 0;
     loop {
@@ -218,11 +224,12 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
 }
 
 impl Session<'_> {
-    fn build(&mut self, name_or_path: &str) -> Result<(), GraderError> {
+    fn build(&mut self, chosen: &Chosen) -> Result<(), GraderError> {
         cupti::set_current(Tag::Build);
         let t = Instant::now();
-        // The library is loaded only now: everything it does, its initialisers included, is recorded.
-        let mut sub = submission::load(name_or_path)?;
+        // The library (or the module, with torch) is loaded only now: everything it does, its
+        // initialisers included, is recorded, and it may still start processes.
+        let mut sub = chosen.load(self.dev.facts().ordinal, as_runner)?;
         self.push_range(None);
         let layer = Layer { weights: &self.weights, cache: &mut self.shared.cache };
         sub.build_layer(self.dev, layer, self.cfg)?;
@@ -401,6 +408,16 @@ impl Session<'_> {
             weight_vectors_changed,
         })
     }
+}
+
+/// Runs `work` as the runner's own (a Python submission's output copy, inside its call), then
+/// restores the tag of the call: the launch record never counts it as the submission's.
+pub fn as_runner(work: &mut dyn FnMut() -> Result<(), SubmissionError>) -> Result<(), SubmissionError> {
+    let call = cupti::current();
+    cupti::set_current(Tag::Runner);
+    let done = work();
+    cupti::set_current(call);
+    done
 }
 
 /// Sets the context's persisting-L2 set-aside to zero and demotes any persisting lines.

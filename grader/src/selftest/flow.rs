@@ -3,11 +3,10 @@
 //! must pass every gate; a dump must read back.
 
 use safetensors::SafeTensors;
-use spec::{Config, DEFAULT_SEED};
+use spec::Config;
 
-use super::{Check, CheckResult, Ctx, Failure, ensure};
-use crate::run::report::{Report, Seeds};
-use crate::run::{Policy, Progress, judge};
+use super::{Check, CheckResult, Ctx, Failure, ensure, judged, named};
+use crate::run::report::Report;
 
 pub fn checks() -> Vec<Check> {
     vec![
@@ -16,19 +15,20 @@ pub fn checks() -> Vec<Check> {
     ]
 }
 
-fn judged(ctx: &Ctx, name: &str, cfg: &Config, dump: Option<&std::path::Path>) -> Result<Report, Failure> {
-    let seeds = Seeds { weights: DEFAULT_SEED, inputs: rand::random() };
-    judge(&ctx.dev, name, cfg, seeds, Policy { require_audit: false }, &Progress::new(true), dump)
-        .map_err(|e| Failure(e.to_string()))
-}
-
-fn gate<'a>(r: &'a Report, name: &str) -> &'a crate::run::gates::Gate {
-    r.gates.iter().find(|g| g.name == name).expect("every report has every gate")
+/// A gate of a judged report; an unjudged one (crashed, timeout) fails the check with its reason.
+pub fn gate<'a>(r: &'a Report, name: &str) -> Result<&'a crate::run::gates::Gate, Failure> {
+    r.gates.iter().find(|g| g.name == name).ok_or_else(|| {
+        Failure(format!("not judged: {:?} {}", r.verdict.status, r.verdict.reason.as_deref().unwrap_or("")))
+    })
 }
 
 fn reference_flow(ctx: &mut Ctx) -> CheckResult {
-    let r = judged(ctx, "reference", &Config::small(), None)?;
-    let (c, k, s) = (gate(&r, "correctness"), gate(&r, "kernels_per_step"), gate(&r, "dominant_share"));
+    eager_verdict(&judged(ctx, &named("reference"), &Config::small(), None)?)
+}
+
+/// An eager layer's verdict: correct, but failing the launch gates with its measured count.
+pub fn eager_verdict(r: &Report) -> CheckResult {
+    let (c, k, s) = (gate(r, "correctness")?, gate(r, "kernels_per_step")?, gate(r, "dominant_share")?);
     ensure(c.passed, || format!("correctness failed: {}", c.detail))?;
     ensure(!k.passed && k.value > 2.0, || format!("kernel gate should fail: {}", k.detail))?;
     ensure(!s.passed, || format!("share gate should fail: {}", s.detail))?;
@@ -39,7 +39,7 @@ fn reference_flow(ctx: &mut Ctx) -> CheckResult {
 fn megakernel_flow(ctx: &mut Ctx) -> CheckResult {
     let dir = std::env::temp_dir().join(format!("grader-selftest-dump-{}", std::process::id()));
     let cfg = Config::small();
-    let r = judged(ctx, "megakernel", &cfg, Some(&dir))?;
+    let r = judged(ctx, &named("megakernel"), &cfg, Some(&dir))?;
     for g in &r.gates {
         ensure(g.passed, || format!("{} failed: {}", g.name, g.detail))?;
     }
@@ -60,9 +60,9 @@ fn megakernel_flow(ctx: &mut Ctx) -> CheckResult {
     std::fs::remove_dir_all(&dir).map_err(|e| Failure(format!("removing {}: {e}", dir.display())))?;
     Ok(format!(
         "every gate passes: {} kernel/call, share {:.3}, correctness {:.1e}, bytes read {:.3}x; dump of {calls} calls reads back",
-        gate(&r, "kernels_per_step").value,
-        gate(&r, "dominant_share").value,
-        gate(&r, "correctness").value,
-        gate(&r, "bytes_read").value
+        gate(&r, "kernels_per_step")?.value,
+        gate(&r, "dominant_share")?.value,
+        gate(&r, "correctness")?.value,
+        gate(&r, "bytes_read")?.value
     ))
 }

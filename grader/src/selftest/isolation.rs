@@ -3,12 +3,13 @@
 //! message its entry expects; and the example external submission (a C ABI library) must pass
 //! correctness.
 
-use spec::{Config, DEFAULT_SEED};
+use spec::Config;
+use submission::Chosen;
 use submission::redteam::{self, Expect};
 
-use super::{Check, CheckResult, Ctx, Failure, ensure};
-use crate::run::report::{Report, Seeds, Status};
-use crate::run::{Policy, Progress, judge};
+use super::flow::gate;
+use super::{Check, CheckResult, Ctx, ensure, judged, named};
+use crate::run::report::{Report, Status};
 
 /// Where `scripts/build-example` leaves the example external submission.
 pub const EXAMPLE_LIBRARY: &str = "target/examples/libexternal_eager.so";
@@ -18,12 +19,6 @@ pub fn checks() -> Vec<Check> {
         Check { name: "red team: every adversary is caught", run: red_team },
         Check { name: "external example passes correctness", run: external_example },
     ]
-}
-
-fn judged(ctx: &Ctx, submission: &str, cfg: &Config) -> Result<Report, Failure> {
-    let seeds = Seeds { weights: DEFAULT_SEED, inputs: rand::random() };
-    judge(&ctx.dev, submission, cfg, seeds, Policy { require_audit: false }, &Progress::new(true), None)
-        .map_err(|e| Failure(e.to_string()))
 }
 
 /// Whether a report shows what the adversary's entry expects; `Err` says what it showed instead.
@@ -60,29 +55,33 @@ fn caught(r: &Report, expect: Expect) -> Result<String, String> {
 }
 
 fn red_team(ctx: &mut Ctx) -> CheckResult {
+    let adversaries = redteam::ALL.iter().map(|a| (a.name.to_string(), named(a.name), a.expect)).collect();
+    every_one_caught(ctx, adversaries)
+}
+
+/// Judges each `(label, submission, expected verdict)` at the small config; every one must end as
+/// expected. The judge and the GPU must still work after each one: the next one shows it.
+pub fn every_one_caught(ctx: &Ctx, adversaries: Vec<(String, Chosen, Expect)>) -> CheckResult {
     let cfg = Config::small();
     let mut missed = Vec::new();
-    for adversary in redteam::ALL {
-        let r = judged(ctx, adversary.name, &cfg)?;
-        if let Err(shown) = caught(&r, adversary.expect) {
-            missed.push(format!("{} (expected {:?}, got {shown})", adversary.name, adversary.expect));
+    for (label, chosen, expect) in &adversaries {
+        let r = judged(ctx, chosen, &cfg, None)?;
+        if let Err(shown) = caught(&r, *expect) {
+            missed.push(format!("{label} (expected {expect:?}, got {shown})"));
         }
-        // The judge and the GPU must still work after each one: the next adversary shows it.
     }
     ensure(missed.is_empty(), || {
-        format!("{} of {} not caught: {}", missed.len(), redteam::ALL.len(), missed.join(" | "))
+        format!("{} of {} not caught: {}", missed.len(), adversaries.len(), missed.join(" | "))
     })?;
-    Ok(format!("{} adversaries, each caught as expected; the judge and GPU stayed usable", redteam::ALL.len()))
+    Ok(format!("{} adversaries, each caught as expected; the judge and GPU stayed usable", adversaries.len()))
 }
 
 fn external_example(ctx: &mut Ctx) -> CheckResult {
     ensure(std::path::Path::new(EXAMPLE_LIBRARY).exists(), || {
         format!("{EXAMPLE_LIBRARY} is missing: build it with scripts/build-example")
     })?;
-    let r = judged(ctx, EXAMPLE_LIBRARY, &Config::graded())?;
-    let c = r.gates.iter().find(|g| g.name == "correctness").ok_or_else(|| {
-        Failure(format!("not judged: {:?} {}", r.verdict.status, r.verdict.reason.as_deref().unwrap_or("")))
-    })?;
+    let r = judged(ctx, &named(EXAMPLE_LIBRARY), &Config::graded(), None)?;
+    let c = gate(&r, "correctness")?;
     ensure(c.passed, || format!("correctness failed: {}", c.detail))?;
     Ok(format!("graded config through the C ABI: {}", c.detail))
 }

@@ -7,6 +7,7 @@ mod ensemble;
 mod flow;
 mod isolation;
 mod megakernel;
+mod python;
 mod recording;
 mod reference;
 
@@ -14,9 +15,13 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use cuda::{CudaError, Device};
+use spec::{Config, DEFAULT_SEED};
+use submission::Chosen;
 
 use crate::cli::SelftestArgs;
 use crate::error::{GraderError, Outcome};
+use crate::run::report::{Report, Seeds};
+use crate::run::{Policy, Progress, judge};
 
 /// What every check gets: the device and the public seed.
 pub struct Ctx {
@@ -65,6 +70,18 @@ pub fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Failure> {
     if cond { Ok(()) } else { Err(Failure(msg())) }
 }
 
+/// `chosen` judged through the whole isolated flow (`grader run`), with a fresh input seed.
+pub fn judged(ctx: &Ctx, chosen: &Chosen, cfg: &Config, dump: Option<&std::path::Path>) -> Result<Report, Failure> {
+    let seeds = Seeds { weights: DEFAULT_SEED, inputs: rand::random() };
+    judge(&ctx.dev, chosen, cfg, seeds, Policy { require_audit: false }, &Progress::new(true), dump)
+        .map_err(|e| Failure(e.to_string()))
+}
+
+/// A built-in submission (or adversary) by name.
+pub fn named(name: &str) -> Chosen {
+    Chosen::Native(name.to_string())
+}
+
 /// Every check, in the order they run: cheap and foundational first.
 fn checks() -> Vec<Check> {
     let mut all = data::checks();
@@ -75,6 +92,7 @@ fn checks() -> Vec<Check> {
     all.extend(audit::checks());
     all.extend(flow::checks());
     all.extend(isolation::checks());
+    all.extend(python::checks());
     all
 }
 

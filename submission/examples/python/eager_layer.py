@@ -1,0 +1,68 @@
+"""The task's layer (docs/task.md), unfused, in eager PyTorch: one op after another, as a framework
+runs it. Correct, and about thirty kernels per step, so it fails the launch gates on purpose, like
+the grader's own eager reference (`grader run --submission reference`).
+
+    grader run --submission submission/examples/python/eager_layer.py --config small
+
+Numerics follow the eager reference's bf16 rounding points: every op's result is stored as bf16,
+RMSNorm and attention scores/probabilities are computed in fp32, matrix-vector products
+accumulate in fp32 (cuBLAS).
+"""
+import math
+
+import torch
+
+BF16 = torch.bfloat16
+
+
+def build_layer(weights, kv_cache, cfg, max_seq_len):
+    """Untimed: the RoPE table for every position, and one step on a scratch cache so that cuBLAS
+    and the caching allocator are warm before the first timed call."""
+    w = weights["layers"][0]
+    k_cache, v_cache = kv_cache[0]
+    hd, device = cfg["hd"], w["q"].device
+    inv_freq = cfg["theta"] ** (-2.0 * torch.arange(hd // 2, dtype=torch.float64, device=device) / hd)
+    angles = torch.arange(max_seq_len, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+    state = {"w": w, "k": k_cache, "v": v_cache, "cfg": cfg, "cos": angles.cos().float(), "sin": angles.sin().float()}
+    scratch = dict(state, k=k_cache.clone(), v=v_cache.clone())
+    layer_step(scratch, torch.zeros(cfg["batch"], cfg["d"], dtype=BF16, device=device), max_seq_len - 1)
+    torch.cuda.synchronize()
+    return state
+
+
+def rmsnorm(v, g, eps):
+    v32 = v.float()
+    return (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps) * g.float()).to(BF16)
+
+
+def rope(t, cos, sin):
+    """Rotate-half RoPE of (B, heads, hd): element i < hd/2 pairs with i + hd/2."""
+    half = t.shape[-1] // 2
+    a, b = t[..., :half].float(), t[..., half:].float()
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), -1).to(BF16)
+
+
+def attention(q, k_cache, v_cache, pos, n_kv):
+    """Grouped-query attention of q (B, n_q, hd) over slots 0..=pos; scores and softmax in fp32."""
+    b, n_q, hd = q.shape
+    keys = k_cache[:, :, : pos + 1].float()
+    values = v_cache[:, :, : pos + 1].float()
+    qg = q.float().view(b, n_kv, n_q // n_kv, hd)
+    scores = torch.einsum("bngd,bntd->bngt", qg, keys) / math.sqrt(hd)
+    return torch.einsum("bngt,bntd->bngd", scores.softmax(-1), values).reshape(b, n_q * hd).to(BF16)
+
+
+def layer_step(state, x, pos):
+    w, cfg = state["w"], state["cfg"]
+    b, n_q, n_kv, hd, eps = x.shape[0], cfg["n_q"], cfg["n_kv"], cfg["hd"], cfg["eps"]
+    h = rmsnorm(x, w["in_norm"], eps)
+    cos, sin = state["cos"][pos], state["sin"][pos]
+    q = rope((h @ w["q"].T).view(b, n_q, hd), cos, sin)
+    k = rope((h @ w["k"].T).view(b, n_kv, hd), cos, sin)
+    state["k"][:, :, pos] = k
+    state["v"][:, :, pos] = (h @ w["v"].T).view(b, n_kv, hd)
+    a = attention(q, state["k"], state["v"], pos, n_kv)
+    x1 = x + a @ w["o"].T
+    h2 = rmsnorm(x1, w["post_norm"], eps)
+    act = torch.nn.functional.silu(h2 @ w["gate"].T) * (h2 @ w["up"].T)
+    return x1 + act @ w["down"].T

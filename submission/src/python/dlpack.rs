@@ -1,0 +1,123 @@
+//! DLPack (`dlpack.h`, the legacy unversioned `DLManagedTensor`): how the runner's device buffers
+//! reach Python as tensors without a copy. Each tensor is a capsule named `"dltensor"` that
+//! `torch.utils.dlpack.from_dlpack` consumes; torch keeps the pointer and calls the deleter when its
+//! tensor dies. The deleter is null (the runner owns the memory) and the struct itself is leaked on
+//! purpose: a submission may keep a tensor past teardown, and torch reads the struct when it frees
+//! one, so it must outlive the interpreter (a few dozen structs of 100 bytes per run).
+
+use std::ffi::c_void;
+
+/// `kDLCUDA`.
+const DEVICE_CUDA: i32 = 2;
+/// `kDLBfloat`.
+const CODE_BFLOAT: u8 = 4;
+
+#[repr(C)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+/// The most dimensions a tensor of the contract has (the cache: batch, n_kv, slots, hd).
+const MAX_DIMS: usize = 4;
+
+/// A managed tensor and the shape and strides it points to, in one allocation.
+#[repr(C)]
+struct Described {
+    managed: DlManagedTensor,
+    shape: [i64; MAX_DIMS],
+    strides: [i64; MAX_DIMS],
+}
+
+/// A row-major bf16 tensor of `shape` at device address `data` on CUDA device `ordinal`, as the
+/// pointer a `"dltensor"` capsule carries. Never freed (see the module's comment).
+pub fn bf16_tensor(data: u64, shape: &[usize], ordinal: usize) -> Result<*mut c_void, String> {
+    if shape.is_empty() || shape.len() > MAX_DIMS {
+        return Err(format!("a tensor of {} dimensions", shape.len()));
+    }
+    let int = |v: usize| i64::try_from(v).map_err(|_| format!("a dimension of {v} elements"));
+    let (mut dims, mut strides) = ([0i64; MAX_DIMS], [0i64; MAX_DIMS]);
+    let mut stride = 1i64;
+    for i in (0..shape.len()).rev() {
+        dims[i] = int(shape[i])?;
+        strides[i] = stride;
+        stride = stride.checked_mul(dims[i]).ok_or("a tensor of more than 2^63 elements")?;
+    }
+    let described = Box::leak(Box::new(Described {
+        managed: DlManagedTensor {
+            dl_tensor: DlTensor {
+                data: data as *mut c_void,
+                device: DlDevice {
+                    device_type: DEVICE_CUDA,
+                    device_id: i32::try_from(ordinal).map_err(|_| "a device ordinal")?,
+                },
+                ndim: shape.len() as i32,
+                dtype: DlDataType { code: CODE_BFLOAT, bits: 16, lanes: 1 },
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: None,
+        },
+        shape: dims,
+        strides,
+    }));
+    // The struct is leaked, so pointers into it stay valid for the life of the process.
+    described.managed.dl_tensor.shape = described.shape.as_mut_ptr();
+    described.managed.dl_tensor.strides = described.strides.as_mut_ptr();
+    Ok((&mut described.managed as *mut DlManagedTensor).cast())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The layout dlpack.h fixes (x86-64 and aarch64): torch reads these offsets.
+    #[test]
+    fn the_structs_have_dlpacks_layout() {
+        assert_eq!(std::mem::offset_of!(DlTensor, device), 8);
+        assert_eq!(std::mem::offset_of!(DlTensor, ndim), 16);
+        assert_eq!(std::mem::offset_of!(DlTensor, dtype), 20);
+        assert_eq!(std::mem::offset_of!(DlTensor, shape), 24);
+        assert_eq!(std::mem::offset_of!(DlTensor, byte_offset), 40);
+        assert_eq!(size_of::<DlTensor>(), 48);
+        assert_eq!(std::mem::offset_of!(DlManagedTensor, deleter), 56);
+        let p = bf16_tensor(0xdead_0000, &[2, 3, 4], 1).unwrap().cast::<DlManagedTensor>();
+        // SAFETY: a leaked, initialised struct.
+        let t = unsafe { &(*p).dl_tensor };
+        // SAFETY: three dimensions were described.
+        let (shape, strides) =
+            unsafe { (std::slice::from_raw_parts(t.shape, 3), std::slice::from_raw_parts(t.strides, 3)) };
+        assert_eq!(
+            (shape, strides, t.device.device_id, t.data as u64),
+            ([2, 3, 4].as_slice(), [12, 4, 1].as_slice(), 1, 0xdead_0000)
+        );
+        assert!(bf16_tensor(0, &[], 0).is_err());
+    }
+}

@@ -1,0 +1,167 @@
+//! Python submissions: a module with the task's contract as `docs/task.md` states it in Python,
+//! judged like any other submission.
+//!
+//! ```python
+//! def build_layer(weights, kv_cache, cfg, max_seq_len) -> handle   # untimed
+//! def layer_step(handle, x, pos) -> x_out                          # timed
+//! def teardown(handle)                                             # optional
+//! ```
+//!
+//! The runner stays the Rust `grader runner`: it embeds the interpreter the judge chose and probed
+//! ([`probe`]), by opening its shared libpython at run time ([`ffi`]), and runs the module through a
+//! small Python shim ([`shim`]). The submission's tensors alias the runner's device buffers through
+//! DLPack ([`dlpack`]), so everything the runner measures (the CUPTI record, the DRAM audit, the
+//! sandbox, the judge's clock) measures a Python submission exactly as a native one.
+//!
+//! A step's window ends when all its work is done: after the Python call returns, the device is
+//! synchronised (work left on a side stream included), and the runner copies `x_out` into the
+//! judge's output buffer itself, under the runner's tag in the launch record (so the copy is never
+//! counted as the submission's). A bf16 `x_out` is copied on the device; an fp32 one is rounded to
+//! bf16 on the way through the host, because the judge's output buffer is also the next call's
+//! `x` in the back-to-back phase, which the contract makes bf16 (the comparison is then in fp32,
+//! against the reference's bf16 output, as for every submission).
+
+mod dlpack;
+mod ffi;
+pub mod probe;
+pub mod redteam;
+mod shim;
+
+use std::path::Path;
+
+use cuda::cudarc::driver::{CudaSlice, DevicePtr, result as driver};
+use cuda::{Context, Device};
+use half::bf16;
+use spec::{Config, Tensor};
+
+pub use probe::{PythonInfo, interpreter, is_python_module, probe};
+pub use shim::{DeviceTensor, Dtype, Output, Shim};
+
+use crate::{Layer, Submission, SubmissionError};
+
+/// Runs the runner's own work inside a step (the copy of `x_out`) so that the launch record
+/// attributes it to the runner, not to the submission (the grader passes its CUPTI tagging).
+pub type RunnerScope = fn(&mut dyn FnMut() -> Result<(), SubmissionError>) -> Result<(), SubmissionError>;
+
+/// A scope that changes nothing: for callers that record nothing.
+pub fn unrecorded(work: &mut dyn FnMut() -> Result<(), SubmissionError>) -> Result<(), SubmissionError> {
+    work()
+}
+
+/// A Python module speaking the contract, in the embedded interpreter.
+pub struct PythonSubmission {
+    name: String,
+    shim: Shim,
+    runner_scope: RunnerScope,
+    /// `(batch, d)` once built.
+    row: Option<(usize, usize)>,
+}
+
+/// Loads the module `info` was probed for, on CUDA device `ordinal`: torch and the module are
+/// imported now (run this where `build_layer` may run: imports may start processes).
+pub fn load(
+    info: &PythonInfo,
+    ordinal: usize,
+    runner_scope: RunnerScope,
+) -> Result<Box<dyn Submission>, SubmissionError> {
+    let shim = Shim::load(info, ordinal).map_err(SubmissionError::Python)?;
+    Ok(Box::new(PythonSubmission { name: display_name(&info.module), shim, runner_scope, row: None }))
+}
+
+/// A device buffer's address.
+fn address<T>(dev: &Device, s: &CudaSlice<T>) -> u64 {
+    // Event tracking is off on the grader's context, so the guard does nothing and can go at once.
+    s.device_ptr(dev.stream()).0
+}
+
+impl PythonSubmission {
+    /// Copies the checked output at `from` into `out` (bf16), converting an fp32 one.
+    fn copy_out(dev: &Device, from: Output, out: &mut CudaSlice<bf16>) -> Result<(), SubmissionError> {
+        let stream = dev.stream();
+        match from.dtype {
+            Dtype::Bf16 => {
+                let to = address(dev, out);
+                // SAFETY: `from` holds `out.len()` bf16 (the shim checked its shape, dtype, device
+                // and contiguity, and keeps the tensor alive until the next step); `out` is the
+                // judge's buffer of that size; both are device memory of this context.
+                unsafe {
+                    driver::memcpy_dtod_async(to, from.address, out.len() * Dtype::Bf16.bytes(), stream.cu_stream())
+                }
+                .context("copying x_out into the judge's output buffer")?;
+            }
+            Dtype::F32 => {
+                let mut host = vec![0f32; out.len()];
+                // SAFETY: `from` holds `out.len()` f32, checked and kept alive by the shim.
+                unsafe { driver::memcpy_dtoh_sync(&mut host, from.address) }.context("reading an fp32 x_out")?;
+                let rounded: Vec<bf16> = host.iter().map(|&v| bf16::from_f32(v)).collect();
+                stream.memcpy_htod(&rounded, out).context("writing x_out into the judge's output buffer")?;
+            }
+        }
+        stream.synchronize().context("copying x_out")?;
+        Ok(())
+    }
+}
+
+impl Submission for PythonSubmission {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
+        self.teardown();
+        let mut tensors = Vec::with_capacity(Tensor::ALL.len());
+        for &t in Tensor::WEIGHTS {
+            tensors.push(DeviceTensor {
+                name: t.name(),
+                address: address(dev, layer.weights.get(t)),
+                shape: t.shape(cfg),
+            });
+        }
+        for (t, buffer) in [(Tensor::KCache, &layer.cache.k), (Tensor::VCache, &layer.cache.v)] {
+            tensors.push(DeviceTensor { name: t.name(), address: address(dev, buffer), shape: t.shape(cfg) });
+        }
+        dev.ctx().bind_to_thread().context("making the grader's context current for the submission")?;
+        self.shim.build(cfg, &tensors).map_err(SubmissionError::Python)?;
+        self.row = Some((cfg.batch, cfg.d));
+        Ok(())
+    }
+
+    fn layer_step(
+        &mut self,
+        dev: &Device,
+        // The cache was handed over in build_layer as tensors; the module writes it through them.
+        _layer: Layer<'_>,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), SubmissionError> {
+        let (batch, d) = self.row.ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
+        let output = self.shim.step(address(dev, x), pos, batch, d).map_err(SubmissionError::Python)?;
+        // All of the step's work, on whatever stream, is done before its output is read.
+        dev.synchronize()?;
+        (self.runner_scope)(&mut || Self::copy_out(dev, output, out))
+    }
+
+    fn teardown(&mut self) {
+        if self.row.take().is_some()
+            && let Err(e) = self.shim.teardown()
+        {
+            // Teardown is optional in the contract and its failure changes no verdict; say it.
+            eprintln!("{}: {e}", self.name);
+        }
+    }
+}
+
+impl Drop for PythonSubmission {
+    fn drop(&mut self) {
+        self.teardown();
+    }
+}
+
+/// The submission's file name, for messages before it is loaded.
+pub fn display_name(module: &Path) -> String {
+    module.file_name().map_or_else(|| module.display().to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+mod tests;

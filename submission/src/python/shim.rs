@@ -1,0 +1,155 @@
+//! The Rust side of `shim.py`: one submission module in the embedded interpreter, reached through
+//! the shim's four entries. Tensors go in as DLPack capsules over device addresses; the step's
+//! output comes back as an address and a dtype, checked by the shim, never as a Python object.
+
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde::Serialize;
+use spec::Config;
+
+use super::dlpack;
+use super::ffi::{Gil, Object, Python, RawObject};
+use super::probe::PythonInfo;
+
+const SHIM: &str = include_str!("shim.py");
+/// The file name tracebacks give the shim's frames (the shim leaves them out of its messages).
+const SHIM_FILE: &str = "<grader shim>";
+const DLTENSOR: &CStr = c"dltensor";
+
+/// The element type of a step's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    Bf16,
+    F32,
+}
+
+impl Dtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+}
+
+/// A step's output as the shim checked it: `(B, d)`, contiguous, on the runner's device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Output {
+    pub address: u64,
+    pub dtype: Dtype,
+}
+
+/// A device tensor handed to the submission: its address and row-major shape (bf16).
+#[derive(Debug, Clone)]
+pub struct DeviceTensor<'a> {
+    pub name: &'a str,
+    pub address: u64,
+    pub shape: Vec<usize>,
+}
+
+/// The task's `cfg` dict (`wdtype` is added by the shim as `torch.bfloat16`).
+#[derive(Serialize)]
+struct Cfg {
+    layers: usize,
+    batch: usize,
+    d: usize,
+    ffn: usize,
+    n_q: usize,
+    n_kv: usize,
+    hd: usize,
+    eps: f64,
+    theta: f64,
+}
+
+/// One submission module, loaded through its own copy of the shim.
+pub struct Shim {
+    python: &'static Python,
+    /// The shim module, kept for the life of the process (as the interpreter is).
+    module: RawObject,
+    ordinal: usize,
+}
+
+static LOADED: AtomicUsize = AtomicUsize::new(0);
+
+impl Shim {
+    /// Embeds the interpreter of `info` (once per process), runs a fresh copy of the shim, and
+    /// imports the submission's module through it (torch first).
+    pub fn load(info: &PythonInfo, ordinal: usize) -> Result<Shim, String> {
+        let python = Python::get(&info.library, &info.home)?;
+        let name = format!("_persistent_layer_shim_{}", LOADED.fetch_add(1, Ordering::Relaxed));
+        let setup = serde_json::to_string(info).map_err(|e| e.to_string())?;
+        let gil = python.gil();
+        let shim = Shim { python, module: gil.module(&name, SHIM, SHIM_FILE)?.keep(), ordinal };
+        shim.call(&gil, "start", |g| Ok(vec![g.str(&setup)?, g.int(ordinal as i64)?]))?;
+        Ok(shim)
+    }
+
+    /// `shim.<entry>(*args)`, its `(error, a, b, c)` answer turned into a result.
+    fn call<'g>(
+        &self,
+        gil: &'g Gil<'static>,
+        entry: &str,
+        args: impl FnOnce(&'g Gil<'static>) -> Result<Vec<Object<'g, 'static>>, String>,
+    ) -> Result<[u64; 3], String> {
+        let module = gil.borrowed(self.module);
+        let answer = module.call_method(entry, gil.tuple(args(gil)?)?)?;
+        let error = answer.item(0)?.to_str()?;
+        if !error.is_empty() {
+            return Err(error);
+        }
+        Ok([answer.item(1)?.to_u64()?, answer.item(2)?.to_u64()?, answer.item(3)?.to_u64()?])
+    }
+
+    /// `build_layer(weights, kv_cache, cfg, max_seq_len)`, the tensors aliasing `tensors`.
+    pub fn build(&self, cfg: &Config, tensors: &[DeviceTensor<'_>]) -> Result<(), String> {
+        let cfg_json = serde_json::to_string(&Cfg {
+            layers: 1,
+            batch: cfg.batch,
+            d: cfg.d,
+            ffn: cfg.ffn,
+            n_q: cfg.n_q,
+            n_kv: cfg.n_kv,
+            hd: cfg.hd,
+            eps: f64::from(cfg.eps),
+            theta: cfg.theta,
+        })
+        .map_err(|e| e.to_string())?;
+        let names: Vec<&str> = tensors.iter().map(|t| t.name).collect();
+        let gil = self.python.gil();
+        self.call(&gil, "build", |g| {
+            let capsules = tensors.iter().map(|t| self.capsule(g, t.address, &t.shape)).collect::<Result<_, _>>()?;
+            Ok(vec![g.str(&cfg_json)?, g.str(&names.join(","))?, g.tuple(capsules)?, g.int(cfg.max_seq_len as i64)?])
+        })
+        .map(drop)
+    }
+
+    /// `layer_step(handle, x, pos)` with `x` the `(batch, d)` tensor at `x_address`.
+    pub fn step(&self, x_address: u64, pos: usize, batch: usize, d: usize) -> Result<Output, String> {
+        let gil = self.python.gil();
+        let [address, dtype, _] = self.call(&gil, "step", |g| {
+            Ok(vec![
+                self.capsule(g, x_address, &[batch, d])?,
+                g.int(pos as i64)?,
+                g.int(batch as i64)?,
+                g.int(d as i64)?,
+            ])
+        })?;
+        let dtype = match dtype {
+            0 => Dtype::Bf16,
+            1 => Dtype::F32,
+            other => return Err(format!("the shim answered dtype {other}")),
+        };
+        Ok(Output { address, dtype })
+    }
+
+    /// `teardown(handle)`, when the module defines it.
+    pub fn teardown(&self) -> Result<(), String> {
+        let gil = self.python.gil();
+        self.call(&gil, "teardown", |_| Ok(Vec::new())).map(drop)
+    }
+
+    fn capsule<'g>(&self, gil: &'g Gil<'static>, address: u64, shape: &[usize]) -> Result<Object<'g, 'static>, String> {
+        gil.capsule(dlpack::bf16_tensor(address, shape, self.ordinal)?, DLTENSOR)
+    }
+}

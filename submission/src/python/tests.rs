@@ -1,0 +1,115 @@
+//! The shim and the embedding, without a GPU or torch: the modules of `tests/python/fake_torch/`
+//! run in the embedded interpreter of the test process against a stand-in torch, on made-up device
+//! addresses (nothing dereferences them).
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use spec::{Config, Tensor};
+
+use super::probe::tests::test_python;
+use super::*;
+
+/// One test at a time: the modules share the interpreter, and some patch the stand-in torch.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// A made-up device address per tensor, 1 MiB apart.
+const BASE: u64 = 0x7f00_0000_0000;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/fake_torch").join(name)
+}
+
+fn load(module: &str) -> Result<Shim, String> {
+    let info = probe(&test_python(), &fixture(module)).map_err(|e| e.to_string())?;
+    Shim::load(&info, 0)
+}
+
+fn tensors(cfg: &Config) -> Vec<DeviceTensor<'static>> {
+    Tensor::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| DeviceTensor { name: t.name(), address: BASE + ((i as u64) << 20), shape: t.shape(cfg) })
+        .collect()
+}
+
+fn built(module: &str, cfg: &Config) -> Shim {
+    let shim = load(module).unwrap();
+    shim.build(cfg, &tensors(cfg)).unwrap();
+    shim
+}
+
+const X: u64 = BASE + (64 << 20);
+
+/// Names, shapes, dtypes and the cfg dict reach build_layer as the task states them (the module
+/// asserts them), and each tensor aliases the address it was made from.
+#[test]
+fn the_module_gets_the_contracts_tensors_and_cfg() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let cfg = Config::tiny();
+    let shim = built("contract.py", &cfg);
+    for (pos, t) in tensors(&cfg).iter().enumerate() {
+        let out = shim.step(X, pos, cfg.batch, cfg.d).unwrap();
+        assert_eq!(out, Output { address: t.address, dtype: Dtype::Bf16 }, "{}", t.name);
+    }
+    let x = shim.step(X, Tensor::ALL.len(), cfg.batch, cfg.d).unwrap();
+    assert_eq!(x.address, X, "x aliases its buffer");
+    shim.teardown().unwrap();
+}
+
+/// Every wrong x_out is one sentence naming what is wrong; an fp32 one is accepted.
+#[test]
+fn wrong_outputs_are_refused_with_what_is_wrong() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let cfg = Config::tiny();
+    let shim = built("bad_outputs.py", &cfg);
+    let expected = [
+        "on the CPU, not on cuda:0".to_string(),
+        format!("of shape ({},), not (B, d) = ({}, {})", cfg.d, cfg.batch, cfg.d),
+        "a torch.float16 tensor: x_out is torch.bfloat16 or torch.float32".into(),
+        "non-contiguous".into(),
+        "on cuda:1, not on cuda:0".into(),
+        "returned a builtins.list, not a plain torch.Tensor".into(),
+    ];
+    for (pos, words) in expected.iter().enumerate() {
+        let msg = shim.step(X, pos, cfg.batch, cfg.d).unwrap_err();
+        assert!(msg.contains(words.as_str()), "step {pos}: {msg}");
+    }
+    assert_eq!(shim.step(X, expected.len(), cfg.batch, cfg.d).unwrap(), Output { address: X, dtype: Dtype::F32 });
+}
+
+/// A subclass is refused without any of its code running; a plain tensor is read through torch's
+/// own descriptors, whatever the module patched on `torch.Tensor`.
+#[test]
+fn reading_the_output_runs_none_of_the_modules_code() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let cfg = Config::tiny();
+    let shim = built("sneaky_outputs.py", &cfg);
+    let msg = shim.step(X, 0, cfg.batch, cfg.d).unwrap_err();
+    assert!(msg.contains("returned a sneaky_outputs.Lazy, not a plain torch.Tensor"), "{msg}");
+    // Step 1 raises if anything of the subclass ran, then patches torch.Tensor's accessors.
+    assert_eq!(shim.step(X, 1, cfg.batch, cfg.d), Ok(Output { address: X, dtype: Dtype::Bf16 }));
+    shim.step(X, 2, cfg.batch, cfg.d).unwrap();
+}
+
+/// An exception is named with a shortened traceback through the module's own frames.
+#[test]
+fn exceptions_come_back_with_their_traceback() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let cfg = Config::tiny();
+    let shim = built("raises.py", &cfg);
+    let msg = shim.step(X, 0, cfg.batch, cfg.d).unwrap_err();
+    assert!(msg.starts_with("layer_step raised ZeroDivisionError: division by zero"), "{msg}");
+    assert!(msg.contains("raises.py:6 in layer_step | raises.py:10 in divide"), "{msg}");
+    assert!(!msg.contains("grader shim"), "the shim's own frames are left out: {msg}");
+}
+
+#[test]
+fn modules_that_cannot_be_imported_say_why() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let msg = load("import_error.py").err().unwrap();
+    assert!(msg.contains("importing the submission raised ModuleNotFoundError"), "{msg}");
+    assert!(msg.contains("no_such_module_anywhere"), "{msg}");
+    let msg = load("not_callable.py").err().unwrap();
+    assert!(msg.contains("has no function build_layer once imported"), "{msg}");
+}

@@ -1,0 +1,9 @@
+import no_such_module_anywhere  # noqa: F401
+
+
+def build_layer(weights, kv_cache, cfg, max_seq_len):
+    return None
+
+
+def layer_step(handle, x, pos):
+    return x

@@ -1,0 +1,2 @@
+def layer_step(handle, x, pos):
+    return x
