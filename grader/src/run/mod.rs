@@ -36,6 +36,8 @@ use reference::gpu::{DeviceCache, generate_weights};
 use spec::{ByteModel, Call, Config, Gates, Phase};
 use submission::Chosen;
 
+use gates::launches::LaunchAllowance;
+
 use crate::bandwidth::{self, Bandwidth};
 use crate::cli::RunArgs;
 use crate::error::{GraderError, Outcome};
@@ -173,7 +175,17 @@ pub fn judge(
         correctness_gate(&steps, &cache_check, &integrity, &gates),
         gates::launches::kernels_gate(&calls, &f.record.calls, &gates),
         gates::launches::share_gate(&f.record.calls, &gates),
-        gates::launches::launch_record_gate(&calls, &f.record, &paced, &f.audit, &gates),
+        gates::launches::launch_record_gate(
+            &calls,
+            &f.record,
+            &paced,
+            &f.audit,
+            &gates,
+            match chosen {
+                Chosen::Native(_) => LaunchAllowance::NATIVE,
+                Chosen::Python(_) => LaunchAllowance::PYTHON,
+            },
+        ),
         gates::environment::exclusive_gpu_gate(&watched),
         gates::physics::bytes_read_gate(&f.audit, &model, &held, &paced, policy.require_audit, &gates),
         gates::environment::l2_gate(&f.l2),
