@@ -45,6 +45,9 @@ pub struct Record {
     pub modules: usize,
     /// Kernels of the DRAM audit's range profiler, set apart (between calls, no API call).
     pub profiler_kernels: usize,
+    /// Copies and sets of the runner's own inside each call (a Python submission's x_out copied into
+    /// the judge's buffer): not the submission's, but the hardware counts their thread blocks.
+    pub runner_copies: Vec<usize>,
     /// Everything that makes the record incomplete or the work unaccounted for; empty when intact.
     pub problems: Vec<String>,
 }
@@ -67,6 +70,7 @@ pub fn attribute(
     let mut recorded_ids = HashSet::new();
     let mut foreign: HashMap<usize, Vec<String>> = HashMap::new();
     let mut profiler_kernels = 0;
+    let mut runner_copies = vec![0; n];
     for a in activities {
         let tag = seen.tags.get(&a.correlation_id).copied();
         if tag.is_none()
@@ -90,6 +94,13 @@ pub fn attribute(
         match tag {
             Some(Tag::Call(i)) if i < n => per_call[i].push(a),
             Some(Tag::Build) => build.push(a),
+            Some(Tag::Runner) if a.kind != ActivityKind::Kernel => {
+                for (i, w) in windows.iter().enumerate() {
+                    if w.overlaps(&a) {
+                        runner_copies[i] += 1;
+                    }
+                }
+            }
             Some(Tag::Teardown | Tag::Runner) => {}
             Some(Tag::Outside) => outside.push(a),
             // Records of other kinds are not work a call could hide (no kernel, copy or set).
@@ -169,6 +180,7 @@ pub fn attribute(
         api_launches,
         modules: seen.modules.len(),
         profiler_kernels,
+        runner_copies,
         problems,
     }
 }
@@ -270,7 +282,8 @@ mod tests {
     }
 
     /// A Python submission's x_out is copied by the runner inside the call, under its own tag
-    /// (`run::runner::as_runner`): the copy is never the call's, and is no problem.
+    /// (`run::runner::as_runner`): the copy is never the call's, and is no problem; it is counted
+    /// apart, for the hardware's thread blocks (a device-to-device copy may run as blocks).
     #[test]
     fn the_runners_copy_inside_a_call_is_not_the_calls() {
         let copy = Activity { correlation_id: 7, ..Activity::synthetic(ActivityKind::Memcpy, "DtoD", 180, 185) };
@@ -280,6 +293,7 @@ mod tests {
         let r = attribute(captured, &W[..1], no_scan, vec![]);
         assert!(r.problems.is_empty(), "{:?}", r.problems);
         assert_eq!((r.calls[0].kernels, r.calls[0].memcpys), (1, 0));
+        assert_eq!(r.runner_copies, vec![1]);
     }
 
     #[test]

@@ -388,6 +388,7 @@ mod tests {
                 api_launches: vec![],
                 modules: 0,
                 profiler_kernels: 0,
+                runner_copies: vec![],
                 problems: vec![],
             },
             call_us: vec![Some(500.0)],

@@ -72,6 +72,7 @@ pub fn forged_line(calls: usize) -> String {
         ("api_launches", each("1")),
         ("modules", "1".into()),
         ("profiler_kernels", zero()),
+        ("runner_copies", each("0")),
         ("problems", "[]".into()),
     ]);
     let audit = object(&[

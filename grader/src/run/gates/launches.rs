@@ -169,10 +169,11 @@ pub fn launch_record_gate(
             )
         });
         for (what, c, span) in alone.chain(batches) {
-            let recorded: Vec<&StepLaunches> = record.calls.get(span).into_iter().flatten().collect();
+            let recorded: Vec<&StepLaunches> = record.calls.get(span.clone()).into_iter().flatten().collect();
             let ctas: u64 = recorded.iter().map(|l| l.ctas).sum();
-            let allowed =
-                ctas + BLOCKS_PER_COPY_OR_SET * recorded.iter().map(|l| (l.memcpys + l.memsets) as u64).sum::<u64>();
+            let copies = recorded.iter().map(|l| (l.memcpys + l.memsets) as u64).sum::<u64>()
+                + record.runner_copies.get(span).into_iter().flatten().map(|&c| c as u64).sum::<u64>();
+            let allowed = ctas + BLOCKS_PER_COPY_OR_SET * copies;
             if c.ctas > allowed as f64 {
                 problems.push(format!(
                     "in {what} the hardware launched {:.0} thread blocks but the recorded kernels hold {ctas}: kernels \
@@ -297,6 +298,7 @@ mod tests {
             calls: steps,
             modules: 1,
             profiler_kernels: 0,
+            runner_copies: vec![],
             problems: vec![],
         }
     }
@@ -361,5 +363,17 @@ mod tests {
         };
         let gate = launch_record_gate(&calls(2), &waiter, &paced(vec![Some(1020.0), Some(1030.0)]), &hw, &g, native);
         assert!(!gate.passed && gate.detail.contains("escaped the record"), "{gate:?}");
+        // The runner's own copy inside a call (a Python x_out) may run as blocks of the driver's.
+        let copying = record(vec![launches(&[(400_000, "mega")]); 2]);
+        let hw_copy = Audit {
+            unavailable: None,
+            calls: vec![Some(Counters { bytes_read: 1.0, bytes_written: 0.0, ctas: 148.0 }); 2],
+            batches: vec![],
+        };
+        let timing = paced(vec![Some(420.0), Some(430.0)]);
+        assert!(!launch_record_gate(&calls(2), &copying, &timing, &hw_copy, &g, python).passed);
+        let with_copies = Record { runner_copies: vec![1, 1], ..copying };
+        let gate = launch_record_gate(&calls(2), &with_copies, &timing, &hw_copy, &g, python);
+        assert!(gate.passed, "{gate:?}");
     }
 }
