@@ -29,6 +29,29 @@ fn ordered(v: bf16) -> i32 {
     if b & 0x8000 != 0 { -(b & 0x7FFF) } else { b }
 }
 
+/// One bf16 ulp at magnitude `m` (normal range): 2^(exponent of m - 7).
+fn bf16_ulp_at(m: f32) -> f32 {
+    f32::from_bits(m.abs().to_bits() & 0x7F80_0000) / 128.0
+}
+
+/// Elements of `out` more than `ulps` bf16 ulp from `reference` both at their own value and at the
+/// reference's RMS. A dot product's rounding error scales with its terms, which the row's magnitude
+/// reflects: an element that cancelled to near zero may differ by many of its own (tiny) ulps after
+/// summing in another order, and still be exact to the row's precision. A NaN or an Inf, or a length
+/// mismatch, counts every element.
+pub fn beyond_ulps_at_scale(out: &[bf16], reference: &[bf16], ulps: u32) -> usize {
+    if out.len() != reference.len() || !out.iter().chain(reference).all(|v| v.is_finite()) {
+        return out.len().max(reference.len());
+    }
+    let rms =
+        (reference.iter().map(|v| (v.to_f32() as f64).powi(2)).sum::<f64>() / reference.len().max(1) as f64).sqrt();
+    let allowed = ulps as f32 * bf16_ulp_at(rms as f32);
+    out.iter()
+        .zip(reference)
+        .filter(|&(&a, &b)| ordered(a).abs_diff(ordered(b)) > ulps && (a.to_f32() - b.to_f32()).abs() > allowed)
+        .count()
+}
+
 /// How two bf16 tensors differ.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Diff {
@@ -80,6 +103,25 @@ mod tests {
         let d = Diff::of(&[bf16::NAN], &[bf16::ONE]);
         assert_eq!(d.max_ulp, u32::MAX);
         assert!(d.rel_err.is_infinite());
+    }
+
+    #[test]
+    fn near_zero_elements_are_judged_at_the_rows_scale() {
+        // A row of magnitude ~1 whose element 0 cancelled to about 1e-3 and came out 6 of its own ulp
+        // away in another summation order: 2.4e-5 apart, far under one ulp at the row's scale.
+        let reference: Vec<bf16> = [1.0e-3, 1.5, -0.75, 2.0].iter().map(|&v| bf16::from_f32(v)).collect();
+        let mut out = reference.clone();
+        out[0] = bf16::from_bits(reference[0].to_bits() + 6);
+        assert_eq!(Diff::of(&out, &reference).max_ulp, 6);
+        assert_eq!(beyond_ulps_at_scale(&out, &reference, 2), 0);
+        // Three ulp off on a large element is beyond both.
+        out[1] = bf16::from_bits(reference[1].to_bits() + 3);
+        assert_eq!(beyond_ulps_at_scale(&out, &reference, 2), 1);
+        // A wrong row is wrong in every element that carries the row's magnitude.
+        let wrong: Vec<bf16> = reference.iter().map(|v| -*v).collect();
+        assert_eq!(beyond_ulps_at_scale(&wrong, &reference, 2), 3);
+        assert_eq!(beyond_ulps_at_scale(&[bf16::NAN], &[bf16::ONE], 2), 1);
+        assert_eq!(bf16_ulp_at(1.5), 1.0 / 128.0);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use spec::rng::{normal_bf16, scale_for_std, stream_key};
 use spec::{Config, Gates};
 
 use super::{Check, CheckResult, Ctx, Failure, ensure};
-use crate::metrics::{Diff, rel_err, to_f32};
+use crate::metrics::{Diff, beyond_ulps_at_scale, rel_err, to_f32};
 
 /// Any op's output may differ from the golden model's by at most this relative L2 error (about one
 /// bf16 rounding, 2^-8, spread over a few elements).
@@ -32,6 +32,8 @@ const OP_REL_TOL: f64 = 4e-3;
 /// `small`; the graded size's f32 sums in another order flip a few roundings and start the cascade.
 const STEP_REL_TOL: f64 = 1e-3;
 const SENSITIVITY_FACTOR: f64 = 2.0;
+/// Appended cache rows: two roundings deep (the projection, then RoPE), see `steps_match`.
+const CACHE_ROW_ULPS: u32 = 2;
 /// Wrong answers must miss the correctness gate by at least this factor.
 const GATE_MARGIN: f64 = 3.0;
 
@@ -154,7 +156,7 @@ fn ops_match(ctx: &mut Ctx, cfg: Config) -> CheckResult {
 }
 
 /// `steps` eager steps against the golden model's with fresh inputs: `x_out` within
-/// [`STEP_REL_TOL`], the appended cache rows within one ulp, the prefix untouched, and the last step
+/// [`STEP_REL_TOL`], the appended cache rows within [`CACHE_ROW_ULPS`], the prefix untouched, and the last step
 /// bitwise identical when run again.
 fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
     let mut p = Pair::new(ctx, cfg)?;
@@ -188,11 +190,26 @@ fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
         for (row, (g, c)) in gpu.chunks(cfg.hd).zip(cpu.chunks(cfg.hd)).enumerate() {
             let slot = row % cfg.max_seq_len;
             // Appended slots hold the step's rows, two roundings deep (the projection, then RoPE), so
-            // within 2 ulp; every other slot is untouched.
+            // within 2 ulp, of the value or at the row's RMS: an element that cancelled to near zero
+            // moves by many of its own ulp with the summation order (the golden model in two honest
+            // orders at the graded size: 10 of 192 rows beyond 2 ulp element-wise, none at the row's
+            // scale; one GPU run failed on 6 ulp). Every other slot is untouched.
             let appended = slot >= cfg.prefill && slot < cfg.prefill + steps;
-            let (reference, bound) = if appended { (c, 2) } else { (&prefix[row * cfg.hd..(row + 1) * cfg.hd], 0) };
-            let d = Diff::of(g, reference);
-            ensure(d.max_ulp <= bound, || format!("{name} cache slot {slot} (row {row}): {d}, allowed {bound} ulp"))?;
+            if appended {
+                let beyond = beyond_ulps_at_scale(g, c, CACHE_ROW_ULPS);
+                ensure(beyond == 0, || {
+                    format!(
+                        "{name} cache slot {slot} (row {row}): {}, {beyond} element(s) beyond {CACHE_ROW_ULPS} ulp of \
+                         their value and of the row's RMS",
+                        Diff::of(g, c)
+                    )
+                })?;
+            } else {
+                let d = Diff::of(g, &prefix[row * cfg.hd..(row + 1) * cfg.hd]);
+                ensure(d.max_ulp == 0, || {
+                    format!("{name} cache slot {slot} (row {row}): {d}, the prefix must be untouched")
+                })?;
+            }
         }
     }
     // Run the last step again: same inputs, same position, same bits.
@@ -204,7 +221,8 @@ fn steps_match(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
         format!("step at pos {pos} is not bitwise reproducible: {}", Diff::of(&repeat, &last.1))
     })?;
     Ok(format!(
-        "{steps} steps, worst rel error {worst:.1e}; cache rows within 2 ulp, prefix untouched; repeat bitwise; input seed {seed:#x}"
+        "{steps} steps, worst rel error {worst:.1e}; cache rows within {CACHE_ROW_ULPS} ulp (of the value or the row's RMS), \
+         prefix untouched; repeat bitwise; input seed {seed:#x}"
     ))
 }
 
