@@ -84,12 +84,19 @@ pub struct ConfigArg {
     pub config: String,
 }
 
+/// The submission, and the interpreter of a `.py` one.
 #[derive(Debug, Args)]
-pub struct RunArgs {
-    #[arg(long, value_name = "NAME|PATH", help = SUBMISSION_HELP)]
-    pub submission: String,
+pub struct SubmissionArg {
+    #[arg(long = "submission", value_name = "NAME|PATH", help = SUBMISSION_HELP)]
+    pub name: String,
     #[arg(long, value_name = "PATH", help = PYTHON_HELP)]
     pub python: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub submission: SubmissionArg,
     #[command(flatten)]
     pub config: ConfigArg,
     #[arg(long, default_value_t = spec::DEFAULT_SEED, value_parser = parse_seed, allow_hyphen_values = true,
@@ -115,10 +122,8 @@ pub struct RunArgs {
 
 #[derive(Debug, Args)]
 pub struct LaunchesArgs {
-    #[arg(long, value_name = "NAME|PATH", help = SUBMISSION_HELP)]
-    pub submission: String,
-    #[arg(long, value_name = "PATH", help = PYTHON_HELP)]
-    pub python: Option<PathBuf>,
+    #[command(flatten)]
+    pub submission: SubmissionArg,
     #[command(flatten)]
     pub config: ConfigArg,
     #[arg(long, default_value_t = spec::DEFAULT_SEED, value_parser = parse_seed, allow_hyphen_values = true,

@@ -84,7 +84,7 @@ impl ByteModel {
         let activations = bf16(mul(&[2, d, batch])?)?;
         // Each operation is charged the weights it reads, a norm with the projection it feeds, the
         // cache with attention, x with the first operation and x_out with the last.
-        let (x, norm) = (activations / 2, norms / 2);
+        let (x, norm) = (bf16(mul(&[d, batch])?)?, bf16(d)?);
         let part = |op, terms: &[u64]| Some(OpBytes { op, bytes: sum(terms)? });
         let by_op = [
             part(LayerOp::Qkv, &[bf16(mul(&[q + 2 * kv, d])?)?, norm, x])?,

@@ -143,7 +143,9 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
         })
         .collect::<Vec<PhaseTime>>();
     let mut phases = phases;
-    let unaudited = match audit_phases(dev, cfg, &mut phased, input_seed, phases.len() as u32) {
+    // One eviction buffer (twice L2) for the audited pass and the traced launches.
+    let mut evict = L2Eviction::new(dev, 2)?;
+    let unaudited = match audit_phases(dev, cfg, &mut phased, &mut evict, input_seed, phases.len() as u32) {
         Ok(read) => {
             for (ph, bytes) in phases.iter_mut().zip(read) {
                 ph.dram_bytes_read = Some(bytes);
@@ -154,7 +156,7 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
     };
     let names: Vec<String> = phases.iter().map(|p| p.phase.clone()).collect();
     let floors: Vec<f64> = phases.iter().map(|p| floor_us(p.bytes)).collect();
-    let timeline = trace(dev, cfg, &mut fused, input_seed, &names, &floors)?;
+    let timeline = trace(dev, cfg, &mut fused, &mut evict, input_seed, &names, &floors)?;
     let fused_us = Summary::of(&fused_us).expect("timed");
     Ok(Profile {
         config: cfg.name.clone(),
@@ -174,11 +176,11 @@ fn trace(
     dev: &Device,
     cfg: &Config,
     fused: &mut Megakernel,
+    evict: &mut L2Eviction,
     input_seed: u64,
     names: &[String],
     floors_us: &[f64],
 ) -> Result<Option<Timeline>, GraderError> {
-    let mut evict = L2Eviction::new(dev, 2)?;
     let mut out = dev.stream().alloc_zeros(cfg.d).context("allocating the output")?;
     let mut traced = Vec::with_capacity(TRACED_STEPS);
     for s in 0..TRACED_STEPS {
@@ -204,13 +206,13 @@ fn audit_phases(
     dev: &Device,
     cfg: &Config,
     phased: &mut Megakernel,
+    evict: &mut L2Eviction,
     input_seed: u64,
     phases: u32,
 ) -> Result<Vec<f64>, String> {
     let mut audit = RangeAudit::enable(dev.ctx(), &[DRAM_BYTES_READ], AUDITED_STEPS * phases as usize)
         .map_err(|e| e.to_string())?;
     let cuda = |e: CudaError| e.to_string();
-    let mut evict = L2Eviction::new(dev, 2).map_err(cuda)?;
     let mut out = dev.stream().alloc_zeros(cfg.d).map_err(|e| e.to_string())?;
     for s in 0..AUDITED_STEPS {
         let x = generate_input(dev, cfg, input_seed, s).map_err(cuda)?;

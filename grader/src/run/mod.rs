@@ -85,7 +85,7 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     // Every argument is checked before the device opens: a typo costs a second and one sentence,
     // not a GPU start-up, and no judgement is lost to an output path that cannot be written.
     let cfg = Config::load(&args.config.config)?;
-    let submission = crate::preflight::submission(&args.submission, args.python.as_deref())?;
+    let submission = crate::preflight::submission(&args.submission.name, args.submission.python.as_deref())?;
     if let Some(path) = &args.json {
         crate::preflight::output_file("--json", path)?;
     }
