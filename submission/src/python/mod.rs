@@ -97,7 +97,8 @@ impl PythonSubmission {
                 stream.memcpy_htod(&rounded, out).context("writing x_out into the judge's output buffer")?;
             }
         }
-        stream.synchronize().context("copying x_out")?;
+        // No synchronisation here: the caller synchronises the device after every step, as for
+        // every submission, and the copy's source stays alive until the next step.
         Ok(())
     }
 }
