@@ -12,8 +12,9 @@
 // with a shuffle butterfly and the warps' partials meet in shared memory once, at the end of the
 // phase, where they are added in warp order. A phase's first slots are filled before its input
 // exists (before the norm, while the block waits at the grid barrier), so the stream does not stop
-// between phases; attention's cached rows are loaded the same way. No float atomics anywhere: outputs
-// are bitwise reproducible.
+// between phases; attention's cached rows are loaded the same way. Weights are not prefetched to L2:
+// bulk prefetches of rows the ring then copies made the phases slower (docs/perf.md). No float
+// atomics anywhere: outputs are bitwise reproducible.
 //
 // Rounding follows the eager reference: q, k, v, a, o, x1, h, h2, gate, up, act and down are rounded to
 // bf16 where the reference stores them; scores and softmax weights stay f32.
@@ -55,8 +56,6 @@ static_assert(TEAMS * TEAM_SMEM_BYTES <= RING_BYTES, "the attention teams' share
 // space).
 constexpr uint32_t COMBINE_OUTPUTS = ATTN_MAX_GROUP * ATTN_MAX_HD / TEAM_THREADS;
 constexpr uint32_t COMBINE_STAGE_FLOATS = 2 * ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD) * 2 / 4;
-// Bytes of the phase after attention each block asks L2 to fetch while attention runs.
-constexpr uint32_t L2_PREFETCH_BYTES = 256 * 1024;
 
 // ---------------------------------------------------------------------------------------------------
 // Memory helpers
@@ -87,10 +86,6 @@ __device__ inline void bulk_copy(void* smem, const void* gmem, unsigned bytes, u
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_addr(smem)),
                  "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
                  : "memory");
-}
-// Asks L2 to fetch [gmem, gmem + bytes) from HBM without waiting for it.
-__device__ inline void prefetch_l2(const void* gmem, unsigned bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
 }
 
 // A 16-byte global -> shared copy completing asynchronously, through L2 only (other blocks wrote the
@@ -294,11 +289,6 @@ __device__ inline bool gemv_of(const int64_t* op, Gemv& g) {
     }
 }
 
-__device__ inline bool is_gemv(const int64_t* op) {
-    Gemv g;
-    return gemv_of(op, g);
-}
-
 // Starts streaming the weights of phase `op` into the ring (nothing for a phase without a GEMV).
 __device__ void prime_phase(const int64_t* op, const Ring& ring) {
     Gemv g;
@@ -306,17 +296,6 @@ __device__ void prime_phase(const int64_t* op, const Ring& ring) {
     uint32_t r0, r1;
     block_rows(g.rows, r0, r1);
     with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.prime(ring); });
-}
-
-// Asks L2 for the first L2_PREFETCH_BYTES of this block's rows of phase `op`'s GEMV: used while
-// attention (which streams little) keeps HBM idle.
-__device__ void prefetch_l2_phase(const int64_t* op) {
-    Gemv g;
-    if (threadIdx.x != 0 || !gemv_of(op, g)) return;
-    uint32_t r0, r1;
-    block_rows(g.rows, r0, r1);
-    const size_t bytes = min((size_t)L2_PREFETCH_BYTES, (size_t)(r1 - r0) * g.cols * 2);
-    if (bytes > 0) prefetch_l2(g.w + (size_t)r0 * g.cols, (unsigned)bytes);
 }
 
 // This block's rows of phase `op`'s GEMV against the slice, into red (the ring already primed).
@@ -771,8 +750,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
             const int64_t* next = op + PROGRAM_ROW_WORDS;
             prime_phase(next, ring);
             if (next[0] == OP_ATTENTION) prime_attention(next, pos, ring.data);
-            // A phase without a GEMV leaves HBM idle: have L2 fetch the start of the one after it.
-            if (!is_gemv(next) && p + 2 < phase_end) prefetch_l2_phase(next + PROGRAM_ROW_WORDS);
             grid_wait(barrier, barrier_base + (p - phase_begin + 1) * gridDim.x);
         } else if (trace != nullptr) {
             __syncthreads();  // the whole block is done with the last phase before it is stamped
