@@ -56,6 +56,9 @@ static_assert(TEAMS * TEAM_SMEM_BYTES <= RING_BYTES, "the attention teams' share
 // space).
 constexpr uint32_t COMBINE_OUTPUTS = ATTN_MAX_GROUP * ATTN_MAX_HD / TEAM_THREADS;
 constexpr uint32_t COMBINE_STAGE_FLOATS = 2 * ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD) * 2 / 4;
+// Chunks of a KV head each lane of the combine holds the running max and sum of: the launcher keeps a
+// head's chunks (max_seq_len / ATTN_CHUNK) within ATTN_CHUNK, the scales' room in shared memory.
+constexpr uint32_t COMBINE_CHUNKS_PER_LANE = ATTN_CHUNK / WARP;
 
 // ---------------------------------------------------------------------------------------------------
 // Memory helpers
@@ -394,42 +397,63 @@ __device__ void combine(const Team& team, uint32_t kv, uint32_t n_chunks, uint32
                         uint32_t lo, uint32_t hi, const float* part_o, const float* part_ml, bf16* a_out, float* scale, float* stage) {
     const float* pm = part_ml + (size_t)kv * max_chunks * group * 2;  // (n_chunks, group, 2)
     const float* po = part_o + (size_t)kv * max_chunks * group * hd;  // (n_chunks, group, hd)
-    for (uint32_t g = team.warp; g < group; g += TEAM_WARPS) {
-        float m = -CUDART_INF_F;
-        for (uint32_t c = team.lane; c < n_chunks; c += WARP) m = fmaxf(m, __ldcg(pm + (c * group + g) * 2));
-        m = warp_reduce(m, Max{});
-        float l = 0.0f;
-        for (uint32_t c = team.lane; c < n_chunks; c += WARP) {
-            const float e = expf(__fsub_rn(__ldcg(pm + (c * group + g) * 2), m));
-            scale[c * ATTN_MAX_GROUP + g] = e;
-            l = fmaf(__ldcg(pm + (c * group + g) * 2 + 1), e, l);
-        }
-        l = warp_reduce(l, Add{});
-        // Each lane rescales only the entries it wrote itself: no synchronisation needed.
-        for (uint32_t c = team.lane; c < n_chunks; c += WARP) scale[c * ATTN_MAX_GROUP + g] = __fdiv_rn(scale[c * ATTN_MAX_GROUP + g], l);
-    }
-    team.sync();  // every chunk's scale is in shared memory
     // The share of each chunk's partials passes through shared memory (the team's K and V space, free
     // now) as many chunks at a time as fit: every thread's copies are in flight together, so a pass
-    // costs one round trip. Thread t sums outputs lo + t, lo + t + TEAM_THREADS, ..., each over the
-    // chunks in order.
+    // costs one round trip, and the first pass's copies start before the scales' loads, which do not
+    // depend on them, so the two overlap. Thread t sums outputs lo + t, lo + t + TEAM_THREADS, ...,
+    // each over the chunks in order.
     const uint32_t per_chunk = group * hd, width = hi - lo, chunks_per_pass = COMBINE_STAGE_FLOATS / width;
-    float o[COMBINE_OUTPUTS] = {};
-    for (uint32_t c0 = 0; c0 < n_chunks; c0 += chunks_per_pass) {
+    const auto load_pass = [&](uint32_t c0) {
         const uint32_t cn = min(chunks_per_pass, n_chunks - c0);
         for (uint32_t i = team.t; i < cn * width / 4; i += TEAM_THREADS) {
             const uint32_t c = 4 * i / width, off = 4 * i % width;
             cp_async16(stage + 4 * i, po + (size_t)(c0 + c) * per_chunk + lo + off);
         }
+    };
+    load_pass(0);
+    // Each lane loads the running max and sum of its chunks once (lane, lane + WARP, ...).
+    for (uint32_t g = team.warp; g < group; g += TEAM_WARPS) {
+        float cm[COMBINE_CHUNKS_PER_LANE], cl[COMBINE_CHUNKS_PER_LANE];
+        float m = -CUDART_INF_F;
+#pragma unroll
+        for (uint32_t k = 0; k < COMBINE_CHUNKS_PER_LANE; ++k) {
+            const uint32_t c = team.lane + k * WARP;
+            cm[k] = c < n_chunks ? __ldcg(pm + (c * group + g) * 2) : -CUDART_INF_F;
+            cl[k] = c < n_chunks ? __ldcg(pm + (c * group + g) * 2 + 1) : 0.0f;
+            m = fmaxf(m, cm[k]);
+        }
+        m = warp_reduce(m, Max{});
+        float l = 0.0f;
+#pragma unroll
+        for (uint32_t k = 0; k < COMBINE_CHUNKS_PER_LANE; ++k) {
+            const uint32_t c = team.lane + k * WARP;
+            if (c < n_chunks) {
+                cm[k] = expf(__fsub_rn(cm[k], m));
+                l = fmaf(cl[k], cm[k], l);
+            }
+        }
+        l = warp_reduce(l, Add{});
+#pragma unroll
+        for (uint32_t k = 0; k < COMBINE_CHUNKS_PER_LANE; ++k) {
+            const uint32_t c = team.lane + k * WARP;
+            if (c < n_chunks) scale[c * ATTN_MAX_GROUP + g] = __fdiv_rn(cm[k], l);
+        }
+    }
+    float o[COMBINE_OUTPUTS] = {};
+    for (uint32_t c0 = 0; c0 < n_chunks; c0 += chunks_per_pass) {
+        if (c0 > 0) {
+            team.sync();  // every thread is done with the previous pass before this one overwrites it
+            load_pass(c0);
+        }
         cp_async_wait_all();
-        team.sync();  // the pass's partials are in shared memory
+        team.sync();  // the pass's partials (and, on the first, every chunk's scale) are in shared memory
+        const uint32_t cn = min(chunks_per_pass, n_chunks - c0);
 #pragma unroll
         for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
             const uint32_t i = team.t + k * TEAM_THREADS;
             if (i >= width) break;
             for (uint32_t c = 0; c < cn; ++c) o[k] = fmaf(stage[c * width + i], scale[(c0 + c) * ATTN_MAX_GROUP + (lo + i) / hd], o[k]);
         }
-        team.sync();  // every thread is done with this pass before the next one overwrites it
     }
 #pragma unroll
     for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
@@ -606,6 +630,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bo
         }
         team.sync();  // all of this team's partials are written (and its shared memory is free again)
 
+        unsigned departed = 0;  // thread 0, one round: teams of the head past their wait before this one
         if (t == 0) {
             // Release the partials device-wide before counting this chunk in.
             __threadfence();
@@ -618,6 +643,9 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bo
             }
             // Acquire: the head's partials are read only after every arrival was seen.
             __threadfence();
+            // Counted out as soon as it is past the wait; the count is read only after the combine,
+            // so the atomic's round trip overlaps it.
+            if (items.one_round) departed = atomicAdd(&departures[kv], 1u);
         }
         team.sync();  // every thread of the team sees its `last` and, in one round, every arrival
         if (items.one_round) {
@@ -625,7 +653,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bo
             const uint32_t share = ((per_head + n_chunks - 1) / n_chunks + 3) & ~3u;
             const uint32_t lo = min(c * share, per_head), hi = min(lo + share, per_head);
             if (lo < hi) combine(team, kv, n_chunks, max_chunks, group, hd, lo, hi, part_o, part_ml, a_out, ps, reinterpret_cast<float*>(ks));
-            if (t == 0 && atomicAdd(&departures[kv], 1u) == n_chunks - 1) {
+            if (t == 0 && departed == n_chunks - 1) {
                 // Every team of the head is past its wait: reset both for the next step (the launch
                 // boundary, or the next grid barrier, orders this before any later arrival).
                 arrivals[kv] = 0;
