@@ -59,6 +59,7 @@ constexpr uint32_t COMBINE_STAGE_FLOATS = 2 * ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD
 // Chunks of a KV head each lane of the combine holds the running max and sum of: the launcher keeps a
 // head's chunks (max_seq_len / ATTN_CHUNK) within ATTN_CHUNK, the scales' room in shared memory.
 constexpr uint32_t COMBINE_CHUNKS_PER_LANE = ATTN_CHUNK / WARP;
+static_assert(COMBINE_CHUNKS_PER_LANE * WARP == ATTN_CHUNK, "the combine's lanes must reach every chunk a head can have");
 
 // ---------------------------------------------------------------------------------------------------
 // Memory helpers
