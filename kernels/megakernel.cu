@@ -92,6 +92,24 @@ __device__ inline void bulk_copy(void* smem, const void* gmem, unsigned bytes, u
                  : "memory");
 }
 
+// GPU-scope release and acquire on counters that blocks signal through. A release reduction returns
+// nothing, so the signalling thread does not wait for its round trip; an acquire load orders the
+// reads after it without a separate fence (v13: both replaced __threadfence plus a plain atomic or
+// volatile load, which cost a full fence and a round trip more).
+__device__ inline void red_release_add(unsigned* p, unsigned v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ inline unsigned atom_acq_rel_add(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ inline unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // A 16-byte global -> shared copy completing asynchronously, through L2 only (other blocks wrote the
 // data earlier in this launch); cp_async_wait_all() waits for this thread's copies.
 __device__ inline void cp_async16(void* smem, const void* gmem) {
@@ -143,21 +161,16 @@ __device__ inline uint32_t pair_at(const bf16* p) { return *reinterpret_cast<con
 
 // The arrival: call after a __syncthreads that follows every write of the phase.
 __device__ inline void grid_arrive(unsigned* counter) {
-    if (threadIdx.x == 0) {
-        // Release: the block's writes (ordered before this fence by the caller's bar.sync) become
-        // visible device-wide before the arrival does.
-        __threadfence();
-        atomicAdd(counter, 1u);
-    }
+    // Release: the block's writes (ordered before thread 0 by the caller's bar.sync) become visible
+    // device-wide before the arrival does.
+    if (threadIdx.x == 0) red_release_add(counter, 1);
 }
 
 // The wait for every block's arrival.
 __device__ inline void grid_wait(unsigned* counter, unsigned target) {
     if (threadIdx.x == 0) {
-        volatile unsigned* c = counter;
-        while ((int)(*c - target) < 0) __nanosleep(64);
         // Acquire: no read of the next phase moves above the observation of the last arrival.
-        __threadfence();
+        while ((int)(ld_acquire(counter) - target) < 0) __nanosleep(64);
     }
     __syncthreads();  // the rest of the block waits for thread 0 to see every arrival
 }
@@ -302,11 +315,18 @@ __device__ void prime_phase(const int64_t* op, const Ring& ring) {
     with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.prime(ring); });
 }
 
-// This block's rows of phase `op`'s GEMV against the slice, into red (the ring already primed).
-__device__ void gemv_phase(const int64_t* op, const Slice& s, Ring& ring, Partials part, uint32_t& r0, uint32_t& r1) {
+// This block's rows [r0, r1) of phase `op`'s GEMV.
+__device__ inline void gemv_rows(const int64_t* op, uint32_t& r0, uint32_t& r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     block_rows(g.rows, r0, r1);
+}
+
+// This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
+// primed).
+__device__ void gemv_phase(const int64_t* op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
+    Gemv g;
+    if (!gemv_of(op, g)) __trap();
     with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.run(s, ring, part); });
 }
 
@@ -343,6 +363,11 @@ __device__ inline Slice rmsnorm_slice(const bf16* x, const bf16* g, uint32_t d, 
 
 __device__ inline float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// Element threadIdx.x of v[0, n) (0 past n), for an epilogue that adds it: loaded before the phase's
+// stream, it is in a register when the epilogue runs instead of one more round trip at the phase's
+// end, where the last block's round trip delays the barrier.
+__device__ inline float preload(const bf16* v, uint32_t n) { return threadIdx.x < n ? __bfloat162float(__ldcg(v + threadIdx.x)) : 0.0f; }
+
 // ---------------------------------------------------------------------------------------------------
 // Phases
 // ---------------------------------------------------------------------------------------------------
@@ -358,12 +383,20 @@ __device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, Ring& 
     const float* cos_row = reinterpret_cast<const float*>(op[qkv::Cos]) + (size_t)pos * half;
     const float* sin_row = reinterpret_cast<const float*>(op[qkv::Sin]) + (size_t)pos * half;
 
-    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(op[qkv::Norm]), d, eps);
-    uint32_t r0, r1;
-    gemv_phase(op, s, ring, part, r0, r1);
-
     // Pair p of the packed matrix is (row i, row i + hd/2) of one head: q heads, then k, then v.
     const uint32_t q_pairs = n_q * half, k_pairs = n_kv * half;
+    const auto rope_index = [&](uint32_t gp) { return (gp < q_pairs ? gp : gp - q_pairs) % half; };
+    uint32_t r0, r1;
+    gemv_rows(op, r0, r1);
+    // The rope factors of this thread's first pair, loaded before the stream (see preload).
+    float first_cos = 0.0f, first_sin = 0.0f;
+    if (threadIdx.x < (r1 - r0) / 2 && r0 / 2 + threadIdx.x < q_pairs + k_pairs) {
+        first_cos = cos_row[rope_index(r0 / 2 + threadIdx.x)];
+        first_sin = sin_row[rope_index(r0 / 2 + threadIdx.x)];
+    }
+    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(op[qkv::Norm]), d, eps);
+    gemv_phase(op, s, ring, part, r0, r1);
+
     for (uint32_t p = threadIdx.x; p < (r1 - r0) / 2; p += THREADS) {
         const uint32_t gp = r0 / 2 + p;
         const float a = bf(row_sum(part.red, 2 * p)), b = bf(row_sum(part.red, 2 * p + 1));
@@ -371,7 +404,8 @@ __device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, Ring& 
             const bool is_q = gp < q_pairs;
             const uint32_t j = is_q ? gp : gp - q_pairs, head = j / half, i = j % half;
             bf16* dst = is_q ? q_out + (size_t)head * hd : k_cache + ((size_t)head * max_seq + pos) * hd;
-            rope_pair(a, b, cos_row[i], sin_row[i], &dst[i], &dst[i + half]);
+            const bool first = p == threadIdx.x;
+            rope_pair(a, b, first ? first_cos : cos_row[i], first ? first_sin : sin_row[i], &dst[i], &dst[i + half]);
         } else {
             const uint32_t j = gp - q_pairs - k_pairs, head = j / half, i = j % half;
             bf16* dst = v_cache + ((size_t)head * max_seq + pos) * hd;
@@ -633,20 +667,20 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bo
 
         unsigned departed = 0;  // thread 0, one round: teams of the head past their wait before this one
         if (t == 0) {
-            // Release the partials device-wide before counting this chunk in.
-            __threadfence();
-            const unsigned arrived = atomicAdd(&arrivals[kv], 1u);
-            last[team.id] = arrived == n_chunks - 1;
             if (items.one_round) {
-                // Every chunk of the head is some team's only item, so all of them arrive: wait.
-                volatile unsigned* a = &arrivals[kv];
-                while (*a < n_chunks) __nanosleep(32);
+                // Every chunk of the head is some team's only item, so all of them arrive: count this
+                // chunk in (release: its partials first) and wait for the rest (acquire: the head's
+                // partials are read only after every arrival was seen).
+                red_release_add(&arrivals[kv], 1);
+                while (ld_acquire(&arrivals[kv]) < n_chunks) __nanosleep(32);
+                // Counted out as soon as it is past the wait; the count is read only after the
+                // combine, so the atomic's round trip overlaps it.
+                departed = atomicAdd(&departures[kv], 1u);
+            } else {
+                // The last chunk to arrive combines the head: acquire and release, so it both
+                // publishes its own partials and sees every other chunk's.
+                last[team.id] = atom_acq_rel_add(&arrivals[kv], 1) == n_chunks - 1;
             }
-            // Acquire: the head's partials are read only after every arrival was seen.
-            __threadfence();
-            // Counted out as soon as it is past the wait; the count is read only after the combine,
-            // so the atomic's round trip overlaps it.
-            if (items.one_round) departed = atomicAdd(&departures[kv], 1u);
         }
         team.sync();  // every thread of the team sees its `last` and, in one round, every arrival
         if (items.one_round) {
@@ -672,11 +706,14 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bo
 __device__ void phase_oproj(const int64_t* op, const bf16* x, Ring& ring, Partials part) {
     const uint32_t cols = (uint32_t)op[oproj::Cols];
     bf16* x1 = reinterpret_cast<bf16*>(op[oproj::X1Out]);
-    const Slice s = load_slice(reinterpret_cast<const bf16*>(op[oproj::A]), cols);
     uint32_t r0, r1;
+    gemv_rows(op, r0, r1);
+    const float first_x = preload(x + r0, r1 - r0);
+    const Slice s = load_slice(reinterpret_cast<const bf16*>(op[oproj::A]), cols);
     gemv_phase(op, s, ring, part, r0, r1);
     for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
-        x1[r0 + r] = add_round(__bfloat162float(x[r0 + r]), bf(row_sum(part.red, r)));
+        const float xr = r == threadIdx.x ? first_x : __bfloat162float(x[r0 + r]);
+        x1[r0 + r] = add_round(xr, bf(row_sum(part.red, r)));
     }
 }
 
@@ -687,6 +724,7 @@ __device__ void phase_gateup(const int64_t* op, Ring& ring, Partials part) {
     bf16* act = reinterpret_cast<bf16*>(op[gateup::ActOut]);
     const Slice s = rmsnorm_slice(reinterpret_cast<const bf16*>(op[gateup::X1]), reinterpret_cast<const bf16*>(op[gateup::Norm]), d, eps);
     uint32_t r0, r1;
+    gemv_rows(op, r0, r1);
     gemv_phase(op, s, ring, part, r0, r1);
     for (uint32_t p = threadIdx.x; p < (r1 - r0) / 2; p += THREADS) {
         act[r0 / 2 + p] = silu_mul(bf(row_sum(part.red, 2 * p)), bf(row_sum(part.red, 2 * p + 1)));
@@ -697,11 +735,14 @@ __device__ void phase_gateup(const int64_t* op, Ring& ring, Partials part) {
 __device__ void phase_down(const int64_t* op, bf16* out, Ring& ring, Partials part) {
     const uint32_t cols = (uint32_t)op[down::Cols];
     const bf16* x1 = reinterpret_cast<const bf16*>(op[down::X1]);
-    const Slice s = load_slice(reinterpret_cast<const bf16*>(op[down::Act]), cols);
     uint32_t r0, r1;
+    gemv_rows(op, r0, r1);
+    const float first_x1 = preload(x1 + r0, r1 - r0);
+    const Slice s = load_slice(reinterpret_cast<const bf16*>(op[down::Act]), cols);
     gemv_phase(op, s, ring, part, r0, r1);
     for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
-        out[r0 + r] = add_round(__bfloat162float(__ldcg(x1 + r0 + r)), bf(row_sum(part.red, r)));
+        const float x1r = r == threadIdx.x ? first_x1 : __bfloat162float(__ldcg(x1 + r0 + r));
+        out[r0 + r] = add_round(x1r, bf(row_sum(part.red, r)));
     }
 }
 
@@ -732,7 +773,7 @@ __device__ inline void stamp(uint64_t* trace, uint32_t phases, uint32_t phase, u
 // memory: RING_BYTES of ring, then red_rows * WARPS floats of row partials. `trace`, when not null,
 // receives each block's phase stamps.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
-    const int64_t* __restrict__ program,  // (phases, PROGRAM_ROW_WORDS)
+    const __grid_constant__ Program program,  // by value: see program.cuh
     uint32_t phase_begin, uint32_t phase_end,
     const bf16* __restrict__ x,  // (d)
     bf16* __restrict__ out,      // (d)
@@ -741,7 +782,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     unsigned barrier_base,           // its value when this launch started
     uint32_t red_rows,
     uint64_t* __restrict__ trace) {  // (gridDim.x, phases, 2) or null: see stamp()
-    extern __shared__ uint4 smem[];
+    // 128-byte aligned: where dynamic shared memory starts depends on the static variables before it,
+    // and ring slots 16 bytes off a 32-byte boundary made every bulk copy, so every GEMV phase, about
+    // 25% slower (docs/perf.md, v13).
+    extern __shared__ __align__(128) uint4 smem[];
     __shared__ uint64_t full[STAGES];
     Ring ring{smem, full, 0};                                                          // (RING_BYTES / 16)
     const Partials part{reinterpret_cast<float*>(smem + RING_BYTES / 16), red_rows};  // (red_rows, WARPS)
@@ -753,10 +797,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     }
     __syncthreads();  // every thread sees initialised barriers before waiting on them
 
-    if (phase_begin < phase_end) prime_phase(program + (size_t)phase_begin * PROGRAM_ROW_WORDS, ring);
+    if (phase_end > PROGRAM_MAX_PHASES) __trap();  // the launcher checks this; a bigger range reads past the table
+    if (phase_begin < phase_end) prime_phase(program.words + (size_t)phase_begin * PROGRAM_ROW_WORDS, ring);
     const uint32_t phases = phase_end - phase_begin;
     for (uint32_t p = phase_begin; p < phase_end; ++p) {
-        const int64_t* op = program + (size_t)p * PROGRAM_ROW_WORDS;
+        const int64_t* op = program.words + (size_t)p * PROGRAM_ROW_WORDS;
         stamp(trace, phases, p - phase_begin, TRACE_START);
         switch (op[0]) {
             case OP_NOP: break;

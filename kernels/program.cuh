@@ -7,6 +7,14 @@
 #include <stdint.h>
 
 constexpr int PROGRAM_ROW_WORDS = 16;
+// The table travels by value, as one kernel parameter of PROGRAM_MAX_PHASES rows (the rows after the
+// program's are no-ops): its words then sit in the launch's constant bank, so reading an operand costs
+// no memory round trip. Read from global memory, the first row cost the launch about 6 us with L2
+// cold, and the first weights and x waited on it (docs/perf.md, v13).
+constexpr int PROGRAM_MAX_PHASES = 8;
+struct Program {
+    int64_t words[PROGRAM_MAX_PHASES * PROGRAM_ROW_WORDS];
+};
 
 // Opcodes: 0 is a no-op; an unknown opcode traps.
 constexpr int64_t OP_NOP = 0;

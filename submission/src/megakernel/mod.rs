@@ -11,7 +11,7 @@ pub mod pack;
 pub mod program;
 
 use cuda::cudarc::driver::sys::CUfunction_attribute;
-use cuda::cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cuda::cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use cuda::kernels::MEGAKERNEL;
 use cuda::{Context, CudaError, Device};
 use half::bf16;
@@ -41,9 +41,28 @@ pub enum Mode {
     PerPhase,
 }
 
+/// The program as the kernel receives it: by value, `program::MAX_PHASES` rows (see
+/// `kernels/program.cuh`, `struct Program`).
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct ProgramParam([i64; program::MAX_PHASES * program::ROW_WORDS]);
+
+// SAFETY: plain old data of the layout `struct Program` declares (int64 words, no padding).
+unsafe impl DeviceRepr for ProgramParam {}
+
+impl ProgramParam {
+    /// The rows, then no-op rows (opcode 0) up to `MAX_PHASES`; `None` when there are more rows.
+    fn new(rows: &[program::Row]) -> Option<ProgramParam> {
+        let mut words = [0i64; program::MAX_PHASES * program::ROW_WORDS];
+        let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+        words.get_mut(..flat.len())?.copy_from_slice(&flat);
+        Some(ProgramParam(words))
+    }
+}
+
 /// Everything `build_layer` made; dropped by `teardown`.
 struct Built {
-    program: CudaSlice<i64>,
+    program: ProgramParam,
     phases: u32,
     func: CudaFunction,
     grid: u32,
@@ -116,6 +135,12 @@ impl Megakernel {
         trace: Option<&mut CudaSlice<u64>>,
     ) -> Result<(), SubmissionError> {
         let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
+        if phases.start > phases.end || phases.end > b.phases {
+            return Err(SubmissionError::Refused(format!(
+                "phases {phases:?} of a program of {} phases",
+                b.phases
+            )));
+        }
         let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
         let (pos, begin, end) = (pos as u32, phases.start, phases.end);
         let no_trace = 0u64;
@@ -126,7 +151,7 @@ impl Megakernel {
             Some(t) => args.arg(t),
             None => args.arg(&no_trace),
         };
-        // SAFETY: megakernel_bf16(program, phase_begin: u32, phase_end: u32, x, out, pos: u32,
+        // SAFETY: megakernel_bf16(program: Program by value, phase_begin: u32, phase_end: u32, x, out, pos: u32,
         // barrier, barrier_base: u32, red_rows: u32, trace (null or grid * phases * 2 u64)); the grid
         // is co-resident (occupancy-sized, and the cooperative launch fails rather than run it
         // otherwise), smem as build_layer sized it.
@@ -253,7 +278,13 @@ impl Submission for Megakernel {
             w_down: addr(dev, &w.down),
         };
         let rows = program::compile(cfg, &buffers);
-        let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+        let param = ProgramParam::new(&rows).ok_or_else(|| {
+            SubmissionError::Refused(format!(
+                "the layer compiled to {} phases; the kernel's program holds {}",
+                rows.len(),
+                program::MAX_PHASES
+            ))
+        })?;
 
         let func = dev.function(&MEGAKERNEL, "megakernel_bf16")?;
         let grid_guess = dev.facts().sms as usize;
@@ -277,7 +308,7 @@ impl Submission for Megakernel {
         // One block per SM: red_rows was sized for that grid.
         let grid = dev.facts().sms as u32;
         self.built = Some(Built {
-            program: s.clone_htod(&flat).context("uploading the program")?,
+            program: param,
             phases: rows.len() as u32,
             func,
             grid,

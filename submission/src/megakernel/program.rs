@@ -9,6 +9,8 @@ use spec::{Config, LayerOp};
 
 /// Words per phase row.
 pub const ROW_WORDS: usize = 16;
+/// Rows the kernel's by-value program parameter holds (the rows past a program's are no-ops).
+pub const MAX_PHASES: usize = 8;
 /// Cached positions per attention work item.
 pub const ATTN_CHUNK: usize = 128;
 
@@ -211,6 +213,7 @@ mod tests {
     #[test]
     fn opcodes_mirror_the_cuda_header() {
         assert!(CUH.contains(&format!("PROGRAM_ROW_WORDS = {ROW_WORDS};")));
+        assert!(CUH.contains(&format!("PROGRAM_MAX_PHASES = {MAX_PHASES};")));
         let upper = |op: Op| {
             let name = format!("{op:?}");
             let mut s = String::new();
