@@ -9,8 +9,9 @@
 constexpr int PROGRAM_ROW_WORDS = 16;
 // The table travels by value, as one kernel parameter of PROGRAM_MAX_PHASES rows (the rows after the
 // program's are no-ops): its words then sit in the launch's constant bank, so reading an operand costs
-// no memory round trip. Read from global memory, the first row cost the launch about 6 us with L2
-// cold, and the first weights and x waited on it (docs/perf.md, v13).
+// no memory round trip. Read from global memory with L2 cold, the first row took about 6 us to arrive
+// and the first weight copies and x's load waited on it; by value they are issued within about 1 us
+// (docs/perf.md, v13), though x's own latency keeps the first dot product about where it was.
 constexpr int PROGRAM_MAX_PHASES = 8;
 struct Program {
     int64_t words[PROGRAM_MAX_PHASES * PROGRAM_ROW_WORDS];
