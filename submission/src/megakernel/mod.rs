@@ -136,10 +136,7 @@ impl Megakernel {
     ) -> Result<(), SubmissionError> {
         let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
         if phases.start > phases.end || phases.end > b.phases {
-            return Err(SubmissionError::Refused(format!(
-                "phases {phases:?} of a program of {} phases",
-                b.phases
-            )));
+            return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {} phases", b.phases)));
         }
         let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
         let (pos, begin, end) = (pos as u32, phases.start, phases.end);
@@ -362,6 +359,19 @@ mod tests {
         ] {
             assert!(CU.contains(&line), "kernels/megakernel.cu lacks `{line}`");
         }
+    }
+
+    #[test]
+    fn program_param_pads_with_noops_and_refuses_too_many_rows() {
+        let mut row = [0i64; program::ROW_WORDS];
+        row[0] = program::Op::Down as i64;
+        row[program::ROW_WORDS - 1] = 7;
+        let param = ProgramParam::new(&[row, row]).unwrap();
+        assert_eq!(&param.0[..program::ROW_WORDS], &row);
+        assert_eq!(&param.0[program::ROW_WORDS..2 * program::ROW_WORDS], &row);
+        assert!(param.0[2 * program::ROW_WORDS..].iter().all(|&w| w == program::Op::Nop as i64));
+        assert!(ProgramParam::new(&vec![row; program::MAX_PHASES]).is_some());
+        assert!(ProgramParam::new(&vec![row; program::MAX_PHASES + 1]).is_none());
     }
 
     #[test]
