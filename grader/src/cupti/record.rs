@@ -50,6 +50,11 @@ pub struct Record {
     pub runner_copies: Vec<usize>,
     /// Everything that makes the record incomplete or the work unaccounted for; empty when intact.
     pub problems: Vec<String>,
+    /// Each call's window on CUPTI's clock, the runner's own stamps (a back-to-back batch's calls share
+    /// the batch's): with the activities, where a call's time went on the host's side. Diagnostic only,
+    /// so a report without it still reads.
+    #[serde(default)]
+    pub windows: Vec<CallWindow>,
 }
 
 /// Attributes `captured` to `windows.len()` calls. `scan` names what a loaded module may not hold
@@ -182,6 +187,7 @@ pub fn attribute(
         profiler_kernels,
         runner_copies,
         problems,
+        windows: windows.to_vec(),
     }
 }
 

@@ -47,7 +47,7 @@ use gates::{StepCheck, correctness_gate};
 use isolate::Runner;
 use pace::Paced;
 use replay::Replayed;
-use report::{Performance, Report, Seeds};
+use report::{HostShare, Performance, Report, Seeds};
 use runner::{Finished, Job};
 use shared::SharedData;
 
@@ -259,5 +259,6 @@ fn performance(
         bandwidth: bw,
         bytes,
         build_s: paced.build_s,
+        host: HostShare::of(&f.record, calls.iter().filter(|c| c.phase == Phase::Timed).map(|c| c.index)),
     })
 }

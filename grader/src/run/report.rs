@@ -12,7 +12,7 @@ use super::isolate::Failure;
 use super::runner::Audit;
 use super::watch::Watched;
 use crate::bandwidth::Bandwidth;
-use crate::cupti::{Record, StepLaunches};
+use crate::cupti::{ActivityKind, Record, StepLaunches};
 use crate::stats::Summary;
 
 /// Bumped whenever a field changes meaning or goes away.
@@ -76,6 +76,45 @@ pub struct Performance {
     pub bandwidth: Bandwidth,
     pub bytes: ByteModel,
     pub build_s: f64,
+    /// What each timed call spent beside its kernels; `None` when no timed call recorded a kernel.
+    pub host: Option<HostShare>,
+}
+
+/// Where a timed call's time went beside its kernels, from the runner's stamps around the call and
+/// CUPTI's kernel records: both the runner's word, so reported and never judged. With the judge's
+/// signalling (`pacing_overhead_us`) they make up the difference between the judge's figure and the
+/// kernels' own time.
+#[derive(Debug, Clone, Serialize)]
+pub struct HostShare {
+    /// From the runner entering `layer_step` to the first kernel's start: the launch path (the API
+    /// call, the driver, the recording) and the GPU picking the work up.
+    pub launch_us: Summary,
+    /// From the last kernel's end to the runner's device synchronisation returning.
+    pub completion_us: Summary,
+}
+
+impl HostShare {
+    /// Over the record's calls `calls`; `None` when none of them has a window and a kernel.
+    pub fn of(record: &Record, calls: impl IntoIterator<Item = usize>) -> Option<HostShare> {
+        let (mut launch, mut completion) = (Vec::new(), Vec::new());
+        for i in calls {
+            let (Some(window), Some(activities)) = (record.windows.get(i), record.activities.get(i)) else { continue };
+            let kernels = || activities.iter().filter(|a| a.kind == ActivityKind::Kernel);
+            let (Some(first), Some(last)) = (kernels().map(|a| a.start_ns).min(), kernels().map(|a| a.end_ns).max())
+            else {
+                continue;
+            };
+            launch.push(us_between(window.start_ns, first));
+            completion.push(us_between(last, window.end_ns));
+        }
+        Some(HostShare { launch_us: Summary::of(&launch)?, completion_us: Summary::of(&completion)? })
+    }
+}
+
+/// Microseconds from `earlier` to `later` (ns stamps), negative if `later` is earlier.
+fn us_between(earlier: u64, later: u64) -> f64 {
+    // Through i64: the stamps are near 2^61, where an f64 no longer holds whole nanoseconds.
+    later.wrapping_sub(earlier) as i64 as f64 / 1e3
 }
 
 /// How a run ended: judged (pass or fail by the gates), or cut short by the submission.
@@ -276,6 +315,14 @@ impl Report {
                 o.median
             ))
         );
+        if let Some(h) = &p.host {
+            let _ = writeln!(
+                s,
+                "  host      per timed call beside its kernels: {:.1} us from entering layer_step to the first kernel, \
+                 {:.1} us from the last kernel to synchronised (medians; the runner's stamps and CUPTI's)",
+                h.launch_us.median, h.completion_us.median
+            );
+        }
         let mean =
             |l: &[StepLaunches], f: fn(&StepLaunches) -> f64| l.iter().map(f).sum::<f64>() / l.len().max(1) as f64;
         let (mine, theirs) = (&self.launches.submission, &self.launches.reference);
@@ -366,6 +413,7 @@ mod tests {
             bandwidth: bw,
             bytes: ByteModel::of(&cfg),
             build_s: 0.1,
+            host: None,
         };
         let call = Call { index: 0, phase: Phase::Timed, pos: cfg.prefill, input: spec::Input::Fresh };
         let r = Report::judged(Judged {
@@ -390,6 +438,7 @@ mod tests {
                 profiler_kernels: 0,
                 runner_copies: vec![],
                 problems: vec![],
+                windows: vec![],
             },
             call_us: vec![Some(500.0)],
         });
@@ -405,6 +454,39 @@ mod tests {
         assert_eq!(doc["steps"][0]["call"]["phase"], "timed");
         assert!(r.verdict_line().starts_with("VERDICT: FAIL"));
         assert!(r.table().contains("runner"), "the table says who measured each gate");
+    }
+
+    /// The host's share is measured from the runner's window to the first kernel's start and from the
+    /// last kernel's end, over the calls asked for; calls without a kernel count nowhere.
+    #[test]
+    fn host_share_splits_a_call_around_its_kernels() {
+        use crate::cupti::{Activity, CallWindow};
+        let base = 1u64 << 61; // stamps as large as CUPTI's, where f64 loses nanoseconds
+        let window = |start: u64, end: u64| CallWindow { start_ns: base + start, end_ns: base + end };
+        let kernel = |start: u64, end: u64| Activity::synthetic(ActivityKind::Kernel, "k", base + start, base + end);
+        let copy = Activity::synthetic(ActivityKind::Memcpy, "c", base, base + 1_000_000);
+        let record = Record {
+            build: StepLaunches::of(&[]),
+            calls: vec![],
+            activities: vec![
+                vec![kernel(9_001, 400_000), kernel(400_500, 410_000), copy.clone()],
+                vec![kernel(7_000, 407_000)],
+                vec![copy],
+                vec![kernel(1_000, 2_000)],
+            ],
+            api_launches: vec![],
+            modules: 0,
+            profiler_kernels: 0,
+            runner_copies: vec![],
+            problems: vec![],
+            windows: vec![window(0, 413_000), window(0, 410_500), window(0, 500_000), window(0, 3_000)],
+        };
+        let h = HostShare::of(&record, [0, 1, 2]).unwrap();
+        assert_eq!(h.launch_us.n, 2, "the call without a kernel is left out");
+        assert_eq!((h.launch_us.min, h.launch_us.max), (7.0, 9.001));
+        assert_eq!((h.completion_us.min, h.completion_us.max), (3.0, 3.5));
+        assert!(HostShare::of(&record, [2]).is_none());
+        assert!(HostShare::of(&record, [7]).is_none(), "a call past the record is no call");
     }
 
     /// A run the submission cut short says so, with its reason, and measures nothing.

@@ -300,6 +300,7 @@ mod tests {
             profiler_kernels: 0,
             runner_copies: vec![],
             problems: vec![],
+            windows: vec![],
         }
     }
 
