@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub use activity::{Activity, ActivityKind};
 pub use callbacks::{Tag, current, set_current};
 pub use record::{CallWindow, Record};
-pub use summary::StepLaunches;
+pub use summary::{StepLaunches, kernel_bounds};
 
 use cuda::cudarc::cupti::sys;
 

@@ -35,8 +35,6 @@ pub struct StepLaunches {
 impl StepLaunches {
     pub fn of(activities: &[Activity]) -> StepLaunches {
         let mut s = StepLaunches { busy_ns: busy_ns(activities), ..StepLaunches::default() };
-        let mut first_start = u64::MAX;
-        let mut last_end = 0u64;
         for a in activities {
             if a.launched_from_device {
                 s.device_launched += 1;
@@ -55,8 +53,6 @@ impl StepLaunches {
                     }
                     let (x, y, z) = a.grid;
                     s.ctas += [x, y, z].iter().map(|&g| g.max(0) as u64).product::<u64>();
-                    first_start = first_start.min(a.start_ns);
-                    last_end = last_end.max(a.end_ns);
                 }
                 ActivityKind::Memcpy => s.memcpys += 1,
                 ActivityKind::Memset => s.memsets += 1,
@@ -66,11 +62,17 @@ impl StepLaunches {
         if s.kernel_ns > 0 {
             s.dominant_share = s.largest_kernel_ns as f64 / s.kernel_ns as f64;
         }
-        if s.kernels > 0 {
+        if let Some((first_start, last_end)) = kernel_bounds(activities) {
             s.span_ns = last_end.saturating_sub(first_start);
         }
         s
     }
+}
+
+/// The first kernel's start and the last kernel's end (ns); `None` without a kernel.
+pub fn kernel_bounds(activities: &[Activity]) -> Option<(u64, u64)> {
+    let kernels = || activities.iter().filter(|a| a.kind == ActivityKind::Kernel);
+    Some((kernels().map(|a| a.start_ns).min()?, kernels().map(|a| a.end_ns).max()?))
 }
 
 /// The union of the activities' intervals, in ns.

@@ -12,7 +12,7 @@ use super::isolate::Failure;
 use super::runner::Audit;
 use super::watch::Watched;
 use crate::bandwidth::Bandwidth;
-use crate::cupti::{ActivityKind, Record, StepLaunches};
+use crate::cupti::{Record, StepLaunches, kernel_bounds};
 use crate::stats::Summary;
 
 /// Bumped whenever a field changes meaning or goes away.
@@ -98,9 +98,8 @@ impl HostShare {
     pub fn of(record: &Record, calls: impl IntoIterator<Item = usize>) -> Option<HostShare> {
         let (mut launch, mut completion) = (Vec::new(), Vec::new());
         for i in calls {
-            let (Some(window), Some(activities)) = (record.windows.get(i), record.activities.get(i)) else { continue };
-            let kernels = || activities.iter().filter(|a| a.kind == ActivityKind::Kernel);
-            let (Some(first), Some(last)) = (kernels().map(|a| a.start_ns).min(), kernels().map(|a| a.end_ns).max())
+            let (Some(window), Some((first, last))) =
+                (record.windows.get(i), record.activities.get(i).and_then(|a| kernel_bounds(a)))
             else {
                 continue;
             };
@@ -460,7 +459,7 @@ mod tests {
     /// last kernel's end, over the calls asked for; calls without a kernel count nowhere.
     #[test]
     fn host_share_splits_a_call_around_its_kernels() {
-        use crate::cupti::{Activity, CallWindow};
+        use crate::cupti::{Activity, ActivityKind, CallWindow};
         let base = 1u64 << 61; // stamps as large as CUPTI's, where f64 loses nanoseconds
         let window = |start: u64, end: u64| CallWindow { start_ns: base + start, end_ns: base + end };
         let kernel = |start: u64, end: u64| Activity::synthetic(ActivityKind::Kernel, "k", base + start, base + end);
