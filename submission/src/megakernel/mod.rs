@@ -135,7 +135,7 @@ impl Megakernel {
         trace: Option<&mut CudaSlice<u64>>,
     ) -> Result<(), SubmissionError> {
         let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
-        if phases.start > phases.end || phases.end > b.phases {
+        if phases.is_empty() || phases.end > b.phases {
             return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {} phases", b.phases)));
         }
         let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
