@@ -39,6 +39,9 @@ pub enum Tag {
     Teardown,
     /// The runner's own work between calls (the L2 flush).
     Runner,
+    /// The runner's own work inside call `index` (a Python submission's `x_out` copy): counted for
+    /// that call alone, also when a back-to-back batch's calls share one window.
+    RunnerIn(usize),
     /// None of those: before build, between calls.
     Outside,
 }
@@ -47,6 +50,8 @@ const OUTSIDE: i64 = -1;
 const BUILD: i64 = -2;
 const TEARDOWN: i64 = -3;
 const RUNNER: i64 = -4;
+/// `RunnerIn(i)` is stored as `RUNNER_IN - i`, below every other tag.
+const RUNNER_IN: i64 = -16;
 
 /// The tag of the work running now, as the runner sets it around build and each call.
 static CURRENT: AtomicI64 = AtomicI64::new(OUTSIDE);
@@ -58,6 +63,7 @@ pub fn set_current(tag: Tag) {
         Tag::Call(i) => i as i64,
         Tag::Teardown => TEARDOWN,
         Tag::Runner => RUNNER,
+        Tag::RunnerIn(i) => RUNNER_IN - i as i64,
         Tag::Outside => OUTSIDE,
     };
     // SeqCst: an API call another thread makes after this store sees the new tag.
@@ -71,6 +77,7 @@ pub fn current() -> Tag {
         TEARDOWN => Tag::Teardown,
         RUNNER => Tag::Runner,
         i if i >= 0 => Tag::Call(i as usize),
+        i if i <= RUNNER_IN => Tag::RunnerIn((RUNNER_IN - i) as usize),
         _ => Tag::Outside,
     }
 }
@@ -339,7 +346,16 @@ mod tests {
 
     #[test]
     fn tags_round_trip_through_the_current_marker() {
-        for tag in [Tag::Build, Tag::Call(0), Tag::Call(71), Tag::Teardown, Tag::Runner, Tag::Outside] {
+        for tag in [
+            Tag::Build,
+            Tag::Call(0),
+            Tag::Call(71),
+            Tag::Teardown,
+            Tag::Runner,
+            Tag::RunnerIn(0),
+            Tag::RunnerIn(71),
+            Tag::Outside,
+        ] {
             set_current(tag);
             assert_eq!(current(), tag);
         }

@@ -99,14 +99,8 @@ pub fn attribute(
         match tag {
             Some(Tag::Call(i)) if i < n => per_call[i].push(a),
             Some(Tag::Build) => build.push(a),
-            Some(Tag::Runner) if a.kind != ActivityKind::Kernel => {
-                for (i, w) in windows.iter().enumerate() {
-                    if w.overlaps(&a) {
-                        runner_copies[i] += 1;
-                    }
-                }
-            }
-            Some(Tag::Teardown | Tag::Runner) => {}
+            Some(Tag::RunnerIn(i)) if i < n && a.kind != ActivityKind::Kernel => runner_copies[i] += 1,
+            Some(Tag::Teardown | Tag::Runner | Tag::RunnerIn(_)) => {}
             Some(Tag::Outside) => outside.push(a),
             // Records of other kinds are not work a call could hide (no kernel, copy or set).
             Some(Tag::Call(_)) | None if matches!(a.kind, ActivityKind::Other(_)) => {}
@@ -197,6 +191,7 @@ fn describe(tag: Option<Tag>) -> String {
         Some(Tag::Call(i)) => format!("call {i}"),
         Some(Tag::Teardown) => "teardown".into(),
         Some(Tag::Runner) => "the runner's own work".into(),
+        Some(Tag::RunnerIn(i)) => format!("the runner's own work in call {i}"),
         Some(Tag::Outside) => "no call".into(),
         None => "an unseen API call".into(),
     }
@@ -294,12 +289,33 @@ mod tests {
     fn the_runners_copy_inside_a_call_is_not_the_calls() {
         let copy = Activity { correlation_id: 7, ..Activity::synthetic(ActivityKind::Memcpy, "DtoD", 180, 185) };
         let mut s = seen(vec![launch(2, Tag::Call(0))]);
-        s.tags.insert(7, Tag::Runner);
+        s.tags.insert(7, Tag::RunnerIn(0));
         let captured = Captured { activities: vec![kernel("add", 2, 110, 170), copy], seen: s };
         let r = attribute(captured, &W[..1], no_scan, vec![]);
         assert!(r.problems.is_empty(), "{:?}", r.problems);
         assert_eq!((r.calls[0].kernels, r.calls[0].memcpys), (1, 0));
         assert_eq!(r.runner_copies, vec![1]);
+    }
+
+    /// The calls of a back-to-back batch share the batch's window: each runner copy still counts for
+    /// its own call only (counted by window it would count k times in a batch of k, and the thread-block
+    /// check would allow k^2 copies' blocks).
+    #[test]
+    fn the_runners_copies_in_a_batch_count_once_each() {
+        let batch = CallWindow { start_ns: 100, end_ns: 400 };
+        let mut s = seen((0..3).map(|i| launch(2 * i as u32 + 1, Tag::Call(i))).collect());
+        let mut activities = Vec::new();
+        for i in 0..3u32 {
+            activities.push(kernel("add", 2 * i + 1, 110 + 100 * u64::from(i), 170 + 100 * u64::from(i)));
+            activities.push(Activity {
+                correlation_id: 2 * i + 2,
+                ..Activity::synthetic(ActivityKind::Memcpy, "DtoD", 180 + 100 * u64::from(i), 185 + 100 * u64::from(i))
+            });
+            s.tags.insert(2 * i + 2, Tag::RunnerIn(i as usize));
+        }
+        let r = attribute(Captured { activities, seen: s }, &[batch; 3], no_scan, vec![]);
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        assert_eq!(r.runner_copies, vec![1, 1, 1]);
     }
 
     #[test]

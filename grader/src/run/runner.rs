@@ -411,10 +411,14 @@ impl Session<'_> {
 }
 
 /// Runs `work` as the runner's own (a Python submission's output copy, inside its call), then
-/// restores the tag of the call: the launch record never counts it as the submission's.
+/// restores the tag of the call: the launch record never counts it as the submission's, and ties it to
+/// the call it ran in.
 pub fn as_runner(work: &mut dyn FnMut() -> Result<(), SubmissionError>) -> Result<(), SubmissionError> {
     let call = cupti::current();
-    cupti::set_current(Tag::Runner);
+    cupti::set_current(match call {
+        Tag::Call(i) => Tag::RunnerIn(i),
+        _ => Tag::Runner,
+    });
     let done = work();
     cupti::set_current(call);
     done
