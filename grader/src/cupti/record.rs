@@ -51,9 +51,7 @@ pub struct Record {
     /// Everything that makes the record incomplete or the work unaccounted for; empty when intact.
     pub problems: Vec<String>,
     /// Each call's window on CUPTI's clock, the runner's own stamps (a back-to-back batch's calls share
-    /// the batch's): with the activities, where a call's time went on the host's side. Diagnostic only,
-    /// so a report without it still reads.
-    #[serde(default)]
+    /// the batch's): with the activities, where a call's time went on the host's side.
     pub windows: Vec<CallWindow>,
 }
 

@@ -74,6 +74,7 @@ pub fn forged_line(calls: usize) -> String {
         ("profiler_kernels", zero()),
         ("runner_copies", each("0")),
         ("problems", "[]".into()),
+        ("windows", each("{\"start_ns\":0,\"end_ns\":0}")),
     ]);
     let audit = object(&[
         ("unavailable", "\"no access to the hardware counters\"".into()),
