@@ -11,7 +11,7 @@ pub mod pack;
 pub mod program;
 
 use cuda::cudarc::driver::sys::CUfunction_attribute;
-use cuda::cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cuda::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use cuda::kernels::MEGAKERNEL;
 use cuda::{Context, CudaError, Device};
 use half::bf16;
@@ -19,7 +19,7 @@ use reference::golden::RopeTable;
 use reference::gpu::DeviceWeights;
 use spec::{Config, Tensor};
 
-use crate::{Layer, Submission, SubmissionError};
+use crate::{Layer, Submission, SubmissionError, device_address};
 use program::Buffers;
 
 /// Mirrors of `kernels/megakernel.cu` (a test checks them against the file).
@@ -158,11 +158,6 @@ impl Megakernel {
     }
 }
 
-/// The device address of a buffer, for the program table.
-fn addr<T>(dev: &Device, s: &CudaSlice<T>) -> u64 {
-    s.device_ptr(dev.stream()).0
-}
-
 /// A packed copy of `rows` rows of `w`, row `p` taken from `source(p)`.
 fn gather(
     dev: &Device,
@@ -174,7 +169,7 @@ fn gather(
     let table: Vec<u64> = (0..rows)
         .map(|p| {
             let (t, r) = source(p);
-            addr(dev, w.get(t)) + (r * cols * 2) as u64
+            device_address(dev, w.get(t)) + (r * cols * 2) as u64
         })
         .collect();
     let table = dev.stream().clone_htod(&table).context("uploading a packing table")?;
@@ -256,23 +251,23 @@ impl Submission for Megakernel {
         // Arrivals and departures per KV head (see phase_attention).
         let counters = s.alloc_zeros::<u32>(2 * cfg.n_kv).context("allocating attention counters")?;
         let buffers = Buffers {
-            w_qkv: addr(dev, &w_qkv),
-            in_norm: addr(dev, &w.in_norm),
-            q: addr(dev, &q),
-            k_cache: addr(dev, &layer.cache.k),
-            v_cache: addr(dev, &layer.cache.v),
-            cos: addr(dev, &cos),
-            sin: addr(dev, &sin),
-            part_o: addr(dev, &part_o),
-            part_ml: addr(dev, &part_ml),
-            counters: addr(dev, &counters),
-            a: addr(dev, &a),
-            w_o: addr(dev, &w.o),
-            x1: addr(dev, &x1),
-            w_gateup: addr(dev, &w_gateup),
-            post_norm: addr(dev, &w.post_norm),
-            act: addr(dev, &act),
-            w_down: addr(dev, &w.down),
+            w_qkv: device_address(dev, &w_qkv),
+            in_norm: device_address(dev, &w.in_norm),
+            q: device_address(dev, &q),
+            k_cache: device_address(dev, &layer.cache.k),
+            v_cache: device_address(dev, &layer.cache.v),
+            cos: device_address(dev, &cos),
+            sin: device_address(dev, &sin),
+            part_o: device_address(dev, &part_o),
+            part_ml: device_address(dev, &part_ml),
+            counters: device_address(dev, &counters),
+            a: device_address(dev, &a),
+            w_o: device_address(dev, &w.o),
+            x1: device_address(dev, &x1),
+            w_gateup: device_address(dev, &w_gateup),
+            post_norm: device_address(dev, &w.post_norm),
+            act: device_address(dev, &act),
+            w_down: device_address(dev, &w.down),
         };
         let rows = program::compile(cfg, &buffers);
         let param = ProgramParam::new(&rows).ok_or_else(|| {

@@ -199,9 +199,10 @@ impl<'p> Gil<'p> {
         self.own(unsafe { (self.api().exec_code_module)(name.as_ptr(), code.raw) }, "running the module")
     }
 
-    /// A new strong reference to a live object kept elsewhere (see [`Object::keep`]).
+    /// A new strong reference to a live object held elsewhere: kept (see [`Object::keep`]), or an
+    /// item of a live tuple.
     pub fn borrowed(&self, raw: RawObject) -> Object<'_, 'p> {
-        // SAFETY: `raw` is a live object (kept by a reference nobody releases).
+        // SAFETY: `raw` is a live object (held by a reference that outlives this call).
         unsafe { (self.api().inc_ref)(raw) };
         Object { gil: self, raw }
     }
@@ -262,9 +263,7 @@ impl<'g, 'p> Object<'g, 'p> {
         if raw.is_null() {
             return Err(format!("item {i}: {}", self.gil.take_error()));
         }
-        // SAFETY: a live borrowed reference, made one this object owns.
-        unsafe { (api.inc_ref)(raw) };
-        Ok(Object { gil: self.gil, raw })
+        Ok(self.gil.borrowed(raw))
     }
 
     pub fn to_str(&self) -> Result<String, String> {

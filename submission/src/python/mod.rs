@@ -29,7 +29,7 @@ mod shim;
 
 use std::path::Path;
 
-use cuda::cudarc::driver::{CudaSlice, DevicePtr, result as driver};
+use cuda::cudarc::driver::{CudaSlice, result as driver};
 use cuda::{Context, Device};
 use half::bf16;
 use spec::{Config, Tensor};
@@ -37,16 +37,11 @@ use spec::{Config, Tensor};
 pub use probe::{PythonInfo, interpreter, is_python_module, probe};
 pub use shim::{DeviceTensor, Dtype, Output, Shim};
 
-use crate::{Layer, Submission, SubmissionError};
+use crate::{Layer, Submission, SubmissionError, device_address};
 
 /// Runs the runner's own work inside a step (the copy of `x_out`) so that the launch record
 /// attributes it to the runner, not to the submission (the grader passes its CUPTI tagging).
 pub type RunnerScope = fn(&mut dyn FnMut() -> Result<(), SubmissionError>) -> Result<(), SubmissionError>;
-
-/// A scope that changes nothing: for callers that record nothing.
-pub fn unrecorded(work: &mut dyn FnMut() -> Result<(), SubmissionError>) -> Result<(), SubmissionError> {
-    work()
-}
 
 /// A Python module speaking the contract, in the embedded interpreter.
 pub struct PythonSubmission {
@@ -68,24 +63,18 @@ pub fn load(
     Ok(Box::new(PythonSubmission { name: display_name(&info.module), shim, runner_scope, row: None }))
 }
 
-/// A device buffer's address.
-fn address<T>(dev: &Device, s: &CudaSlice<T>) -> u64 {
-    // Event tracking is off on the grader's context, so the guard does nothing and can go at once.
-    s.device_ptr(dev.stream()).0
-}
-
 impl PythonSubmission {
     /// Copies the checked output at `from` into `out` (bf16), converting an fp32 one.
     fn copy_out(dev: &Device, from: Output, out: &mut CudaSlice<bf16>) -> Result<(), SubmissionError> {
         let stream = dev.stream();
         match from.dtype {
             Dtype::Bf16 => {
-                let to = address(dev, out);
+                let to = device_address(dev, out);
                 // SAFETY: `from` holds `out.len()` bf16 (the shim checked its shape, dtype, device
                 // and contiguity, and keeps the tensor alive until the next step); `out` is the
                 // judge's buffer of that size; both are device memory of this context.
                 unsafe {
-                    driver::memcpy_dtod_async(to, from.address, out.len() * Dtype::Bf16.bytes(), stream.cu_stream())
+                    driver::memcpy_dtod_async(to, from.address, out.len() * size_of::<bf16>(), stream.cu_stream())
                 }
                 .context("copying x_out into the judge's output buffer")?;
             }
@@ -114,12 +103,12 @@ impl Submission for PythonSubmission {
         for &t in Tensor::WEIGHTS {
             tensors.push(DeviceTensor {
                 name: t.name(),
-                address: address(dev, layer.weights.get(t)),
+                address: device_address(dev, layer.weights.get(t)),
                 shape: t.shape(cfg),
             });
         }
         for (t, buffer) in [(Tensor::KCache, &layer.cache.k), (Tensor::VCache, &layer.cache.v)] {
-            tensors.push(DeviceTensor { name: t.name(), address: address(dev, buffer), shape: t.shape(cfg) });
+            tensors.push(DeviceTensor { name: t.name(), address: device_address(dev, buffer), shape: t.shape(cfg) });
         }
         dev.ctx().bind_to_thread().context("making the grader's context current for the submission")?;
         self.shim.build(cfg, &tensors).map_err(SubmissionError::Python)?;
@@ -137,7 +126,7 @@ impl Submission for PythonSubmission {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError> {
         let (batch, d) = self.row.ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
-        let output = self.shim.step(address(dev, x), pos, batch, d).map_err(SubmissionError::Python)?;
+        let output = self.shim.step(device_address(dev, x), pos, batch, d).map_err(SubmissionError::Python)?;
         // All of the step's work, on whatever stream, is done before its output is read.
         dev.synchronize()?;
         (self.runner_scope)(&mut || Self::copy_out(dev, output, out))

@@ -24,15 +24,6 @@ pub enum Dtype {
     F32,
 }
 
-impl Dtype {
-    pub fn bytes(self) -> usize {
-        match self {
-            Dtype::Bf16 => 2,
-            Dtype::F32 => 4,
-        }
-    }
-}
-
 /// A step's output as the shim checked it: `(B, d)`, contiguous, on the runner's device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Output {
