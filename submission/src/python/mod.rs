@@ -50,6 +50,9 @@ pub struct PythonSubmission {
     runner_scope: RunnerScope,
     /// `(batch, d)` once built.
     row: Option<(usize, usize)>,
+    /// Host staging of an fp32 `x_out` and its bf16 rounding, `batch * d` each: sized in
+    /// `build_layer`, so a timed step allocates nothing.
+    staging: (Vec<f32>, Vec<bf16>),
 }
 
 /// Loads the module `info` was probed for, on CUDA device `ordinal`: torch and the module are
@@ -60,12 +63,19 @@ pub fn load(
     runner_scope: RunnerScope,
 ) -> Result<Box<dyn Submission>, SubmissionError> {
     let shim = Shim::load(info, ordinal).map_err(SubmissionError::Python)?;
-    Ok(Box::new(PythonSubmission { name: display_name(&info.module), shim, runner_scope, row: None }))
+    let name = display_name(&info.module);
+    Ok(Box::new(PythonSubmission { name, shim, runner_scope, row: None, staging: (Vec::new(), Vec::new()) }))
 }
 
 impl PythonSubmission {
-    /// Copies the checked output at `from` into `out` (bf16), converting an fp32 one.
-    fn copy_out(dev: &Device, from: Output, out: &mut CudaSlice<bf16>) -> Result<(), SubmissionError> {
+    /// Copies the checked output at `from` into `out` (bf16), converting an fp32 one through
+    /// `staging` (sized for `out`).
+    fn copy_out(
+        dev: &Device,
+        from: Output,
+        out: &mut CudaSlice<bf16>,
+        staging: &mut (Vec<f32>, Vec<bf16>),
+    ) -> Result<(), SubmissionError> {
         let stream = dev.stream();
         match from.dtype {
             Dtype::Bf16 => {
@@ -79,11 +89,15 @@ impl PythonSubmission {
                 .context("copying x_out into the judge's output buffer")?;
             }
             Dtype::F32 => {
-                let mut host = vec![0f32; out.len()];
-                // SAFETY: `from` holds `out.len()` f32, checked and kept alive by the shim.
-                unsafe { driver::memcpy_dtoh_sync(&mut host, from.address) }.context("reading an fp32 x_out")?;
-                let rounded: Vec<bf16> = host.iter().map(|&v| bf16::from_f32(v)).collect();
-                stream.memcpy_htod(&rounded, out).context("writing x_out into the judge's output buffer")?;
+                let (host, rounded) = staging;
+                if host.len() != out.len() {
+                    return Err(SubmissionError::Refused("layer_step's output is not the size build_layer had".into()));
+                }
+                // SAFETY: `from` holds `out.len()` f32, checked and kept alive by the shim; `host`
+                // has room for exactly that many.
+                unsafe { driver::memcpy_dtoh_sync(host, from.address) }.context("reading an fp32 x_out")?;
+                rounded.iter_mut().zip(host.iter()).for_each(|(r, &v)| *r = bf16::from_f32(v));
+                stream.memcpy_htod(rounded, out).context("writing x_out into the judge's output buffer")?;
             }
         }
         // No synchronisation here: the caller synchronises the device after every step, as for
@@ -113,6 +127,7 @@ impl Submission for PythonSubmission {
         dev.ctx().bind_to_thread().context("making the grader's context current for the submission")?;
         self.shim.build(cfg, &tensors).map_err(SubmissionError::Python)?;
         self.row = Some((cfg.batch, cfg.d));
+        self.staging = (vec![0.0; cfg.batch * cfg.d], vec![bf16::ZERO; cfg.batch * cfg.d]);
         Ok(())
     }
 
@@ -129,7 +144,8 @@ impl Submission for PythonSubmission {
         let output = self.shim.step(device_address(dev, x), pos, batch, d).map_err(SubmissionError::Python)?;
         // All of the step's work, on whatever stream, is done before its output is read.
         dev.synchronize()?;
-        (self.runner_scope)(&mut || Self::copy_out(dev, output, out))
+        let staging = &mut self.staging;
+        (self.runner_scope)(&mut || Self::copy_out(dev, output, out, staging))
     }
 
     fn teardown(&mut self) {
