@@ -5,8 +5,8 @@
 //! message (never a panic trace), and it never embeds nothing.
 //!
 //! The grader's own kernels are built for sm_80, sm_89 and sm_90a with compute_80 PTX, so the grader
-//! runs on any card from Ampere on; the megakernel uses Hopper-only instructions and is built for
-//! sm_90a alone (with compute_90a PTX). Files that launch kernels from the device (dynamic
+//! runs on any card from Ampere on; the megakernel and the bulk-copy read stream use Hopper-only
+//! instructions and are built for sm_90a alone (with compute_90a PTX). Files that launch kernels from the device (dynamic
 //! parallelism, the red team's) take a separate path: relocatable device code, device-linked against
 //! the toolkit's libcudadevrt.a.
 
@@ -19,7 +19,7 @@ use std::process::Command;
 mod nvcc;
 
 /// Files that need Hopper (sm_90a) and are built for it alone.
-const HOPPER_ONLY: &[&str] = &["megakernel.cu"];
+const HOPPER_ONLY: &[&str] = &["bulk_read.cu", "megakernel.cu"];
 
 const PORTABLE_TARGETS: &[&str] = &[
     "-gencode=arch=compute_80,code=sm_80",

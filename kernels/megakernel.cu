@@ -22,6 +22,7 @@
 #include <math_constants.h>
 #include <stdint.h>
 
+#include "bulk.cuh"
 #include "layer_math.cuh"
 #include "program.cuh"
 
@@ -64,33 +65,6 @@ static_assert(COMBINE_CHUNKS_PER_LANE * WARP == ATTN_CHUNK, "the combine's lanes
 // ---------------------------------------------------------------------------------------------------
 // Memory helpers
 // ---------------------------------------------------------------------------------------------------
-
-__device__ inline unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-// mbarriers (one per ring slot) that count the bytes of a bulk copy landing in shared memory.
-__device__ inline void mbar_init(uint64_t* bar, unsigned arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
-}
-// The producer's arrival, announcing how many bytes the slot's copy will deliver.
-__device__ inline void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-// Waits until the barrier's phase `parity` has completed (all bytes landed).
-__device__ inline void mbar_wait(uint64_t* bar, unsigned parity) {
-    asm volatile(
-        "{\n .reg .pred done;\n WAIT_%=:\n"
-        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        " @!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
-        "r"(parity)
-        : "memory");
-}
-// One bulk copy global -> shared by the copy engine, completing on `bar`. 16-byte aligned, whole
-// 16-byte multiples.
-__device__ inline void bulk_copy(void* smem, const void* gmem, unsigned bytes, uint64_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_addr(smem)),
-                 "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
 
 // GPU-scope release and acquire on counters that blocks signal through. A release reduction returns
 // nothing, so the signalling thread does not wait for its round trip; an acquire load orders the

@@ -1,6 +1,6 @@
 // The read-only stream of 16-byte vectors of the bandwidth measurement (bandwidth.cu): the loop of
-// read_u4, which measures the read-only ceiling (and which the red team's pure-read probe launches
-// itself, so that it reads exactly the way the ceiling was measured).
+// read_u4, one of the two reads whose faster measures the read-only ceiling (bulk_read.cu is the
+// other), and keep_loads, which both use so that their reads cannot be elided.
 #pragma once
 #include <stdint.h>
 

@@ -13,6 +13,11 @@ pub struct Kernel {
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
+/// The launch shape of `read_bulk` (`kernels/bulk_read.cu`, a test checks the mirror): blocks of this
+/// many threads, one per SM, each with its ring of bulk-copy slots in dynamic shared memory.
+pub const BULK_READ_THREADS: u32 = 512;
+pub const BULK_READ_RING_BYTES: u32 = 3 * 64 * 1024;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -29,6 +34,16 @@ mod tests {
             assert_eq!(&k.fatbin[..4], &[0x50, 0xED, 0x55, 0xBA], "{}", k.name);
             assert!(k.ptxas_report.contains("Used"), "{}: no ptxas report", k.name);
         }
+    }
+
+    #[test]
+    fn the_bulk_reads_launch_shape_mirrors_its_file() {
+        let cu = include_str!("../kernels/bulk_read.cu");
+        assert!(cu.contains(&format!("constexpr uint32_t BULK_THREADS = {BULK_READ_THREADS};")));
+        assert!(
+            cu.contains("constexpr uint32_t SLOTS = 3;") && cu.contains("constexpr uint32_t SLOT_BYTES = 64 * 1024;")
+        );
+        assert_eq!(BULK_READ_RING_BYTES, 3 * 64 * 1024);
     }
 
     #[test]

@@ -1,11 +1,14 @@
 //! HBM bandwidth, the denominator of the roofline floor: a 16-byte stream copy (bytes read plus bytes
-//! written), a read-only stream beside it, and the driver's device-to-device copy as a cross-check,
-//! over buffers far larger than L2, warmed up and repeated.
+//! written), the driver's device-to-device copy as a cross-check, and the read-only ceiling that judges
+//! a timing plausible: a 16-byte read stream and, on Hopper, a read by bulk copies into shared memory
+//! (the way the megakernel streams weights), the faster of the two. All over buffers far larger than L2,
+//! warmed up and repeated.
 
 use std::sync::Arc;
 
+use cuda::cudarc::driver::sys::CUfunction_attribute;
 use cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, DeviceSlice, LaunchConfig, PushKernelArg};
-use cuda::kernels::BANDWIDTH;
+use cuda::kernels::{BANDWIDTH, BULK_READ, BULK_READ_RING_BYTES, BULK_READ_THREADS};
 use cuda::{Context, CudaError, Device};
 use half::bf16;
 use serde::Serialize;
@@ -27,8 +30,13 @@ pub struct Bandwidth {
     pub buffer_bytes: u64,
     /// The 16-byte copy kernel, TB/s counting bytes read plus bytes written.
     pub copy_tbps: Summary,
-    /// The read-only stream, TB/s of bytes read.
+    /// The read-only stream of 16-byte loads, TB/s of bytes read.
     pub read_tbps: Summary,
+    /// The read-only stream by bulk copies into shared memory, TB/s of bytes read (Hopper only).
+    pub read_bulk_tbps: Option<Summary>,
+    /// The read-only ceiling: the faster of the two reads' medians, so that a read slower than what
+    /// honest code reaches can never make the plausibility bound fail honest work.
+    pub read_ceiling_tbps: f64,
     /// The driver's device-to-device copy, TB/s counting read plus written.
     pub driver_copy_tbps: Summary,
     /// The floor's denominator: the faster of the two copies' medians, so a slow copy can never make
@@ -64,11 +72,69 @@ pub fn measure(dev: &Device, buffer_bytes: u64, reps: usize) -> Result<Bandwidth
     let copy_tbps = timed(dev, reps, 2 * bytes, || kernels.copy(dev, &mut dst, &src.as_view(), cfg))?;
     check_copy(dev, &src, &dst)?;
     let read_tbps = timed(dev, reps, bytes, || kernels.read(dev, &mut sink, &src.as_view(), cfg))?;
+    let read_bulk_tbps = match BulkRead::load(dev)? {
+        Some(bulk) => {
+            let mut sink =
+                dev.stream().alloc_zeros::<u32>(bulk.cfg.grid_dim.0 as usize).context("allocating the sink")?;
+            Some(timed(dev, reps, bytes, || bulk.read(dev, &mut sink, &src.as_view()))?)
+        }
+        None => None,
+    };
+    let read_ceiling_tbps = read_tbps.median.max(read_bulk_tbps.as_ref().map_or(0.0, |s| s.median));
     let driver_copy_tbps = timed(dev, reps, 2 * bytes, || {
         dev.stream().memcpy_dtod(&src, &mut dst).context("driver device-to-device copy")
     })?;
     let floor_tbps = copy_tbps.median.max(driver_copy_tbps.median);
-    Ok(Bandwidth { buffer_bytes: bytes, copy_tbps, read_tbps, driver_copy_tbps, floor_tbps })
+    Ok(Bandwidth {
+        buffer_bytes: bytes,
+        copy_tbps,
+        read_tbps,
+        read_bulk_tbps,
+        read_ceiling_tbps,
+        driver_copy_tbps,
+        floor_tbps,
+    })
+}
+
+/// kernels/bulk_read.cu's read_bulk, one block per SM.
+struct BulkRead {
+    func: CudaFunction,
+    cfg: LaunchConfig,
+}
+
+impl BulkRead {
+    /// `None` before Hopper, which has no bulk copies.
+    fn load(dev: &Device) -> Result<Option<BulkRead>, CudaError> {
+        if !dev.is_hopper() {
+            return Ok(None);
+        }
+        let func = dev.function(&BULK_READ, "read_bulk")?;
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            BULK_READ_RING_BYTES as i32,
+        )
+        .context("raising read_bulk's shared memory limit")?;
+        let cfg = LaunchConfig {
+            grid_dim: (dev.facts().sms as u32, 1, 1),
+            block_dim: (BULK_READ_THREADS, 1, 1),
+            shared_mem_bytes: BULK_READ_RING_BYTES,
+        };
+        Ok(Some(BulkRead { func, cfg }))
+    }
+
+    /// Enqueues a read of all of `src` (a whole number of 16-byte vectors), one word per block of `sink`.
+    fn read<T>(&self, dev: &Device, sink: &mut CudaSlice<u32>, src: &CudaView<'_, T>) -> Result<(), CudaError> {
+        let n = vector_count(src.num_bytes());
+        assert!(
+            sink.len() >= self.cfg.grid_dim.0 as usize,
+            "read_bulk: the sink has fewer words than the grid has blocks"
+        );
+        let mut b = dev.stream().launch_builder(&self.func);
+        b.arg(sink).arg(src).arg(&n);
+        // SAFETY: read_bulk(sink, src, n): src holds n 16-byte vectors, sink one word per block
+        // (asserted); BULK_READ_RING_BYTES of dynamic shared memory, the limit raised in load.
+        unsafe { b.launch(self.cfg) }.map(drop).context("launching read_bulk")
+    }
 }
 
 /// The two stream kernels of kernels/bandwidth.cu, and the launch shape that fills the card once.
@@ -248,11 +314,13 @@ pub fn command(device: usize, args: &BandwidthArgs) -> Result<Outcome, GraderErr
 /// The human table: one row per stream.
 pub fn table(bw: &Bandwidth) -> String {
     let mut s = format!("{:<28} {:>8} {:>8} {:>8} {:>8}\n", "stream (TB/s)", "median", "p10", "p90", "spread");
-    for (name, sum) in [
-        ("copy kernel, read + write", &bw.copy_tbps),
-        ("driver copy, read + write", &bw.driver_copy_tbps),
-        ("read-only kernel", &bw.read_tbps),
-    ] {
+    let rows = [
+        ("copy kernel, read + write", Some(&bw.copy_tbps)),
+        ("driver copy, read + write", Some(&bw.driver_copy_tbps)),
+        ("read-only kernel", Some(&bw.read_tbps)),
+        ("read-only, bulk copies", bw.read_bulk_tbps.as_ref()),
+    ];
+    for (name, sum) in rows.into_iter().filter_map(|(n, s)| Some((n, s?))) {
         s += &format!(
             "{name:<28} {:>8.3} {:>8.3} {:>8.3} {:>7.1}%\n",
             sum.median,
@@ -261,5 +329,8 @@ pub fn table(bw: &Bandwidth) -> String {
             100.0 * sum.spread()
         );
     }
-    s + &format!("floor bandwidth (faster copy): {:.3} TB/s\n", bw.floor_tbps)
+    s + &format!(
+        "floor bandwidth (faster copy): {:.3} TB/s\nread-only ceiling (faster read): {:.3} TB/s\n",
+        bw.floor_tbps, bw.read_ceiling_tbps
+    )
 }

@@ -189,7 +189,15 @@ pub fn judge(
         gates::environment::exclusive_gpu_gate(&watched),
         gates::physics::bytes_read_gate(&f.audit, &model, &held, &paced, policy.require_audit, &gates),
         gates::environment::l2_gate(&f.l2),
-        gates::physics::plausible_timing_gate(&calls, &paced, &f.runner_us, &model, &held, bw.read_tbps.median, &gates),
+        gates::physics::plausible_timing_gate(
+            &calls,
+            &paced,
+            &f.runner_us,
+            &model,
+            &held,
+            bw.read_ceiling_tbps,
+            &gates,
+        ),
     ];
     let performance = performance(cfg, &calls, &paced, f, &replayed, bw)?;
     let report = Report::judged(report::Judged {
@@ -255,7 +263,7 @@ fn performance(
         signal_round_trip_us: paced.ping_us.clone(),
         pacing_overhead_us: Summary::of(&overhead),
         reference_us_per_call: Summary::of(&reference_timed).map(|s| s.median),
-        read_bound_us: bytes.total as f64 / (bw.read_tbps.median * 1e6) * (1.0 - Gates::TASK.read_ceiling_margin),
+        read_bound_us: gates::physics::bound_us(bytes.total, bw.read_ceiling_tbps, &Gates::TASK),
         bandwidth: bw,
         bytes,
         build_s: paced.build_s,

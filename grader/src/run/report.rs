@@ -394,6 +394,8 @@ mod tests {
             buffer_bytes: 1 << 31,
             copy_tbps: summary(3.9),
             read_tbps: summary(4.5),
+            read_bulk_tbps: Some(summary(4.55)),
+            read_ceiling_tbps: 4.55,
             driver_copy_tbps: summary(4.26),
             floor_tbps: 4.26,
         };

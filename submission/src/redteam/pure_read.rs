@@ -1,11 +1,11 @@
 //! **pure-read**: computes nothing. `build_layer` packs every byte a step reads into one buffer: the
 //! nine weights, then the K and V rows of every cache slot, slot by slot, so that what a step at `pos`
 //! attends over (slots `0..=pos`) follows the weights. Each step copies `x` to `out` and reads the
-//! buffer's first [`read_vectors`] vectors with one launch of the grader's own read-only stream
-//! (`read_u4` of `kernels/bandwidth.cu`, one wave of resident blocks, as the bandwidth measurement
-//! launches it): one kernel per step, over one contiguous range, read exactly the way the read-only
-//! ceiling was measured. The cache never changes (nothing writes it), so the packed rows hold what the
-//! cache holds.
+//! buffer's first [`read_vectors`] vectors with one launch of the grader's own bulk-copy read stream
+//! (`read_bulk` of `kernels/bulk_read.cu`, one block per SM, as the bandwidth measurement launches
+//! it): one kernel per step, over one contiguous range, read the way the read-only ceiling was
+//! measured (on the H200 the bulk read is the faster of the ceiling's two reads). The cache never
+//! changes (nothing writes it), so the packed rows hold what the cache holds.
 //!
 //! It is the calibration of the plausible_timing bound: the fastest a step that reads its bytes can
 //! be, so its time must sit just above the bound (the bytes over the read-only bandwidth measured in
@@ -13,8 +13,9 @@
 //! figure. Its bytes_read is the byte model's, less the K/V rows it never writes. Caught by
 //! correctness: `x_out = x` is over the tolerance at every step, as for pass-through.
 
+use cuda::cudarc::driver::sys::CUfunction_attribute;
 use cuda::cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
-use cuda::kernels::{BANDWIDTH, MEGAKERNEL};
+use cuda::kernels::{BULK_READ, BULK_READ_RING_BYTES, BULK_READ_THREADS, MEGAKERNEL};
 use cuda::{Context, Device, grid_1d};
 use half::bf16;
 use spec::{Config, Tensor};
@@ -23,13 +24,11 @@ use super::not_built;
 use crate::{Layer, Submission, SubmissionError};
 
 pub const NAME: &str = "pure-read";
-/// The read-only stream of `kernels/bandwidth.cu`.
-pub const READ: &str = "read_u4";
+/// The bulk-copy read stream of `kernels/bulk_read.cu`.
+pub const READ: &str = "read_bulk";
 /// The row gather of `kernels/megakernel.cu`, which packs the cache rows.
 pub const GATHER: &str = "gather_rows_u4";
 
-/// Threads per block of the read, as the bandwidth measurement launches it.
-const READ_BLOCK: u32 = 512;
 /// Threads per block of the gather, as the megakernel's packing launches it.
 const GATHER_BLOCK: u32 = 256;
 /// bf16 per 16-byte vector.
@@ -95,8 +94,8 @@ fn pack(dev: &Device, layer: &Layer<'_>, cfg: &Config) -> Result<CudaSlice<bf16>
 
 struct Built {
     read: CudaFunction,
-    /// One wave of resident blocks of [`READ_BLOCK`] threads, as the bandwidth measurement launches.
-    wave: LaunchConfig,
+    /// One block per SM, as the bandwidth measurement launches the read.
+    launch: LaunchConfig,
     /// `(blocks)`: where the read folds what it read.
     sink: CudaSlice<u32>,
     /// See [`pack`].
@@ -118,13 +117,23 @@ impl Submission for PureRead {
         let weights = weight_vectors(cfg).filter(|_| cfg.hd.is_multiple_of(VEC) && cfg.d.is_multiple_of(VEC));
         let weights =
             weights.ok_or_else(|| SubmissionError::Refused("a tensor is not whole 16-byte vectors".into()))?;
-        let read = dev.function(&BANDWIDTH, READ)?;
-        let resident =
-            read.occupancy_max_active_blocks_per_multiprocessor(READ_BLOCK, 0, None).context("reading occupancy")?;
-        let blocks = resident.max(1) * dev.facts().sms as u32;
+        if !dev.is_hopper() {
+            return Err(SubmissionError::Refused("pure-read streams by bulk copies, which need Hopper".into()));
+        }
+        let read = dev.function(&BULK_READ, READ)?;
+        read.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            BULK_READ_RING_BYTES as i32,
+        )
+        .context("raising read_bulk's shared memory limit")?;
+        let blocks = dev.facts().sms as u32;
         self.built = Some(Built {
             read,
-            wave: LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (READ_BLOCK, 1, 1), shared_mem_bytes: 0 },
+            launch: LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (BULK_READ_THREADS, 1, 1),
+                shared_mem_bytes: BULK_READ_RING_BYTES,
+            },
             sink: dev.stream().alloc_zeros(blocks as usize).context("allocating the sink")?,
             packed: pack(dev, &layer, cfg)?,
             weight_vectors: weights,
@@ -147,10 +156,11 @@ impl Submission for PureRead {
         let n = read_vectors(&b.cfg, b.weight_vectors, pos);
         let mut args = dev.stream().launch_builder(&b.read);
         args.arg(&mut b.sink).arg(&b.packed).arg(&n);
-        // SAFETY: read_u4(sink (gridDim.x), src (n), n: u64); the sink holds one word per block of the
-        // wave, and packed holds the weights and max_seq_len slots, so n (pos < max_seq_len, asserted)
-        // vectors are inside it; its base is an allocation's, so the 16-byte loads are aligned.
-        unsafe { args.launch(b.wave) }.context("launching read_u4")?;
+        // SAFETY: read_bulk(sink (gridDim.x), src (n), n: u64); the sink holds one word per block, and
+        // packed holds the weights and max_seq_len slots, so n (pos < max_seq_len, asserted) vectors
+        // are inside it; its base is an allocation's, so the bulk copies are 16-byte aligned; the
+        // shared memory limit was raised in build_layer.
+        unsafe { args.launch(b.launch) }.context("launching read_bulk")?;
         Ok(())
     }
 

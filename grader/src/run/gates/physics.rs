@@ -116,7 +116,7 @@ pub fn bytes_read_gate(
 }
 
 /// The fastest a call with `bytes` can be, at the read-only ceiling less the margin, in us.
-fn bound_us(bytes: u64, read_tbps: f64, gates: &Gates) -> f64 {
+pub fn bound_us(bytes: u64, read_tbps: f64, gates: &Gates) -> f64 {
     bytes as f64 / (read_tbps * 1e12) * 1e6 * (1.0 - gates.read_ceiling_margin)
 }
 
@@ -127,7 +127,7 @@ pub fn plausible_timing_gate(
     runner_us: &[(usize, usize, f64)],
     model: &[u64],
     held: &[bool],
-    read_tbps: f64,
+    read_tbps: f64, // the read-only ceiling (`Bandwidth::read_ceiling_tbps`)
     gates: &Gates,
 ) -> Gate {
     let mut problems = Vec::new();
