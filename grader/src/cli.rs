@@ -48,7 +48,9 @@ pub struct Cli {
 pub enum Command {
     /// Judge a submission end to end: correctness, launch gates, speed against the floor.
     Run(RunArgs),
-    /// Measure HBM bandwidth with a 16-byte stream copy, a read-only stream and the driver's copy.
+    /// Measure HBM bandwidth: a 16-byte stream copy and the driver's copy (the floor takes the faster),
+    /// and two read-only streams, 16-byte loads and, on Hopper, bulk copies into shared memory (the
+    /// read-only ceiling of plausible_timing takes the faster).
     Bandwidth(BandwidthArgs),
     /// List the kernels of one step of a submission (name, grid, block, registers, time, share).
     Launches(LaunchesArgs),
