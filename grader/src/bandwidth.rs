@@ -6,9 +6,8 @@
 
 use std::sync::Arc;
 
-use cuda::cudarc::driver::sys::CUfunction_attribute;
 use cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, DeviceSlice, LaunchConfig, PushKernelArg};
-use cuda::kernels::{BANDWIDTH, BULK_READ, BULK_READ_RING_BYTES, BULK_READ_THREADS};
+use cuda::kernels::BANDWIDTH;
 use cuda::{Context, CudaError, Device};
 use half::bf16;
 use serde::Serialize;
@@ -72,12 +71,9 @@ pub fn measure(dev: &Device, buffer_bytes: u64, reps: usize) -> Result<Bandwidth
     let copy_tbps = timed(dev, reps, 2 * bytes, || kernels.copy(dev, &mut dst, &src.as_view(), cfg))?;
     check_copy(dev, &src, &dst)?;
     let read_tbps = timed(dev, reps, bytes, || kernels.read(dev, &mut sink, &src.as_view(), cfg))?;
-    let read_bulk_tbps = match BulkRead::load(dev)? {
-        Some(bulk) => {
-            let mut sink =
-                dev.stream().alloc_zeros::<u32>(bulk.cfg.grid_dim.0 as usize).context("allocating the sink")?;
-            Some(timed(dev, reps, bytes, || bulk.read(dev, &mut sink, &src.as_view()))?)
-        }
+    // One block per SM: the wave's sink has room for them.
+    let read_bulk_tbps = match cuda::kernels::read_bulk(dev)? {
+        Some((func, bulk)) => Some(timed(dev, reps, bytes, || read_bulk(dev, &func, bulk, &mut sink, &src.as_view()))?),
         None => None,
     };
     let read_ceiling_tbps = read_tbps.median.max(read_bulk_tbps.as_ref().map_or(0.0, |s| s.median));
@@ -96,45 +92,22 @@ pub fn measure(dev: &Device, buffer_bytes: u64, reps: usize) -> Result<Bandwidth
     })
 }
 
-/// kernels/bulk_read.cu's read_bulk, one block per SM.
-struct BulkRead {
-    func: CudaFunction,
+/// Enqueues `read_bulk` (`func`, launched as `cfg`, both from `cuda::kernels::read_bulk`) over all of
+/// `src` (a whole number of 16-byte vectors), one word per block of `sink`.
+fn read_bulk<T>(
+    dev: &Device,
+    func: &CudaFunction,
     cfg: LaunchConfig,
-}
-
-impl BulkRead {
-    /// `None` before Hopper, which has no bulk copies.
-    fn load(dev: &Device) -> Result<Option<BulkRead>, CudaError> {
-        if !dev.is_hopper() {
-            return Ok(None);
-        }
-        let func = dev.function(&BULK_READ, "read_bulk")?;
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            BULK_READ_RING_BYTES as i32,
-        )
-        .context("raising read_bulk's shared memory limit")?;
-        let cfg = LaunchConfig {
-            grid_dim: (dev.facts().sms as u32, 1, 1),
-            block_dim: (BULK_READ_THREADS, 1, 1),
-            shared_mem_bytes: BULK_READ_RING_BYTES,
-        };
-        Ok(Some(BulkRead { func, cfg }))
-    }
-
-    /// Enqueues a read of all of `src` (a whole number of 16-byte vectors), one word per block of `sink`.
-    fn read<T>(&self, dev: &Device, sink: &mut CudaSlice<u32>, src: &CudaView<'_, T>) -> Result<(), CudaError> {
-        let n = vector_count(src.num_bytes());
-        assert!(
-            sink.len() >= self.cfg.grid_dim.0 as usize,
-            "read_bulk: the sink has fewer words than the grid has blocks"
-        );
-        let mut b = dev.stream().launch_builder(&self.func);
-        b.arg(sink).arg(src).arg(&n);
-        // SAFETY: read_bulk(sink, src, n): src holds n 16-byte vectors, sink one word per block
-        // (asserted); BULK_READ_RING_BYTES of dynamic shared memory, the limit raised in load.
-        unsafe { b.launch(self.cfg) }.map(drop).context("launching read_bulk")
-    }
+    sink: &mut CudaSlice<u32>,
+    src: &CudaView<'_, T>,
+) -> Result<(), CudaError> {
+    let n = vector_count(src.num_bytes());
+    assert!(sink.len() >= cfg.grid_dim.0 as usize, "read_bulk: the sink has fewer words than the grid has blocks");
+    let mut b = dev.stream().launch_builder(func);
+    b.arg(sink).arg(src).arg(&n);
+    // SAFETY: read_bulk(sink, src, n): src holds n 16-byte vectors, sink one word per block (asserted);
+    // cfg and the raised shared memory limit are cuda::kernels::read_bulk's.
+    unsafe { b.launch(cfg) }.map(drop).context("launching read_bulk")
 }
 
 /// The two stream kernels of kernels/bandwidth.cu, and the launch shape that fills the card once.

@@ -452,7 +452,6 @@ mod tests {
     fn launched_kernels_exist() {
         let redteam = ("kernels/redteam.cu", include_str!("../../../kernels/redteam.cu"));
         let cdp = ("kernels/redteam_cdp.cu", include_str!("../../../kernels/redteam_cdp.cu"));
-        let bulk_read = ("kernels/bulk_read.cu", include_str!("../../../kernels/bulk_read.cu"));
         let megakernel = ("kernels/megakernel.cu", include_str!("../../../kernels/megakernel.cu"));
         for ((file, cu), name) in [
             (redteam, crash::KERNEL),
@@ -461,7 +460,6 @@ mod tests {
             (redteam, int8::KERNEL),
             (redteam, int8_down_padded::STAMP),
             (redteam, int8_down_padded::SPIN),
-            (bulk_read, pure_read::READ),
             (megakernel, pure_read::GATHER),
             (cdp, device_launch::KERNEL),
         ] {

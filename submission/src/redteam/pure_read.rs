@@ -13,9 +13,8 @@
 //! figure. Its bytes_read is the byte model's, less the K/V rows it never writes. Caught by
 //! correctness: `x_out = x` is over the tolerance at every step, as for pass-through.
 
-use cuda::cudarc::driver::sys::CUfunction_attribute;
 use cuda::cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
-use cuda::kernels::{BULK_READ, BULK_READ_RING_BYTES, BULK_READ_THREADS, MEGAKERNEL};
+use cuda::kernels::MEGAKERNEL;
 use cuda::{Context, Device, grid_1d};
 use half::bf16;
 use spec::{Config, Tensor};
@@ -24,8 +23,6 @@ use super::not_built;
 use crate::{Layer, Submission, SubmissionError};
 
 pub const NAME: &str = "pure-read";
-/// The bulk-copy read stream of `kernels/bulk_read.cu`.
-pub const READ: &str = "read_bulk";
 /// The row gather of `kernels/megakernel.cu`, which packs the cache rows.
 pub const GATHER: &str = "gather_rows_u4";
 
@@ -117,24 +114,12 @@ impl Submission for PureRead {
         let weights = weight_vectors(cfg).filter(|_| cfg.hd.is_multiple_of(VEC) && cfg.d.is_multiple_of(VEC));
         let weights =
             weights.ok_or_else(|| SubmissionError::Refused("a tensor is not whole 16-byte vectors".into()))?;
-        if !dev.is_hopper() {
-            return Err(SubmissionError::Refused("pure-read streams by bulk copies, which need Hopper".into()));
-        }
-        let read = dev.function(&BULK_READ, READ)?;
-        read.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            BULK_READ_RING_BYTES as i32,
-        )
-        .context("raising read_bulk's shared memory limit")?;
-        let blocks = dev.facts().sms as u32;
+        let (read, launch) = cuda::kernels::read_bulk(dev)?
+            .ok_or_else(|| SubmissionError::Refused("pure-read streams by bulk copies, which need Hopper".into()))?;
         self.built = Some(Built {
             read,
-            launch: LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (BULK_READ_THREADS, 1, 1),
-                shared_mem_bytes: BULK_READ_RING_BYTES,
-            },
-            sink: dev.stream().alloc_zeros(blocks as usize).context("allocating the sink")?,
+            launch,
+            sink: dev.stream().alloc_zeros(launch.grid_dim.0 as usize).context("allocating the sink")?,
             packed: pack(dev, &layer, cfg)?,
             weight_vectors: weights,
             cfg: cfg.clone(),
