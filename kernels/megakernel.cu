@@ -1,8 +1,11 @@
 // The megakernel: the whole decoder layer in one persistent launch per token. The layer is compiled
-// (submission/src/megakernel/program.rs) into a table of phases; every block of a grid sized to be
-// co-resident walks the table, does its share of each phase and crosses a grid barrier before the
-// next. The same code runs one phase per launch (phase_begin + 1 == phase_end) for debugging and
-// per-phase timing; the results are bitwise identical because nothing else changes.
+// (submission/src/megakernel/program.rs) into a table of phases, each naming the blocks that run it and
+// the phases it waits for; every block of a grid sized to be co-resident walks the table, and for each
+// of its phases waits until every block of the phases it depends on has finished them, then does its
+// share. In the two-role plan the grid's halves take turns: one streams weights while the other runs
+// attention's latency-bound chain, so HBM keeps streaming (program.rs, compile). The same code runs one
+// phase per launch (phase_begin + 1 == phase_end) for debugging and per-phase timing; the results are
+// bitwise identical because nothing else changes.
 //
 // Weight streaming (the 1.71 GB that decide the score): a GEMV phase splits its rows evenly over the
 // blocks, in RoPE / gate-up pairs. A block streams its rows through a ring of STAGES shared-memory
@@ -11,8 +14,8 @@
 // ... of every row and holds the matching vectors of the input in registers; each warp reduces a row
 // with a shuffle butterfly and the warps' partials meet in shared memory once, at the end of the
 // phase, where they are added in warp order. A phase's first slots are filled before its input
-// exists (before the norm, while the block waits at the grid barrier), so the stream does not stop
-// between phases; attention's cached rows are loaded the same way. Weights are not prefetched to L2:
+// exists (before the norm, while the block waits for the phases it depends on), so the stream does not
+// stop between phases; attention's cached rows are loaded the same way. Weights are not prefetched to L2:
 // bulk prefetches of rows the ring then copies made the phases slower (docs/perf.md). No float
 // atomics anywhere: outputs are bitwise reproducible.
 //
@@ -95,7 +98,7 @@ __device__ inline void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n"
 __device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Activations written earlier in this launch by other blocks are read through L2 (ld.global.cg):
-// L1 is not coherent across SMs, and the grid barrier's fences order only L2.
+// L1 is not coherent across SMs, and the dependency counts' release and acquire order only L2.
 __device__ inline uint4 load_cg(const bf16* p, uint32_t vector) { return __ldcg(reinterpret_cast<const uint4*>(p) + vector); }
 
 // Tensor-core products of one warp, D = A B + D, f32 accumulation (the PTX ISA's fragment layouts:
@@ -124,29 +127,45 @@ __device__ inline uint32_t to_tf32(float f) {
 __device__ inline uint32_t pair_at(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 // ---------------------------------------------------------------------------------------------------
-// The grid barrier
+// Blocks and dependencies
 // ---------------------------------------------------------------------------------------------------
 
-// A monotonic counter: each block adds 1 per barrier and waits until the counter reaches `target`
-// (the host passes the count every earlier barrier left behind, so it is never reset). The
-// comparison is on the signed difference, so the 32-bit counter may wrap. The barrier comes in two
-// halves so that a block can start loads that need no other block (the next phase's weights, the
-// cached attention rows) between its arrival and its wait, off the barrier's critical path.
+// The blocks first + i * stride (i < count) that run a phase.
+struct BlockSet {
+    uint32_t first, count, stride;
+};
 
-// The arrival: call after a __syncthreads that follows every write of the phase.
-__device__ inline void grid_arrive(unsigned* counter) {
-    // Release: the block's writes (ordered before thread 0 by the caller's bar.sync) become visible
-    // device-wide before the arrival does.
-    if (threadIdx.x == 0) red_release_add(counter, 1);
+__device__ inline BlockSet blocks_of(const int64_t* op) {
+    const uint64_t w = (uint64_t)op[ROW_BLOCKS];
+    return {(uint32_t)(w >> 32) & 0xFFFFu, (uint32_t)w, (uint32_t)(w >> 48) & 0x7FFFu};
+}
+// This block's place among the phase's blocks (blocks before `first` wrap to large ranks).
+__device__ inline uint32_t rank(const BlockSet& b) { return (blockIdx.x - b.first) / b.stride; }
+// Whether this block runs the phase.
+__device__ inline bool runs(const BlockSet& b) { return (blockIdx.x - b.first) % b.stride == 0 && rank(b) < b.count; }
+
+// phase_done[p] counts the blocks that have finished phase p, over every step so far: phase p has
+// finished step `step` (the steps launched before this one) once it reaches count * (step + 1). The
+// counters are never reset; the comparison is on the signed difference, so they may wrap.
+
+// Waits until every phase in `op`'s wait mask has finished this step. Call with the block converged.
+__device__ inline void wait_for(const int64_t* program, const int64_t* op, const unsigned* phase_done, uint32_t step) {
+    if (threadIdx.x == 0) {
+        for (uint32_t w = 0; w < PROGRAM_MAX_PHASES; ++w) {
+            if (!((op[ROW_WAITS] >> w) & 1)) continue;
+            const unsigned target = blocks_of(program + (size_t)w * PROGRAM_ROW_WORDS).count * (step + 1);
+            // Acquire: no read of this phase moves above the observation of the last block's count.
+            while ((int)(ld_acquire(&phase_done[w]) - target) < 0) __nanosleep(64);
+        }
+    }
+    __syncthreads();  // the rest of the block waits for thread 0 to see every count
 }
 
-// The wait for every block's arrival.
-__device__ inline void grid_wait(unsigned* counter, unsigned target) {
-    if (threadIdx.x == 0) {
-        // Acquire: no read of the next phase moves above the observation of the last arrival.
-        while ((int)(ld_acquire(counter) - target) < 0) __nanosleep(64);
-    }
-    __syncthreads();  // the rest of the block waits for thread 0 to see every arrival
+// Counts this block as done with phase p: call after a __syncthreads that follows every write of it.
+__device__ inline void count_done(unsigned* phase_done, uint32_t p) {
+    // Release: the block's writes (ordered before thread 0 by the caller's bar.sync) become visible
+    // device-wide before the count does.
+    if (threadIdx.x == 0) red_release_add(&phase_done[p], 1);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -162,11 +181,11 @@ struct Slice {
 
 __device__ inline bool owns(const Slice& s, uint32_t v) { return threadIdx.x + v * THREADS < s.vecs; }
 
-// This block's rows of a GEMV with `rows` rows: an even share, in whole pairs.
-__device__ inline void block_rows(uint32_t rows, uint32_t& r0, uint32_t& r1) {
+// This block's rows of a GEMV with `rows` rows run by `set`: an even share, in whole pairs.
+__device__ inline void block_rows(uint32_t rows, const BlockSet& set, uint32_t& r0, uint32_t& r1) {
     const uint64_t pairs = rows / 2;
-    r0 = 2 * (uint32_t)(pairs * blockIdx.x / gridDim.x);
-    r1 = 2 * (uint32_t)(pairs * (blockIdx.x + 1) / gridDim.x);
+    r0 = 2 * (uint32_t)(pairs * rank(set) / set.count);
+    r1 = 2 * (uint32_t)(pairs * (rank(set) + 1) / set.count);
 }
 
 // Where a GEMV phase keeps its row partials: red_rows rows of WARPS floats after the ring.
@@ -196,18 +215,20 @@ struct RowStream {
     __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_)
         : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), nstages((r1_ - r0_ + STAGE_ROWS - 1) / STAGE_ROWS) {}
 
+    __device__ const bf16* stage_rows(uint32_t st) const { return w + (size_t)(r0 + st * STAGE_ROWS) * vecs * VEC; }
+    __device__ unsigned stage_bytes(uint32_t st) const { return min(STAGE_ROWS, n - st * STAGE_ROWS) * vecs * 16; }
+
     // Thread 0 starts the copy of stage st into its slot. The slot's previous contents must be dead:
     // the callers reach this only after a __syncthreads that follows every read of them.
     __device__ void issue(const Ring& ring, uint32_t st) const {
         if (threadIdx.x != 0 || st >= nstages) return;
-        const uint32_t k = ring.seq + st, rows = min(STAGE_ROWS, n - st * STAGE_ROWS);
-        const unsigned bytes = rows * vecs * 16;
-        mbar_expect_tx(&ring.full[k % STAGES], bytes);
-        bulk_copy(ring.data + (k % STAGES) * (STAGE_BYTES / 16), w + (size_t)(r0 + st * STAGE_ROWS) * vecs * VEC, bytes, &ring.full[k % STAGES]);
+        const uint32_t k = ring.seq + st;
+        mbar_expect_tx(&ring.full[k % STAGES], stage_bytes(st));
+        bulk_copy(ring.data + (k % STAGES) * (STAGE_BYTES / 16), stage_rows(st), stage_bytes(st), &ring.full[k % STAGES]);
     }
 
     // The first STAGES - 1 stages. Weights do not depend on anything the layer computes, so this runs
-    // before the phase's input exists: before its norm, and before the grid barrier in front of it.
+    // before the phase's input exists: before its norm, and before the wait for its dependencies.
     __device__ void prime(const Ring& ring) const {
         for (uint32_t st = 0; st < STAGES - 1; ++st) issue(ring, st);
     }
@@ -280,12 +301,13 @@ __device__ inline bool gemv_of(const int64_t* op, Gemv& g) {
     }
 }
 
-// Starts streaming the weights of phase `op` into the ring (nothing for a phase without a GEMV).
+// Starts streaming this block's weights of phase `op` into the ring (nothing for a phase without a
+// GEMV).
 __device__ void prime_phase(const int64_t* op, const Ring& ring) {
     Gemv g;
     if (!gemv_of(op, g)) return;
     uint32_t r0, r1;
-    block_rows(g.rows, r0, r1);
+    block_rows(g.rows, blocks_of(op), r0, r1);
     with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.prime(ring); });
 }
 
@@ -293,7 +315,7 @@ __device__ void prime_phase(const int64_t* op, const Ring& ring) {
 __device__ inline void gemv_rows(const int64_t* op, uint32_t& r0, uint32_t& r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
-    block_rows(g.rows, r0, r1);
+    block_rows(g.rows, blocks_of(op), r0, r1);
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
@@ -472,17 +494,19 @@ __device__ void combine(const Team& team, uint32_t kv, uint32_t n_chunks, uint32
 }
 
 // The work items of an attention phase at one position: (KV head, chunk of ATTN_CHUNK slots), item
-// kv * n_chunks + c, taken by the block's teams in turn (item i by team i % TEAMS of block
-// i / TEAMS % gridDim.x).
+// kv * n_chunks + c, taken by the phase's teams in turn (item i by team i % TEAMS of the phase's block
+// i / TEAMS % its count).
 struct AttnItems {
+    BlockSet set;
     uint32_t n_chunks, count;
     // Every team holds at most one item: the teams of a KV head then combine it together, each a
     // share, instead of the last one to finish combining all of it.
     bool one_round;
     __device__ AttnItems(const int64_t* op, uint32_t pos)
-        : n_chunks((pos + ATTN_CHUNK) / ATTN_CHUNK), count((uint32_t)op[attn::NKv] * n_chunks), one_round(count <= gridDim.x * TEAMS) {}
-    __device__ uint32_t first(const Team& team) const { return blockIdx.x * TEAMS + team.id; }
-    __device__ uint32_t stride() const { return gridDim.x * TEAMS; }
+        : set(blocks_of(op)), n_chunks((pos + ATTN_CHUNK) / ATTN_CHUNK), count((uint32_t)op[attn::NKv] * n_chunks),
+          one_round(count <= set.count * TEAMS) {}
+    __device__ uint32_t first(const Team& team) const { return rank(set) * TEAMS + team.id; }
+    __device__ uint32_t stride() const { return set.count * TEAMS; }
 };
 
 // A team's K, V and Q rows and scores in shared memory (the ring, free outside GEMV phases).
@@ -521,10 +545,10 @@ __device__ void load_cache_rows(const Team& team, const int64_t* op, const AttnS
     }
 }
 
-// Before the grid barrier in front of attention: each team starts loading the cache rows of its first
+// Before the wait in front of attention: each team starts loading the cache rows of its first
 // item that earlier steps wrote (every slot but pos, which this launch's Qkv phase writes). They do
-// not depend on this step, so HBM streams them while blocks still wait for the barrier; the phase
-// then loads only the queries and the row at pos.
+// not depend on this step, so HBM streams them while the block waits for the Qkv phase it depends on;
+// the phase then loads only the queries and the row at pos.
 __device__ void prime_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const Team team;
     const AttnItems items(op, pos);
@@ -536,8 +560,8 @@ __device__ void prime_attention(const int64_t* op, uint32_t pos, uint4* smem) {
 
 // Attention: work item (KV head, chunk of ATTN_CHUNK slots) -> partial softmax numerator and its
 // running max and sum for each query head of the group, then the combine of each KV head's partials
-// into a (see AttnItems). Each KV chunk is loaded once for all of its query heads. `primed`: the
-// previous phase of this launch ran prime_attention.
+// into a (see AttnItems). Each KV chunk is loaded once for all of its query heads. `primed`: this
+// block ran prime_attention for this phase.
 __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bool primed) {
     const bf16* q = reinterpret_cast<const bf16*>(op[attn::Q]);
     float* part_o = reinterpret_cast<float*>(op[attn::PartO]);
@@ -664,7 +688,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bo
             if (lo < hi) combine(team, kv, n_chunks, max_chunks, group, hd, lo, hi, part_o, part_ml, a_out, ps, reinterpret_cast<float*>(ks));
             if (t == 0 && departed == n_chunks - 1) {
                 // Every team of the head is past its wait: reset both for the next step (the launch
-                // boundary, or the next grid barrier, orders this before any later arrival).
+                // boundary orders this before any later arrival: a step runs each attention phase once).
                 arrivals[kv] = 0;
                 departures[kv] = 0;
             }
@@ -676,18 +700,29 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bo
     }
 }
 
-// x1 = x + Wo a.
+// x1 = x + Wo a over the columns the row names: all of them; or those of the first half of the KV
+// groups, whose f32 products go to PartOut; or those of the second half, whose products are added to
+// PartIn's (written by another phase, which this one waits for) before rounding.
 __device__ void phase_oproj(const int64_t* op, const bf16* x, Ring& ring, Partials part) {
     const uint32_t cols = (uint32_t)op[oproj::Cols];
     bf16* x1 = reinterpret_cast<bf16*>(op[oproj::X1Out]);
+    const float* part_in = reinterpret_cast<const float*>(op[oproj::PartIn]);
+    float* part_out = reinterpret_cast<float*>(op[oproj::PartOut]);
     uint32_t r0, r1;
     gemv_rows(op, r0, r1);
-    const float first_x = preload(x + r0, r1 - r0);
+    const float first_x = part_out == nullptr ? preload(x + r0, r1 - r0) : 0.0f;
+    const float first_part = part_in != nullptr && threadIdx.x < r1 - r0 ? __ldcg(part_in + r0 + threadIdx.x) : 0.0f;
     const Slice s = load_slice(reinterpret_cast<const bf16*>(op[oproj::A]), cols);
     gemv_phase(op, s, ring, part, r0, r1);
     for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
+        const float y = row_sum(part.red, r);
+        if (part_out != nullptr) {
+            part_out[r0 + r] = y;
+            continue;
+        }
         const float xr = r == threadIdx.x ? first_x : __bfloat162float(x[r0 + r]);
-        x1[r0 + r] = add_round(xr, bf(row_sum(part.red, r)));
+        const float sum = part_in == nullptr ? y : __fadd_rn(r == threadIdx.x ? first_part : __ldcg(part_in + r0 + r), y);
+        x1[r0 + r] = add_round(xr, bf(sum));
     }
 }
 
@@ -724,8 +759,8 @@ __device__ void phase_down(const int64_t* op, bf16* out, Ring& ring, Partials pa
 // The phase trace (`grader profile`)
 // ---------------------------------------------------------------------------------------------------
 
-// Which stamp of a phase: when the block starts its work, and when the whole block has finished it
-// (before it waits at the grid barrier). The gap to the next phase's start is time spent waiting.
+// Which stamp of a phase: when the block starts its work (its dependencies met), and when the whole
+// block has finished it. The gap to the block's next phase's start is time spent waiting.
 constexpr uint32_t TRACE_START = 0;
 constexpr uint32_t TRACE_END = 1;
 
@@ -742,18 +777,21 @@ __device__ inline void stamp(uint64_t* trace, uint32_t phases, uint32_t phase, u
 // Kernels
 // ---------------------------------------------------------------------------------------------------
 
-// Runs phases [phase_begin, phase_end) of the program, with a grid barrier between consecutive
-// phases. The grid must be co-resident (the launcher uses a cooperative launch). Dynamic shared
-// memory: RING_BYTES of ring, then red_rows * WARPS floats of row partials. `trace`, when not null,
-// receives each block's phase stamps.
+// Runs phases [phase_begin, phase_end) of step `step` of the program: each block runs the phases that
+// name it, each after the phases it waits for. The grid must be co-resident, or a block could wait for
+// one not yet running (the launcher uses a cooperative launch). A step's phases run in order from
+// phase 0, in one launch or several (the launcher enforces it), so that the counts a phase waits for
+// are this step's. Dynamic shared memory: RING_BYTES of ring, then red_rows * WARPS floats of row
+// partials. `trace`, when not null, receives each block's phase stamps (zero for the phases it does not
+// run).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     const __grid_constant__ Program program,  // by value: see program.cuh
     uint32_t phase_begin, uint32_t phase_end,
     const bf16* __restrict__ x,  // (d)
     bf16* __restrict__ out,      // (d)
     uint32_t pos,
-    unsigned* __restrict__ barrier,  // (1) monotonic arrival counter
-    unsigned barrier_base,           // its value when this launch started
+    uint32_t step,                      // steps launched before this one
+    unsigned* __restrict__ phase_done,  // (PROGRAM_MAX_PHASES): see wait_for
     uint32_t red_rows,
     uint64_t* __restrict__ trace) {  // (gridDim.x, phases, 2) or null: see stamp()
     // 128-byte aligned: where dynamic shared memory starts depends on the static variables before it,
@@ -772,36 +810,46 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     __syncthreads();  // every thread sees initialised barriers before waiting on them
 
     if (phase_end > PROGRAM_MAX_PHASES) __trap();  // the launcher checks this; a bigger range reads past the table
-    if (phase_begin < phase_end) prime_phase(program.words + (size_t)phase_begin * PROGRAM_ROW_WORDS, ring);
+    const auto row = [&](uint32_t p) { return program.words + (size_t)p * PROGRAM_ROW_WORDS; };
+    // The first phase at or after p that this block runs (phase_end if none).
+    const auto next_own = [&](uint32_t p) {
+        while (p < phase_end && !runs(blocks_of(row(p)))) ++p;
+        return p;
+    };
     const uint32_t phases = phase_end - phase_begin;
-    for (uint32_t p = phase_begin; p < phase_end; ++p) {
-        const int64_t* op = program.words + (size_t)p * PROGRAM_ROW_WORDS;
+    uint32_t p = next_own(phase_begin);
+    if (p < phase_end) prime_phase(row(p), ring);
+    bool attention_primed = false;  // prime_attention ran for phase p
+    while (p < phase_end) {
+        const int64_t* op = row(p);
+        wait_for(program.words, op, phase_done, step);
         stamp(trace, phases, p - phase_begin, TRACE_START);
         switch (op[0]) {
             case OP_NOP: break;
             case OP_QKV: phase_qkv(op, x, pos, ring, part); break;
-            case OP_ATTENTION: phase_attention(op, pos, ring.data, p > phase_begin); break;
+            case OP_ATTENTION: phase_attention(op, pos, ring.data, attention_primed); break;
             case OP_O_PROJ: phase_oproj(op, x, ring, part); break;
             case OP_GATE_UP: phase_gateup(op, ring, part); break;
             case OP_DOWN: phase_down(op, out, ring, part); break;
             default: __trap();  // an unknown opcode is a broken program
         }
-        if (p + 1 < phase_end) {
-            // The next phase's first weights (or attention's cached rows) stream in while blocks
-            // wait at the barrier. The ring is free once every thread is past this phase; attention
-            // wrote it with ordinary stores, so each thread orders those before the copy engine's
-            // writes (proxy fence), then the block synchronises before thread 0 issues.
-            fence_proxy_async();
-            __syncthreads();
-            stamp(trace, phases, p - phase_begin, TRACE_END);
-            grid_arrive(barrier);
-            const int64_t* next = op + PROGRAM_ROW_WORDS;
-            prime_phase(next, ring);
-            if (next[0] == OP_ATTENTION) prime_attention(next, pos, ring.data);
-            grid_wait(barrier, barrier_base + (p - phase_begin + 1) * gridDim.x);
-        } else if (trace != nullptr) {
-            __syncthreads();  // the whole block is done with the last phase before it is stamped
-            stamp(trace, phases, p - phase_begin, TRACE_END);
+        // The next phase of this block's first weights (or attention's cached rows) stream in while it
+        // waits for that phase's dependencies. The ring is free once every thread is past this phase;
+        // attention wrote it with ordinary stores, so each thread orders those before the copy
+        // engine's writes (proxy fence), then the block synchronises before thread 0 issues (and
+        // before it counts the phase done: every write of the phase precedes the count).
+        fence_proxy_async();
+        __syncthreads();
+        stamp(trace, phases, p - phase_begin, TRACE_END);
+        count_done(phase_done, p);
+        p = next_own(p + 1);
+        attention_primed = false;
+        if (p < phase_end) {
+            prime_phase(row(p), ring);
+            if (row(p)[0] == OP_ATTENTION) {
+                prime_attention(row(p), pos, ring.data);
+                attention_primed = true;
+            }
         }
     }
 }

@@ -25,9 +25,15 @@ constexpr int64_t OP_O_PROJ = 3;    // x1 = x + Wo a
 constexpr int64_t OP_GATE_UP = 4;   // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2)
 constexpr int64_t OP_DOWN = 5;      // out = x1 + Wd act
 
+// The last two words of every row: the blocks that run it (first + i * stride for i < count: the count in
+// bits 0-31, the first in bits 32-47, the stride in bits 48-62) and the phases it waits for (one bit per
+// phase).
+constexpr int ROW_BLOCKS = PROGRAM_ROW_WORDS - 2;
+constexpr int ROW_WAITS = PROGRAM_ROW_WORDS - 1;
+
 // Operand words of each opcode (word 0 is the opcode); the names are those of the Rust enums.
 namespace qkv { enum : int { W = 1, Norm, QOut, KCache, VCache, Cos, Sin, D, NQ, NKv, Hd, MaxSeq, EpsBits }; }
 namespace attn { enum : int { Q = 1, KCache, VCache, PartO, PartMl, Counters, AOut, NQ, NKv, Hd, MaxSeq, Chunk }; }
-namespace oproj { enum : int { W = 1, A, X1Out, Rows, Cols }; }
+namespace oproj { enum : int { W = 1, A, X1Out, Rows, Cols, PartIn, PartOut }; }
 namespace gateup { enum : int { W = 1, Norm, X1, ActOut, D, Ffn, EpsBits }; }
 namespace down { enum : int { W = 1, Act, X1, Rows, Cols }; }

@@ -3,7 +3,8 @@
 //! (`timeline`), as a table and an SVG timeline. Where the GPU's counters can be read, a second pass
 //! measures the DRAM bytes each phase reads (one audit range per phase launch; the ranges' own cost
 //! stays out of the timed pass). Every phase's bytes are the byte model's (`ByteModel::by_op`), the
-//! figures `grader run` judges.
+//! figures `grader run` judges: its operation's, or the share of them it reads when the program splits
+//! the operation into parts (the two-role plan).
 
 mod timeline;
 
@@ -14,7 +15,8 @@ use reference::gpu::DeviceCache;
 use reference::gpu::data::generate_input;
 use serde::Serialize;
 use spec::{ByteModel, Config};
-use submission::megakernel::{Megakernel, Mode};
+use submission::megakernel::program::Blocks;
+use submission::megakernel::{Megakernel, Mode, PhasePlan};
 use submission::{Layer, Submission};
 
 use crate::audit::{DRAM_BYTES_READ, RangeAudit};
@@ -127,15 +129,19 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
     let medians: Vec<f64> = per_phase.iter().map(|t| Summary::of(t).expect("timed").median).collect();
     let phases_sum_us: f64 = medians.iter().sum();
     let floor_us = |b: u64| b as f64 / floor_bytes_per_s * 1e6;
+    let plan = phased.plan().expect("built").to_vec();
     let phases = per_phase
         .iter()
-        .zip(model.by_op)
-        .map(|(t, part)| {
+        .zip(&plan)
+        .zip(phase_names(&plan))
+        .map(|((t, ph), name)| {
             let us = Summary::of(t).expect("timed");
+            let op_bytes = model.by_op.iter().find(|b| b.op == ph.op).expect("every operation has bytes").bytes;
+            let bytes = (op_bytes as f64 * ph.share).round() as u64;
             PhaseTime {
-                phase: format!("{:?}", part.op),
-                bytes: part.bytes,
-                x_floor: us.median / floor_us(part.bytes),
+                phase: name,
+                bytes,
+                x_floor: us.median / floor_us(bytes),
                 share: us.median / phases_sum_us,
                 us,
                 dram_bytes_read: None,
@@ -156,7 +162,8 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
     };
     let names: Vec<String> = phases.iter().map(|p| p.phase.clone()).collect();
     let floors: Vec<f64> = phases.iter().map(|p| floor_us(p.bytes)).collect();
-    let timeline = trace(dev, cfg, &mut fused, &mut evict, input_seed, &names, &floors)?;
+    let blocks: Vec<Blocks> = plan.iter().map(|p| p.blocks).collect();
+    let timeline = trace(dev, cfg, &mut fused, &mut evict, input_seed, &names, &floors, &blocks)?;
     let fused_us = Summary::of(&fused_us).expect("timed");
     Ok(Profile {
         config: cfg.name.clone(),
@@ -180,6 +187,7 @@ fn trace(
     input_seed: u64,
     names: &[String],
     floors_us: &[f64],
+    blocks_of: &[Blocks],
 ) -> Result<Option<Timeline>, GraderError> {
     let mut out = dev.stream().alloc_zeros(cfg.d).context("allocating the output")?;
     let mut traced = Vec::with_capacity(TRACED_STEPS);
@@ -188,13 +196,28 @@ fn trace(
         evict.enqueue(dev)?;
         dev.synchronize()?;
         let (stamps, grid) = fused.trace_step(dev, &x, cfg.deepest_timed_pos(), &mut out)?;
-        match Timeline::of(&stamps, grid as usize, names, floors_us) {
+        match Timeline::of(&stamps, grid as usize, names, floors_us, blocks_of) {
             Some(t) => traced.push(t),
             None => return Ok(None),
         }
     }
     traced.sort_by(|a, b| a.total_us.total_cmp(&b.total_us));
     Ok(Some(traced.swap_remove(TRACED_STEPS / 2)))
+}
+
+/// Each phase's name: its operation's, numbered when the program splits the operation into parts
+/// (`Qkv 1/2`, `Qkv 2/2`).
+fn phase_names(plan: &[PhasePlan]) -> Vec<String> {
+    plan.iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let same: Vec<usize> = (0..plan.len()).filter(|&j| plan[j].op == p.op).collect();
+            match same.len() {
+                1 => format!("{:?}", p.op),
+                n => format!("{:?} {}/{n}", p.op, same.iter().position(|&j| j == i).unwrap() + 1),
+            }
+        })
+        .collect()
 }
 
 /// Steps of the audited pass.
@@ -237,7 +260,7 @@ pub fn table(p: &Profile) -> String {
     let mut s = format!("\nmegakernel phases ('{}' config, floor bandwidth {:.3} TB/s)\n", p.config, p.floor_tbps);
     let _ = writeln!(
         s,
-        "  {:<10} {:>14} {:>10} {:>10} {:>8} {:>7} {:>14} {:>8}",
+        "  {:<15} {:>14} {:>10} {:>10} {:>8} {:>7} {:>14} {:>8}",
         "phase", "bytes", "median us", "p90 us", "x floor", "share", "DRAM read", "TB/s"
     );
     for ph in &p.phases {
@@ -247,7 +270,7 @@ pub fn table(p: &Profile) -> String {
         };
         let _ = writeln!(
             s,
-            "  {:<10} {:>14} {:>10.1} {:>10.1} {:>8.3} {:>7.3} {read:>14} {tbps:>8}",
+            "  {:<15} {:>14} {:>10.1} {:>10.1} {:>8.3} {:>7.3} {read:>14} {tbps:>8}",
             ph.phase, ph.bytes, ph.us.median, ph.us.p90, ph.x_floor, ph.share
         );
     }
@@ -257,4 +280,18 @@ pub fn table(p: &Profile) -> String {
     let _ = writeln!(s, "  phases, one launch each: {:.1} us", p.phases_sum_us);
     let _ = writeln!(s, "  fused, one launch:       {:.1} us = {:.3}x floor", p.fused_us.median, p.fused_x_floor);
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use spec::LayerOp;
+
+    use super::*;
+
+    #[test]
+    fn split_operations_are_numbered_and_whole_ones_not() {
+        let phase = |op: LayerOp| PhasePlan { op, share: 1.0, blocks: Blocks::first(1) };
+        let plan = [phase(LayerOp::Qkv), phase(LayerOp::Qkv), phase(LayerOp::Attention), phase(LayerOp::GateUp)];
+        assert_eq!(phase_names(&plan), ["Qkv 1/2", "Qkv 2/2", "Attention", "GateUp"]);
+    }
 }

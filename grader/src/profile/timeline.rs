@@ -1,11 +1,12 @@
 //! The fused launch as its blocks lived it: every block stamps the GPU's global timer when it starts
-//! and finishes each phase (`Megakernel::trace_step`), so the time a phase holds the critical path,
-//! the spread of its blocks and the time they wait at the grid barrier are visible, as a table and
-//! as an SVG timeline (one row per block, a colour per phase, white where a block waits).
+//! and finishes each phase it runs (`Megakernel::trace_step`), so the time a phase holds the critical
+//! path, the spread of its blocks and the time they wait for the phases they depend on are visible, as
+//! a table and as an SVG timeline (one row per block, a colour per phase, white where a block waits).
 
 use std::fmt::Write as _;
 
 use serde::Serialize;
+use submission::megakernel::program::Blocks;
 
 /// One phase of the traced launch. Times in microseconds from the launch's first stamp.
 #[derive(Debug, Clone, Serialize)]
@@ -14,14 +15,15 @@ pub struct TracedPhase {
     /// The earliest start and the latest end of any block.
     pub first_start_us: f64,
     pub last_end_us: f64,
-    /// What the phase adds to the launch: its last end minus the previous phase's last end.
+    /// What the phase adds to the launch: how far its last end is past every earlier phase's (zero
+    /// for a phase that ran beside a longer one).
     pub critical_us: f64,
     /// `critical_us` over the phase's bytes at the floor bandwidth.
     pub x_floor: f64,
-    /// A block's time inside the phase (start to end): median and largest over the blocks.
+    /// A block's time inside the phase (start to end): median and largest over its blocks.
     pub busy_median_us: f64,
     pub busy_max_us: f64,
-    /// Mean time a block waited after finishing the phase until it started the next.
+    /// Mean time a block of the phase waited after finishing it until it started its next phase.
     pub wait_mean_us: f64,
 }
 
@@ -31,59 +33,79 @@ pub struct Timeline {
     pub blocks: usize,
     pub total_us: f64,
     pub phases: Vec<TracedPhase>,
-    /// `spans[block][phase] = (start_us, end_us)`.
+    /// `spans[block][phase] = (start_us, end_us)`, `None` where the block does not run the phase.
     #[serde(skip)]
-    pub spans: Vec<Vec<(f64, f64)>>,
+    pub spans: Vec<Vec<Option<(f64, f64)>>>,
 }
 
 impl Timeline {
     /// Reads the stamps of `trace_step` (`(block, phase, [start, end])` in ns) for phases named
-    /// `names` whose floors (us at the floor bandwidth) are `floors_us`. `None` when a stamp is
-    /// missing (zero) or out of order: a trace that cannot be trusted is not drawn.
-    pub fn of(stamps: &[u64], blocks: usize, names: &[String], floors_us: &[f64]) -> Option<Timeline> {
+    /// `names`, run by the blocks `blocks_of[phase]`, whose floors (us at the floor bandwidth) are
+    /// `floors_us`. `None` when a stamp is missing (zero) for a block that runs the phase, present for
+    /// one that does not, or out of order: a trace that cannot be trusted is not drawn.
+    pub fn of(
+        stamps: &[u64],
+        blocks: usize,
+        names: &[String],
+        floors_us: &[f64],
+        blocks_of: &[Blocks],
+    ) -> Option<Timeline> {
         let phases = names.len();
-        if phases == 0 || blocks == 0 || stamps.len() != blocks * phases * 2 || stamps.contains(&0) {
+        if phases == 0 || blocks == 0 || stamps.len() != blocks * phases * 2 || blocks_of.len() != phases {
             return None;
         }
-        let origin = *stamps.iter().min()?;
+        let pair = |b: usize, p: usize| (stamps[(b * phases + p) * 2], stamps[(b * phases + p) * 2 + 1]);
+        let whole = (0..blocks).all(|b| {
+            (0..phases).all(|p| {
+                let (s, e) = pair(b, p);
+                if blocks_of[p].contains(b) { s != 0 && e != 0 } else { s == 0 && e == 0 }
+            })
+        });
+        if !whole {
+            return None;
+        }
+        let origin = stamps.iter().copied().filter(|&ns| ns != 0).min()?;
         let us = |ns: u64| (ns - origin) as f64 / 1e3;
-        let spans: Vec<Vec<(f64, f64)>> = (0..blocks)
+        let spans: Vec<Vec<Option<(f64, f64)>>> = (0..blocks)
             .map(|b| {
-                (0..phases).map(|p| (us(stamps[(b * phases + p) * 2]), us(stamps[(b * phases + p) * 2 + 1]))).collect()
+                (0..phases).map(|p| blocks_of[p].contains(b).then(|| (us(pair(b, p).0), us(pair(b, p).1)))).collect()
             })
             .collect();
-        let ordered =
-            spans.iter().all(|row| row.iter().all(|&(s, e)| s <= e) && row.windows(2).all(|w| w[0].1 <= w[1].0));
+        let ordered = spans.iter().all(|row| {
+            let own: Vec<(f64, f64)> = row.iter().flatten().copied().collect();
+            own.iter().all(|&(s, e)| s <= e) && own.windows(2).all(|w| w[0].1 <= w[1].0)
+        });
         if !ordered {
             return None;
         }
-        let mut previous_end = 0.0;
+        let mut ended = 0.0f64;
         let mut out = Vec::with_capacity(phases);
         for p in 0..phases {
-            let column: Vec<(f64, f64)> = spans.iter().map(|row| row[p]).collect();
+            let column: Vec<(f64, f64)> = spans.iter().filter_map(|row| row[p]).collect();
+            if column.is_empty() {
+                return None;
+            }
             let first_start = column.iter().map(|c| c.0).fold(f64::INFINITY, f64::min);
             let last_end = column.iter().map(|c| c.1).fold(0.0, f64::max);
             let mut busy: Vec<f64> = column.iter().map(|c| c.1 - c.0).collect();
             busy.sort_by(f64::total_cmp);
-            let wait_mean = if p + 1 < phases {
-                spans.iter().map(|row| row[p + 1].0 - row[p].1).sum::<f64>() / blocks as f64
-            } else {
-                0.0
-            };
-            let critical = last_end - previous_end;
+            // Each of the phase's blocks: from its end to the start of its next phase, if any.
+            let waits: Vec<f64> =
+                spans.iter().filter_map(|row| Some(row[p + 1..].iter().flatten().next()?.0 - row[p]?.1)).collect();
+            let critical = (last_end - ended).max(0.0);
             out.push(TracedPhase {
                 phase: names[p].clone(),
                 first_start_us: first_start,
                 last_end_us: last_end,
                 critical_us: critical,
                 x_floor: critical / floors_us[p],
-                busy_median_us: busy[blocks / 2],
-                busy_max_us: busy[blocks - 1],
-                wait_mean_us: wait_mean,
+                busy_median_us: busy[busy.len() / 2],
+                busy_max_us: busy[busy.len() - 1],
+                wait_mean_us: if waits.is_empty() { 0.0 } else { waits.iter().sum::<f64>() / waits.len() as f64 },
             });
-            previous_end = last_end;
+            ended = ended.max(last_end);
         }
-        Some(Timeline { blocks, total_us: previous_end, phases: out, spans })
+        Some(Timeline { blocks, total_us: ended, phases: out, spans })
     }
 
     pub fn table(&self) -> String {
@@ -91,13 +113,13 @@ impl Timeline {
             format!("\nfused launch, traced ({} blocks, {:.1} us stamp to stamp)\n", self.blocks, self.total_us);
         let _ = writeln!(
             s,
-            "  {:<10} {:>9} {:>9} {:>11} {:>8} {:>12} {:>9} {:>10}",
+            "  {:<15} {:>9} {:>9} {:>11} {:>8} {:>12} {:>9} {:>10}",
             "phase", "start us", "end us", "critical us", "x floor", "busy med us", "busy max", "wait after"
         );
         for p in &self.phases {
             let _ = writeln!(
                 s,
-                "  {:<10} {:>9.1} {:>9.1} {:>11.1} {:>8.3} {:>12.1} {:>9.1} {:>10.1}",
+                "  {:<15} {:>9.1} {:>9.1} {:>11.1} {:>8.3} {:>12.1} {:>9.1} {:>10.1}",
                 p.phase,
                 p.first_start_us,
                 p.last_end_us,
@@ -128,7 +150,7 @@ impl Timeline {
         let _ = writeln!(s, "<text x=\"8\" y=\"{}\">block</text>", TOP - 6.0);
         for (b, row) in self.spans.iter().enumerate() {
             let y = TOP + ROW * b as f64;
-            for (p, &(start, end)) in row.iter().enumerate() {
+            for (p, &(start, end)) in row.iter().enumerate().filter_map(|(p, span)| Some((p, span.as_ref()?))) {
                 let _ = writeln!(
                     s,
                     "<rect x=\"{:.2}\" y=\"{y:.1}\" width=\"{:.2}\" height=\"{ROW}\" fill=\"{}\"/>",
@@ -170,12 +192,19 @@ mod tests {
         (0..n).map(|p| format!("P{p}")).collect()
     }
 
+    fn span(first: u32, count: u32) -> Blocks {
+        Blocks { first, count, stride: 1 }
+    }
+
+    fn ns(us: u64) -> u64 {
+        1_000_000 + us * 1000
+    }
+
     #[test]
     fn critical_times_add_up_and_waits_are_measured() {
         // Two blocks, two phases; block 1 finishes phase 0 late, block 0 waits 3 us for it.
-        let ns = |us: u64| 1_000_000 + us * 1000;
         let stamps = [ns(0), ns(10), ns(13), ns(20), ns(1), ns(13), ns(13), ns(25)];
-        let t = Timeline::of(&stamps, 2, &names(2), &[5.0, 6.0]).expect("a complete trace");
+        let t = Timeline::of(&stamps, 2, &names(2), &[5.0, 6.0], &[span(0, 2), span(0, 2)]).expect("a complete trace");
         assert_eq!(t.total_us, 25.0);
         assert_eq!(t.phases[0].critical_us, 13.0);
         assert_eq!(t.phases[1].critical_us, 12.0);
@@ -187,14 +216,56 @@ mod tests {
         assert_eq!(svg.matches("<rect").count(), 4 + 2, "a bar per block and phase, a legend box per phase");
     }
 
+    /// Phases run by part of the grid: a phase beside a longer one adds nothing, waits run to the block's
+    /// own next phase.
+    #[test]
+    fn phases_of_part_of_the_grid() {
+        // Phase 0 on both blocks, phase 1 on block 1 (10..30), phase 2 on block 0 (12..20), phase 3 on
+        // both.
+        let stamps = [
+            ns(0),
+            ns(10),
+            0,
+            0,
+            ns(12),
+            ns(20),
+            ns(31),
+            ns(40), //
+            ns(0),
+            ns(9),
+            ns(10),
+            ns(30),
+            0,
+            0,
+            ns(32),
+            ns(41),
+        ];
+        let sets = [span(0, 2), span(1, 1), span(0, 1), span(0, 2)];
+        let t = Timeline::of(&stamps, 2, &names(4), &[1.0; 4], &sets).expect("a complete trace");
+        let critical: Vec<f64> = t.phases.iter().map(|p| p.critical_us).collect();
+        assert_eq!(critical, [10.0, 20.0, 0.0, 11.0]);
+        assert_eq!(t.total_us, 41.0);
+        assert_eq!(t.phases[0].wait_mean_us, (2.0 + 1.0) / 2.0);
+        assert_eq!(t.phases[2].wait_mean_us, 11.0);
+        assert_eq!(t.svg("test").matches("<rect").count(), 6 + 4);
+        // A stamp where the block does not run the phase, or none where it does: not drawn.
+        let mut stray = stamps;
+        stray[2] = ns(11);
+        assert!(Timeline::of(&stray, 2, &names(4), &[1.0; 4], &sets).is_none());
+        assert!(
+            Timeline::of(&stamps, 2, &names(4), &[1.0; 4], &[span(0, 2), span(0, 2), span(0, 1), span(0, 2)]).is_none()
+        );
+    }
+
     #[test]
     fn a_missing_or_disordered_stamp_is_not_drawn() {
-        assert!(Timeline::of(&[5, 0], 1, &names(1), &[1.0]).is_none(), "a zero stamp: the block never wrote it");
-        assert!(Timeline::of(&[9, 5], 1, &names(1), &[1.0]).is_none(), "an end before its start");
+        let one = [span(0, 1)];
+        assert!(Timeline::of(&[5, 0], 1, &names(1), &[1.0], &one).is_none(), "a zero stamp: the block never wrote it");
+        assert!(Timeline::of(&[9, 5], 1, &names(1), &[1.0], &one).is_none(), "an end before its start");
         assert!(
-            Timeline::of(&[1, 5, 4, 9], 1, &names(2), &[1.0, 1.0]).is_none(),
+            Timeline::of(&[1, 5, 4, 9], 1, &names(2), &[1.0, 1.0], &[span(0, 1), span(0, 1)]).is_none(),
             "a phase starting before the last ended"
         );
-        assert!(Timeline::of(&[1, 5], 2, &names(1), &[1.0]).is_none(), "too few stamps for the grid");
+        assert!(Timeline::of(&[1, 5], 2, &names(1), &[1.0], &[span(0, 2)]).is_none(), "too few stamps for the grid");
     }
 }

@@ -7,7 +7,7 @@ use half::bf16;
 use reference::golden::{self, KvCache, RopeTable, Weights};
 use spec::{Config, Tensor};
 
-use super::pack::{gateup_source, qkv_rows, qkv_source};
+use super::pack::{Groups, gateup_source, oproj_offset, qkv_rows, qkv_source};
 use super::program::{self, Buffers, Op, Row, attn, down, gateup, oproj, qkv};
 
 /// Host buffers addressed like device memory: region `i` starts at `(i + 1) << REGION_SHIFT`.
@@ -65,27 +65,54 @@ pub struct CpuLayer {
     pub arena: Arena,
     pub buffers: Buffers,
     pub program: Vec<Row>,
+    /// The first half's O projection (its weights, input and columns), waiting for the second's.
+    oproj_first: Option<(i64, i64, usize)>,
 }
 
-/// Rows of `w` gathered in the order `source` gives.
+/// `rows` rows of `cols` elements gathered in the order `source` gives: row `p` starts at element
+/// `source(p).1` of weight `source(p).0`.
 fn pack(w: &Weights, rows: usize, cols: usize, source: impl Fn(usize) -> (Tensor, usize)) -> Vec<bf16> {
     (0..rows)
         .flat_map(|p| {
-            let (t, r) = source(p);
-            w.get(t)[r * cols..(r + 1) * cols].iter().copied()
+            let (t, at) = source(p);
+            w.get(t)[at..at + cols].iter().copied()
         })
         .collect()
 }
 
+/// The layer with only the query and KV heads a phase row names (its operands point at the first).
+fn sub_config(cfg: &Config, n_q: usize, n_kv: usize) -> Config {
+    Config { n_q, n_kv, ..cfg.clone() }
+}
+
 impl CpuLayer {
-    /// Packs and compiles exactly as the GPU `build_layer` does, over host buffers.
-    pub fn build(cfg: &Config, w: &Weights, cache: &KvCache) -> Self {
+    /// Packs and compiles exactly as the GPU `build_layer` does for a grid of `grid` blocks, over host
+    /// buffers.
+    pub fn build(cfg: &Config, w: &Weights, cache: &KvCache, grid: u32) -> Self {
         let mut a = Arena::default();
         let rope = RopeTable::new(cfg);
         let zeros = |n: usize| vec![0u8; n];
         let chunks = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
+        let halves = program::halves(cfg);
+        let split = halves.len() == 2 && grid >= 2;
+        let groups = if split { halves } else { vec![Groups::all(cfg)] };
+        let mut qkv_of = |g: Groups| {
+            a.alloc_bf16(&pack(w, qkv_rows(cfg, g), cfg.d, |p| {
+                let (t, r) = qkv_source(cfg, g, p);
+                (t, r * cfg.d)
+            }))
+        };
+        let w_qkv = [qkv_of(groups[0]), groups.get(1).map_or(0, |&g| qkv_of(g))];
+        let w_o = if split {
+            let mut oproj_of = |g: Groups| {
+                a.alloc_bf16(&pack(w, cfg.d, g.n_q(cfg) * cfg.hd, |r| (Tensor::Wo, oproj_offset(cfg, g, r))))
+            };
+            [oproj_of(groups[0]), oproj_of(groups[1])]
+        } else {
+            [a.alloc_bf16(&w.o), 0]
+        };
         let buffers = Buffers {
-            w_qkv: a.alloc_bf16(&pack(w, qkv_rows(cfg), cfg.d, |p| qkv_source(cfg, p))),
+            w_qkv,
             in_norm: a.alloc_bf16(&w.in_norm),
             q: a.alloc(&zeros(2 * cfg.q_dim())),
             k_cache: a.alloc_bf16(&cache.k),
@@ -96,15 +123,19 @@ impl CpuLayer {
             part_ml: a.alloc(&zeros(4 * chunks * 2)),
             counters: a.alloc(&zeros(4 * 2 * cfg.n_kv)),
             a: a.alloc(&zeros(2 * cfg.q_dim())),
-            w_o: a.alloc_bf16(&w.o),
+            w_o,
+            x1_part: a.alloc(&zeros(4 * cfg.d)),
             x1: a.alloc(&zeros(2 * cfg.d)),
-            w_gateup: a.alloc_bf16(&pack(w, 2 * cfg.ffn, cfg.d, gateup_source)),
+            w_gateup: a.alloc_bf16(&pack(w, 2 * cfg.ffn, cfg.d, |p| {
+                let (t, r) = gateup_source(p);
+                (t, r * cfg.d)
+            })),
             post_norm: a.alloc_bf16(&w.post_norm),
             act: a.alloc(&zeros(2 * cfg.ffn)),
             w_down: a.alloc_bf16(&w.down),
         };
-        let program = program::compile(cfg, &buffers);
-        Self { cfg: cfg.clone(), arena: a, buffers, program }
+        let program = program::compile(cfg, &buffers, grid);
+        Self { cfg: cfg.clone(), arena: a, buffers, program, oproj_first: None }
     }
 
     /// The cache as the program left it.
@@ -136,8 +167,9 @@ impl CpuLayer {
         let w = |i: qkv::Word| r[i as usize];
         let dim = |i: qkv::Word| r[i as usize] as usize;
         let (d, n_q, n_kv, hd, max_seq) = (dim(qkv::D), dim(qkv::NQ), dim(qkv::NKv), dim(qkv::Hd), dim(qkv::MaxSeq));
-        let cfg = &self.cfg;
-        assert_eq!((d, n_q, n_kv, hd, max_seq), (cfg.d, cfg.n_q, cfg.n_kv, cfg.hd, cfg.max_seq_len));
+        assert_eq!((d, hd, max_seq), (self.cfg.d, self.cfg.hd, self.cfg.max_seq_len));
+        assert_eq!(n_q * self.cfg.n_kv, n_kv * self.cfg.n_q, "a row's heads must be whole KV groups");
+        let cfg = &sub_config(&self.cfg, n_q, n_kv);
         let eps = f32::from_bits(w(qkv::EpsBits) as u32);
         let h = golden::rmsnorm(x, &self.arena.bf16(w(qkv::Norm), d), eps);
         let rows = (n_q + 2 * n_kv) * hd;
@@ -146,7 +178,7 @@ impl CpuLayer {
         let (mut q, mut k, mut v) =
             (vec![bf16::ZERO; n_q * hd], vec![bf16::ZERO; n_kv * hd], vec![bf16::ZERO; n_kv * hd]);
         for (p, &value) in y.iter().enumerate() {
-            let (t, row) = qkv_source(cfg, p);
+            let (t, row) = qkv_source(cfg, Groups::all(cfg), p);
             match t {
                 Tensor::Wq => q[row] = value,
                 Tensor::Wk => k[row] = value,
@@ -171,7 +203,7 @@ impl CpuLayer {
 
     fn attention(&mut self, r: &Row, pos: usize) {
         let w = |i: attn::Word| r[i as usize];
-        let cfg = &self.cfg;
+        let cfg = &sub_config(&self.cfg, w(attn::NQ) as usize, w(attn::NKv) as usize);
         assert_eq!(w(attn::Chunk) as usize, program::ATTN_CHUNK);
         let n = cfg.cache_elems();
         let cache = KvCache { k: self.arena.bf16(w(attn::KCache), n), v: self.arena.bf16(w(attn::VCache), n) };
@@ -179,11 +211,35 @@ impl CpuLayer {
         self.arena.write_bf16(w(attn::AOut), &a);
     }
 
+    /// The whole O projection, or one of its halves of columns: the first names the partials it would
+    /// write (PartOut), the second the partials it adds (PartIn). The executor keeps the first half's
+    /// operands and computes the whole product when the second comes, with the golden model's rounding,
+    /// from the two halves' packed columns (which checks both packings).
     fn oproj(&mut self, r: &Row, x: &[bf16]) {
         let w = |i: oproj::Word| r[i as usize];
         let (rows, cols) = (w(oproj::Rows) as usize, w(oproj::Cols) as usize);
-        let y =
-            golden::gemv(&self.arena.bf16(w(oproj::W), rows * cols), rows, cols, &self.arena.bf16(w(oproj::A), cols));
+        if w(oproj::PartOut) != 0 {
+            assert_eq!(w(oproj::PartIn), 0);
+            self.oproj_first = Some((w(oproj::W), w(oproj::A), cols));
+            return;
+        }
+        let mut weights = self.arena.bf16(w(oproj::W), rows * cols);
+        let mut a = self.arena.bf16(w(oproj::A), cols);
+        let mut all_cols = cols;
+        if w(oproj::PartIn) != 0 {
+            let (w0, a0, cols0) =
+                self.oproj_first.take().expect("the second half of the O projection before the first");
+            assert_eq!(w(oproj::PartIn), self.buffers.x1_part as i64);
+            let first = self.arena.bf16(w0, rows * cols0);
+            weights = (0..rows)
+                .flat_map(|i| {
+                    first[i * cols0..(i + 1) * cols0].iter().chain(&weights[i * cols..(i + 1) * cols]).copied()
+                })
+                .collect();
+            a = [self.arena.bf16(a0, cols0), a].concat();
+            all_cols += cols0;
+        }
+        let y = golden::gemv(&weights, rows, all_cols, &a);
         self.arena.write_bf16(w(oproj::X1Out), &golden::add(x, &y));
     }
 
@@ -210,11 +266,13 @@ impl CpuLayer {
 mod tests {
     use super::*;
 
-    /// The program, run by the executor, is the golden model's step bit for bit, cache included.
-    fn matches_golden(cfg: Config, steps: usize) {
+    /// The program for a grid of `grid` blocks (`phases` of them), run by the executor, is the golden
+    /// model's step bit for bit, cache included.
+    fn matches_golden(cfg: Config, grid: u32, phases: usize, steps: usize) {
         let seed: u64 = 0x5EED ^ cfg.d as u64;
         let (w, cache) = (golden::generate_weights(&cfg, seed), KvCache::generate(&cfg, seed));
-        let mut layer = CpuLayer::build(&cfg, &w, &cache);
+        let mut layer = CpuLayer::build(&cfg, &w, &cache, grid);
+        assert_eq!(layer.program.len(), phases, "{} on {grid} blocks", cfg.name);
         let (mut golden_cache, table) = (cache.clone(), RopeTable::new(&cfg));
         let input_seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
         for s in 0..steps {
@@ -229,12 +287,17 @@ mod tests {
     }
 
     #[test]
-    fn executor_matches_golden_at_tiny() {
-        matches_golden(Config::tiny(), 3);
+    fn executor_matches_golden_at_tiny_in_two_roles() {
+        matches_golden(Config::tiny(), 132, 8, 3);
+    }
+
+    #[test]
+    fn executor_matches_golden_at_tiny_on_one_block() {
+        matches_golden(Config::tiny(), 1, 5, 2);
     }
 
     #[test]
     fn executor_matches_golden_at_small() {
-        matches_golden(Config::small(), 2);
+        matches_golden(Config::small(), 132, 5, 2);
     }
 }

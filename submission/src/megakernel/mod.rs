@@ -17,10 +17,11 @@ use cuda::{Context, CudaError, Device};
 use half::bf16;
 use reference::golden::RopeTable;
 use reference::gpu::DeviceWeights;
-use spec::{Config, Tensor};
+use spec::{Config, LayerOp, Tensor};
 
 use crate::{Layer, Submission, SubmissionError, device_address};
-use program::Buffers;
+use pack::Groups;
+use program::{Blocks, Buffers};
 
 /// Mirrors of `kernels/megakernel.cu` (a test checks them against the file).
 pub const THREADS: u32 = 512;
@@ -35,10 +36,44 @@ const GATHER_BLOCK: u32 = 256;
 /// How `layer_step` runs the program.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
-    /// One cooperative launch, grid barriers between phases: the submission.
+    /// One cooperative launch for the whole step: the submission.
     Fused,
-    /// One launch per phase, no grid barrier: for debugging and per-phase timing.
+    /// One launch per phase: for debugging and per-phase timing.
     PerPhase,
+}
+
+/// Where the launches stand in the steps. A step's phases run in order from phase 0: a phase waits
+/// until every block of each phase it depends on has counted itself done this step (`phase_done`,
+/// monotonic: blocks * steps), so a phase launched out of order would wait forever.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct StepCursor {
+    /// Steps whose last phase has been launched.
+    step: u32,
+    /// The phase the next launch must start at.
+    next_phase: u32,
+}
+
+impl StepCursor {
+    /// Refuses a launch of `range` that does not continue the step.
+    fn check(&self, range: &std::ops::Range<u32>) -> Result<(), SubmissionError> {
+        if range.start == self.next_phase {
+            return Ok(());
+        }
+        Err(SubmissionError::Refused(format!(
+            "phases {range:?}: the step's next phase is {} (a step's phases run in order from 0)",
+            self.next_phase
+        )))
+    }
+
+    /// After a launch of phases up to `end` of a program of `phases`.
+    fn advance(&mut self, end: u32, phases: u32) {
+        if end == phases {
+            self.step = self.step.wrapping_add(1);
+            self.next_phase = 0;
+        } else {
+            self.next_phase = end;
+        }
+    }
 }
 
 /// The program as the kernel receives it: by value, `program::MAX_PHASES` rows (see
@@ -60,17 +95,27 @@ impl ProgramParam {
     }
 }
 
+/// A phase of the compiled program as `grader profile` reports it: the layer's operation it computes,
+/// the share of that operation's bytes it reads, and the blocks that run it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PhasePlan {
+    pub op: LayerOp,
+    pub share: f64,
+    pub blocks: Blocks,
+}
+
 /// Everything `build_layer` made; dropped by `teardown`.
 struct Built {
     program: ProgramParam,
     phases: u32,
+    plan: Vec<PhasePlan>,
     func: CudaFunction,
     grid: u32,
     smem: u32,
     red_rows: u32,
-    barrier: CudaSlice<u32>,
-    /// The barrier counter's value after every launch so far: it only grows.
-    barrier_base: u32,
+    /// `(MAX_PHASES)`: per phase, how many blocks have finished it, over all steps so far.
+    phase_done: CudaSlice<u32>,
+    cursor: StepCursor,
     // Owned for the program's pointers to stay valid.
     _buffers: Vec<CudaSlice<bf16>>,
     _tables: Vec<CudaSlice<f32>>,
@@ -92,7 +137,14 @@ impl Megakernel {
         self.built.as_ref().map(|b| b.phases)
     }
 
-    /// Launches phases `[begin, end)` once, with grid barriers between them.
+    /// What each phase of the compiled program computes and which blocks run it (after
+    /// `build_layer`).
+    pub fn plan(&self) -> Option<&[PhasePlan]> {
+        self.built.as_ref().map(|b| b.plan.as_slice())
+    }
+
+    /// Launches phases `[begin, end)` of the current step once. A step's phases must be launched in
+    /// order from phase 0 (whole, or in consecutive ranges); anything else is refused.
     pub fn launch_phases(
         &mut self,
         dev: &Device,
@@ -138,27 +190,29 @@ impl Megakernel {
         if phases.is_empty() || phases.end > b.phases {
             return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {} phases", b.phases)));
         }
+        b.cursor.check(&phases)?;
         let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
         let (pos, begin, end) = (pos as u32, phases.start, phases.end);
         let no_trace = 0u64;
         let mut args = dev.stream().launch_builder(&b.func);
         args.arg(&b.program).arg(&begin).arg(&end).arg(x).arg(out).arg(&pos);
-        args.arg(&mut b.barrier).arg(&b.barrier_base).arg(&b.red_rows);
+        args.arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
         match trace {
             Some(t) => args.arg(t),
             None => args.arg(&no_trace),
         };
         // SAFETY: megakernel_bf16(program: Program by value, phase_begin: u32, phase_end: u32, x, out, pos: u32,
-        // barrier, barrier_base: u32, red_rows: u32, trace (null or grid * phases * 2 u64)); the grid
-        // is co-resident (occupancy-sized, and the cooperative launch fails rather than run it
-        // otherwise), smem as build_layer sized it.
+        // step: u32, phase_done (MAX_PHASES), red_rows: u32, trace (null or grid * phases * 2 u64));
+        // the grid is co-resident (occupancy-sized, and the cooperative launch fails rather than run
+        // it otherwise), smem as build_layer sized it; the phases continue the step (checked above).
         unsafe { args.launch_cooperative(cfg) }.context("launching megakernel_bf16")?;
-        b.barrier_base = b.barrier_base.wrapping_add((end - begin - 1) * b.grid);
+        b.cursor.advance(end, b.phases);
         Ok(())
     }
 }
 
-/// A packed copy of `rows` rows of `w`, row `p` taken from `source(p)`.
+/// A packed copy of `rows` rows of `cols` elements, row `p` starting at element `source(p).1` of weight
+/// `source(p).0`.
 fn gather(
     dev: &Device,
     w: &DeviceWeights,
@@ -168,8 +222,8 @@ fn gather(
 ) -> Result<CudaSlice<bf16>, CudaError> {
     let table: Vec<u64> = (0..rows)
         .map(|p| {
-            let (t, r) = source(p);
-            device_address(dev, w.get(t)) + (r * cols * 2) as u64
+            let (t, at) = source(p);
+            device_address(dev, w.get(t)) + (at * 2) as u64
         })
         .collect();
     let table = dev.stream().clone_htod(&table).context("uploading a packing table")?;
@@ -238,8 +292,32 @@ impl Submission for Megakernel {
         check_fits(cfg)?;
         let s = dev.stream();
         let w = layer.weights;
-        let w_qkv = gather(dev, w, pack::qkv_rows(cfg), cfg.d, |p| pack::qkv_source(cfg, p))?;
-        let w_gateup = gather(dev, w, 2 * cfg.ffn, cfg.d, pack::gateup_source)?;
+        // One grid per SM (red_rows is sized for it below).
+        let grid = dev.facts().sms as u32;
+        let halves = program::halves(cfg);
+        let split = halves.len() == 2 && grid >= 2;
+        let qkv_of = |g: Groups| {
+            gather(dev, w, pack::qkv_rows(cfg, g), cfg.d, |p| {
+                let (t, r) = pack::qkv_source(cfg, g, p);
+                (t, r * cfg.d)
+            })
+        };
+        let w_qkv: Vec<CudaSlice<bf16>> = if split {
+            halves.iter().map(|&g| qkv_of(g)).collect::<Result<_, _>>()?
+        } else {
+            vec![qkv_of(Groups::all(cfg))?]
+        };
+        let w_o: Vec<CudaSlice<bf16>> = if split {
+            let oproj_of =
+                |g: Groups| gather(dev, w, cfg.d, g.n_q(cfg) * cfg.hd, |r| (Tensor::Wo, pack::oproj_offset(cfg, g, r)));
+            halves.iter().map(|&g| oproj_of(g)).collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
+        let w_gateup = gather(dev, w, 2 * cfg.ffn, cfg.d, |p| {
+            let (t, r) = pack::gateup_source(p);
+            (t, r * cfg.d)
+        })?;
         let rope = RopeTable::new(cfg);
         let (cos, sin) =
             (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
@@ -250,8 +328,10 @@ impl Submission for Megakernel {
         let part_ml = s.alloc_zeros::<f32>(partials * 2).context("allocating attention partials")?;
         // Arrivals and departures per KV head (see phase_attention).
         let counters = s.alloc_zeros::<u32>(2 * cfg.n_kv).context("allocating attention counters")?;
+        let x1_part = s.alloc_zeros::<f32>(cfg.d).context("allocating the O projection's partials")?;
+        let address = |v: Option<&CudaSlice<bf16>>| v.map_or(0, |v| device_address(dev, v));
         let buffers = Buffers {
-            w_qkv: device_address(dev, &w_qkv),
+            w_qkv: [address(w_qkv.first()), address(w_qkv.get(1))],
             in_norm: device_address(dev, &w.in_norm),
             q: device_address(dev, &q),
             k_cache: device_address(dev, &layer.cache.k),
@@ -262,14 +342,15 @@ impl Submission for Megakernel {
             part_ml: device_address(dev, &part_ml),
             counters: device_address(dev, &counters),
             a: device_address(dev, &a),
-            w_o: device_address(dev, &w.o),
+            w_o: if split { [address(w_o.first()), address(w_o.get(1))] } else { [device_address(dev, &w.o), 0] },
+            x1_part: device_address(dev, &x1_part),
             x1: device_address(dev, &x1),
             w_gateup: device_address(dev, &w_gateup),
             post_norm: device_address(dev, &w.post_norm),
             act: device_address(dev, &act),
             w_down: device_address(dev, &w.down),
         };
-        let rows = program::compile(cfg, &buffers);
+        let rows = program::compile(cfg, &buffers, grid);
         let param = ProgramParam::new(&rows).ok_or_else(|| {
             SubmissionError::Refused(format!(
                 "the layer compiled to {} phases; the kernel's program holds {}",
@@ -279,9 +360,12 @@ impl Submission for Megakernel {
         })?;
 
         let func = dev.function(&MEGAKERNEL, "megakernel_bf16")?;
-        let grid_guess = dev.facts().sms as usize;
-        let red_rows =
-            [pack::qkv_rows(cfg), cfg.d, 2 * cfg.ffn].into_iter().map(|r| max_block_rows(r, grid_guess)).max().unwrap();
+        // The most rows any block gets in any GEMV phase (over the phase's own blocks).
+        let red_rows = rows
+            .iter()
+            .filter_map(|r| Some(max_block_rows(program::gemv_rows(r)?, Blocks::of(r).count as usize)))
+            .max()
+            .unwrap_or(0);
         let smem = RING_BYTES + (red_rows as u32) * WARPS * 4;
         if smem as i32 > dev.facts().max_smem_optin_bytes {
             return Err(SubmissionError::Refused(format!(
@@ -297,19 +381,26 @@ impl Submission for Megakernel {
         if per_sm == 0 {
             return Err(SubmissionError::Refused("the megakernel cannot fit one block on an SM".into()));
         }
-        // One block per SM: red_rows was sized for that grid.
-        let grid = dev.facts().sms as u32;
+        let plan = rows
+            .iter()
+            .map(|r| PhasePlan {
+                op: program::Op::from_word(r[0]).and_then(program::Op::layer_op).expect("compile emits layer ops"),
+                share: program::share(r, cfg),
+                blocks: Blocks::of(r),
+            })
+            .collect();
         self.built = Some(Built {
             program: param,
             phases: rows.len() as u32,
+            plan,
             func,
             grid,
             smem,
             red_rows: red_rows as u32,
-            barrier: s.alloc_zeros::<u32>(1).context("allocating the grid barrier")?,
-            barrier_base: 0,
-            _buffers: vec![w_qkv, w_gateup, q, a, x1, act],
-            _tables: vec![cos, sin, part_o, part_ml],
+            phase_done: s.alloc_zeros::<u32>(program::MAX_PHASES).context("allocating the phase counters")?,
+            cursor: StepCursor::default(),
+            _buffers: w_qkv.into_iter().chain(w_o).chain([w_gateup, q, a, x1, act]).collect(),
+            _tables: vec![cos, sin, part_o, part_ml, x1_part],
             _counters: counters,
         });
         Ok(())
@@ -354,6 +445,22 @@ mod tests {
         ] {
             assert!(CU.contains(&line), "kernels/megakernel.cu lacks `{line}`");
         }
+    }
+
+    #[test]
+    fn a_step_runs_its_phases_in_order_from_phase_0() {
+        let mut c = StepCursor::default();
+        assert!(c.check(&(1..2)).is_err(), "a step cannot start past phase 0");
+        c.check(&(0..2)).unwrap();
+        c.advance(2, 8);
+        assert_eq!(c, StepCursor { step: 0, next_phase: 2 });
+        assert!(c.check(&(0..8)).is_err(), "nor restart before it has finished");
+        assert!(c.check(&(3..8)).is_err(), "nor skip a phase");
+        c.check(&(2..8)).unwrap();
+        c.advance(8, 8);
+        assert_eq!(c, StepCursor { step: 1, next_phase: 0 });
+        c.advance(8, 8);
+        assert_eq!(c.step, 2, "a whole step in one launch");
     }
 
     #[test]

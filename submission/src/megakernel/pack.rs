@@ -1,30 +1,60 @@
 //! The layouts the megakernel streams: which row of which weight each packed row is.
 //!
-//! QKV: the q, k and v heads as one matrix, each head's rows in RoPE pairs `(i, i + hd/2)` placed
-//! next to each other, so one block computes both rows of a pair and rotates them itself.
+//! QKV: the q, k and v heads of a range of KV groups as one matrix, each head's rows in RoPE pairs
+//! `(i, i + hd/2)` placed next to each other, so one block computes both rows of a pair and rotates
+//! them itself. The program streams the groups in two halves (see `program::compile`).
+//! O projection: the columns of a range of KV groups' query heads, for every row.
 //! Gate/up: gate row r and up row r next to each other, so one block computes `silu(g) * u` itself.
 
 use spec::{Config, Tensor};
 
-/// Rows of the packed QKV matrix.
-pub fn qkv_rows(cfg: &Config) -> usize {
-    cfg.q_dim() + 2 * cfg.kv_dim()
+/// KV groups `kv0..kv0 + n_kv`: those KV heads and their query heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Groups {
+    pub kv0: usize,
+    pub n_kv: usize,
 }
 
-/// The weight and row of packed QKV row `p`: pair `p / 2` of the q heads, then k, then v; member
-/// `p % 2` is row `i` (0) or `i + hd/2` (1) of the head.
-pub fn qkv_source(cfg: &Config, p: usize) -> (Tensor, usize) {
+impl Groups {
+    pub fn all(cfg: &Config) -> Groups {
+        Groups { kv0: 0, n_kv: cfg.n_kv }
+    }
+
+    /// The first query head.
+    pub fn q0(&self, cfg: &Config) -> usize {
+        self.kv0 * cfg.group()
+    }
+
+    pub fn n_q(&self, cfg: &Config) -> usize {
+        self.n_kv * cfg.group()
+    }
+}
+
+/// Rows of the packed QKV matrix of `groups`.
+pub fn qkv_rows(cfg: &Config, groups: Groups) -> usize {
+    (groups.n_q(cfg) + 2 * groups.n_kv) * cfg.hd
+}
+
+/// The weight and row of packed QKV row `p` of `groups`: pair `p / 2` of the q heads, then k, then v;
+/// member `p % 2` is row `i` (0) or `i + hd/2` (1) of the head.
+pub fn qkv_source(cfg: &Config, groups: Groups, p: usize) -> (Tensor, usize) {
     let half = cfg.hd / 2;
     let (pair, member) = (p / 2, p % 2);
-    let (q_pairs, kv_pairs) = (cfg.q_dim() / 2, cfg.kv_dim() / 2);
-    let (tensor, j) = if pair < q_pairs {
-        (Tensor::Wq, pair)
+    let (q_pairs, kv_pairs) = (groups.n_q(cfg) * half, groups.n_kv * half);
+    let (tensor, j, first_head) = if pair < q_pairs {
+        (Tensor::Wq, pair, groups.q0(cfg))
     } else if pair < q_pairs + kv_pairs {
-        (Tensor::Wk, pair - q_pairs)
+        (Tensor::Wk, pair - q_pairs, groups.kv0)
     } else {
-        (Tensor::Wv, pair - q_pairs - kv_pairs)
+        (Tensor::Wv, pair - q_pairs - kv_pairs, groups.kv0)
     };
-    (tensor, (j / half) * cfg.hd + j % half + member * half)
+    (tensor, (first_head + j / half) * cfg.hd + j % half + member * half)
+}
+
+/// Where row `r` of the packed O-projection columns of `groups` starts in `Wo`, in elements: the
+/// row's columns of those groups' query heads.
+pub fn oproj_offset(cfg: &Config, groups: Groups, r: usize) -> usize {
+    r * cfg.q_dim() + groups.q0(cfg) * cfg.hd
 }
 
 /// The weight and row of packed gate/up row `p`: gate row `p / 2` for even `p`, up row for odd.
@@ -36,23 +66,46 @@ pub fn gateup_source(p: usize) -> (Tensor, usize) {
 mod tests {
     use super::*;
 
-    /// Every row of every source appears exactly once, and pairs are (i, i + hd/2) of one head.
+    /// Every row of every source appears exactly once over the halves, the rows of a half are those
+    /// of its groups' heads, and pairs are (i, i + hd/2) of one head.
     #[test]
     fn packings_are_permutations() {
-        let cfg = Config::small();
-        let mut seen = std::collections::HashSet::new();
-        for p in 0..qkv_rows(&cfg) {
-            assert!(seen.insert(qkv_source(&cfg, p)), "row {p} repeats");
+        for cfg in [Config::small(), Config::graded()] {
+            let halves = if cfg.n_kv > 1 {
+                vec![Groups { kv0: 0, n_kv: cfg.n_kv / 2 }, Groups { kv0: cfg.n_kv / 2, n_kv: cfg.n_kv - cfg.n_kv / 2 }]
+            } else {
+                vec![Groups::all(&cfg)]
+            };
+            let mut seen = std::collections::HashSet::new();
+            for g in halves {
+                for p in 0..qkv_rows(&cfg, g) {
+                    let (t, r) = qkv_source(&cfg, g, p);
+                    assert!(seen.insert((t, r)), "{}: row {p} repeats", cfg.name);
+                    let head = r / cfg.hd;
+                    let (first, n) = if t == Tensor::Wq { (g.q0(&cfg), g.n_q(&cfg)) } else { (g.kv0, g.n_kv) };
+                    assert!((first..first + n).contains(&head), "{}: {t:?} head {head} outside {g:?}", cfg.name);
+                }
+                for p in (0..qkv_rows(&cfg, g)).step_by(2) {
+                    let ((t0, r0), (t1, r1)) = (qkv_source(&cfg, g, p), qkv_source(&cfg, g, p + 1));
+                    assert_eq!(t0, t1);
+                    assert_eq!(r1, r0 + cfg.hd / 2);
+                    assert!(r0 % cfg.hd < cfg.hd / 2);
+                }
+            }
+            assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wq).count(), cfg.q_dim());
+            assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wk).count(), cfg.kv_dim());
+            assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wv).count(), cfg.kv_dim());
         }
-        for p in (0..qkv_rows(&cfg)).step_by(2) {
-            let ((t0, r0), (t1, r1)) = (qkv_source(&cfg, p), qkv_source(&cfg, p + 1));
-            assert_eq!(t0, t1);
-            assert_eq!(r1, r0 + cfg.hd / 2);
-            assert!(r0 % cfg.hd < cfg.hd / 2);
-        }
-        assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wq).count(), cfg.q_dim());
-        assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wv).count(), cfg.kv_dim());
         assert_eq!(gateup_source(6), (Tensor::Wgate, 3));
         assert_eq!(gateup_source(7), (Tensor::Wup, 3));
+    }
+
+    #[test]
+    fn oproj_halves_split_every_row_at_the_groups_columns() {
+        let cfg = Config::graded();
+        let (a, b) = (Groups { kv0: 0, n_kv: 4 }, Groups { kv0: 4, n_kv: 4 });
+        assert_eq!(oproj_offset(&cfg, a, 0), 0);
+        assert_eq!(oproj_offset(&cfg, b, 0), cfg.q_dim() / 2);
+        assert_eq!(oproj_offset(&cfg, b, 3), 3 * cfg.q_dim() + cfg.q_dim() / 2);
     }
 }

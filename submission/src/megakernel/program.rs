@@ -4,8 +4,16 @@
 //!
 //! The program is data: the same table runs on the GPU (pointers are device addresses) and on the
 //! CPU executor (pointers are addresses in a host arena), so CI checks the compiler without a GPU.
+//!
+//! Every row also names the blocks that run it and the phases it waits for (its last two words): a
+//! block walks the table, skips the rows that are not its own, and before each of its rows waits until
+//! every block of each phase it depends on has finished that phase. The layer compiles to one of two
+//! plans (`compile`): every phase on every block, or the two-role plan, in which the two halves of the
+//! grid take turns streaming and running attention so that HBM keeps streaming while attention runs.
 
 use spec::{Config, LayerOp};
+
+use super::pack::Groups;
 
 /// Words per phase row.
 pub const ROW_WORDS: usize = 16;
@@ -16,6 +24,54 @@ pub const ATTN_CHUNK: usize = 128;
 
 /// One phase row.
 pub type Row = [i64; ROW_WORDS];
+
+/// The word of every row that names its blocks (see [`Blocks::word`]).
+pub const BLOCKS_WORD: usize = ROW_WORDS - 2;
+/// The word of every row that names the phases it waits for, one bit per phase.
+pub const WAITS_WORD: usize = ROW_WORDS - 1;
+
+/// The blocks `first + i * stride` of the grid, `i < count`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Blocks {
+    pub first: u32,
+    pub count: u32,
+    pub stride: u32,
+}
+
+impl Blocks {
+    /// The grid's first `count` blocks.
+    pub fn first(count: u32) -> Blocks {
+        Blocks { first: 0, count, stride: 1 }
+    }
+
+    /// The count in bits 0-31, the first block in bits 32-47, the stride in bits 48-62 (program.cuh).
+    pub fn word(self) -> i64 {
+        assert!(self.first < 1 << 16 && (1..1 << 15).contains(&self.stride), "{self:?} does not fit its word");
+        ((self.stride as i64) << 48) | ((self.first as i64) << 32) | self.count as i64
+    }
+
+    pub fn of(row: &Row) -> Blocks {
+        let w = row[BLOCKS_WORD] as u64;
+        Blocks { first: (w >> 32) as u32 & 0xFFFF, count: w as u32, stride: (w >> 48) as u32 & 0x7FFF }
+    }
+
+    pub fn contains(self, block: usize) -> bool {
+        let d = block.wrapping_sub(self.first as usize);
+        block >= self.first as usize
+            && d % self.stride as usize == 0
+            && d / (self.stride as usize) < self.count as usize
+    }
+
+    /// One past the last block.
+    pub fn end(self) -> u32 {
+        if self.count == 0 { self.first } else { self.first + (self.count - 1) * self.stride + 1 }
+    }
+}
+
+/// The phases a row waits for.
+pub fn waits(row: &Row) -> Vec<usize> {
+    (0..MAX_PHASES).filter(|p| row[WAITS_WORD] >> p & 1 == 1).collect()
+}
 
 /// What a phase does. The step's own arguments are kernel parameters: `Qkv` and `OProj` read `x`,
 /// `Down` writes `out`, and `Qkv` and `Attention` use `pos`.
@@ -72,15 +128,16 @@ macro_rules! operands {
 
 operands!(qkv { W, Norm, QOut, KCache, VCache, Cos, Sin, D, NQ, NKv, Hd, MaxSeq, EpsBits });
 operands!(attn { Q, KCache, VCache, PartO, PartMl, Counters, AOut, NQ, NKv, Hd, MaxSeq, Chunk });
-operands!(oproj { W, A, X1Out, Rows, Cols });
+operands!(oproj { W, A, X1Out, Rows, Cols, PartIn, PartOut });
 operands!(gateup { W, Norm, X1, ActOut, D, Ffn, EpsBits });
 operands!(down { W, Act, X1, Rows, Cols });
 
 /// The addresses of every buffer the program names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Buffers {
-    /// `(q_dim + 2 kv_dim, d)`: q, k, v rows with RoPE pairs adjacent (see `pack::qkv_row`).
-    pub w_qkv: u64,
+    /// Per half of the KV groups (`halves`; the second 0 when there is one): its q, k and v rows with
+    /// RoPE pairs adjacent (`pack::qkv_source`).
+    pub w_qkv: [u64; 2],
     pub in_norm: u64,
     /// `(n_q, hd)` roped queries, bf16.
     pub q: u64,
@@ -93,11 +150,16 @@ pub struct Buffers {
     pub part_o: u64,
     /// `(n_kv, max_chunks, group, 2)` f32 running max and sum of each partial.
     pub part_ml: u64,
-    /// `(2, n_kv)` u32 arrival and departure counters of the attention combine, zero between steps.
+    /// `(2, n_kv)` u32 counters of the attention combine, zero between steps: per half, its KV heads'
+    /// arrivals, then their departures.
     pub counters: u64,
     /// `(n_q * hd)` attention output, bf16.
     pub a: u64,
-    pub w_o: u64,
+    /// Two halves: per half, `(d, its query heads * hd)`, the O projection's columns of its heads.
+    /// One: `Wo` itself.
+    pub w_o: [u64; 2],
+    /// `(d)` f32: the first half's O projection, which the second half's adds (two halves only).
+    pub x1_part: u64,
     /// `(d)` residual after attention, bf16.
     pub x1: u64,
     /// `(2 ffn, d)`: gate and up rows interleaved (see `pack::gateup_row`).
@@ -128,80 +190,179 @@ macro_rules! word_into_usize {
 }
 word_into_usize!(qkv, attn, oproj, gateup, down);
 
-/// The layer as five phases.
-pub fn compile(cfg: &Config, b: &Buffers) -> Vec<Row> {
+/// The KV groups in the halves the two-role plan splits them into; one range when the layer has a
+/// single KV head.
+pub fn halves(cfg: &Config) -> Vec<Groups> {
+    if cfg.n_kv < 2 {
+        return vec![Groups::all(cfg)];
+    }
+    let first = cfg.n_kv / 2;
+    vec![Groups { kv0: 0, n_kv: first }, Groups { kv0: first, n_kv: cfg.n_kv - first }]
+}
+
+/// The layer as a program for a grid of `grid` blocks.
+///
+/// With one half (`halves`) or one block: Qkv, attention, the O projection, GateUp and Down, each on
+/// every block and waiting for the one before.
+///
+/// With two halves, A (the grid's first half of blocks) and B (the rest) take turns (the weights' bytes
+/// stream while attention's latency-bound chain runs):
+///
+/// | phase | blocks | waits for | |
+/// |---|---|---|---|
+/// | 0 Qkv, half 0 | all | - | the first half's q, k, v |
+/// | 1 Qkv, half 1 | B | - | while A runs 2 and 3 |
+/// | 2 attention, half 0 | A | 0 | |
+/// | 3 O projection, half 0's columns | A | 2 | f32 partials, while B runs 1 and 4 |
+/// | 4 attention, half 1 | B | 1 | |
+/// | 5 O projection, half 1's columns | all | 3, 4 | adds the partials: x1 |
+/// | 6 GateUp | all | 5 | |
+/// | 7 Down | all | 6 | |
+pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
     let i = |v: usize| v as i64;
     let p = |v: u64| v as i64;
     let eps = cfg.eps.to_bits() as i64;
-    vec![
+    let (hd, max_seq, group) = (cfg.hd, cfg.max_seq_len, cfg.group());
+    let halves = halves(cfg);
+    let all = Blocks::first(grid);
+    // The halves interleave (A the even blocks, B the odd): the launch places blocks 2i and 2i + 1 on
+    // neighbouring SMs, so each half has one SM of every such pair and reads at the whole grid's rate,
+    // where the grid's first half lands on an uneven set of SMs and read 3.2 TB/s against 4.5
+    // (docs/perf.md, "The two-role plan, measured").
+    let (a, bb) =
+        (Blocks { first: 0, count: grid.div_ceil(2), stride: 2 }, Blocks { first: 1, count: grid / 2, stride: 2 });
+    let qkv_row = |h: usize, g: Groups| {
+        let cache = 2 * (g.kv0 * max_seq * hd) as u64;
         row(
             Op::Qkv,
             &[
-                (qkv::W, p(b.w_qkv)),
+                (qkv::W, p(b.w_qkv[h])),
                 (qkv::Norm, p(b.in_norm)),
-                (qkv::QOut, p(b.q)),
-                (qkv::KCache, p(b.k_cache)),
-                (qkv::VCache, p(b.v_cache)),
+                (qkv::QOut, p(b.q + 2 * (g.q0(cfg) * hd) as u64)),
+                (qkv::KCache, p(b.k_cache + cache)),
+                (qkv::VCache, p(b.v_cache + cache)),
                 (qkv::Cos, p(b.cos)),
                 (qkv::Sin, p(b.sin)),
                 (qkv::D, i(cfg.d)),
-                (qkv::NQ, i(cfg.n_q)),
-                (qkv::NKv, i(cfg.n_kv)),
-                (qkv::Hd, i(cfg.hd)),
-                (qkv::MaxSeq, i(cfg.max_seq_len)),
+                (qkv::NQ, i(g.n_q(cfg))),
+                (qkv::NKv, i(g.n_kv)),
+                (qkv::Hd, i(hd)),
+                (qkv::MaxSeq, i(max_seq)),
                 (qkv::EpsBits, eps),
             ],
-        ),
+        )
+    };
+    let attn_row = |g: Groups| {
+        let cache = 2 * (g.kv0 * max_seq * hd) as u64;
+        let partials = (g.kv0 * max_chunks(cfg) * group) as u64;
         row(
             Op::Attention,
             &[
-                (attn::Q, p(b.q)),
-                (attn::KCache, p(b.k_cache)),
-                (attn::VCache, p(b.v_cache)),
-                (attn::PartO, p(b.part_o)),
-                (attn::PartMl, p(b.part_ml)),
-                (attn::Counters, p(b.counters)),
-                (attn::AOut, p(b.a)),
-                (attn::NQ, i(cfg.n_q)),
-                (attn::NKv, i(cfg.n_kv)),
-                (attn::Hd, i(cfg.hd)),
-                (attn::MaxSeq, i(cfg.max_seq_len)),
+                (attn::Q, p(b.q + 2 * (g.q0(cfg) * hd) as u64)),
+                (attn::KCache, p(b.k_cache + cache)),
+                (attn::VCache, p(b.v_cache + cache)),
+                (attn::PartO, p(b.part_o + 4 * partials * hd as u64)),
+                (attn::PartMl, p(b.part_ml + 4 * partials * 2)),
+                (attn::Counters, p(b.counters + 4 * 2 * g.kv0 as u64)),
+                (attn::AOut, p(b.a + 2 * (g.q0(cfg) * hd) as u64)),
+                (attn::NQ, i(g.n_q(cfg))),
+                (attn::NKv, i(g.n_kv)),
+                (attn::Hd, i(hd)),
+                (attn::MaxSeq, i(max_seq)),
                 (attn::Chunk, i(ATTN_CHUNK)),
             ],
-        ),
+        )
+    };
+    // The O projection of the columns of `g`'s query heads from `w`; `part_in` / `part_out` as the
+    // operands say (0: none).
+    let oproj_row = |w: u64, g: Groups, part_in: u64, part_out: u64| {
         row(
             Op::OProj,
             &[
-                (oproj::W, p(b.w_o)),
-                (oproj::A, p(b.a)),
+                (oproj::W, p(w)),
+                (oproj::A, p(b.a + 2 * (g.q0(cfg) * hd) as u64)),
                 (oproj::X1Out, p(b.x1)),
                 (oproj::Rows, i(cfg.d)),
-                (oproj::Cols, i(cfg.q_dim())),
+                (oproj::Cols, i(g.n_q(cfg) * hd)),
+                (oproj::PartIn, p(part_in)),
+                (oproj::PartOut, p(part_out)),
             ],
-        ),
-        row(
-            Op::GateUp,
-            &[
-                (gateup::W, p(b.w_gateup)),
-                (gateup::Norm, p(b.post_norm)),
-                (gateup::X1, p(b.x1)),
-                (gateup::ActOut, p(b.act)),
-                (gateup::D, i(cfg.d)),
-                (gateup::Ffn, i(cfg.ffn)),
-                (gateup::EpsBits, eps),
-            ],
-        ),
-        row(
-            Op::Down,
-            &[
-                (down::W, p(b.w_down)),
-                (down::Act, p(b.act)),
-                (down::X1, p(b.x1)),
-                (down::Rows, i(cfg.d)),
-                (down::Cols, i(cfg.ffn)),
-            ],
-        ),
-    ]
+        )
+    };
+    let gateup = row(
+        Op::GateUp,
+        &[
+            (gateup::W, p(b.w_gateup)),
+            (gateup::Norm, p(b.post_norm)),
+            (gateup::X1, p(b.x1)),
+            (gateup::ActOut, p(b.act)),
+            (gateup::D, i(cfg.d)),
+            (gateup::Ffn, i(cfg.ffn)),
+            (gateup::EpsBits, eps),
+        ],
+    );
+    let down = row(
+        Op::Down,
+        &[
+            (down::W, p(b.w_down)),
+            (down::Act, p(b.act)),
+            (down::X1, p(b.x1)),
+            (down::Rows, i(cfg.d)),
+            (down::Cols, i(cfg.ffn)),
+        ],
+    );
+    let plan: Vec<(Row, Blocks, &[usize])> = if halves.len() == 1 || grid < 2 {
+        let g = Groups::all(cfg);
+        vec![
+            (qkv_row(0, g), all, &[]),
+            (attn_row(g), all, &[0]),
+            (oproj_row(b.w_o[0], g, 0, 0), all, &[1]),
+            (gateup, all, &[2]),
+            (down, all, &[3]),
+        ]
+    } else {
+        let (h0, h1) = (halves[0], halves[1]);
+        vec![
+            (qkv_row(0, h0), all, &[]),
+            (qkv_row(1, h1), bb, &[]),
+            (attn_row(h0), a, &[0]),
+            (oproj_row(b.w_o[0], h0, 0, b.x1_part), a, &[2]),
+            (attn_row(h1), bb, &[1]),
+            (oproj_row(b.w_o[1], h1, b.x1_part, 0), all, &[3, 4]),
+            (gateup, all, &[5]),
+            (down, all, &[6]),
+        ]
+    };
+    plan.into_iter()
+        .map(|(mut r, blocks, waits)| {
+            r[BLOCKS_WORD] = blocks.word();
+            r[WAITS_WORD] = waits.iter().map(|w| 1i64 << w).sum();
+            r
+        })
+        .collect()
+}
+
+/// Rows of the GEMV `row` streams (the kernel's `gemv_of`); `None` for a phase without one.
+pub fn gemv_rows(row: &Row) -> Option<usize> {
+    let w = |i: usize| row[i] as usize;
+    match Op::from_word(row[0])? {
+        Op::Qkv => Some((w(qkv::NQ as usize) + 2 * w(qkv::NKv as usize)) * w(qkv::Hd as usize)),
+        Op::OProj => Some(w(oproj::Rows as usize)),
+        Op::GateUp => Some(2 * w(gateup::Ffn as usize)),
+        Op::Down => Some(w(down::Rows as usize)),
+        Op::Nop | Op::Attention => None,
+    }
+}
+
+/// The share of its operation's bytes (`ByteModel::by_op`) that `row` reads: the part of the groups or
+/// of the O projection's columns it covers.
+pub fn share(row: &Row, cfg: &Config) -> f64 {
+    match Op::from_word(row[0]) {
+        Some(Op::Qkv) => row[qkv::NKv as usize] as f64 / cfg.n_kv as f64,
+        Some(Op::Attention) => row[attn::NKv as usize] as f64 / cfg.n_kv as f64,
+        Some(Op::OProj) => row[oproj::Cols as usize] as f64 / cfg.q_dim() as f64,
+        _ => 1.0,
+    }
 }
 
 #[cfg(test)]
@@ -214,6 +375,8 @@ mod tests {
     fn opcodes_mirror_the_cuda_header() {
         assert!(CUH.contains(&format!("PROGRAM_ROW_WORDS = {ROW_WORDS};")));
         assert!(CUH.contains(&format!("PROGRAM_MAX_PHASES = {MAX_PHASES};")));
+        assert!(CUH.contains("ROW_BLOCKS = PROGRAM_ROW_WORDS - 2;") && BLOCKS_WORD == ROW_WORDS - 2);
+        assert!(CUH.contains("ROW_WAITS = PROGRAM_ROW_WORDS - 1;") && WAITS_WORD == ROW_WORDS - 1);
         let upper = |op: Op| {
             let name = format!("{op:?}");
             let mut s = String::new();
@@ -247,11 +410,9 @@ mod tests {
         check("down", down::ALL);
     }
 
-    #[test]
-    fn compile_fills_every_operand() {
-        let cfg = Config::tiny();
-        let b = Buffers {
-            w_qkv: 1,
+    fn buffers() -> Buffers {
+        Buffers {
+            w_qkv: [1, 18],
             in_norm: 2,
             q: 3,
             k_cache: 4,
@@ -262,22 +423,102 @@ mod tests {
             part_ml: 9,
             counters: 10,
             a: 11,
-            w_o: 12,
+            w_o: [12, 19],
+            x1_part: 20,
             x1: 13,
             w_gateup: 14,
             post_norm: 15,
             act: 16,
             w_down: 17,
-        };
-        let prog = compile(&cfg, &b);
+        }
+    }
+
+    /// Operand words of each opcode, which end before the blocks and waits words.
+    fn operands(op: Op) -> usize {
+        match op {
+            Op::Nop => 0,
+            Op::Qkv => qkv::ALL.len(),
+            Op::Attention => attn::ALL.len(),
+            Op::OProj => oproj::ALL.len(),
+            Op::GateUp => gateup::ALL.len(),
+            Op::Down => down::ALL.len(),
+        }
+    }
+
+    #[test]
+    fn the_whole_plan_is_five_phases_each_on_every_block() {
+        let mut cfg = Config::small();
+        assert_eq!(cfg.n_kv, 1);
+        let prog = compile(&cfg, &buffers(), 132);
         let ops: Vec<Op> = prog.iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
         assert_eq!(ops, [Op::Qkv, Op::Attention, Op::OProj, Op::GateUp, Op::Down]);
         // Phase p computes the byte model's operation p, which `grader profile` relies on.
         assert_eq!(ops.iter().map(|op| op.layer_op().unwrap()).collect::<Vec<_>>(), LayerOp::ALL);
-        let used = [qkv::ALL.len(), attn::ALL.len(), oproj::ALL.len(), gateup::ALL.len(), down::ALL.len()];
-        for (r, n) in prog.iter().zip(used) {
-            assert!(r[1..=n].iter().all(|&w| w != 0), "{r:?}");
-            assert!(r[n + 1..].iter().all(|&w| w == 0), "{r:?}");
+        for (k, r) in prog.iter().enumerate() {
+            assert_eq!(Blocks::of(r), Blocks::first(132));
+            assert_eq!(waits(r), if k == 0 { vec![] } else { vec![k - 1] });
+            assert_eq!(share(r, &cfg), 1.0);
+        }
+        // One block: the whole plan whatever the layer.
+        cfg = Config::graded();
+        assert_eq!(compile(&cfg, &buffers(), 1).len(), 5);
+    }
+
+    #[test]
+    fn the_two_role_plan_splits_qkv_attention_and_oproj_by_halves_of_the_groups() {
+        let cfg = Config::graded();
+        let prog = compile(&cfg, &buffers(), 132);
+        let ops: Vec<Op> = prog.iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
+        use Op::*;
+        assert_eq!(ops, [Qkv, Qkv, Attention, OProj, Attention, OProj, GateUp, Down]);
+        let (all, a, b) =
+            (Blocks::first(132), Blocks { first: 0, count: 66, stride: 2 }, Blocks { first: 1, count: 66, stride: 2 });
+        let blocks: Vec<Blocks> = prog.iter().map(Blocks::of).collect();
+        assert_eq!(blocks, [all, b, a, a, b, all, all, all]);
+        // The halves are the even and the odd blocks, and together every block once.
+        assert!((0..132).all(|k| a.contains(k) == (k % 2 == 0) && b.contains(k) == (k % 2 == 1)));
+        assert!(!a.contains(132) && !b.contains(133) && a.end() == 131 && b.end() == 132);
+        let w: Vec<Vec<usize>> = prog.iter().map(waits).collect();
+        assert_eq!(w, [vec![], vec![], vec![0], vec![2], vec![1], vec![3, 4], vec![5], vec![6]]);
+        // Each operation's shares add up to the whole of it.
+        for op in [Qkv, Attention, OProj] {
+            let total: f64 = prog.iter().filter(|r| r[0] == op as i64).map(|r| share(r, &cfg)).sum();
+            assert_eq!(total, 1.0, "{op:?}");
+        }
+        // The halves' heads: the second half's q, caches, partials, counters and a start past the first's.
+        let (q_half, cache_half) = (2 * (cfg.q_dim() / 2) as i64, 2 * (4 * cfg.max_seq_len * cfg.hd) as i64);
+        assert_eq!(prog[1][qkv::QOut as usize] - prog[0][qkv::QOut as usize], q_half);
+        assert_eq!(prog[1][qkv::KCache as usize] - prog[0][qkv::KCache as usize], cache_half);
+        assert_eq!(prog[4][attn::Q as usize] - prog[2][attn::Q as usize], q_half);
+        assert_eq!(prog[4][attn::AOut as usize] - prog[2][attn::AOut as usize], q_half);
+        assert_eq!(prog[4][attn::Counters as usize] - prog[2][attn::Counters as usize], 4 * 2 * 4);
+        assert_eq!(prog[5][oproj::A as usize] - prog[3][oproj::A as usize], q_half);
+        // The first half's O projection writes the partials the second half's reads.
+        assert_eq!((prog[3][oproj::PartIn as usize], prog[3][oproj::PartOut as usize]), (0, 20));
+        assert_eq!((prog[5][oproj::PartIn as usize], prog[5][oproj::PartOut as usize]), (20, 0));
+    }
+
+    /// Every row waits only for earlier phases, and a block reaches every phase it waits for in one of
+    /// its own rows or through blocks that wait for nothing later: no block can wait for itself.
+    #[test]
+    fn every_plan_waits_only_for_earlier_phases() {
+        for (cfg, grid) in [(Config::tiny(), 2), (Config::tiny(), 132), (Config::small(), 132), (Config::graded(), 132)]
+        {
+            let prog = compile(&cfg, &buffers(), grid);
+            assert!(prog.len() <= MAX_PHASES);
+            for (k, r) in prog.iter().enumerate() {
+                assert!(waits(r).iter().all(|&w| w < k), "{}: phase {k} waits for {:?}", cfg.name, waits(r));
+                let op = Op::from_word(r[0]).unwrap();
+                let n = operands(op);
+                assert!(n < BLOCKS_WORD, "{op:?}");
+                let optional =
+                    |w: usize| op == Op::OProj && (w == oproj::PartIn as usize || w == oproj::PartOut as usize);
+                assert!((1..=n).all(|w| r[w] != 0 || optional(w)), "{r:?}");
+                assert!(r[n + 1..BLOCKS_WORD].iter().all(|&w| w == 0), "{r:?}");
+                let bl = Blocks::of(r);
+                assert!(bl.count > 0 && bl.end() <= grid, "{}: {bl:?}", cfg.name);
+                assert_eq!(Blocks::of(&[bl.word(); ROW_WORDS]), bl, "the word round-trips");
+            }
         }
     }
 }
