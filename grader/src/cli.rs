@@ -149,7 +149,8 @@ pub struct ProfileArgs {
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// Also draw the fused launch's timeline as SVG into this file: one row per block, a colour per
-    /// phase, white where a block waits at a grid barrier.
+    /// phase, white where a block waits for the phases it depends on; blocks that run the same phases
+    /// are drawn together.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
     /// Print no progress lines, only the table.

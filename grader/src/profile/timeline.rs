@@ -133,22 +133,31 @@ impl Timeline {
         s
     }
 
-    /// One row per block, a coloured bar per phase from its start to its end; white is waiting.
+    /// One row per block, a coloured bar per phase from its start to its end; white is waiting. Blocks
+    /// that run the same phases are drawn together (in block order), so each role is one band.
     pub fn svg(&self, title: &str) -> String {
         const W: f64 = 960.0;
         const LEFT: f64 = 60.0;
         const TOP: f64 = 40.0;
         const ROW: f64 = 3.0;
-        const COLOURS: [&str; 6] = ["#5b9bd5", "#d9534f", "#f0ad4e", "#5cb85c", "#8e6fb8", "#777777"];
+        const COLOURS: [&str; 8] =
+            ["#5b9bd5", "#d9534f", "#f0ad4e", "#5cb85c", "#8e6fb8", "#777777", "#17becf", "#bcbd22"];
+        // The legend: an entry per phase, LEGEND_ROW to a line.
+        const LEGEND_W: f64 = 170.0;
+        const LEGEND_ROW: usize = 5;
         let plot_h = ROW * self.blocks as f64;
-        let height = TOP + plot_h + 60.0;
+        let height = TOP + plot_h + 42.0 + 18.0 * self.phases.len().div_ceil(LEGEND_ROW) as f64;
         let scale = (W - LEFT - 20.0) / self.total_us.max(1e-9);
         let mut s = format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{height}\" font-family=\"monospace\" font-size=\"12\">\n"
         );
         let _ = writeln!(s, "<text x=\"8\" y=\"18\">{title}</text>");
         let _ = writeln!(s, "<text x=\"8\" y=\"{}\">block</text>", TOP - 6.0);
-        for (b, row) in self.spans.iter().enumerate() {
+        let runs =
+            |row: &Vec<Option<(f64, f64)>>| row.iter().rev().fold(0u64, |m, span| m << 1 | span.is_some() as u64);
+        let mut order: Vec<&Vec<Option<(f64, f64)>>> = self.spans.iter().collect();
+        order.sort_by_key(|row| runs(row));
+        for (b, row) in order.into_iter().enumerate() {
             let y = TOP + ROW * b as f64;
             for (p, &(start, end)) in row.iter().enumerate().filter_map(|(p, span)| Some((p, span.as_ref()?))) {
                 let _ = writeln!(
@@ -168,9 +177,8 @@ impl Timeline {
             t += 50.0;
         }
         let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{axis}\">us</text>", W - 18.0);
-        let mut x = LEFT;
         for (p, ph) in self.phases.iter().enumerate() {
-            let y = axis + 22.0;
+            let (x, y) = (LEFT + LEGEND_W * (p % LEGEND_ROW) as f64, axis + 22.0 + 18.0 * (p / LEGEND_ROW) as f64);
             let _ = writeln!(
                 s,
                 "<rect x=\"{x:.1}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{}\"/>",
@@ -178,7 +186,6 @@ impl Timeline {
                 COLOURS[p % COLOURS.len()]
             );
             let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{y}\">{} {:.1} us</text>", x + 16.0, ph.phase, ph.critical_us);
-            x += 170.0;
         }
         s + "</svg>\n"
     }
@@ -247,7 +254,12 @@ mod tests {
         assert_eq!(t.total_us, 41.0);
         assert_eq!(t.phases[0].wait_mean_us, (2.0 + 1.0) / 2.0);
         assert_eq!(t.phases[2].wait_mean_us, 11.0);
-        assert_eq!(t.svg("test").matches("<rect").count(), 6 + 4);
+        let svg = t.svg("test");
+        assert_eq!(svg.matches("<rect").count(), 6 + 4);
+        // Block 1 (phases 0, 1, 3) is drawn above block 0 (phases 0, 2, 3): phase 1's bar is in the top row.
+        let bar =
+            |fill: &str| svg.lines().find(|l| l.contains("height=\"3\"") && l.contains(fill)).unwrap().to_string();
+        assert!(bar("#d9534f").contains("y=\"40.0\"") && bar("#f0ad4e").contains("y=\"43.0\""), "{svg}");
         // A stamp where the block does not run the phase, or none where it does: not drawn.
         let mut stray = stamps;
         stray[2] = ns(11);
