@@ -30,3 +30,17 @@ __device__ inline void bulk_copy(void* smem, const void* gmem, unsigned bytes, u
                  "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
                  : "memory");
 }
+// An L2 policy for data read once: L2 evicts its lines first, so a stream of it does not push out
+// what is read again.
+__device__ inline uint64_t l2_evict_first() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+// The same copy, its lines kept in L2 under `policy`.
+__device__ inline void bulk_copy(void* smem, const void* gmem, unsigned bytes, uint64_t* bar, uint64_t policy) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
+                     smem_addr(smem)),
+                 "l"(gmem), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+                 : "memory");
+}

@@ -16,8 +16,8 @@
 // phase, where they are added in warp order. A phase's first slots are filled before its input
 // exists (before the norm, while the block waits for the phases it depends on), so the stream does not
 // stop between phases; attention's cached rows are loaded the same way. Weights are not prefetched to L2:
-// bulk prefetches of rows the ring then copies made the phases slower (docs/perf.md). No float
-// atomics anywhere: outputs are bitwise reproducible.
+// bulk prefetches of rows the ring then copies made the phases slower (docs/perf.md); the ring's copies
+// mark them evict-first instead. No float atomics anywhere: outputs are bitwise reproducible.
 //
 // Rounding follows the eager reference: q, k, v, a, o, x1, h, h2, gate, up, act and down are rounded to
 // bf16 where the reference stores them; scores and softmax weights stay f32.
@@ -224,7 +224,9 @@ struct RowStream {
         if (threadIdx.x != 0 || st >= nstages) return;
         const uint32_t k = ring.seq + st;
         mbar_expect_tx(&ring.full[k % STAGES], stage_bytes(st));
-        bulk_copy(ring.data + (k % STAGES) * (STAGE_BYTES / 16), stage_rows(st), stage_bytes(st), &ring.full[k % STAGES]);
+        // Evict-first: each weight is read once a step, so its lines should not push out the cache and
+        // the activations, which are read again (docs/perf.md, v23).
+        bulk_copy(ring.data + (k % STAGES) * (STAGE_BYTES / 16), stage_rows(st), stage_bytes(st), &ring.full[k % STAGES], l2_evict_first());
     }
 
     // The first STAGES - 1 stages. Weights do not depend on anything the layer computes, so this runs
