@@ -117,20 +117,20 @@ impl Timeline {
             "phase", "start us", "end us", "critical us", "x floor", "busy med us", "busy max", "wait after"
         );
         for p in &self.phases {
+            // A phase that ended before one listed above it added nothing to the launch's length.
+            let (critical, x_floor) = if p.critical_us > 0.0 {
+                (format!("{:.1}", p.critical_us), format!("{:.3}", p.x_floor))
+            } else {
+                ("-".to_string(), "-".to_string())
+            };
             let _ = writeln!(
                 s,
-                "  {:<15} {:>9.1} {:>9.1} {:>11.1} {:>8.3} {:>12.1} {:>9.1} {:>10.1}",
-                p.phase,
-                p.first_start_us,
-                p.last_end_us,
-                p.critical_us,
-                p.x_floor,
-                p.busy_median_us,
-                p.busy_max_us,
-                p.wait_mean_us
+                "  {:<15} {:>9.1} {:>9.1} {critical:>11} {x_floor:>8} {:>12.1} {:>9.1} {:>10.1}",
+                p.phase, p.first_start_us, p.last_end_us, p.busy_median_us, p.busy_max_us, p.wait_mean_us
             );
         }
-        s
+        s + "  critical: how far the phase moved the launch's end past the phases above it ('-': it ended\n  \
+             under one of them, beside whose work it ran)\n"
     }
 
     /// One row per block, a coloured bar per phase from its start to its end; white is waiting. Blocks
@@ -254,6 +254,9 @@ mod tests {
         assert_eq!(t.total_us, 41.0);
         assert_eq!(t.phases[0].wait_mean_us, (2.0 + 1.0) / 2.0);
         assert_eq!(t.phases[2].wait_mean_us, 11.0);
+        // The table shows the phase that ran beside a longer one as off the critical path.
+        let hidden = t.table().lines().find(|l| l.trim_start().starts_with("P2")).unwrap().to_string();
+        assert_eq!(hidden.split_whitespace().nth(3), Some("-"), "{hidden}");
         let svg = t.svg("test");
         assert_eq!(svg.matches("<rect").count(), 6 + 4);
         // Block 1 (phases 0, 1, 3) is drawn above block 0 (phases 0, 2, 3): phase 1's bar is in the top row.
