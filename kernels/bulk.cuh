@@ -37,7 +37,7 @@ __device__ inline uint64_t l2_evict_first() {
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
     return policy;
 }
-// The same copy, its lines kept in L2 under `policy`.
+// The same copy, with an L2 cache policy (such as l2_evict_first()) for the lines it reads.
 __device__ inline void bulk_copy(void* smem, const void* gmem, unsigned bytes, uint64_t* bar, uint64_t policy) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
                      smem_addr(smem)),

@@ -363,7 +363,7 @@ __device__ inline float bf(float v) { return __bfloat162float(__float2bfloat16_r
 
 // Element threadIdx.x of v[0, n) (0 past n), for an epilogue that adds it: loaded before the phase's
 // stream, it is in a register when the epilogue runs instead of one more round trip at the phase's
-// end, where the last block's round trip delays the barrier.
+// end, where the last block's round trip delays the phase's done count.
 __device__ inline float preload(const bf16* v, uint32_t n) { return threadIdx.x < n ? __bfloat162float(__ldcg(v + threadIdx.x)) : 0.0f; }
 
 // ---------------------------------------------------------------------------------------------------

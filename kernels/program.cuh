@@ -1,6 +1,7 @@
 // The megakernel's program format, mirrored from submission/src/megakernel/program.rs (the one
 // source of truth; a test there checks every constant below against this file). A program is an
-// int64 table of PROGRAM_ROW_WORDS words per phase: word 0 the opcode, the rest the op's operands.
+// int64 table of PROGRAM_ROW_WORDS words per phase: word 0 the opcode, then the op's operands, and
+// the last two words the blocks that run the phase and the phases it waits for (ROW_BLOCKS, ROW_WAITS).
 // The step's own arguments (x, out, pos) are kernel parameters, not table entries: QKV and OPROJ read
 // x, DOWN writes out.
 #pragma once
@@ -8,7 +9,7 @@
 
 constexpr int PROGRAM_ROW_WORDS = 16;
 // The table travels by value, as one kernel parameter of PROGRAM_MAX_PHASES rows (the rows after the
-// program's are no-ops): its words then sit in the launch's constant bank, so reading an operand costs
+// program's are no-ops that no block runs): its words then sit in the launch's constant bank, so reading an operand costs
 // no memory round trip. Read from global memory with L2 cold, the first row took about 6 us to arrive
 // and the first weight copies and x's load waited on it; by value they are issued within about 1 us
 // (docs/perf.md, v13), though x's own latency keeps the first dot product about where it was.

@@ -179,6 +179,7 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
 
 /// [`TRACED_STEPS`] fused launches at the deepest timed position, each after an L2 eviction; the
 /// timeline of median length, or `None` when any trace was incomplete.
+#[allow(clippy::too_many_arguments)]
 fn trace(
     dev: &Device,
     cfg: &Config,

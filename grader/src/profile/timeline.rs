@@ -152,7 +152,7 @@ impl Timeline {
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{height}\" font-family=\"monospace\" font-size=\"12\">\n"
         );
         let _ = writeln!(s, "<text x=\"8\" y=\"18\">{title}</text>");
-        let _ = writeln!(s, "<text x=\"8\" y=\"{}\">block</text>", TOP - 6.0);
+        let _ = writeln!(s, "<text x=\"8\" y=\"{}\">blocks, grouped by the phases they run</text>", TOP - 6.0);
         let runs =
             |row: &Vec<Option<(f64, f64)>>| row.iter().rev().fold(0u64, |m, span| m << 1 | span.is_some() as u64);
         let mut order: Vec<&Vec<Option<(f64, f64)>>> = self.spans.iter().collect();
@@ -185,7 +185,9 @@ impl Timeline {
                 y - 10.0,
                 COLOURS[p % COLOURS.len()]
             );
-            let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{y}\">{} {:.1} us</text>", x + 16.0, ph.phase, ph.critical_us);
+            // Its critical time, as in the table ('-': it ran beside an earlier phase's work).
+            let critical = if ph.critical_us > 0.0 { format!("{:.1} us", ph.critical_us) } else { "-".to_string() };
+            let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{y}\">{} {critical}</text>", x + 16.0, ph.phase);
         }
         s + "</svg>\n"
     }
@@ -259,6 +261,7 @@ mod tests {
         assert_eq!(hidden.split_whitespace().nth(3), Some("-"), "{hidden}");
         let svg = t.svg("test");
         assert_eq!(svg.matches("<rect").count(), 6 + 4);
+        assert!(svg.contains(">P2 -<") && svg.contains(">P1 20.0 us<"), "the legend as the table: {svg}");
         // Block 1 (phases 0, 1, 3) is drawn above block 0 (phases 0, 2, 3): phase 1's bar is in the top row.
         let bar =
             |fill: &str| svg.lines().find(|l| l.contains("height=\"3\"") && l.contains(fill)).unwrap().to_string();

@@ -93,9 +93,8 @@ impl CpuLayer {
         let rope = RopeTable::new(cfg);
         let zeros = |n: usize| vec![0u8; n];
         let chunks = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
-        let halves = program::halves(cfg);
-        let split = halves.len() == 2 && grid >= 2;
-        let groups = if split { halves } else { vec![Groups::all(cfg)] };
+        let groups = program::halves(cfg, grid);
+        let split = groups.len() == 2;
         let mut qkv_of = |g: Groups| {
             a.alloc_bf16(&pack(w, qkv_rows(cfg, g), cfg.d, |p| {
                 let (t, r) = qkv_source(cfg, g, p);

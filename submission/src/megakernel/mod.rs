@@ -86,12 +86,14 @@ struct ProgramParam([i64; program::MAX_PHASES * program::ROW_WORDS]);
 unsafe impl DeviceRepr for ProgramParam {}
 
 impl ProgramParam {
-    /// The rows, then no-op rows (opcode 0) up to `MAX_PHASES`; `None` when there are more rows.
+    /// The rows, then no-op rows (opcode 0) that no block runs, up to `MAX_PHASES`; `None` when there
+    /// are more rows.
     fn new(rows: &[program::Row]) -> Option<ProgramParam> {
-        let mut words = [0i64; program::MAX_PHASES * program::ROW_WORDS];
-        let flat: Vec<i64> = rows.iter().flatten().copied().collect();
-        words.get_mut(..flat.len())?.copy_from_slice(&flat);
-        Some(ProgramParam(words))
+        let mut nop = [0i64; program::ROW_WORDS];
+        nop[program::BLOCKS_WORD] = Blocks { first: 0, count: 0, stride: 1 }.word();
+        let flat: Vec<i64> =
+            rows.iter().chain(std::iter::repeat(&nop)).take(program::MAX_PHASES).flatten().copied().collect();
+        (rows.len() <= program::MAX_PHASES).then(|| ProgramParam(flat.try_into().expect("MAX_PHASES rows")))
     }
 }
 
@@ -158,8 +160,8 @@ impl Megakernel {
     }
 
     /// Runs the whole program in one launch, as `layer_step` does in [`Mode::Fused`], with every
-    /// block stamping the GPU's global timer at the start and end of each phase. `Ok` holds the
-    /// stamps in ns, `(block, phase, [start, end])` flattened, and the grid.
+    /// block stamping the GPU's global timer at the start and end of each phase it runs (zero for the
+    /// others). `Ok` holds the stamps in ns, `(block, phase, [start, end])` flattened, and the grid.
     pub fn trace_step(
         &mut self,
         dev: &Device,
@@ -294,8 +296,8 @@ impl Submission for Megakernel {
         let w = layer.weights;
         // One grid per SM (red_rows is sized for it below).
         let grid = dev.facts().sms as u32;
-        let halves = program::halves(cfg);
-        let split = halves.len() == 2 && grid >= 2;
+        let halves = program::halves(cfg, grid);
+        let split = halves.len() == 2;
         let qkv_of = |g: Groups| {
             gather(dev, w, pack::qkv_rows(cfg, g), cfg.d, |p| {
                 let (t, r) = pack::qkv_source(cfg, g, p);
@@ -463,6 +465,14 @@ mod tests {
         assert_eq!(c.step, 2, "a whole step in one launch");
     }
 
+    /// The kernel's `blocks_of` takes the fields where `Blocks::word` puts them.
+    #[test]
+    fn the_kernel_decodes_the_blocks_word_as_it_is_encoded() {
+        assert!(CU.contains("return {(uint32_t)(w >> 32) & 0xFFFFu, (uint32_t)w, (uint32_t)(w >> 48) & 0x7FFFu};"));
+        let w = Blocks { first: 1, count: 66, stride: 2 }.word() as u64;
+        assert_eq!(((w >> 32) & 0xFFFF, w & 0xFFFF_FFFF, (w >> 48) & 0x7FFF), (1, 66, 2));
+    }
+
     #[test]
     fn program_param_pads_with_noops_and_refuses_too_many_rows() {
         let mut row = [0i64; program::ROW_WORDS];
@@ -471,7 +481,14 @@ mod tests {
         let param = ProgramParam::new(&[row, row]).unwrap();
         assert_eq!(&param.0[..program::ROW_WORDS], &row);
         assert_eq!(&param.0[program::ROW_WORDS..2 * program::ROW_WORDS], &row);
-        assert!(param.0[2 * program::ROW_WORDS..].iter().all(|&w| w == program::Op::Nop as i64));
+        // The padding: no-ops that wait for nothing and that no block runs (a stride of 1, not 0, which
+        // the kernel divides by).
+        for pad in param.0[2 * program::ROW_WORDS..].chunks(program::ROW_WORDS) {
+            let pad: &program::Row = pad.try_into().unwrap();
+            assert_eq!(pad[0], program::Op::Nop as i64);
+            assert_eq!(Blocks::of(pad), Blocks { first: 0, count: 0, stride: 1 });
+            assert_eq!(pad[program::WAITS_WORD], 0);
+        }
         assert!(ProgramParam::new(&vec![row; program::MAX_PHASES]).is_some());
         assert!(ProgramParam::new(&vec![row; program::MAX_PHASES + 1]).is_none());
     }

@@ -71,13 +71,8 @@ mod tests {
     #[test]
     fn packings_are_permutations() {
         for cfg in [Config::small(), Config::graded()] {
-            let halves = if cfg.n_kv > 1 {
-                vec![Groups { kv0: 0, n_kv: cfg.n_kv / 2 }, Groups { kv0: cfg.n_kv / 2, n_kv: cfg.n_kv - cfg.n_kv / 2 }]
-            } else {
-                vec![Groups::all(&cfg)]
-            };
             let mut seen = std::collections::HashSet::new();
-            for g in halves {
+            for g in crate::megakernel::program::halves(&cfg, 132) {
                 for p in 0..qkv_rows(&cfg, g) {
                     let (t, r) = qkv_source(&cfg, g, p);
                     assert!(seen.insert((t, r)), "{}: row {p} repeats", cfg.name);

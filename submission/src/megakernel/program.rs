@@ -17,7 +17,8 @@ use super::pack::Groups;
 
 /// Words per phase row.
 pub const ROW_WORDS: usize = 16;
-/// Rows the kernel's by-value program parameter holds (the rows past a program's are no-ops).
+/// Rows the kernel's by-value program parameter holds (the rows past a program's are no-ops that no
+/// block runs).
 pub const MAX_PHASES: usize = 8;
 /// Cached positions per attention work item.
 pub const ATTN_CHUNK: usize = 128;
@@ -45,8 +46,13 @@ impl Blocks {
     }
 
     /// The count in bits 0-31, the first block in bits 32-47, the stride in bits 48-62 (program.cuh).
+    /// The count stays under 2^16: the kernel lets the offset of a block before `first` wrap, and the
+    /// wrapped offset over a stride under 2^15 is then past any count.
     pub fn word(self) -> i64 {
-        assert!(self.first < 1 << 16 && (1..1 << 15).contains(&self.stride), "{self:?} does not fit its word");
+        assert!(
+            self.first < 1 << 16 && self.count < 1 << 16 && (1..1 << 15).contains(&self.stride),
+            "{self:?} does not fit its word"
+        );
         ((self.stride as i64) << 48) | ((self.first as i64) << 32) | self.count as i64
     }
 
@@ -61,16 +67,6 @@ impl Blocks {
             && d % self.stride as usize == 0
             && d / (self.stride as usize) < self.count as usize
     }
-
-    /// One past the last block.
-    pub fn end(self) -> u32 {
-        if self.count == 0 { self.first } else { self.first + (self.count - 1) * self.stride + 1 }
-    }
-}
-
-/// The phases a row waits for.
-pub fn waits(row: &Row) -> Vec<usize> {
-    (0..MAX_PHASES).filter(|p| row[WAITS_WORD] >> p & 1 == 1).collect()
 }
 
 /// What a phase does. The step's own arguments are kernel parameters: `Qkv` and `OProj` read `x`,
@@ -150,8 +146,8 @@ pub struct Buffers {
     pub part_o: u64,
     /// `(n_kv, max_chunks, group, 2)` f32 running max and sum of each partial.
     pub part_ml: u64,
-    /// `(2, n_kv)` u32 counters of the attention combine, zero between steps: per half, its KV heads'
-    /// arrivals, then their departures.
+    /// u32 counters of the attention combine, zero between steps: per half, `(2, its n_kv)`, its KV
+    /// heads' arrivals, then their departures.
     pub counters: u64,
     /// `(n_q * hd)` attention output, bf16.
     pub a: u64,
@@ -162,7 +158,7 @@ pub struct Buffers {
     pub x1_part: u64,
     /// `(d)` residual after attention, bf16.
     pub x1: u64,
-    /// `(2 ffn, d)`: gate and up rows interleaved (see `pack::gateup_row`).
+    /// `(2 ffn, d)`: gate and up rows interleaved (see `pack::gateup_source`).
     pub w_gateup: u64,
     pub post_norm: u64,
     /// `(ffn)` SwiGLU activation, bf16.
@@ -190,10 +186,11 @@ macro_rules! word_into_usize {
 }
 word_into_usize!(qkv, attn, oproj, gateup, down);
 
-/// The KV groups in the halves the two-role plan splits them into; one range when the layer has a
-/// single KV head.
-pub fn halves(cfg: &Config) -> Vec<Groups> {
-    if cfg.n_kv < 2 {
+/// The KV groups of each half of the plan `compile` makes for a grid of `grid` blocks: two halves (the
+/// two-role plan) when the layer has two KV heads or more and the grid two blocks or more, else one
+/// range of every group.
+pub fn halves(cfg: &Config, grid: u32) -> Vec<Groups> {
+    if cfg.n_kv < 2 || grid < 2 {
         return vec![Groups::all(cfg)];
     }
     let first = cfg.n_kv / 2;
@@ -205,7 +202,7 @@ pub fn halves(cfg: &Config) -> Vec<Groups> {
 /// With one half (`halves`) or one block: Qkv, attention, the O projection, GateUp and Down, each on
 /// every block and waiting for the one before.
 ///
-/// With two halves, A (the grid's first half of blocks) and B (the rest) take turns (the weights' bytes
+/// With two halves, A (the grid's even blocks) and B (the odd ones) take turns (the weights' bytes
 /// stream while attention's latency-bound chain runs):
 ///
 /// | phase | blocks | waits for | |
@@ -223,7 +220,7 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
     let p = |v: u64| v as i64;
     let eps = cfg.eps.to_bits() as i64;
     let (hd, max_seq, group) = (cfg.hd, cfg.max_seq_len, cfg.group());
-    let halves = halves(cfg);
+    let halves = halves(cfg, grid);
     let all = Blocks::first(grid);
     // The halves interleave (A the even blocks, B the odd): the launch places blocks 2i and 2i + 1 on
     // neighbouring SMs, so each half has one SM of every such pair and reads at the whole grid's rate,
@@ -311,7 +308,7 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
             (down::Cols, i(cfg.ffn)),
         ],
     );
-    let plan: Vec<(Row, Blocks, &[usize])> = if halves.len() == 1 || grid < 2 {
+    let plan: Vec<(Row, Blocks, &[usize])> = if halves.len() == 1 {
         let g = Groups::all(cfg);
         vec![
             (qkv_row(0, g), all, &[]),
@@ -369,14 +366,25 @@ pub fn share(row: &Row, cfg: &Config) -> f64 {
 mod tests {
     use super::*;
 
+    /// The phases a row waits for.
+    fn waits(row: &Row) -> Vec<usize> {
+        (0..MAX_PHASES).filter(|p| row[WAITS_WORD] >> p & 1 == 1).collect()
+    }
+
+    /// One past the last block of `b`.
+    fn end(b: Blocks) -> u32 {
+        if b.count == 0 { b.first } else { b.first + (b.count - 1) * b.stride + 1 }
+    }
+
     const CUH: &str = include_str!("../../../kernels/program.cuh");
 
     #[test]
     fn opcodes_mirror_the_cuda_header() {
         assert!(CUH.contains(&format!("PROGRAM_ROW_WORDS = {ROW_WORDS};")));
         assert!(CUH.contains(&format!("PROGRAM_MAX_PHASES = {MAX_PHASES};")));
-        assert!(CUH.contains("ROW_BLOCKS = PROGRAM_ROW_WORDS - 2;") && BLOCKS_WORD == ROW_WORDS - 2);
-        assert!(CUH.contains("ROW_WAITS = PROGRAM_ROW_WORDS - 1;") && WAITS_WORD == ROW_WORDS - 1);
+        // BLOCKS_WORD and WAITS_WORD are defined the same way.
+        assert!(CUH.contains("ROW_BLOCKS = PROGRAM_ROW_WORDS - 2;"));
+        assert!(CUH.contains("ROW_WAITS = PROGRAM_ROW_WORDS - 1;"));
         let upper = |op: Op| {
             let name = format!("{op:?}");
             let mut s = String::new();
@@ -477,7 +485,7 @@ mod tests {
         assert_eq!(blocks, [all, b, a, a, b, all, all, all]);
         // The halves are the even and the odd blocks, and together every block once.
         assert!((0..132).all(|k| a.contains(k) == (k % 2 == 0) && b.contains(k) == (k % 2 == 1)));
-        assert!(!a.contains(132) && !b.contains(133) && a.end() == 131 && b.end() == 132);
+        assert!(!a.contains(132) && !b.contains(133) && end(a) == 131 && end(b) == 132);
         let w: Vec<Vec<usize>> = prog.iter().map(waits).collect();
         assert_eq!(w, [vec![], vec![], vec![0], vec![2], vec![1], vec![3, 4], vec![5], vec![6]]);
         // Each operation's shares add up to the whole of it.
@@ -498,8 +506,8 @@ mod tests {
         assert_eq!((prog[5][oproj::PartIn as usize], prog[5][oproj::PartOut as usize]), (20, 0));
     }
 
-    /// Every row waits only for earlier phases, and a block reaches every phase it waits for in one of
-    /// its own rows or through blocks that wait for nothing later: no block can wait for itself.
+    /// Every row waits only for earlier phases, so no block can wait, directly or through others, for a
+    /// phase it has yet to run itself: the program cannot deadlock.
     #[test]
     fn every_plan_waits_only_for_earlier_phases() {
         for (cfg, grid) in [(Config::tiny(), 2), (Config::tiny(), 132), (Config::small(), 132), (Config::graded(), 132)]
@@ -516,7 +524,7 @@ mod tests {
                 assert!((1..=n).all(|w| r[w] != 0 || optional(w)), "{r:?}");
                 assert!(r[n + 1..BLOCKS_WORD].iter().all(|&w| w == 0), "{r:?}");
                 let bl = Blocks::of(r);
-                assert!(bl.count > 0 && bl.end() <= grid, "{}: {bl:?}", cfg.name);
+                assert!(bl.count > 0 && end(bl) <= grid, "{}: {bl:?}", cfg.name);
                 assert_eq!(Blocks::of(&[bl.word(); ROW_WORDS]), bl, "the word round-trips");
             }
         }
