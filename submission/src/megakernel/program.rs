@@ -224,8 +224,8 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
     let all = Blocks::first(grid);
     // The halves interleave (A the even blocks, B the odd): the launch places blocks 2i and 2i + 1 on
     // neighbouring SMs, so each half has one SM of every such pair and reads at the whole grid's rate,
-    // where the grid's first half lands on an uneven set of SMs and read 3.2 TB/s against 4.5
-    // (docs/perf.md, "The two-role plan, measured").
+    // where the grid's first half lands on an uneven set of SMs (it read 3.2 TB/s against 4.5 on one
+    // card; docs/perf.md, "The two-role plan, measured").
     let (a, bb) =
         (Blocks { first: 0, count: grid.div_ceil(2), stride: 2 }, Blocks { first: 1, count: grid / 2, stride: 2 });
     let qkv_row = |h: usize, g: Groups| {
