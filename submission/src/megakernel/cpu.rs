@@ -7,7 +7,7 @@ use half::bf16;
 use reference::golden::{self, KvCache, RopeTable, Weights};
 use spec::{Config, Tensor};
 
-use super::pack::{Groups, gateup_source, oproj_offset, qkv_rows, qkv_source};
+use super::pack::{self, Groups, Packing, qkv_source};
 use super::program::{self, Buffers, Op, Row, attn, down, gateup, oproj, qkv};
 
 /// Host buffers addressed like device memory: region `i` starts at `(i + 1) << REGION_SHIFT`.
@@ -69,12 +69,12 @@ pub struct CpuLayer {
     oproj_first: Option<(i64, i64, usize)>,
 }
 
-/// `rows` rows of `cols` elements gathered in the order `source` gives: row `p` starts at element
-/// `source(p).1` of weight `source(p).0`.
-fn pack(w: &Weights, rows: usize, cols: usize, source: impl Fn(usize) -> (Tensor, usize)) -> Vec<bf16> {
+/// The packed matrix `packing` describes, copied from the host weights.
+fn copy_packed<F: Fn(usize) -> (Tensor, usize)>(w: &Weights, packing: Packing<F>) -> Vec<bf16> {
+    let Packing { rows, cols, start } = packing;
     (0..rows)
         .flat_map(|p| {
-            let (t, at) = source(p);
+            let (t, at) = start(p);
             w.get(t)[at..at + cols].iter().copied()
         })
         .collect()
@@ -95,17 +95,11 @@ impl CpuLayer {
         let chunks = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
         let groups = program::halves(cfg, grid);
         let split = groups.len() == 2;
-        let mut qkv_of = |g: Groups| {
-            a.alloc_bf16(&pack(w, qkv_rows(cfg, g), cfg.d, |p| {
-                let (t, r) = qkv_source(cfg, g, p);
-                (t, r * cfg.d)
-            }))
-        };
+        let mut qkv_of = |g: Groups| a.alloc_bf16(&copy_packed(w, pack::qkv(cfg, g)));
         let w_qkv = [qkv_of(groups[0]), groups.get(1).map_or(0, |&g| qkv_of(g))];
+        // One half: the O projection streams Wo itself.
         let w_o = if split {
-            let mut oproj_of = |g: Groups| {
-                a.alloc_bf16(&pack(w, cfg.d, g.n_q(cfg) * cfg.hd, |r| (Tensor::Wo, oproj_offset(cfg, g, r))))
-            };
+            let mut oproj_of = |g: Groups| a.alloc_bf16(&copy_packed(w, pack::oproj(cfg, g)));
             [oproj_of(groups[0]), oproj_of(groups[1])]
         } else {
             [a.alloc_bf16(&w.o), 0]
@@ -125,10 +119,7 @@ impl CpuLayer {
             w_o,
             x1_part: a.alloc(&zeros(4 * cfg.d)),
             x1: a.alloc(&zeros(2 * cfg.d)),
-            w_gateup: a.alloc_bf16(&pack(w, 2 * cfg.ffn, cfg.d, |p| {
-                let (t, r) = gateup_source(p);
-                (t, r * cfg.d)
-            })),
+            w_gateup: a.alloc_bf16(&copy_packed(w, pack::gateup(cfg))),
             post_norm: a.alloc_bf16(&w.post_norm),
             act: a.alloc(&zeros(2 * cfg.ffn)),
             w_down: a.alloc_bf16(&w.down),

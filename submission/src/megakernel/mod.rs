@@ -20,7 +20,7 @@ use reference::gpu::DeviceWeights;
 use spec::{Config, LayerOp, Tensor};
 
 use crate::{Layer, Submission, SubmissionError, device_address};
-use pack::Groups;
+use pack::Packing;
 use program::{Blocks, Buffers};
 
 /// Mirrors of `kernels/megakernel.cu` (a test checks them against the file).
@@ -213,18 +213,16 @@ impl Megakernel {
     }
 }
 
-/// A packed copy of `rows` rows of `cols` elements, row `p` starting at element `source(p).1` of weight
-/// `source(p).0`.
-fn gather(
+/// The packed matrix `packing` describes, gathered on the GPU.
+fn gather<F: Fn(usize) -> (Tensor, usize)>(
     dev: &Device,
     w: &DeviceWeights,
-    rows: usize,
-    cols: usize,
-    source: impl Fn(usize) -> (Tensor, usize),
+    packing: Packing<F>,
 ) -> Result<CudaSlice<bf16>, CudaError> {
+    let Packing { rows, cols, start } = packing;
     let table: Vec<u64> = (0..rows)
         .map(|p| {
-            let (t, at) = source(p);
+            let (t, at) = start(p);
             device_address(dev, w.get(t)) + (at * 2) as u64
         })
         .collect();
@@ -298,28 +296,15 @@ impl Submission for Megakernel {
         let grid = dev.facts().sms as u32;
         let halves = program::halves(cfg, grid);
         let split = halves.len() == 2;
-        let qkv_of = |g: Groups| {
-            gather(dev, w, pack::qkv_rows(cfg, g), cfg.d, |p| {
-                let (t, r) = pack::qkv_source(cfg, g, p);
-                (t, r * cfg.d)
-            })
-        };
-        let w_qkv: Vec<CudaSlice<bf16>> = if split {
-            halves.iter().map(|&g| qkv_of(g)).collect::<Result<_, _>>()?
-        } else {
-            vec![qkv_of(Groups::all(cfg))?]
-        };
+        let w_qkv: Vec<CudaSlice<bf16>> =
+            halves.iter().map(|&g| gather(dev, w, pack::qkv(cfg, g))).collect::<Result<_, _>>()?;
+        // One half: the O projection streams Wo itself.
         let w_o: Vec<CudaSlice<bf16>> = if split {
-            let oproj_of =
-                |g: Groups| gather(dev, w, cfg.d, g.n_q(cfg) * cfg.hd, |r| (Tensor::Wo, pack::oproj_offset(cfg, g, r)));
-            halves.iter().map(|&g| oproj_of(g)).collect::<Result<_, _>>()?
+            halves.iter().map(|&g| gather(dev, w, pack::oproj(cfg, g))).collect::<Result<_, _>>()?
         } else {
             Vec::new()
         };
-        let w_gateup = gather(dev, w, 2 * cfg.ffn, cfg.d, |p| {
-            let (t, r) = pack::gateup_source(p);
-            (t, r * cfg.d)
-        })?;
+        let w_gateup = gather(dev, w, pack::gateup(cfg))?;
         let rope = RopeTable::new(cfg);
         let (cos, sin) =
             (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);

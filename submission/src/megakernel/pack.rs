@@ -62,6 +62,37 @@ pub fn gateup_source(p: usize) -> (Tensor, usize) {
     (if p.is_multiple_of(2) { Tensor::Wgate } else { Tensor::Wup }, p / 2)
 }
 
+/// A packed matrix: `rows` rows of `cols` elements, row `p` starting at element `start(p).1` of weight
+/// `start(p).0`. The GPU gathers it (`megakernel::gather`), the CPU executor copies it.
+pub struct Packing<F: Fn(usize) -> (Tensor, usize)> {
+    pub rows: usize,
+    pub cols: usize,
+    pub start: F,
+}
+
+/// The QKV rows of `groups` (`qkv_source`).
+pub fn qkv(cfg: &Config, groups: Groups) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
+    let start = move |p| {
+        let (t, r) = qkv_source(cfg, groups, p);
+        (t, r * cfg.d)
+    };
+    Packing { rows: qkv_rows(cfg, groups), cols: cfg.d, start }
+}
+
+/// The O projection's columns of `groups`' query heads, for every row (`oproj_offset`).
+pub fn oproj(cfg: &Config, groups: Groups) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
+    Packing { rows: cfg.d, cols: groups.n_q(cfg) * cfg.hd, start: move |r| (Tensor::Wo, oproj_offset(cfg, groups, r)) }
+}
+
+/// Gate and up rows interleaved (`gateup_source`).
+pub fn gateup(cfg: &Config) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
+    let start = move |p| {
+        let (t, r) = gateup_source(p);
+        (t, r * cfg.d)
+    };
+    Packing { rows: 2 * cfg.ffn, cols: cfg.d, start }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
