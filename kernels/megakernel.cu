@@ -3,7 +3,9 @@
 // the phases it waits for; every block of a grid sized to be co-resident walks the table, and for each
 // of its phases waits until every block of the phases it depends on has finished them, then does its
 // share. In the two-role plan the grid's halves take turns: one streams weights while the other runs
-// attention's latency-bound chain, so HBM keeps streaming (program.rs, compile). The same code runs one
+// attention's latency-bound chain, so HBM keeps streaming; and the MLP runs in two parts of ffn, so that
+// Down's first part depends only on GateUp's first, finished long before, and no block waits between
+// GateUp and Down (program.rs, compile). The same code runs one
 // phase per launch (phase_begin + 1 == phase_end) for debugging and per-phase timing; the results are
 // bitwise identical because nothing else changes.
 //
@@ -702,19 +704,16 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bo
     }
 }
 
-// x1 = x + Wo a over the columns the row names: all of them; or those of the first half of the KV
-// groups, whose f32 products go to PartOut; or those of the second half, whose products are added to
-// PartIn's (written by another phase, which this one waits for) before rounding.
-__device__ void phase_oproj(const int64_t* op, const bf16* x, Ring& ring, Partials part) {
-    const uint32_t cols = (uint32_t)op[oproj::Cols];
-    bf16* x1 = reinterpret_cast<bf16*>(op[oproj::X1Out]);
-    const float* part_in = reinterpret_cast<const float*>(op[oproj::PartIn]);
-    float* part_out = reinterpret_cast<float*>(op[oproj::PartOut]);
+// dst = residual + W v over the columns the row names: all of them; or a first part, whose f32 products
+// go to part_out; or the rest, whose products are added to part_in's (the first part's) before
+// rounding. The O projection and Down are this GEMV.
+__device__ void residual_gemv(const int64_t* op, const bf16* v, uint32_t cols, const bf16* residual, bf16* dst,
+                              const float* part_in, float* part_out, Ring& ring, Partials part) {
     uint32_t r0, r1;
     gemv_rows(op, r0, r1);
-    const float first_x = part_out == nullptr ? preload(x + r0, r1 - r0) : 0.0f;
+    const float first_res = part_out == nullptr ? preload(residual + r0, r1 - r0) : 0.0f;
     const float first_part = part_in != nullptr && threadIdx.x < r1 - r0 ? __ldcg(part_in + r0 + threadIdx.x) : 0.0f;
-    const Slice s = load_slice(reinterpret_cast<const bf16*>(op[oproj::A]), cols);
+    const Slice s = load_slice(v, cols);
     gemv_phase(op, s, ring, part, r0, r1);
     for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
         const float y = row_sum(part.red, r);
@@ -722,10 +721,20 @@ __device__ void phase_oproj(const int64_t* op, const bf16* x, Ring& ring, Partia
             part_out[r0 + r] = y;
             continue;
         }
-        const float xr = r == threadIdx.x ? first_x : __bfloat162float(x[r0 + r]);
-        const float sum = part_in == nullptr ? y : __fadd_rn(r == threadIdx.x ? first_part : __ldcg(part_in + r0 + r), y);
-        x1[r0 + r] = add_round(xr, bf(sum));
+        const bool first = r == threadIdx.x;
+        const float res = first ? first_res : __bfloat162float(__ldcg(residual + r0 + r));
+        const float sum = part_in == nullptr ? y : __fadd_rn(first ? first_part : __ldcg(part_in + r0 + r), y);
+        dst[r0 + r] = add_round(res, bf(sum));
     }
+}
+
+// x1 = x + Wo a over the columns the row names: all of them; or those of the first half of the KV
+// groups (f32 products to PartOut); or those of the second half, added to PartIn's, which the first
+// half's blocks wrote (this phase waits for theirs).
+__device__ void phase_oproj(const int64_t* op, const bf16* x, Ring& ring, Partials part) {
+    residual_gemv(op, reinterpret_cast<const bf16*>(op[oproj::A]), (uint32_t)op[oproj::Cols], x,
+                  reinterpret_cast<bf16*>(op[oproj::X1Out]), reinterpret_cast<const float*>(op[oproj::PartIn]),
+                  reinterpret_cast<float*>(op[oproj::PartOut]), ring, part);
 }
 
 // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2) over gate/up-interleaved rows.
@@ -742,19 +751,13 @@ __device__ void phase_gateup(const int64_t* op, Ring& ring, Partials part) {
     }
 }
 
-// out = x1 + Wd act.
+// out = x1 + Wd act over the columns of act the row names: all of them; or the first half (f32 products
+// to PartOut); or the second, added to PartIn's. Both halves run on the same blocks with the same rows,
+// so a block adds the partials it wrote itself: program order, no wait.
 __device__ void phase_down(const int64_t* op, bf16* out, Ring& ring, Partials part) {
-    const uint32_t cols = (uint32_t)op[down::Cols];
-    const bf16* x1 = reinterpret_cast<const bf16*>(op[down::X1]);
-    uint32_t r0, r1;
-    gemv_rows(op, r0, r1);
-    const float first_x1 = preload(x1 + r0, r1 - r0);
-    const Slice s = load_slice(reinterpret_cast<const bf16*>(op[down::Act]), cols);
-    gemv_phase(op, s, ring, part, r0, r1);
-    for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
-        const float x1r = r == threadIdx.x ? first_x1 : __bfloat162float(__ldcg(x1 + r0 + r));
-        out[r0 + r] = add_round(x1r, bf(row_sum(part.red, r)));
-    }
+    residual_gemv(op, reinterpret_cast<const bf16*>(op[down::Act]), (uint32_t)op[down::Cols],
+                  reinterpret_cast<const bf16*>(op[down::X1]), out, reinterpret_cast<const float*>(op[down::PartIn]),
+                  reinterpret_cast<float*>(op[down::PartOut]), ring, part);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ constexpr int PROGRAM_ROW_WORDS = 16;
 // no memory round trip. Read from global memory with L2 cold, the first row took about 6 us to arrive
 // and the first weight copies and x's load waited on it; by value they are issued within about 1 us
 // (docs/perf.md, v13), though x's own latency keeps the first dot product about where it was.
-constexpr int PROGRAM_MAX_PHASES = 8;
+constexpr int PROGRAM_MAX_PHASES = 12;
 struct Program {
     int64_t words[PROGRAM_MAX_PHASES * PROGRAM_ROW_WORDS];
 };
@@ -37,4 +37,4 @@ namespace qkv { enum : int { W = 1, Norm, QOut, KCache, VCache, Cos, Sin, D, NQ,
 namespace attn { enum : int { Q = 1, KCache, VCache, PartO, PartMl, Counters, AOut, NQ, NKv, Hd, MaxSeq, Chunk }; }
 namespace oproj { enum : int { W = 1, A, X1Out, Rows, Cols, PartIn, PartOut }; }
 namespace gateup { enum : int { W = 1, Norm, X1, ActOut, D, Ffn, EpsBits }; }
-namespace down { enum : int { W = 1, Act, X1, Rows, Cols }; }
+namespace down { enum : int { W = 1, Act, X1, Rows, Cols, PartIn, PartOut }; }

@@ -140,8 +140,11 @@ impl Timeline {
         const LEFT: f64 = 60.0;
         const TOP: f64 = 40.0;
         const ROW: f64 = 3.0;
-        const COLOURS: [&str; 8] =
-            ["#5b9bd5", "#d9534f", "#f0ad4e", "#5cb85c", "#8e6fb8", "#777777", "#17becf", "#bcbd22"];
+        // One per phase a program can hold.
+        const COLOURS: [&str; submission::megakernel::program::MAX_PHASES] = [
+            "#5b9bd5", "#d9534f", "#f0ad4e", "#5cb85c", "#8e6fb8", "#777777", "#17becf", "#bcbd22", "#e377c2",
+            "#8c564b", "#1f3a93", "#ff9896",
+        ];
         // The legend: an entry per phase, LEGEND_ROW to a line.
         const LEGEND_W: f64 = 170.0;
         const LEGEND_ROW: usize = 5;

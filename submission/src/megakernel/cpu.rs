@@ -65,8 +65,9 @@ pub struct CpuLayer {
     pub arena: Arena,
     pub buffers: Buffers,
     pub program: Vec<Row>,
-    /// The first half's O projection (its weights, input and columns), waiting for the second's.
-    oproj_first: Option<(i64, i64, usize)>,
+    /// The first part of a GEMV split by columns (its weights, input and columns), waiting for the
+    /// second: the O projection's, then Down's.
+    first_part: Option<(i64, i64, usize)>,
 }
 
 /// The packed matrix `packing` describes, copied from the host weights.
@@ -95,6 +96,7 @@ impl CpuLayer {
         let chunks = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
         let groups = program::halves(cfg, grid);
         let split = groups.len() == 2;
+        let parts = program::mlp_parts(cfg, grid);
         let mut qkv_of = |g: Groups| a.alloc_bf16(&copy_packed(w, pack::qkv(cfg, g)));
         let w_qkv = [qkv_of(groups[0]), groups.get(1).map_or(0, |&g| qkv_of(g))];
         // One half: the O projection streams Wo itself.
@@ -122,10 +124,16 @@ impl CpuLayer {
             w_gateup: a.alloc_bf16(&copy_packed(w, pack::gateup(cfg))),
             post_norm: a.alloc_bf16(&w.post_norm),
             act: a.alloc(&zeros(2 * cfg.ffn)),
-            w_down: a.alloc_bf16(&w.down),
+            w_down: if parts == 2 {
+                let mut down_of = |k: usize| a.alloc_bf16(&copy_packed(w, pack::down(cfg, k, parts)));
+                [down_of(0), down_of(1)]
+            } else {
+                [a.alloc_bf16(&w.down), 0]
+            },
+            down_part: a.alloc(&zeros(4 * cfg.d)),
         };
         let program = program::compile(cfg, &buffers, grid);
-        Self { cfg: cfg.clone(), arena: a, buffers, program, oproj_first: None }
+        Self { cfg: cfg.clone(), arena: a, buffers, program, first_part: None }
     }
 
     /// The cache as the program left it.
@@ -147,7 +155,11 @@ impl CpuLayer {
                 Op::Attention => self.attention(&row, pos),
                 Op::OProj => self.oproj(&row, x),
                 Op::GateUp => self.gateup(&row),
-                Op::Down => out = self.down(&row),
+                Op::Down => {
+                    if let Some(o) = self.down(&row) {
+                        out = o;
+                    }
+                }
             }
         }
         out
@@ -201,38 +213,51 @@ impl CpuLayer {
         self.arena.write_bf16(w(attn::AOut), &a);
     }
 
-    /// The whole O projection, or one of its halves of columns: the first names the partials it would
-    /// write (PartOut), the second the partials it adds (PartIn). The executor keeps the first half's
-    /// operands and computes the whole product when the second comes, with the golden model's rounding,
-    /// from the two halves' packed columns (which checks both packings).
-    fn oproj(&mut self, r: &Row, x: &[bf16]) {
-        let w = |i: oproj::Word| r[i as usize];
-        let (rows, cols) = (w(oproj::Rows) as usize, w(oproj::Cols) as usize);
-        if w(oproj::PartOut) != 0 {
-            assert_eq!(w(oproj::PartIn), 0);
-            self.oproj_first = Some((w(oproj::W), w(oproj::A), cols));
-            return;
+    /// `W v`, or one of its two parts of columns: the first names the partials it would write
+    /// (`part_out`), the second those it adds (`part_in`, which must be `parts`). The executor keeps the
+    /// first part's operands and computes the whole product when the second comes (`None` until then),
+    /// with the golden model's rounding, from the two parts' packed columns (which checks both packings).
+    fn split_gemv(
+        &mut self,
+        (w, v, rows, cols): (i64, i64, usize, usize),
+        part_in: i64,
+        part_out: i64,
+        parts: u64,
+    ) -> Option<Vec<bf16>> {
+        if part_out != 0 {
+            assert_eq!((part_in, part_out), (0, parts as i64));
+            assert!(self.first_part.replace((w, v, cols)).is_none(), "a first part after a first part");
+            return None;
         }
-        let mut weights = self.arena.bf16(w(oproj::W), rows * cols);
-        let mut a = self.arena.bf16(w(oproj::A), cols);
+        let mut weights = self.arena.bf16(w, rows * cols);
+        let mut v = self.arena.bf16(v, cols);
         let mut all_cols = cols;
-        if w(oproj::PartIn) != 0 {
-            let (w0, a0, cols0) =
-                self.oproj_first.take().expect("the second half of the O projection before the first");
-            assert_eq!(w(oproj::PartIn), self.buffers.x1_part as i64);
+        if part_in != 0 {
+            assert_eq!(part_in, parts as i64);
+            let (w0, v0, cols0) = self.first_part.take().expect("the second part of a GEMV before the first");
             let first = self.arena.bf16(w0, rows * cols0);
             weights = (0..rows)
                 .flat_map(|i| {
                     first[i * cols0..(i + 1) * cols0].iter().chain(&weights[i * cols..(i + 1) * cols]).copied()
                 })
                 .collect();
-            a = [self.arena.bf16(a0, cols0), a].concat();
+            v = [self.arena.bf16(v0, cols0), v].concat();
             all_cols += cols0;
         }
-        let y = golden::gemv(&weights, rows, all_cols, &a);
-        self.arena.write_bf16(w(oproj::X1Out), &golden::add(x, &y));
+        Some(golden::gemv(&weights, rows, all_cols, &v))
     }
 
+    /// `x1 = x + Wo a`, in one or two parts of columns (`split_gemv`).
+    fn oproj(&mut self, r: &Row, x: &[bf16]) {
+        let w = |i: oproj::Word| r[i as usize];
+        let gemv = (w(oproj::W), w(oproj::A), w(oproj::Rows) as usize, w(oproj::Cols) as usize);
+        if let Some(y) = self.split_gemv(gemv, w(oproj::PartIn), w(oproj::PartOut), self.buffers.x1_part) {
+            self.arena.write_bf16(w(oproj::X1Out), &golden::add(x, &y));
+        }
+    }
+
+    /// GateUp's rows of the part of act the row names (its rows of the packed matrix are those of that
+    /// part's gate/up pairs).
     fn gateup(&mut self, r: &Row) {
         let w = |i: gateup::Word| r[i as usize];
         let (d, ffn) = (w(gateup::D) as usize, w(gateup::Ffn) as usize);
@@ -243,12 +268,12 @@ impl CpuLayer {
         self.arena.write_bf16(w(gateup::ActOut), &golden::silu_mul(&gate, &up));
     }
 
-    fn down(&mut self, r: &Row) -> Vec<bf16> {
+    /// `out = x1 + Wd act`, in one or two parts of columns (`split_gemv`); `None` after a first part.
+    fn down(&mut self, r: &Row) -> Option<Vec<bf16>> {
         let w = |i: down::Word| r[i as usize];
-        let (rows, cols) = (w(down::Rows) as usize, w(down::Cols) as usize);
-        let y =
-            golden::gemv(&self.arena.bf16(w(down::W), rows * cols), rows, cols, &self.arena.bf16(w(down::Act), cols));
-        golden::add(&self.arena.bf16(w(down::X1), rows), &y)
+        let gemv = (w(down::W), w(down::Act), w(down::Rows) as usize, w(down::Cols) as usize);
+        let y = self.split_gemv(gemv, w(down::PartIn), w(down::PartOut), self.buffers.down_part)?;
+        Some(golden::add(&self.arena.bf16(w(down::X1), w(down::Rows) as usize), &y))
     }
 }
 
@@ -278,7 +303,7 @@ mod tests {
 
     #[test]
     fn executor_matches_golden_at_tiny_in_two_roles() {
-        matches_golden(Config::tiny(), 132, 8, 3);
+        matches_golden(Config::tiny(), 132, 10, 3);
     }
 
     #[test]
@@ -288,6 +313,6 @@ mod tests {
 
     #[test]
     fn executor_matches_golden_at_small() {
-        matches_golden(Config::small(), 132, 5, 2);
+        matches_golden(Config::small(), 132, 7, 2);
     }
 }

@@ -305,6 +305,13 @@ impl Submission for Megakernel {
             Vec::new()
         };
         let w_gateup = gather(dev, w, pack::gateup(cfg))?;
+        // One part: Down streams Wdown itself.
+        let parts = program::mlp_parts(cfg, grid);
+        let w_down: Vec<CudaSlice<bf16>> = if parts == 2 {
+            (0..parts).map(|k| gather(dev, w, pack::down(cfg, k, parts))).collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         let rope = RopeTable::new(cfg);
         let (cos, sin) =
             (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
@@ -316,6 +323,7 @@ impl Submission for Megakernel {
         // Arrivals and departures per KV head (see phase_attention).
         let counters = s.alloc_zeros::<u32>(2 * cfg.n_kv).context("allocating attention counters")?;
         let x1_part = s.alloc_zeros::<f32>(cfg.d).context("allocating the O projection's partials")?;
+        let down_part = s.alloc_zeros::<f32>(cfg.d).context("allocating Down's partials")?;
         let address = |v: Option<&CudaSlice<bf16>>| v.map_or(0, |v| device_address(dev, v));
         let buffers = Buffers {
             w_qkv: [address(w_qkv.first()), address(w_qkv.get(1))],
@@ -335,7 +343,12 @@ impl Submission for Megakernel {
             w_gateup: device_address(dev, &w_gateup),
             post_norm: device_address(dev, &w.post_norm),
             act: device_address(dev, &act),
-            w_down: device_address(dev, &w.down),
+            w_down: if parts == 2 {
+                [address(w_down.first()), address(w_down.get(1))]
+            } else {
+                [device_address(dev, &w.down), 0]
+            },
+            down_part: device_address(dev, &down_part),
         };
         let rows = program::compile(cfg, &buffers, grid);
         let param = ProgramParam::new(&rows).ok_or_else(|| {
@@ -386,8 +399,8 @@ impl Submission for Megakernel {
             red_rows: red_rows as u32,
             phase_done: s.alloc_zeros::<u32>(program::MAX_PHASES).context("allocating the phase counters")?,
             cursor: StepCursor::default(),
-            _buffers: w_qkv.into_iter().chain(w_o).chain([w_gateup, q, a, x1, act]).collect(),
-            _tables: vec![cos, sin, part_o, part_ml, x1_part],
+            _buffers: w_qkv.into_iter().chain(w_o).chain(w_down).chain([w_gateup, q, a, x1, act]).collect(),
+            _tables: vec![cos, sin, part_o, part_ml, x1_part, down_part],
             _counters: counters,
         });
         Ok(())

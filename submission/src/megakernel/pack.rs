@@ -5,6 +5,7 @@
 //! them itself. The program streams the groups in two halves (see `program::compile`).
 //! O projection: the columns of a range of KV groups' query heads, for every row.
 //! Gate/up: gate row r and up row r next to each other, so one block computes `silu(g) * u` itself.
+//! Down: one part of `ffn`'s columns, for every row (the program runs the MLP in parts of `ffn`).
 
 use spec::{Config, Tensor};
 
@@ -93,6 +94,13 @@ pub fn gateup(cfg: &Config) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
     Packing { rows: 2 * cfg.ffn, cols: cfg.d, start }
 }
 
+/// Columns `[part * ffn / parts, (part + 1) * ffn / parts)` of `Wdown`, for every row: the product
+/// with act's `part`-th part.
+pub fn down(cfg: &Config, part: usize, parts: usize) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
+    let cols = cfg.ffn / parts;
+    Packing { rows: cfg.d, cols, start: move |r| (Tensor::Wdown, r * cfg.ffn + part * cols) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,6 +132,23 @@ mod tests {
         }
         assert_eq!(gateup_source(6), (Tensor::Wgate, 3));
         assert_eq!(gateup_source(7), (Tensor::Wup, 3));
+    }
+
+    /// Down's parts tile every row of `Wdown`: each element once, in column order within a part.
+    #[test]
+    fn down_parts_tile_every_row() {
+        let cfg = Config::tiny();
+        let mut seen = vec![0u8; cfg.d * cfg.ffn];
+        for part in 0..2 {
+            let Packing { rows, cols, start } = down(&cfg, part, 2);
+            assert_eq!((rows, cols), (cfg.d, cfg.ffn / 2));
+            for r in 0..rows {
+                let (t, at) = start(r);
+                assert_eq!((t, at / cfg.ffn, at % cfg.ffn), (Tensor::Wdown, r, part * cols));
+                seen[at..at + cols].iter_mut().for_each(|s| *s += 1);
+            }
+        }
+        assert!(seen.iter().all(|&s| s == 1));
     }
 
     #[test]

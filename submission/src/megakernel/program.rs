@@ -10,6 +10,8 @@
 //! every block of each phase it depends on has finished that phase. The layer compiles to one of two
 //! plans (`compile`): every phase on every block, or the two-role plan, in which the two halves of the
 //! grid take turns streaming and running attention so that HBM keeps streaming while attention runs.
+//! On a grid of more than one block the MLP runs in halves of `ffn` so that Down's first half waits
+//! only for GateUp's first, long finished, and no block waits at the end of GateUp.
 
 use spec::{Config, LayerOp};
 
@@ -19,7 +21,7 @@ use super::pack::Groups;
 pub const ROW_WORDS: usize = 16;
 /// Rows the kernel's by-value program parameter holds (the rows past a program's are no-ops that no
 /// block runs).
-pub const MAX_PHASES: usize = 8;
+pub const MAX_PHASES: usize = 12;
 /// Cached positions per attention work item.
 pub const ATTN_CHUNK: usize = 128;
 
@@ -64,7 +66,7 @@ impl Blocks {
     pub fn contains(self, block: usize) -> bool {
         let d = block.wrapping_sub(self.first as usize);
         block >= self.first as usize
-            && d % self.stride as usize == 0
+            && d.is_multiple_of(self.stride as usize)
             && d / (self.stride as usize) < self.count as usize
     }
 }
@@ -126,7 +128,7 @@ operands!(qkv { W, Norm, QOut, KCache, VCache, Cos, Sin, D, NQ, NKv, Hd, MaxSeq,
 operands!(attn { Q, KCache, VCache, PartO, PartMl, Counters, AOut, NQ, NKv, Hd, MaxSeq, Chunk });
 operands!(oproj { W, A, X1Out, Rows, Cols, PartIn, PartOut });
 operands!(gateup { W, Norm, X1, ActOut, D, Ffn, EpsBits });
-operands!(down { W, Act, X1, Rows, Cols });
+operands!(down { W, Act, X1, Rows, Cols, PartIn, PartOut });
 
 /// The addresses of every buffer the program names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -163,7 +165,11 @@ pub struct Buffers {
     pub post_norm: u64,
     /// `(ffn)` SwiGLU activation, bf16.
     pub act: u64,
-    pub w_down: u64,
+    /// Per half of the MLP (`mlp_parts`), `(d, ffn / 2)`: the columns of `Wdown` that read its half of
+    /// `act`. One: `Wdown` itself.
+    pub w_down: [u64; 2],
+    /// `(d)` f32: Down's first half, which its second half adds (two halves only).
+    pub down_part: u64,
 }
 
 /// Attention chunks needed for the deepest slot of the cache.
@@ -197,10 +203,16 @@ pub fn halves(cfg: &Config, grid: u32) -> Vec<Groups> {
     vec![Groups { kv0: 0, n_kv: first }, Groups { kv0: first, n_kv: cfg.n_kv - first }]
 }
 
+/// Parts of `ffn` that GateUp and Down run in on a grid of `grid` blocks: two when the grid has two
+/// blocks or more and each half of `ffn` is a whole number of 16-byte vectors, else one.
+pub fn mlp_parts(cfg: &Config, grid: u32) -> usize {
+    if grid >= 2 && cfg.ffn.is_multiple_of(16) { 2 } else { 1 }
+}
+
 /// The layer as a program for a grid of `grid` blocks.
 ///
-/// With one half (`halves`) or one block: Qkv, attention, the O projection, GateUp and Down, each on
-/// every block and waiting for the one before.
+/// With one half (`halves`) or one block: Qkv, attention, the O projection, each on every block and
+/// waiting for the one before; then the MLP.
 ///
 /// With two halves, A (the grid's even blocks) and B (the odd ones) take turns (the weights' bytes
 /// stream while attention's latency-bound chain runs):
@@ -213,8 +225,20 @@ pub fn halves(cfg: &Config, grid: u32) -> Vec<Groups> {
 /// | 3 O projection, half 0's columns | A | 2 | f32 partials, while B runs 1 and 4 |
 /// | 4 attention, half 1 | B | 1 | |
 /// | 5 O projection, half 1's columns | all | 3, 4 | adds the partials: x1 |
-/// | 6 GateUp | all | 5 | |
-/// | 7 Down | all | 6 | |
+///
+/// The MLP follows on every block. In one part (`mlp_parts`): GateUp, then Down. In two, with `o` the
+/// O projection's last phase:
+///
+/// | phase | waits for | |
+/// |---|---|---|
+/// | o + 1 GateUp, act's first half | o | |
+/// | o + 2 GateUp, act's second half | o | |
+/// | o + 3 Down, act's first half | o + 1 | f32 partials, one per row |
+/// | o + 4 Down, act's second half | o + 2 | adds the partials: out |
+///
+/// Down's halves run on the same blocks with the same rows, so each block adds the partials it wrote
+/// itself and the second half waits for nothing else. A block that ends GateUp starts Down at once:
+/// the half it needs finished a whole GateUp half ago.
 pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
     let i = |v: usize| v as i64;
     let p = |v: u64| v as i64;
@@ -286,50 +310,63 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
             ],
         )
     };
-    let gateup = row(
-        Op::GateUp,
-        &[
-            (gateup::W, p(b.w_gateup)),
-            (gateup::Norm, p(b.post_norm)),
-            (gateup::X1, p(b.x1)),
-            (gateup::ActOut, p(b.act)),
-            (gateup::D, i(cfg.d)),
-            (gateup::Ffn, i(cfg.ffn)),
-            (gateup::EpsBits, eps),
-        ],
-    );
-    let down = row(
-        Op::Down,
-        &[
-            (down::W, p(b.w_down)),
-            (down::Act, p(b.act)),
-            (down::X1, p(b.x1)),
-            (down::Rows, i(cfg.d)),
-            (down::Cols, i(cfg.ffn)),
-        ],
-    );
-    let plan: Vec<(Row, Blocks, &[usize])> = if halves.len() == 1 {
+    // Part k of `parts` of the MLP: GateUp's rows of act's k-th part of `ffn`, and the product of
+    // Down's columns that read it; `part_in` / `part_out` as Down's operands say (0: none).
+    let ffn_part = |parts: usize| cfg.ffn / parts;
+    let gateup_row = |k: usize, parts: usize| {
+        let f = ffn_part(parts);
+        row(
+            Op::GateUp,
+            &[
+                (gateup::W, p(b.w_gateup + 2 * (2 * f * k * cfg.d) as u64)),
+                (gateup::Norm, p(b.post_norm)),
+                (gateup::X1, p(b.x1)),
+                (gateup::ActOut, p(b.act + 2 * (f * k) as u64)),
+                (gateup::D, i(cfg.d)),
+                (gateup::Ffn, i(f)),
+                (gateup::EpsBits, eps),
+            ],
+        )
+    };
+    let down_row = |k: usize, parts: usize, part_in: u64, part_out: u64| {
+        let f = ffn_part(parts);
+        row(
+            Op::Down,
+            &[
+                (down::W, p(b.w_down[k])),
+                (down::Act, p(b.act + 2 * (f * k) as u64)),
+                (down::X1, p(b.x1)),
+                (down::Rows, i(cfg.d)),
+                (down::Cols, i(f)),
+                (down::PartIn, p(part_in)),
+                (down::PartOut, p(part_out)),
+            ],
+        )
+    };
+    let mut plan: Vec<(Row, Blocks, Vec<usize>)> = if halves.len() == 1 {
         let g = Groups::all(cfg);
-        vec![
-            (qkv_row(0, g), all, &[]),
-            (attn_row(g), all, &[0]),
-            (oproj_row(b.w_o[0], g, 0, 0), all, &[1]),
-            (gateup, all, &[2]),
-            (down, all, &[3]),
-        ]
+        vec![(qkv_row(0, g), all, vec![]), (attn_row(g), all, vec![0]), (oproj_row(b.w_o[0], g, 0, 0), all, vec![1])]
     } else {
         let (h0, h1) = (halves[0], halves[1]);
         vec![
-            (qkv_row(0, h0), all, &[]),
-            (qkv_row(1, h1), bb, &[]),
-            (attn_row(h0), a, &[0]),
-            (oproj_row(b.w_o[0], h0, 0, b.x1_part), a, &[2]),
-            (attn_row(h1), bb, &[1]),
-            (oproj_row(b.w_o[1], h1, b.x1_part, 0), all, &[3, 4]),
-            (gateup, all, &[5]),
-            (down, all, &[6]),
+            (qkv_row(0, h0), all, vec![]),
+            (qkv_row(1, h1), bb, vec![]),
+            (attn_row(h0), a, vec![0]),
+            (oproj_row(b.w_o[0], h0, 0, b.x1_part), a, vec![2]),
+            (attn_row(h1), bb, vec![1]),
+            (oproj_row(b.w_o[1], h1, b.x1_part, 0), all, vec![3, 4]),
         ]
     };
+    let o = plan.len() - 1;
+    if mlp_parts(cfg, grid) == 1 {
+        plan.push((gateup_row(0, 1), all, vec![o]));
+        plan.push((down_row(0, 1, 0, 0), all, vec![o + 1]));
+    } else {
+        plan.push((gateup_row(0, 2), all, vec![o]));
+        plan.push((gateup_row(1, 2), all, vec![o]));
+        plan.push((down_row(0, 2, 0, b.down_part), all, vec![o + 1]));
+        plan.push((down_row(1, 2, b.down_part, 0), all, vec![o + 2]));
+    }
     plan.into_iter()
         .map(|(mut r, blocks, waits)| {
             r[BLOCKS_WORD] = blocks.word();
@@ -351,14 +388,16 @@ pub fn gemv_rows(row: &Row) -> Option<usize> {
     }
 }
 
-/// The share of its operation's bytes (`ByteModel::by_op`) that `row` reads: the part of the groups or
-/// of the O projection's columns it covers.
+/// The share of its operation's bytes (`ByteModel::by_op`) that `row` reads: the part of the groups, of
+/// the O projection's columns or of `ffn` it covers.
 pub fn share(row: &Row, cfg: &Config) -> f64 {
     match Op::from_word(row[0]) {
         Some(Op::Qkv) => row[qkv::NKv as usize] as f64 / cfg.n_kv as f64,
         Some(Op::Attention) => row[attn::NKv as usize] as f64 / cfg.n_kv as f64,
         Some(Op::OProj) => row[oproj::Cols as usize] as f64 / cfg.q_dim() as f64,
-        _ => 1.0,
+        Some(Op::GateUp) => row[gateup::Ffn as usize] as f64 / cfg.ffn as f64,
+        Some(Op::Down) => row[down::Cols as usize] as f64 / cfg.ffn as f64,
+        Some(Op::Nop) | None => 1.0,
     }
 }
 
@@ -437,7 +476,8 @@ mod tests {
             w_gateup: 14,
             post_norm: 15,
             act: 16,
-            w_down: 17,
+            w_down: [17, 21],
+            down_part: 22,
         }
     }
 
@@ -454,22 +494,60 @@ mod tests {
     }
 
     #[test]
-    fn the_whole_plan_is_five_phases_each_on_every_block() {
+    fn the_one_half_plan_runs_every_phase_on_every_block() {
         let mut cfg = Config::small();
         assert_eq!(cfg.n_kv, 1);
         let prog = compile(&cfg, &buffers(), 132);
         let ops: Vec<Op> = prog.iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
-        assert_eq!(ops, [Op::Qkv, Op::Attention, Op::OProj, Op::GateUp, Op::Down]);
-        // Phase p computes the byte model's operation p, which `grader profile` relies on.
-        assert_eq!(ops.iter().map(|op| op.layer_op().unwrap()).collect::<Vec<_>>(), LayerOp::ALL);
-        for (k, r) in prog.iter().enumerate() {
-            assert_eq!(Blocks::of(r), Blocks::first(132));
-            assert_eq!(waits(r), if k == 0 { vec![] } else { vec![k - 1] });
-            assert_eq!(share(r, &cfg), 1.0);
+        use Op::*;
+        assert_eq!(ops, [Qkv, Attention, OProj, GateUp, GateUp, Down, Down]);
+        let w: Vec<Vec<usize>> = prog.iter().map(waits).collect();
+        assert_eq!(w, [vec![], vec![0], vec![1], vec![2], vec![2], vec![3], vec![4]]);
+        assert!(prog.iter().all(|r| Blocks::of(r) == Blocks::first(132)));
+        // One block: five phases, each the byte model's operation of its index, whatever the layer.
+        for c in [Config::small(), Config::graded()] {
+            cfg = c;
+            let prog = compile(&cfg, &buffers(), 1);
+            let ops: Vec<LayerOp> = prog.iter().map(|r| Op::from_word(r[0]).unwrap().layer_op().unwrap()).collect();
+            assert_eq!(ops, LayerOp::ALL);
+            assert!(prog.iter().all(|r| share(r, &cfg) == 1.0 && Blocks::of(r) == Blocks::first(1)));
+            assert_eq!(prog.iter().map(waits).collect::<Vec<_>>(), [vec![], vec![0], vec![1], vec![2], vec![3]]);
         }
-        // One block: the whole plan whatever the layer.
-        cfg = Config::graded();
-        assert_eq!(compile(&cfg, &buffers(), 1).len(), 5);
+    }
+
+    /// GateUp's halves write the two halves of act from the two halves of the packed rows; Down's
+    /// read them with their halves of the columns, the first writing the partials the second adds, on
+    /// the same blocks with the same rows (the kernel adds a block's own partials without a wait).
+    #[test]
+    fn the_mlp_parts_split_act_and_share_downs_rows() {
+        for (cfg, grid) in [(Config::graded(), 132), (Config::small(), 132), (Config::tiny(), 2)] {
+            let prog = compile(&cfg, &buffers(), grid);
+            let of = |op: Op| prog.iter().filter(move |r| r[0] == op as i64).collect::<Vec<_>>();
+            let (g, d) = (of(Op::GateUp), of(Op::Down));
+            assert_eq!((g.len(), d.len()), (2, 2), "{}", cfg.name);
+            let f = cfg.ffn / 2;
+            assert!(g.iter().chain(&d).all(|r| share(r, &cfg) == 0.5));
+            assert_eq!(g[1][gateup::W as usize] - g[0][gateup::W as usize], (2 * 2 * f * cfg.d) as i64);
+            assert_eq!(g[1][gateup::ActOut as usize] - g[0][gateup::ActOut as usize], (2 * f) as i64);
+            assert_eq!((g[0][gateup::Ffn as usize], g[1][gateup::Ffn as usize]), (f as i64, f as i64));
+            assert_eq!((d[0][down::W as usize], d[1][down::W as usize]), (17, 21));
+            assert_eq!(d[0][down::Act as usize], g[0][gateup::ActOut as usize]);
+            assert_eq!(d[1][down::Act as usize], g[1][gateup::ActOut as usize]);
+            assert_eq!((d[0][down::Cols as usize], d[1][down::Cols as usize]), (f as i64, f as i64));
+            assert_eq!((d[0][down::PartIn as usize], d[0][down::PartOut as usize]), (0, 22));
+            assert_eq!((d[1][down::PartIn as usize], d[1][down::PartOut as usize]), (22, 0));
+            assert_eq!(Blocks::of(d[0]), Blocks::of(d[1]));
+            assert_eq!(gemv_rows(d[0]), gemv_rows(d[1]));
+            // Each half of Down waits for the GateUp half it reads, and nothing else.
+            let index = |r: &Row| prog.iter().position(|q| q == r).unwrap();
+            assert_eq!(waits(d[0]), [index(g[0])]);
+            assert_eq!(waits(d[1]), [index(g[1])]);
+        }
+        // A part of ffn that is no whole number of 16-byte vectors: one part.
+        let cfg = Config { ffn: 776, ..Config::tiny() };
+        assert_eq!(mlp_parts(&cfg, 132), 1);
+        let ops: Vec<Op> = compile(&cfg, &buffers(), 132).iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
+        assert_eq!(&ops[ops.len() - 2..], [Op::GateUp, Op::Down]);
     }
 
     #[test]
@@ -478,18 +556,18 @@ mod tests {
         let prog = compile(&cfg, &buffers(), 132);
         let ops: Vec<Op> = prog.iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
         use Op::*;
-        assert_eq!(ops, [Qkv, Qkv, Attention, OProj, Attention, OProj, GateUp, Down]);
+        assert_eq!(ops, [Qkv, Qkv, Attention, OProj, Attention, OProj, GateUp, GateUp, Down, Down]);
         let (all, a, b) =
             (Blocks::first(132), Blocks { first: 0, count: 66, stride: 2 }, Blocks { first: 1, count: 66, stride: 2 });
         let blocks: Vec<Blocks> = prog.iter().map(Blocks::of).collect();
-        assert_eq!(blocks, [all, b, a, a, b, all, all, all]);
+        assert_eq!(blocks, [all, b, a, a, b, all, all, all, all, all]);
         // The halves are the even and the odd blocks, and together every block once.
         assert!((0..132).all(|k| a.contains(k) == (k % 2 == 0) && b.contains(k) == (k % 2 == 1)));
         assert!(!a.contains(132) && !b.contains(133) && end(a) == 131 && end(b) == 132);
         let w: Vec<Vec<usize>> = prog.iter().map(waits).collect();
-        assert_eq!(w, [vec![], vec![], vec![0], vec![2], vec![1], vec![3, 4], vec![5], vec![6]]);
+        assert_eq!(w, [vec![], vec![], vec![0], vec![2], vec![1], vec![3, 4], vec![5], vec![5], vec![6], vec![7]]);
         // Each operation's shares add up to the whole of it.
-        for op in [Qkv, Attention, OProj] {
+        for op in [Qkv, Attention, OProj, GateUp, Down] {
             let total: f64 = prog.iter().filter(|r| r[0] == op as i64).map(|r| share(r, &cfg)).sum();
             assert_eq!(total, 1.0, "{op:?}");
         }
@@ -519,8 +597,11 @@ mod tests {
                 let op = Op::from_word(r[0]).unwrap();
                 let n = operands(op);
                 assert!(n < BLOCKS_WORD, "{op:?}");
-                let optional =
-                    |w: usize| op == Op::OProj && (w == oproj::PartIn as usize || w == oproj::PartOut as usize);
+                let optional = |w: usize| match op {
+                    Op::OProj => w == oproj::PartIn as usize || w == oproj::PartOut as usize,
+                    Op::Down => w == down::PartIn as usize || w == down::PartOut as usize,
+                    _ => false,
+                };
                 assert!((1..=n).all(|w| r[w] != 0 || optional(w)), "{r:?}");
                 assert!(r[n + 1..BLOCKS_WORD].iter().all(|&w| w == 0), "{r:?}");
                 let bl = Blocks::of(r);
