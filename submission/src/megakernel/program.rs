@@ -10,8 +10,8 @@
 //! every block of each phase it depends on has finished that phase. The layer compiles to one of two
 //! plans (`compile`): every phase on every block, or the two-role plan, in which the two halves of the
 //! grid take turns streaming and running attention so that HBM keeps streaming while attention runs.
-//! On a grid of more than one block the MLP runs in halves of `ffn` so that Down's first half waits
-//! only for GateUp's first, long finished, and no block waits at the end of GateUp.
+//! On a grid of more than one block the MLP runs in two parts of `ffn` (`mlp_parts`), so that Down's
+//! first part waits only for GateUp's first, long finished, and no block waits at the end of GateUp.
 
 use spec::{Config, LayerOp};
 
