@@ -81,6 +81,20 @@ fn copy_packed<F: Fn(usize) -> (Tensor, usize)>(w: &Weights, packing: Packing<F>
         .collect()
 }
 
+/// A matrix the program streams in two parts of columns (`parts`): both copied into the arena, their
+/// addresses; or, with `None`, the weight `whole` as it is (the GPU's `two_parts`).
+fn two_parts<F: Fn(usize) -> (Tensor, usize)>(
+    a: &mut Arena,
+    w: &Weights,
+    parts: Option<[Packing<F>; 2]>,
+    whole: Tensor,
+) -> [u64; 2] {
+    match parts {
+        Some([p0, p1]) => [a.alloc_bf16(&copy_packed(w, p0)), a.alloc_bf16(&copy_packed(w, p1))],
+        None => [a.alloc_bf16(w.get(whole)), 0],
+    }
+}
+
 /// The layer with only the query and KV heads a phase row names (its operands point at the first).
 fn sub_config(cfg: &Config, n_q: usize, n_kv: usize) -> Config {
     Config { n_q, n_kv, ..cfg.clone() }
@@ -96,16 +110,11 @@ impl CpuLayer {
         let chunks = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
         let groups = program::halves(cfg, grid);
         let split = groups.len() == 2;
-        let parts = program::mlp_parts(cfg, grid);
+        let mlp_split = program::mlp_parts(cfg, grid) == 2;
         let mut qkv_of = |g: Groups| a.alloc_bf16(&copy_packed(w, pack::qkv(cfg, g)));
         let w_qkv = [qkv_of(groups[0]), groups.get(1).map_or(0, |&g| qkv_of(g))];
-        // One half: the O projection streams Wo itself.
-        let w_o = if split {
-            let mut oproj_of = |g: Groups| a.alloc_bf16(&copy_packed(w, pack::oproj(cfg, g)));
-            [oproj_of(groups[0]), oproj_of(groups[1])]
-        } else {
-            [a.alloc_bf16(&w.o), 0]
-        };
+        let w_o =
+            two_parts(&mut a, w, split.then(|| [pack::oproj(cfg, groups[0]), pack::oproj(cfg, groups[1])]), Tensor::Wo);
         let buffers = Buffers {
             w_qkv,
             in_norm: a.alloc_bf16(&w.in_norm),
@@ -124,12 +133,7 @@ impl CpuLayer {
             w_gateup: a.alloc_bf16(&copy_packed(w, pack::gateup(cfg))),
             post_norm: a.alloc_bf16(&w.post_norm),
             act: a.alloc(&zeros(2 * cfg.ffn)),
-            w_down: if parts == 2 {
-                let mut down_of = |k: usize| a.alloc_bf16(&copy_packed(w, pack::down(cfg, k, parts)));
-                [down_of(0), down_of(1)]
-            } else {
-                [a.alloc_bf16(&w.down), 0]
-            },
+            w_down: two_parts(&mut a, w, mlp_split.then(|| [pack::down(cfg, 0), pack::down(cfg, 1)]), Tensor::Wdown),
             down_part: a.alloc(&zeros(4 * cfg.d)),
         };
         let program = program::compile(cfg, &buffers, grid);

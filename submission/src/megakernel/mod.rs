@@ -240,6 +240,24 @@ fn gather<F: Fn(usize) -> (Tensor, usize)>(
     Ok(out)
 }
 
+/// A matrix the program streams in two parts of columns (`parts`): both gathered, and their addresses; or,
+/// with `None`, the weight `whole` as it is (no copy).
+fn two_parts<F: Fn(usize) -> (Tensor, usize)>(
+    dev: &Device,
+    w: &DeviceWeights,
+    parts: Option<[Packing<F>; 2]>,
+    whole: Tensor,
+) -> Result<(Vec<CudaSlice<bf16>>, [u64; 2]), CudaError> {
+    match parts {
+        Some([p0, p1]) => {
+            let packed = vec![gather(dev, w, p0)?, gather(dev, w, p1)?];
+            let at = [device_address(dev, &packed[0]), device_address(dev, &packed[1])];
+            Ok((packed, at))
+        }
+        None => Ok((Vec::new(), [device_address(dev, w.get(whole)), 0])),
+    }
+}
+
 /// The largest row share any block gets in a GEMV phase of `rows` rows over `grid` blocks.
 fn max_block_rows(rows: usize, grid: usize) -> usize {
     2 * (rows / 2).div_ceil(grid)
@@ -298,20 +316,12 @@ impl Submission for Megakernel {
         let split = halves.len() == 2;
         let w_qkv: Vec<CudaSlice<bf16>> =
             halves.iter().map(|&g| gather(dev, w, pack::qkv(cfg, g))).collect::<Result<_, _>>()?;
-        // One half: the O projection streams Wo itself.
-        let w_o: Vec<CudaSlice<bf16>> = if split {
-            halves.iter().map(|&g| gather(dev, w, pack::oproj(cfg, g))).collect::<Result<_, _>>()?
-        } else {
-            Vec::new()
-        };
+        let (w_o, w_o_at) =
+            two_parts(dev, w, split.then(|| [pack::oproj(cfg, halves[0]), pack::oproj(cfg, halves[1])]), Tensor::Wo)?;
         let w_gateup = gather(dev, w, pack::gateup(cfg))?;
-        // One part: Down streams Wdown itself.
-        let parts = program::mlp_parts(cfg, grid);
-        let w_down: Vec<CudaSlice<bf16>> = if parts == 2 {
-            (0..parts).map(|k| gather(dev, w, pack::down(cfg, k, parts))).collect::<Result<_, _>>()?
-        } else {
-            Vec::new()
-        };
+        let mlp_split = program::mlp_parts(cfg, grid) == 2;
+        let (w_down, w_down_at) =
+            two_parts(dev, w, mlp_split.then(|| [pack::down(cfg, 0), pack::down(cfg, 1)]), Tensor::Wdown)?;
         let rope = RopeTable::new(cfg);
         let (cos, sin) =
             (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
@@ -337,17 +347,13 @@ impl Submission for Megakernel {
             part_ml: device_address(dev, &part_ml),
             counters: device_address(dev, &counters),
             a: device_address(dev, &a),
-            w_o: if split { [address(w_o.first()), address(w_o.get(1))] } else { [device_address(dev, &w.o), 0] },
+            w_o: w_o_at,
             x1_part: device_address(dev, &x1_part),
             x1: device_address(dev, &x1),
             w_gateup: device_address(dev, &w_gateup),
             post_norm: device_address(dev, &w.post_norm),
             act: device_address(dev, &act),
-            w_down: if parts == 2 {
-                [address(w_down.first()), address(w_down.get(1))]
-            } else {
-                [device_address(dev, &w.down), 0]
-            },
+            w_down: w_down_at,
             down_part: device_address(dev, &down_part),
         };
         let rows = program::compile(cfg, &buffers, grid);

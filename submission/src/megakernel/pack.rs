@@ -5,7 +5,7 @@
 //! them itself. The program streams the groups in two halves (see `program::compile`).
 //! O projection: the columns of a range of KV groups' query heads, for every row.
 //! Gate/up: gate row r and up row r next to each other, so one block computes `silu(g) * u` itself.
-//! Down: one part of `ffn`'s columns, for every row (the program runs the MLP in parts of `ffn`).
+//! Down: one half of `ffn`'s columns, for every row (the program runs the MLP in two parts of `ffn`).
 
 use spec::{Config, Tensor};
 
@@ -94,11 +94,10 @@ pub fn gateup(cfg: &Config) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
     Packing { rows: 2 * cfg.ffn, cols: cfg.d, start }
 }
 
-/// Columns `[part * ffn / parts, (part + 1) * ffn / parts)` of `Wdown`, for every row: the product
-/// with act's `part`-th part.
-pub fn down(cfg: &Config, part: usize, parts: usize) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
-    let cols = cfg.ffn / parts;
-    Packing { rows: cfg.d, cols, start: move |r| (Tensor::Wdown, r * cfg.ffn + part * cols) }
+/// Half `half` (0 or 1) of `Wdown`'s columns, for every row: the product with that half of act.
+pub fn down(cfg: &Config, half: usize) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
+    let cols = cfg.ffn / 2;
+    Packing { rows: cfg.d, cols, start: move |r| (Tensor::Wdown, r * cfg.ffn + half * cols) }
 }
 
 #[cfg(test)]
@@ -140,7 +139,7 @@ mod tests {
         let cfg = Config::tiny();
         let mut seen = vec![0u8; cfg.d * cfg.ffn];
         for part in 0..2 {
-            let Packing { rows, cols, start } = down(&cfg, part, 2);
+            let Packing { rows, cols, start } = down(&cfg, part);
             assert_eq!((rows, cols), (cfg.d, cfg.ffn / 2));
             for r in 0..rows {
                 let (t, at) = start(r);

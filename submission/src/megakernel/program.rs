@@ -310,11 +310,12 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
             ],
         )
     };
-    // Part k of `parts` of the MLP: GateUp's rows of act's k-th part of `ffn`, and the product of
-    // Down's columns that read it; `part_in` / `part_out` as Down's operands say (0: none).
-    let ffn_part = |parts: usize| cfg.ffn / parts;
-    let gateup_row = |k: usize, parts: usize| {
-        let f = ffn_part(parts);
+    // Part k of the MLP's parts (`mlp_parts`), f of `ffn` each: GateUp's rows of act's k-th part, and
+    // the product of Down's columns that read it; `part_in` / `part_out` as Down's operands say (0:
+    // none).
+    let parts = mlp_parts(cfg, grid);
+    let f = cfg.ffn / parts;
+    let gateup_row = |k: usize| {
         row(
             Op::GateUp,
             &[
@@ -328,8 +329,7 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
             ],
         )
     };
-    let down_row = |k: usize, parts: usize, part_in: u64, part_out: u64| {
-        let f = ffn_part(parts);
+    let down_row = |k: usize, part_in: u64, part_out: u64| {
         row(
             Op::Down,
             &[
@@ -358,14 +358,14 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
         ]
     };
     let o = plan.len() - 1;
-    if mlp_parts(cfg, grid) == 1 {
-        plan.push((gateup_row(0, 1), all, vec![o]));
-        plan.push((down_row(0, 1, 0, 0), all, vec![o + 1]));
+    if parts == 1 {
+        plan.push((gateup_row(0), all, vec![o]));
+        plan.push((down_row(0, 0, 0), all, vec![o + 1]));
     } else {
-        plan.push((gateup_row(0, 2), all, vec![o]));
-        plan.push((gateup_row(1, 2), all, vec![o]));
-        plan.push((down_row(0, 2, 0, b.down_part), all, vec![o + 1]));
-        plan.push((down_row(1, 2, b.down_part, 0), all, vec![o + 2]));
+        plan.push((gateup_row(0), all, vec![o]));
+        plan.push((gateup_row(1), all, vec![o]));
+        plan.push((down_row(0, 0, b.down_part), all, vec![o + 1]));
+        plan.push((down_row(1, b.down_part, 0), all, vec![o + 2]));
     }
     plan.into_iter()
         .map(|(mut r, blocks, waits)| {
