@@ -5,9 +5,9 @@
 // share. In the two-role plan the grid's halves take turns: one streams weights while the other runs
 // attention's latency-bound chain, so HBM keeps streaming; and the MLP runs in two parts of ffn, so that
 // Down's first part depends only on GateUp's first, finished long before, and no block waits between
-// GateUp and Down (program.rs, compile). The same code runs one
-// phase per launch (phase_begin + 1 == phase_end) for debugging and per-phase timing; the results are
-// bitwise identical because nothing else changes.
+// GateUp and Down (program.rs, compile). The same code runs one phase per launch (phase_begin + 1 ==
+// phase_end) for debugging and per-phase timing; the results are bitwise identical because nothing
+// else changes.
 //
 // Weight streaming (the 1.71 GB that decide the score): a GEMV phase splits its rows evenly over the
 // blocks, in RoPE / gate-up pairs. A block streams its rows through a ring of STAGES shared-memory
@@ -562,11 +562,18 @@ __device__ void prime_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     load_cache_rows(team, op, AttnSmem(smem, team), kv, first, min(ATTN_CHUNK, pos + 1 - first), 0, ATTN_CHUNK, pos - first);
 }
 
+// Starts loading what phase `op` reads that no phase of this step writes, before the block waits for
+// the phases it depends on: a GEMV phase's first weights, or an attention phase's cached rows.
+__device__ void prime_inputs(const int64_t* op, const Ring& ring, uint32_t pos) {
+    if (op[0] == OP_ATTENTION) prime_attention(op, pos, ring.data);
+    else prime_phase(op, ring);
+}
+
 // Attention: work item (KV head, chunk of ATTN_CHUNK slots) -> partial softmax numerator and its
 // running max and sum for each query head of the group, then the combine of each KV head's partials
-// into a (see AttnItems). Each KV chunk is loaded once for all of its query heads. `primed`: this
-// block ran prime_attention for this phase.
-__device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bool primed) {
+// into a (see AttnItems). Each KV chunk is loaded once for all of its query heads. The block ran
+// prime_attention for this phase (prime_inputs), so each team's first item lacks only the row at pos.
+__device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const bf16* q = reinterpret_cast<const bf16*>(op[attn::Q]);
     float* part_o = reinterpret_cast<float*>(op[attn::PartO]);
     float* part_ml = reinterpret_cast<float*>(op[attn::PartMl]);
@@ -592,7 +599,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem, bo
     for (uint32_t item = items.first(team); item < items.count; item += items.stride()) {
         const uint32_t kv = item / n_chunks, c = item % n_chunks, first = c * ATTN_CHUNK;
         const uint32_t len = min(ATTN_CHUNK, pos + 1 - first);
-        if (primed && item == items.first(team)) {
+        if (item == items.first(team)) {
             // Only the row this step's Qkv phase wrote is missing (when it is in this chunk).
             if (pos - first < len) load_cache_rows(team, op, sm, kv, first, len, pos - first, pos - first + 1, NO_ROW);
         } else {
@@ -823,8 +830,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     };
     const uint32_t phases = phase_end - phase_begin;
     uint32_t p = next_own(phase_begin);
-    if (p < phase_end) prime_phase(row(p), ring);
-    bool attention_primed = false;  // prime_attention ran for phase p
+    if (p < phase_end) prime_inputs(row(p), ring, pos);
     while (p < phase_end) {
         const int64_t* op = row(p);
         wait_for(program.words, op, phase_done, step);
@@ -832,7 +838,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
         switch (op[0]) {
             case OP_NOP: break;
             case OP_QKV: phase_qkv(op, x, pos, ring, part); break;
-            case OP_ATTENTION: phase_attention(op, pos, ring.data, attention_primed); break;
+            case OP_ATTENTION: phase_attention(op, pos, ring.data); break;
             case OP_O_PROJ: phase_oproj(op, x, ring, part); break;
             case OP_GATE_UP: phase_gateup(op, ring, part); break;
             case OP_DOWN: phase_down(op, out, ring, part); break;
@@ -848,14 +854,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
         stamp(trace, phases, p - phase_begin, TRACE_END);
         count_done(phase_done, p);
         p = next_own(p + 1);
-        attention_primed = false;
-        if (p < phase_end) {
-            prime_phase(row(p), ring);
-            if (row(p)[0] == OP_ATTENTION) {
-                prime_attention(row(p), pos, ring.data);
-                attention_primed = true;
-            }
-        }
+        if (p < phase_end) prime_inputs(row(p), ring, pos);
     }
 }
 
