@@ -14,40 +14,46 @@
 #include <cstdint>
 #include <vector>
 #include <algorithm>
+
+#include "../../kernels/stream.cuh"
+
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
 
-__device__ __forceinline__ uint64_t gt() { uint64_t t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+// Loads each thread has in flight in touch.
+constexpr int IN_FLIGHT = 8;
+
+__device__ __forceinline__ uint64_t global_ns() { uint64_t t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 
 // Block b reads `bytes` at base + b * stride + off; out[b] = ns from block start to all loads landed.
 __global__ void touch(const uint4* base, size_t stride, size_t off, size_t bytes, uint64_t* out, uint32_t* sink) {
     __syncthreads();
-    uint64_t t0 = gt();
+    uint64_t t0 = global_ns();
     const uint4* p = base + (blockIdx.x * stride + off) / 16;
     uint32_t acc = 0;
     size_t n = bytes / 16;
-    for (size_t i = threadIdx.x; i < n; i += blockDim.x * 8) {
-        uint4 v[8];
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x * IN_FLIGHT) {
+        uint4 v[IN_FLIGHT];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = (i + j * blockDim.x < n) ? __ldcg(p + i + j * blockDim.x) : make_uint4(0,0,0,0);
+        for (int j = 0; j < IN_FLIGHT; ++j) v[j] = (i + j * blockDim.x < n) ? __ldcg(p + i + j * blockDim.x) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].w;
+        for (int j = 0; j < IN_FLIGHT; ++j) acc ^= v[j].x ^ v[j].w;
     }
-    if (acc == 0x12345678u) sink[0] = acc;
+    keep_loads(sink, acc);
     __syncthreads();
-    if (threadIdx.x == 0) out[blockIdx.x] = gt() - t0;
+    if (threadIdx.x == 0) out[blockIdx.x] = global_ns() - t0;
 }
 
-__global__ void stream(const uint4* z, size_t n, uint32_t* sink) {
-    uint32_t acc = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) acc ^= __ldcg(z + i).x;
-    if (acc == 0x12345678u) sink[0] = acc;
+// Reads z[0, n) once (the read-only stream's loop): evicts L2, and the translations of whatever it
+// pushes out of the TLBs.
+__global__ void evict(const uint4* z, size_t n, uint32_t* sink) {
+    keep_loads(sink, xor_stream(z, n, blockIdx.x * (uint64_t)blockDim.x + threadIdx.x, (uint64_t)gridDim.x * blockDim.x, 0));
 }
 
 int main() {
-    const int G = 132, T = 512;
+    const int G = 132, T = 512, EVICT_BLOCKS = 4 * G;
     const size_t WB = 2ull << 30, ZB = 3ull << 30, E = 128ull << 20;
     uint4 *w, *z; uint64_t* out; uint32_t* sink;
-    CK(cudaMalloc(&w, WB)); CK(cudaMalloc(&z, ZB)); CK(cudaMalloc(&out, G * 8)); CK(cudaMalloc(&sink, 4));
+    CK(cudaMalloc(&w, WB)); CK(cudaMalloc(&z, ZB)); CK(cudaMalloc(&out, G * 8)); CK(cudaMalloc(&sink, EVICT_BLOCKS * sizeof(uint32_t)));  // a word per block (keep_loads)
     CK(cudaMemset(w, 1, WB)); CK(cudaMemset(z, 2, ZB));
     cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
     std::vector<uint64_t> h(G);
@@ -61,8 +67,9 @@ int main() {
         std::sort(h.begin(), h.end());
         printf("%-44s block median %6.2f us  max %6.2f us  kernel %6.2f us\n", name, h[G / 2] / 1e3, h[G - 1] / 1e3, ms * 1e3);
     };
-    auto cold_all = [&]() { stream<<<G * 4, T>>>(z, ZB / 16, sink); cudaDeviceSynchronize(); };  // 1500 pages: TLB and L2
-    auto cold_l2 = [&]() { stream<<<G * 4, T>>>(z, E / 16, sink); cudaDeviceSynchronize(); };      // 64 pages: L2
+    auto cold_all = [&]() { evict<<<EVICT_BLOCKS, T>>>(z, ZB / 16, sink); cudaDeviceSynchronize(); };  // 1500 pages: TLB and L2
+    auto cold_l2 = [&]() { evict<<<EVICT_BLOCKS, T>>>(z, E / 16, sink); cudaDeviceSynchronize(); };     // 64 pages: L2
+    // A Qkv block's share of its half of the packed QKV rows (84 MB over 132 blocks), and one ring stage.
     const size_t QKV = 636 * 1024, K64 = 64 * 1024;
     for (int rep = 0; rep < 3; ++rep) {
         printf("-- round %d\n", rep);
