@@ -58,10 +58,28 @@ pub fn find_or_install(root: &Path) -> Result<PathBuf, String> {
     install(root, &venv, &requirements)
 }
 
+/// Whether `path` lies in the pinned install, whose files change only with the pins.
+pub fn is_pinned_install(root: &Path, path: &Path) -> bool {
+    path.starts_with(root.join(VENV))
+}
+
+/// Says on the terminal, when there is one, what a long install is doing. Cargo keeps a build
+/// script's output to itself, and would replay a `cargo:warning` on every later build.
+fn tell(line: &str) {
+    use std::io::Write as _;
+    if let Ok(mut tty) = std::fs::OpenOptions::new().write(true).open("/dev/tty") {
+        let _ = writeln!(tty, "{line}");
+    }
+}
+
 /// Installs the pinned wheels into `venv` (creating it if needed; pip leaves satisfied pins alone)
 /// and marks the install complete.
 fn install(root: &Path, venv: &Path, requirements: &str) -> Result<PathBuf, String> {
     let python = env::var_os("PYTHON").map_or_else(|| PathBuf::from("python3"), PathBuf::from);
+    tell(&format!(
+        "   Installing the pinned CUDA 13.0 compiler (no nvcc found; {REQUIREMENTS}, about 300 MB, once) into {}",
+        venv.display()
+    ));
     run(Command::new(&python).arg("-m").arg("venv").arg(venv)).map_err(|why| {
         format!(
             "no nvcc found, and `{} -m venv {VENV}` failed ({why}): install Python 3 with its venv module \

@@ -22,6 +22,7 @@ Examples:
   grader list                         every built-in submission and red-team adversary
   grader bandwidth                    measure the HBM bandwidth (the floor's denominator)
   grader selftest                     check the grader's own GPU code against the CPU golden model
+  grader selftest --list              name every check, for --filter to pick some
   grader run --submission megakernel  judge a submission (prints a table, writes JSON with --json)
   grader run --submission submission/examples/python/eager_layer.py --config small
                                       judge a Python module (the task's contract in Python)";
@@ -62,6 +63,9 @@ pub enum Command {
     List,
     /// Check the grader's GPU code (RNG, reference ops, full-size step) against the CPU golden model.
     Selftest(SelftestArgs),
+    /// The family check: judge honest submissions over the Llama family's layer shapes and contexts,
+    /// and fail if any honest run is failed (a false failure is the grader's bug).
+    Sweep(SweepArgs),
     /// The process a submission runs in, started by `grader run` (reads its job on stdin).
     #[command(hide = true)]
     Runner,
@@ -73,8 +77,8 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct DeviceArg {
-    /// CUDA device ordinal.
-    #[arg(long = "device", default_value_t = 0, value_name = "N")]
+    /// CUDA device ordinal: 0, 1, 2, ...
+    #[arg(long = "device", default_value_t = 0, value_name = "N", value_parser = parse_device, allow_hyphen_values = true)]
     pub ordinal: usize,
 }
 
@@ -104,7 +108,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = spec::DEFAULT_SEED, value_parser = parse_seed, allow_hyphen_values = true,
           help = SEED_HELP)]
     pub seed: u64,
-    /// Write the JSON report here instead of stdout.
+    /// Also write the JSON report to this file ('-' for stdout); the table goes to stderr either way.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// Print only the verdict line on stderr.
@@ -186,15 +190,39 @@ pub struct SpecArgs {
 
 #[derive(Debug, Args)]
 pub struct SelftestArgs {
-    /// Run only the checks whose name contains this text.
+    /// Run only the checks whose name contains this text, in any case (`grader selftest --list`
+    /// names them all).
     #[arg(long, value_name = "TEXT")]
     pub filter: Option<String>,
+    /// Name every check (those --filter selects, with it), one line each, and run none.
+    #[arg(long, conflicts_with_all = ["log", "seed", "ordinal"])]
+    pub list: bool,
     /// Write every check's full detail to this file.
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
     #[arg(long, default_value_t = spec::DEFAULT_SEED, value_parser = parse_seed, allow_hyphen_values = true,
           help = SEED_HELP)]
     pub seed: u64,
+    #[command(flatten)]
+    pub device: DeviceArg,
+}
+
+#[derive(Debug, Args)]
+pub struct SweepArgs {
+    /// Family members to judge, comma-separated (default: all): llama-3.2-1b, llama-3.2-3b,
+    /// llama-3-8b, qwen-7b, llama-2-13b, qwen-32b, gemma-hd256, graded, 70b-8k, 70b-16k, 70b-32k,
+    /// 405b. `grader spec --config NAME` prints any of them.
+    #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
+    pub configs: Option<Vec<String>>,
+    /// Built-in submissions to judge at each member, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "megakernel,reference", value_name = "NAME,...")]
+    pub submissions: Vec<String>,
+    /// Runs of each submission at each member.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub runs: u32,
+    /// Write every run's whole table to this file.
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
     #[command(flatten)]
     pub device: DeviceArg,
 }
@@ -224,6 +252,12 @@ fn parse_seed(s: &str) -> Result<u64, String> {
     parsed.map_err(|_| format!("a seed is a whole number from 0 to {} (decimal, or hex with 0x)", u64::MAX))
 }
 
+/// A device ordinal. Negative values reach this parser (rather than being taken for an option) so
+/// that `--device -1` is answered with what an ordinal is.
+fn parse_device(s: &str) -> Result<usize, String> {
+    s.parse().map_err(|_| "a device is a CUDA ordinal: 0, 1, 2, ...".to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
@@ -242,6 +276,14 @@ mod tests {
         assert_eq!(parse_seed(&u64::MAX.to_string()), Ok(u64::MAX));
         for bad in ["-1", "1e3", "0x", "18446744073709551616", ""] {
             assert!(parse_seed(bad).unwrap_err().contains("whole number from 0"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn devices_are_ordinals() {
+        assert_eq!(parse_device("1"), Ok(1));
+        for bad in ["-1", "gpu0", ""] {
+            assert!(parse_device(bad).unwrap_err().contains("a device is a CUDA ordinal"), "{bad}");
         }
     }
 }

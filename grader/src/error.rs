@@ -1,12 +1,13 @@
 //! The grader's error type and its exit codes: 0 every gate passed, 1 a gate (or a selftest check)
-//! failed, 2 the grader could not judge. Every error, a parse error of the command line included,
+//! failed or the run ended crashed, timeout or unsupported, 2 the grader could not judge. Every error, a parse error of the command line included,
 //! reaches the user as one line, `grader: <what went wrong and what to do>`.
 
 use std::process::ExitCode;
 
 /// Every gate passed / every check passed.
 pub const EXIT_PASS: u8 = 0;
-/// A gate or a check failed: the verdict is a fail.
+/// A gate or a check failed, or the submission crashed, timed out or declined the config
+/// (`unsupported`): the verdict is not a pass.
 pub const EXIT_FAIL: u8 = 1;
 /// Nothing could be judged: bad arguments, no device, an internal error.
 pub const EXIT_ERROR: u8 = 2;

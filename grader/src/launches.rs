@@ -6,7 +6,7 @@ use cuda::{Context, Device};
 use reference::gpu::DeviceCache;
 use reference::gpu::data::generate_input;
 use spec::Config;
-use submission::Layer;
+use submission::{Layer, SubmissionError};
 
 use crate::cli::LaunchesArgs;
 use crate::cupti::{self, Activity, ActivityKind, CallWindow, Recording, Tag};
@@ -27,7 +27,14 @@ pub fn command(device: usize, args: &LaunchesArgs) -> Result<Outcome, GraderErro
     progress.say(&format!("generating the '{}' layer on the GPU", cfg.name));
     let weights = reference::gpu::generate_weights(&dev, &cfg, args.seed)?;
     let mut cache = DeviceCache::generate(&dev, &cfg, args.seed)?;
-    sub.build_layer(&dev, Layer { weights: &weights, cache: &mut cache }, &cfg)?;
+    match sub.build_layer(&dev, Layer { weights: &weights, cache: &mut cache }, &cfg) {
+        // Declining a config is an answer, not an error of the grader's: said as `grader run` says it.
+        Err(SubmissionError::Unsupported(why)) => {
+            eprint!("{}", unsupported(sub.name(), &cfg.name, &why));
+            return Ok(Outcome::Fail);
+        }
+        built => built?,
+    }
     let input_seed: u64 = rand::random();
     let mut out = dev.stream().alloc_zeros(cfg.batch * cfg.d).context("allocating the output")?;
     let xs = (0..=WARMUP_STEPS).map(|s| generate_input(&dev, &cfg, input_seed, s)).collect::<Result<Vec<_>, _>>()?;
@@ -42,7 +49,7 @@ pub fn command(device: usize, args: &LaunchesArgs) -> Result<Outcome, GraderErro
         windows.push(CallWindow { start_ns, end_ns: cupti::timestamp()? });
     }
     cupti::set_current(Tag::Outside);
-    let mut record = cupti::record::attribute(recording.finish()?, &windows, |_| Vec::new(), Vec::new());
+    let mut record = cupti::record::attribute(recording.finish()?, &windows, cupti::OwnWork::default(), |_| Vec::new(), Vec::new());
     let activities = record.activities.pop().unwrap_or_default();
     sub.teardown();
     eprint!("{}", table(sub.name(), &activities));
@@ -80,6 +87,26 @@ pub fn table(submission: &str, activities: &[Activity]) -> String {
     s
 }
 
+/// What `grader launches` says when the submission declines the config: no step to record, and why.
+fn unsupported(submission: &str, config: &str, why: &str) -> String {
+    format!("\nno kernels of '{submission}': it does not support config '{config}'\nUNSUPPORTED  {why}\n")
+}
+
 fn truncate(name: &str, width: usize) -> String {
     if name.chars().count() <= width { name.into() } else { name.chars().take(width - 1).collect::<String>() + "~" }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_declined_config_is_said_with_its_reason() {
+        let said = unsupported("megakernel", "big", "ffn = 53248 is over the megakernel's 28672");
+        assert_eq!(
+            said,
+            "\nno kernels of 'megakernel': it does not support config 'big'\n\
+             UNSUPPORTED  ffn = 53248 is over the megakernel's 28672\n"
+        );
+    }
 }

@@ -12,6 +12,7 @@ pub mod profile;
 pub mod run;
 pub mod selftest;
 pub mod stats;
+pub mod sweep;
 
 use std::io::Write;
 use std::path::Path;
@@ -27,6 +28,7 @@ pub fn run(cli: Cli) -> Result<Outcome, GraderError> {
         Command::List => list_command(),
         Command::Bandwidth(args) => bandwidth::command(args.device.ordinal, &args),
         Command::Selftest(args) => selftest::command(args.device.ordinal, &args),
+        Command::Sweep(args) => sweep::command(args.device.ordinal, &args),
         Command::Run(args) => run::command(args.device.ordinal, &args),
         Command::Runner => run::runner::command(),
         Command::CheckLibrary(args) => preflight::check_library_command(&args.path),

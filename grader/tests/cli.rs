@@ -127,6 +127,13 @@ fn bad_config_file_names_the_field() {
 }
 
 #[test]
+fn a_config_value_of_the_wrong_type_names_its_field() {
+    let path = config_file("d-negative", &tiny_with("d", (-256).into()));
+    let line = refused(&["run", "--submission", "megakernel", "--config", path.to_str().unwrap()]);
+    assert!(line.contains("field 'd': invalid value: integer `-256`"), "{line}");
+}
+
+#[test]
 fn config_sizes_are_bounded_before_any_arithmetic() {
     // 10^9 fits an int32 but not a device: 5.9 TB of weights.
     let path = config_file("d-1e9", &tiny_with("d", 1_000_000_000u64.into()));
@@ -193,6 +200,61 @@ fn output_paths_are_checked_before_the_device() {
 }
 
 #[test]
+fn the_report_and_the_dump_are_kept_apart_before_the_device() {
+    let dir = scratch("report-and-dump");
+    let dump = dir.join("dump");
+    let (dump_arg, manifest) = (dump.to_str().unwrap(), dump.join("manifest.json"));
+    for (json, words) in [
+        (dump_arg, "the dump's folder would be made at or inside the report's path"),
+        (manifest.to_str().unwrap(), "the dump writes its manifest.json there"),
+    ] {
+        let line = refused(&["run", "--submission", "megakernel", "--json", json, "--dump", dump_arg]);
+        assert!(line.contains(words) && line.contains("give the report a path of its own"), "{line}");
+    }
+    // Beside the dump's files, in the folder the dump will make: as far as the device.
+    if !has_gpu() {
+        let report = dump.join("report.json");
+        let out =
+            grader(&["run", "--submission", "megakernel", "--json", report.to_str().unwrap(), "--dump", dump_arg]);
+        assert!(text(&out).1.starts_with("grader: no CUDA device"), "{}", text(&out).1);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The table goes to stderr; the JSON report only where --json says, stdout for '-'.
+#[test]
+fn run_writes_json_only_when_asked() {
+    let (help, _) = text(&grader(&["run", "--help"]));
+    assert!(help.contains("Also write the JSON report to this file ('-' for stdout)"), "{help}");
+    if !has_gpu() {
+        return; // nothing is judged without one: output_paths_are_checked_before_the_device covers --json
+    }
+    let out = grader(&["run", "--submission", "megakernel", "--config", "tiny", "--quiet"]);
+    let (stdout, stderr) = text(&out);
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{stderr}");
+    assert!(stdout.is_empty(), "a run without --json printed {stdout}");
+    let out = grader(&["run", "--submission", "megakernel", "--config", "tiny", "--quiet", "--json", "-"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json - prints the report");
+    assert!(report["verdict"]["passed"].is_boolean(), "{report}");
+}
+
+#[test]
+fn selftest_lists_its_checks_without_a_device() {
+    let out = grader(&["selftest", "--list"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.lines().any(|l| l == "rng: fill equals CPU bitwise"), "{stdout}");
+    assert!(stdout.lines().count() > 10, "{stdout}");
+    // --filter picks from the same names, in any case.
+    let (rng, _) = text(&grader(&["selftest", "--list", "--filter", "RNG"]));
+    assert!(rng.lines().count() >= 3 && rng.lines().all(|l| l.starts_with("rng: ")), "{rng}");
+    let line = refused(&["selftest", "--list", "--filter", "no such check"]);
+    assert!(line.contains("`grader selftest --list` names them all"), "{line}");
+    let line = refused(&["selftest", "--list", "--log", "x.log"]);
+    assert!(line.contains("cannot be used with"), "{line}");
+}
+
+#[test]
 fn each_subcommand_takes_only_its_options() {
     for args in [
         &["launches", "--submission", "megakernel", "--json", "x.json"][..],
@@ -218,6 +280,8 @@ fn bad_values_are_refused_with_a_reason() {
         (&["run"], "--submission"),
         (&["run", "--submission", "fastest"], "grader list"),
         (&["selftest", "--filter", "no such check"], "no selftest check matches"),
+        (&["run", "--submission", "megakernel", "--device", "-1"], "a device is a CUDA ordinal: 0, 1, 2, ..."),
+        (&["bandwidth", "--device", "gpu1"], "a device is a CUDA ordinal: 0, 1, 2, ..."),
         (&["lsit"], "tip: a similar subcommand exists: 'list'"),
     ] {
         let line = refused(args);
@@ -274,6 +338,14 @@ fn python_submissions_are_checked_before_the_device() {
         assert!(line.ends_with("syntax_error.py:3: SyntaxError: expected ':'"), "{line}");
         let line = refused(&[cmd, "--submission", &module("no_build_layer.py")]);
         assert!(line.contains("defines no build_layer at its top level"), "{line}");
+        let line = refused(&[cmd, "--submission", &module("fake_torch/not_callable.py")]);
+        assert!(line.contains("not_callable.py:1: build_layer must be a function, not a value of type"), "{line}");
+        let folder = std::env::temp_dir();
+        let line = refused(&[cmd, "--submission", &plain, "--python", folder.to_str().unwrap()]);
+        assert!(line.contains("is a directory, not an interpreter"), "{line}");
+        // --python is for .py submissions only.
+        let line = refused(&[cmd, "--submission", "megakernel", "--python", "/usr/bin/python3"]);
+        assert!(line.contains("--python /usr/bin/python3 applies only to a .py submission"), "{line}");
     }
     // $PYTHON names the interpreter when --python does not.
     let out = Command::new(env!("CARGO_BIN_EXE_grader"))

@@ -121,7 +121,10 @@ impl Config {
     /// `config 'graded'` always means the graded layer.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, SpecError> {
         let bad = |reason: String| SpecError::BadConfigFile { path: origin.into(), reason };
-        let cfg: Self = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let cfg: Self = serde_json::from_str(text).map_err(|e| match Self::wrong_field(text) {
+            Some((field, e)) => bad(format!("field '{field}': {e}")),
+            None => bad(e.to_string()),
+        })?;
         cfg.validate()?;
         if let Ok(builtin) = Self::named(&cfg.name)
             && builtin != cfg
@@ -134,13 +137,32 @@ impl Config {
         Ok(cfg)
     }
 
-    /// A name from [`CONFIG_NAMES`] or the path of a JSON file, validated.
+    /// A field of `text` (a JSON object that did not parse as a config) whose value is of the wrong
+    /// type, with serde's words for it: serde names only the line and column. Each of the file's
+    /// values is tried alone in a config that parses; an unknown or missing field serde names itself.
+    fn wrong_field(text: &str) -> Option<(String, serde_json::Error)> {
+        let serde_json::Value::Object(fields) = serde_json::from_str(text).ok()? else { return None };
+        let valid = serde_json::to_value(Self::tiny()).expect("a config serialises");
+        fields.into_iter().find_map(|(field, value)| {
+            let mut one = valid.clone();
+            *one.get_mut(&field)? = value;
+            serde_json::from_value::<Self>(one).err().map(|e| (field, e))
+        })
+    }
+
+    /// A name from [`CONFIG_NAMES`], a member of the family (`crate::family`), or the path of a
+    /// JSON file, validated.
     pub fn load(name_or_path: &str) -> Result<Self, SpecError> {
         if CONFIG_NAMES.contains(&name_or_path) {
             return Self::named(name_or_path);
         }
+        if let Some(member) = crate::family::find(name_or_path) {
+            return Ok(member.config());
+        }
         if !std::path::Path::new(name_or_path).exists() {
-            return Err(SpecError::UnknownConfig { name: name_or_path.into(), known: CONFIG_NAMES.join(", ") });
+            let family = crate::family::FAMILY.iter().map(|m| m.name).filter(|n| !CONFIG_NAMES.contains(n));
+            let known: Vec<&str> = CONFIG_NAMES.iter().copied().chain(family).collect();
+            return Err(SpecError::UnknownConfig { name: name_or_path.into(), known: known.join(", ") });
         }
         let text = std::fs::read_to_string(name_or_path)
             .map_err(|e| SpecError::BadConfigFile { path: name_or_path.into(), reason: e.to_string() })?;
@@ -356,6 +378,20 @@ mod tests {
         assert!(matches!(Config::from_json(&unknown, "mem"), Err(SpecError::BadConfigFile { .. })));
         let invalid = text.replace("\"n_kv\":1", "\"n_kv\":3");
         assert_eq!(field_of(Config::from_json(&invalid, "mem").unwrap_err()), "n_q");
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_type_is_named_by_its_field() {
+        for (field, value) in [("d", "-256"), ("eps", "\"small\""), ("name", "3")] {
+            let mut cfg = serde_json::to_value(Config::tiny()).unwrap();
+            cfg[field] = serde_json::from_str(value).unwrap();
+            let msg =
+                Config::from_json(&serde_json::to_string_pretty(&cfg).unwrap(), "x.json").unwrap_err().to_string();
+            assert!(msg.starts_with(&format!("config file x.json: field '{field}': invalid ")), "{msg}");
+        }
+        // Not an object, or not JSON: serde's own words.
+        let msg = Config::from_json("[1]", "x.json").unwrap_err().to_string();
+        assert!(!msg.contains("field '"), "{msg}");
     }
 
     #[test]

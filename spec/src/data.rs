@@ -529,6 +529,73 @@ mod tests {
         }
     }
 
+    /// `docs/task.md` ("The data") states this recipe: every number it quotes must be the code's.
+    #[test]
+    fn the_task_document_states_this_recipe() {
+        // Line breaks and indents as single spaces, so that the prose may be rewrapped.
+        let doc = include_str!("../../docs/task.md").split_whitespace().collect::<Vec<_>>().join(" ");
+        let cfg = Config::graded();
+        let has = |quoted: String| assert!(doc.contains(&quoted), "docs/task.md lacks '{quoted}'");
+        // An outlier factor as the document writes it: 64x, 1/64x.
+        let factor = |g: f64| if g >= 1.0 { format!("{g}x") } else { format!("1/{}x", 1.0 / g) };
+        let names: Vec<String> = Tensor::ALL.iter().map(|t| format!("`{}`", t.name())).collect();
+        let streams: Vec<u64> = Tensor::ALL.iter().map(|t| t.stream()).collect();
+        has(format!("streams {} to {} in the order {}", streams[0], streams[10], names.join(", ")));
+        assert_eq!(streams, (streams[0]..=streams[10]).collect::<Vec<_>>());
+        // The table: one row per weight, from its distribution and its outlier layout.
+        for &t in Tensor::WEIGHTS {
+            let dist = t.dist(&cfg);
+            let std = match t.shape(&cfg)[..] {
+                [_] => format!("{}", dist.std),
+                [_, fan_in] => {
+                    let gain = (dist.std * (fan_in as f64).sqrt() * 1e9).round() / 1e9;
+                    format!("{gain}/sqrt(fan_in)")
+                }
+                _ => unreachable!(),
+            };
+            let layout = t.layout();
+            let side = |what: &str, side: Option<(Axis, f64)>| {
+                side.map(|(axis, g)| {
+                    let axis = if axis == Axis::Model { "d" } else { "ffn" };
+                    format!("{what} at the outlier channels of `{axis}`: {}", factor(g))
+                })
+            };
+            let cols = if t.shape(&cfg).len() == 1 { "elements" } else { "columns" };
+            let outliers: Vec<String> =
+                [side("rows", layout.rows), side(cols, layout.cols)].into_iter().flatten().collect();
+            let outliers = if outliers.is_empty() { "-".to_string() } else { outliers.join("; ") };
+            has(format!("| `{}` | {} | {std} | {outliers} |", t.name(), dist.mean));
+        }
+        let (k, v) = (Tensor::KCache.dist(&cfg), Tensor::VCache.dist(&cfg));
+        has(format!("| `k_cache` prefix | {} | {} (anchor keys {ANCHOR_KEY_STD}) | - |", k.mean, k.std));
+        has(format!("| `v_cache` prefix | {} | {} | - |", v.mean, v.std));
+        // The gains, the outliers, the massive activations and the anchors, in prose.
+        has(format!("`Wo` at {O_GAIN}x"));
+        has(format!("`Wdown` at {DOWN_GAIN}x"));
+        has(format!("one channel in every {OUTLIER_SPACING} of `d` and of `ffn`"));
+        has(format!("each block of {OUTLIER_SPACING} consecutive channels holds exactly one"));
+        has(format!("entries {} the rest", factor(OUTLIER_GAIN)));
+        has(format!("seed {LAYOUT_SEED}, streams {MODEL_OUTLIER_STREAM} and {FFN_OUTLIER_STREAM}"));
+        has(format!("the first {MASSIVE_CHANNELS} blocks"));
+        let count = |c: &Config| massive_channels(c).len();
+        has(format!("{} channels at the graded size and `small`, {} at `tiny`", count(&cfg), count(&Config::tiny())));
+        assert_eq!(count(&Config::small()), count(&cfg));
+        has(format!("hold 1/{} of the input's expected", 1.0 / MASSIVE_SHARE));
+        has(format!("d·(1/{})/({}/{})", 1.0 / MASSIVE_SHARE, 1.0 / MASSIVE_SHARE - 1.0, 1.0 / MASSIVE_SHARE));
+        has(format!("standard deviation m/{}", 1.0 / MASSIVE_SPREAD));
+        has(format!("m ≈ {:.1} at the graded size", massive_channels(&cfg)[0].1.abs()));
+        let anchors: Vec<usize> = (0..cfg.prefill).filter(|&p| is_anchor(&cfg, 1, 0, p)).collect();
+        let far = (anchors[anchors.len() - 1] / ANCHOR_SPACING + 1) * ANCHOR_SPACING;
+        assert_eq!(far, 3 * cfg.prefill / 4, "the oldest three quarters");
+        has("in the oldest three quarters of the prefix".into());
+        has(format!("(slots 0..{} at the graded size), each block of {ANCHOR_SPACING} slots", far - 1));
+        has(format!("stream {ANCHOR_STREAM} of the public seed"));
+        has(format!("standard deviation {ANCHOR_KEY_STD} where every other key and every value has {}", k.std));
+        has(format!("{} anchors per KV head at the graded size", anchors.len()));
+        assert_eq!(INPUT_STREAM_BASE, 1 << INPUT_STREAM_BASE.trailing_zeros());
+        has(format!("draws stream 2^{} + c of the run's secret input seed", INPUT_STREAM_BASE.trailing_zeros()));
+    }
+
     #[test]
     fn inputs_differ_per_call_and_seed() {
         let cfg = Config::tiny();

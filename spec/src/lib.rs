@@ -5,6 +5,7 @@
 pub mod bytes;
 pub mod config;
 pub mod data;
+pub mod family;
 pub mod gates;
 pub mod rng;
 pub mod schedule;

@@ -6,8 +6,9 @@ use std::fmt::Write;
 
 use crate::{ByteModel, Config, Gates, Phase};
 
+// The first line's indent is escaped: a line continuation swallows leading spaces.
 const COMPUTATION: &str = "\
-  h  = rmsnorm(x, in_norm)                      # x * rsqrt(mean(x^2) + eps) * g, sums in fp32
+\x20 h  = rmsnorm(x, in_norm)                      # x * rsqrt(mean(x^2) + eps) * g, sums in fp32
   q  = h @ Wq^T ; k = h @ Wk^T ; v = h @ Wv^T   # grouped-query attention
   q, k = rope(q, pos), rope(k, pos)             # rotate-half, fp32 tables
   K[:, :, pos] = k ; V[:, :, pos] = v           # append this position in place, bf16
@@ -21,6 +22,20 @@ const CONTRACT: &str = "\
 contract (Rust: trait submission::Submission; C: submission/include/persistent_layer.h):
   build_layer(weights, kv_cache, cfg) -> handle   untimed: repack, build tables, allocate
   layer_step(handle, x, pos, out)                 one token: out from x, K and V written at slot pos
+  teardown(handle)                                frees what build_layer made
+  tensors: bf16, row-major, a matrix (out, in) applied as h @ W^T: in_norm, post_norm (d);
+  q (n_q*hd, d); k, v (n_kv*hd, d); o (d, n_q*hd); gate, up (ffn, d); down (d, ffn);
+  cache k, v (batch, n_kv, max_seq_len, hd) each; x, out (batch, d)
+contract (Python: a .py module, torch tensors; submission/examples/python/):
+  build_layer(weights, kv_cache, cfg, max_seq_len) -> handle   untimed; imports and JIT go here
+  layer_step(handle, x, pos) -> x_out                          one token, K and V written at slot pos
+  teardown(handle)                                             optional
+  weights  {\"layers\": [{\"in_norm\", \"post_norm\", \"q\", \"k\", \"v\", \"o\", \"gate\", \"up\", \"down\"}]},
+           CUDA tensors of the shapes above
+  kv_cache [(k, v)], each (batch, n_kv, max_seq_len, hd) bf16, slot pos written in place
+  cfg      dict: layers = 1, batch, d, ffn, n_q, n_kv, hd, eps, theta, wdtype = torch.bfloat16
+  x        (batch, d) bf16 CUDA tensor; x_out a plain, contiguous (batch, d) torch.Tensor, bf16 or
+           fp32, on the same GPU
   weights and x are read-only; the cache is written only at slot pos; the judge process owns the
   inputs, the outputs and the clock, the submission runs in a child 'runner' process";
 
@@ -150,7 +165,18 @@ mod tests {
             assert!(text.lines().any(|l| l.trim_start().starts_with(gate)), "no gate {gate}");
         }
         assert!(text.contains("1728253952 bytes"), "{text}");
+        for form in PYTHON_FORMS {
+            assert!(text.contains(form), "no Python form '{form}' in\n{text}");
+        }
+        assert!(text.contains("the layer:\n  h  = rmsnorm(x, in_norm)"), "the layer's first line is indented: {text}");
     }
+
+    /// The Python contract's calls, as the statement prints them and `docs/task.md` states them.
+    const PYTHON_FORMS: [&str; 3] = [
+        "build_layer(weights, kv_cache, cfg, max_seq_len) -> handle",
+        "layer_step(handle, x, pos) -> x_out",
+        "teardown(handle)",
+    ];
 
     /// `docs/task.md` quotes the graded figures in prose: they must be the ones `grader spec` prints.
     #[test]
@@ -191,5 +217,13 @@ mod tests {
         for (gate, _) in gate_lines() {
             assert!(doc.contains(&format!("| {gate} |")), "docs/task.md lacks the gate {gate}");
         }
+        let flat = doc.split_whitespace().collect::<Vec<_>>().join(" ");
+        for form in PYTHON_FORMS {
+            assert!(flat.contains(&format!("`{form}`")), "docs/task.md lacks the Python form '{form}'");
+        }
+        assert!(
+            flat.contains("or by the path of a Python module (a `.py` file"),
+            "docs/task.md: naming a .py submission"
+        );
     }
 }

@@ -66,7 +66,25 @@
  *  9. Threads and contexts. The grader calls from one host thread with its context current. A
  *     submission must not create, destroy or switch contexts, nor reset the device.
  * 10. The config is batch 1 in the task; a submission may refuse anything it does not support with
- *     PL_ERR_UNSUPPORTED from pl_build_layer.
+ *     PL_ERR_UNSUPPORTED from pl_build_layer, pl_last_error() naming the limit the config is over.
+ *     That is an honest answer, not a crash: the run ends with the verdict `unsupported` (exit code
+ *     1, a fail), quoting the message, e.g. `VERDICT: UNSUPPORTED  hd = 256 is over this kernel's
+ *     128`. Any other code from pl_build_layer, and any nonzero code (PL_ERR_UNSUPPORTED included)
+ *     from pl_layer_step, ends the run as `crashed`. For example:
+ *
+ *         static _Thread_local char last_error[256];
+ *
+ *         const char* pl_last_error(void) { return last_error; }
+ *
+ *         int pl_build_layer(const pl_config* cfg, const pl_weights* w, const pl_kv_cache* cache,
+ *                            void* stream, void** handle) {
+ *             last_error[0] = '\0';
+ *             if (cfg->hd > 128) {
+ *                 snprintf(last_error, sizeof last_error, "hd = %d is over this kernel's 128", cfg->hd);
+ *                 return PL_ERR_UNSUPPORTED;
+ *             }
+ *             ...                            (build, store the handle, return PL_OK)
+ *         }
  *
  * Versioning: any change to these structs, functions or rules increments PL_ABI_VERSION; the grader
  * refuses a library whose pl_abi_version() differs from its own.
@@ -81,7 +99,7 @@
 /* Return codes. */
 #define PL_OK 0
 #define PL_ERR_INVALID_ARGUMENT 1 /* a NULL pointer, a bad size, a misaligned buffer, an unknown handle */
-#define PL_ERR_UNSUPPORTED 2      /* a config the submission does not implement */
+#define PL_ERR_UNSUPPORTED 2      /* a config the submission does not implement (rule 10) */
 #define PL_ERR_CUDA 3             /* a CUDA call failed (allocation, launch, ...) */
 #define PL_ERR_INTERNAL 4         /* anything else */
 

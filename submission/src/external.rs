@@ -18,6 +18,9 @@ use crate::{Layer, Submission, SubmissionError, device_address, device_code};
 /// `PL_ABI_VERSION` of `submission/include/persistent_layer.h`: the only version this grader speaks.
 pub const PL_ABI_VERSION: u32 = 1;
 
+/// `PL_ERR_UNSUPPORTED` of the header: `pl_build_layer` declines a config it does not implement.
+pub const PL_ERR_UNSUPPORTED: c_int = 2;
+
 /// `pl_config`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -200,6 +203,18 @@ impl ExternalSubmission {
         refused(format!("{function} returned {code}: {}", self.last_error()))
     }
 
+    /// The error of `pl_build_layer` returning `code`, `message` being the library's sentence:
+    /// `PL_ERR_UNSUPPORTED` declines the config (judged `unsupported`), any other code is a failure.
+    fn build_failed(code: c_int, message: String) -> SubmissionError {
+        match code {
+            PL_ERR_UNSUPPORTED if message.trim().is_empty() => SubmissionError::Unsupported(
+                "pl_build_layer returned PL_ERR_UNSUPPORTED without saying why (pl_last_error was empty)".into(),
+            ),
+            PL_ERR_UNSUPPORTED => SubmissionError::Unsupported(message),
+            _ => refused(format!("pl_build_layer returned {code}: {message}")),
+        }
+    }
+
     fn pl_config(cfg: &Config) -> Result<PlConfig, SubmissionError> {
         let int = |field: &str, v: usize| {
             i32::try_from(v).map_err(|_| refused(format!("config field {field} = {v} does not fit the ABI's int32")))
@@ -259,7 +274,7 @@ impl Submission for ExternalSubmission {
             (self.api.build_layer)(&pl_cfg, &weights, &cache, dev.stream().cu_stream() as *mut c_void, &mut handle)
         };
         if code != 0 {
-            return Err(self.failed("pl_build_layer", code));
+            return Err(Self::build_failed(code, self.last_error()));
         }
         if handle.is_null() {
             return Err(refused("pl_build_layer returned 0 but no handle"));
@@ -355,6 +370,39 @@ mod tests {
             .map(|v| v.trim().parse().unwrap())
             .collect();
         assert_eq!(defined, [PL_ABI_VERSION], "{} defines PL_ABI_VERSION as {defined:?}", header.display());
+    }
+
+    /// The header's code for a declined config is the one this module reads.
+    #[test]
+    fn pl_err_unsupported_mirrors_the_header() {
+        let text = std::fs::read_to_string(workspace().join("submission/include/persistent_layer.h")).unwrap();
+        let defined: Vec<c_int> = text
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("#define PL_ERR_UNSUPPORTED "))
+            .map(|v| v.split_whitespace().next().unwrap().parse().unwrap())
+            .collect();
+        assert_eq!(defined, [PL_ERR_UNSUPPORTED]);
+    }
+
+    /// `PL_ERR_UNSUPPORTED` from pl_build_layer is a declined config with the library's own sentence;
+    /// any other code stays a failure naming the function and the code.
+    #[test]
+    fn build_layers_unsupported_code_declines_the_config() {
+        let said = "hd = 256 is over this kernel's 128";
+        match ExternalSubmission::build_failed(PL_ERR_UNSUPPORTED, said.into()) {
+            SubmissionError::Unsupported(m) => assert_eq!(m, said),
+            other => panic!("{other:?}"),
+        }
+        match ExternalSubmission::build_failed(PL_ERR_UNSUPPORTED, String::new()) {
+            SubmissionError::Unsupported(m) => assert!(m.contains("without saying why"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        for code in [1, 3, 4, -1] {
+            match ExternalSubmission::build_failed(code, "out of memory".into()) {
+                SubmissionError::Refused(m) => assert_eq!(m, format!("pl_build_layer returned {code}: out of memory")),
+                other => panic!("code {code}: {other:?}"),
+            }
+        }
     }
 
     #[test]

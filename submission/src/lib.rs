@@ -45,6 +45,11 @@ pub enum SubmissionError {
     Cuda(#[from] CudaError),
     #[error("the submission refused: {0}")]
     Refused(String),
+    /// `build_layer` declined a config it does not implement, saying which limit it is over: an
+    /// honest answer, judged `unsupported` rather than `crashed`. The C ABI says it with
+    /// `PL_ERR_UNSUPPORTED`, a Python module by raising `NotImplementedError`.
+    #[error("the submission does not support this config: {0}")]
+    Unsupported(String),
     #[error("{0}")]
     NotALibrary(String),
     /// A Python submission's problem, said for a Python user (an exception with its traceback, a

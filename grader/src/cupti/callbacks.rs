@@ -1,12 +1,17 @@
 //! CUPTI's callback API: the second, independent view of a call's GPU work, from the host side.
 //!
 //! The activity API reports what the GPU ran; this reports what the process asked for. Every driver
-//! and runtime API call passes through [`api_callback`] on the calling thread, which notes its
-//! correlation id against the call that was running ([`Tag`]), and notes every kernel launch. The
-//! two views meet on correlation ids: a kernel record whose launch was never seen, or a launch that
-//! left no kernel record, means something in the process switched one of them off. The resource
-//! domain hands over every module the driver loads (its image, to be scanned for device-side
-//! launches) and every context created.
+//! and runtime API call that queues work passes through [`api_callback`] on the calling thread,
+//! which notes its correlation id against the call that was running ([`Tag`]), which thread asked
+//! and when, and notes every kernel launch. The two views meet on correlation ids: a kernel record
+//! whose launch was never seen, or a launch that left no kernel record, means something in the
+//! process switched one of them off. The resource domain hands over every module the driver loads
+//! (its image, to be scanned for device-side launches) and every context created.
+//!
+//! The tag is a word in the process's memory, which the submission's code can find and write. So
+//! the record never takes it on trust alone: the runner's own tags count only for requests from
+//! the runner's own thread, and a call's tag only for requests made while that call ran (the
+//! request's time against the call's window).
 //!
 //! One subscriber per process (CUPTI allows one): made once, before the submission is loaded, so a
 //! submission cannot subscribe in its place.
@@ -16,7 +21,7 @@ use std::collections::HashMap;
 use std::ffi::{CStr, c_void};
 use std::panic::AssertUnwindSafe;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicI64, Ordering};
 
 use cuda::cudarc::cupti::sys::{
     self, CUpti_ApiCallbackSite, CUpti_CallbackData, CUpti_CallbackDomain, CUpti_CallbackId, CUpti_CallbackIdResource,
@@ -82,6 +87,29 @@ pub fn current() -> Tag {
     }
 }
 
+/// The thread that runs the runner's own work (the one that started the recording): the only one
+/// whose requests the runner's tags may cover.
+static RUNNER_THREAD: AtomicI32 = AtomicI32::new(0);
+
+/// This thread's id in the kernel's numbering.
+fn thread_id() -> i32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() }
+}
+
+/// A request for GPU work the host made: a launch, a copy, a set, a stream-ordered wait, write or
+/// host function, an event record, a graph launch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub correlation_id: u32,
+    pub function: String,
+    pub tag: Tag,
+    /// Whether the runner's own thread made it.
+    pub runner_thread: bool,
+    /// When it was made, on CUPTI's clock (that of the calls' windows).
+    pub at_ns: u64,
+}
+
 /// A kernel launch the host asked for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Launch {
@@ -106,6 +134,8 @@ pub struct Module {
 pub struct Seen {
     /// The tag of every API call, by correlation id (to attribute the GPU's records to calls).
     pub tags: HashMap<u32, Tag>,
+    /// Every request for GPU work, in order.
+    pub requests: Vec<Request>,
     pub launches: Vec<Launch>,
     pub modules: Vec<Module>,
     /// Contexts created after the runner's own (a submission must use the runner's).
@@ -127,13 +157,34 @@ pub fn is_kernel_launch(function: &str) -> bool {
     (function.starts_with("cuLaunch") || function.starts_with("cudaLaunch")) && !function.contains("HostFunc")
 }
 
-/// The API entry points that put work on the GPU the activity view records (kernels, graphs,
-/// copies, sets), by name prefix. Only these are called back: a callback on every API call (a
-/// synchronisation, a context query) would cost every call of every submission time for nothing. A
-/// kernel, copy or set that still arrives without a seen API call (one made through an entry point
-/// not listed here) is reported, never hidden.
-const GPU_WORK: [&str; 8] =
-    ["cuLaunch", "cuGraphLaunch", "cuMemcpy", "cuMemset", "cudaLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset"];
+/// The API entry points that queue work on the GPU, by name prefix: kernels (host functions too),
+/// graphs, copies, sets, prefetches, and the stream-ordered operations that leave no activity record
+/// (waits and writes on a memory word, batches of them, event records and waits, stream callbacks),
+/// which can hold up or signal other work. Only these are called back: a callback on every API call
+/// (a synchronisation, a context query) would cost every call of every submission time for nothing.
+/// A kernel, copy or set that still arrives without a seen API call (one made through an entry
+/// point not listed here) is reported, never hidden.
+const GPU_WORK: [&str; 19] = [
+    "cuLaunch",
+    "cuGraphLaunch",
+    "cuMemcpy",
+    "cuMemset",
+    "cuMemPrefetch",
+    "cuStreamWaitValue",
+    "cuStreamWriteValue",
+    "cuStreamBatchMemOp",
+    "cuStreamWaitEvent",
+    "cuStreamAddCallback",
+    "cuEventRecord",
+    "cudaLaunch",
+    "cudaGraphLaunch",
+    "cudaMemcpy",
+    "cudaMemset",
+    "cudaMemPrefetch",
+    "cudaStreamWaitEvent",
+    "cudaStreamAddCallback",
+    "cudaEventRecord",
+];
 
 /// The API domains and how many callback ids each has in the CUDA 13.0 headers.
 const API_DOMAINS: [(CUpti_CallbackDomain, u32); 2] = [
@@ -189,6 +240,7 @@ impl Subscription {
     /// Subscribes and enables the GPU-work entry points and the resource callbacks.
     pub fn start() -> Result<Subscription, CuptiError> {
         *lock(&SEEN) = Some(Seen::default());
+        RUNNER_THREAD.store(thread_id(), Ordering::SeqCst);
         let mut handle: CUpti_SubscriberHandle = std::ptr::null_mut();
         // SAFETY: a valid out-pointer and a callback with CUPTI's signature; no user data.
         let r = unsafe { sys::cuptiSubscribe(&mut handle, Some(api_callback), std::ptr::null_mut()) };
@@ -296,9 +348,17 @@ fn on_api(runtime: bool, data: &CUpti_CallbackData) {
         // SAFETY: CUPTI's function name is a NUL-terminated static string.
         unsafe { CStr::from_ptr(data.functionName) }.to_string_lossy().into_owned()
     };
+    let runner_thread = thread_id() == RUNNER_THREAD.load(Ordering::SeqCst);
+    let mut at_ns = 0;
+    // SAFETY: a valid out-pointer; on failure the request keeps time 0, before every window.
+    let _ = unsafe { sys::cuptiGetTimestamp(&mut at_ns) };
     let mut guard = lock(&SEEN);
     let Some(seen) = guard.as_mut() else { return };
     seen.tags.insert(corr, tag);
+    // A runtime call and the driver call inside it are one request: the outer one is noted.
+    if runtime || outer.is_none() {
+        seen.requests.push(Request { correlation_id: corr, function: function.clone(), tag, runner_thread, at_ns });
+    }
     if is_kernel_launch(&function) {
         let runtime_correlation_id = if runtime { None } else { outer };
         seen.launches.push(Launch { correlation_id: corr, runtime_correlation_id, function, tag });
@@ -363,14 +423,28 @@ mod tests {
     }
 
     #[test]
-    fn every_gpu_work_prefix_is_a_launch_copy_or_set() {
-        for p in GPU_WORK {
-            assert!(["Launch", "Memcpy", "Memset"].iter().any(|w| p.contains(w)), "{p}");
-        }
-        for f in ["cuLaunchKernel", "cuMemcpyDtoDAsync_v2", "cudaMemsetAsync", "cuGraphLaunch"] {
+    fn every_way_to_queue_gpu_work_is_called_back_and_nothing_else() {
+        for f in [
+            "cuLaunchKernel",
+            "cuLaunchHostFunc",
+            "cuMemcpyDtoDAsync_v2",
+            "cudaMemsetAsync",
+            "cuGraphLaunch",
+            "cuStreamWaitValue32_v2",
+            "cuStreamWriteValue64_v2",
+            "cuStreamBatchMemOp_v2",
+            "cuStreamWaitEvent",
+            "cuEventRecord",
+            "cuEventRecordWithFlags",
+            "cuMemPrefetchAsync_v2",
+            "cudaStreamWaitEvent",
+            "cudaLaunchHostFunc",
+            "cudaStreamAddCallback",
+            "cudaEventRecord",
+        ] {
             assert!(GPU_WORK.iter().any(|p| f.starts_with(p)), "{f}");
         }
-        for f in ["cuCtxSynchronize", "cuStreamQuery", "cuEventRecord", "cudaDeviceSynchronize"] {
+        for f in ["cuCtxSynchronize", "cuStreamQuery", "cuEventQuery", "cudaDeviceSynchronize", "cuStreamSynchronize"] {
             assert!(!GPU_WORK.iter().any(|p| f.starts_with(p)), "{f}");
         }
     }

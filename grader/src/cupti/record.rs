@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::callbacks::{Launch, Tag};
+use super::callbacks::{Launch, Request, Tag};
 use super::summary::StepLaunches;
 use super::{Activity, ActivityKind, Captured};
 
@@ -28,6 +28,18 @@ impl CallWindow {
     fn overlaps(&self, a: &Activity) -> bool {
         a.end_ns > self.start_ns && a.start_ns < self.end_ns
     }
+
+    fn holds(&self, at_ns: u64) -> bool {
+        (self.start_ns..=self.end_ns).contains(&at_ns)
+    }
+}
+
+/// The runner's own GPU work, as the runner counted it when it asked for it: what its tag may
+/// cover, and nothing more.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OwnWork {
+    /// Kernels the runner launched between calls (one L2 eviction after each command).
+    pub kernels: usize,
 }
 
 /// The record of a run, attributed: what each call ran, and what is wrong with the record itself.
@@ -55,25 +67,30 @@ pub struct Record {
     pub windows: Vec<CallWindow>,
 }
 
-/// Attributes `captured` to `windows.len()` calls. `scan` names what a loaded module may not hold
-/// (device-side launches); `tampering` lists what the runner found switched off at call boundaries.
+/// Attributes `captured` to `windows.len()` calls. `own` is the work the runner itself asked for;
+/// `scan` names what a loaded module may not hold (device-side launches); `tampering` lists what the
+/// runner found switched off at call boundaries.
 pub fn attribute(
     captured: Captured,
     windows: &[CallWindow],
+    own: OwnWork,
     scan: impl Fn(&[u8]) -> Vec<String>,
     tampering: Vec<String>,
 ) -> Record {
     let Captured { activities, seen } = captured;
     let mut problems = tampering;
+    problems.extend(forged_requests(&seen.requests, windows));
     let n = windows.len();
     let mut per_call: Vec<Vec<Activity>> = vec![Vec::new(); n];
     let mut build = Vec::new();
     let mut unseen = Vec::new();
     let mut outside = Vec::new();
     let mut recorded_ids = HashSet::new();
+    let mut unseen_own = Vec::new();
     let mut foreign: HashMap<usize, Vec<String>> = HashMap::new();
     let mut profiler_kernels = 0;
     let mut runner_copies = vec![0; n];
+    let mut runner_kernels = 0;
     for a in activities {
         let tag = seen.tags.get(&a.correlation_id).copied();
         if tag.is_none()
@@ -98,12 +115,28 @@ pub fn attribute(
             Some(Tag::Call(i)) if i < n => per_call[i].push(a),
             Some(Tag::Build) => build.push(a),
             Some(Tag::RunnerIn(i)) if i < n && a.kind != ActivityKind::Kernel => runner_copies[i] += 1,
-            Some(Tag::Teardown | Tag::Runner | Tag::RunnerIn(_)) => {}
+            // The runner's work inside a call is a copy, never a kernel: one under its tag is not its.
+            Some(Tag::RunnerIn(i)) => unseen_own.push(format!("{} in call {i}", a.name)),
+            Some(Tag::Runner) if a.kind == ActivityKind::Kernel => runner_kernels += 1,
+            Some(Tag::Teardown | Tag::Runner) => {}
             Some(Tag::Outside) => outside.push(a),
             // Records of other kinds are not work a call could hide (no kernel, copy or set).
             Some(Tag::Call(_)) | None if matches!(a.kind, ActivityKind::Other(_)) => {}
             Some(Tag::Call(_)) | None => unseen.push(a),
         }
+    }
+    if runner_kernels != own.kernels {
+        problems.push(format!(
+            "{runner_kernels} kernel(s) ran under the runner's own tag, which launched {}: the tag was forged to hide \
+             the submission's work",
+            own.kernels
+        ));
+    }
+    if let Some(first) = unseen_own.first() {
+        problems.push(format!(
+            "{} kernel(s) (first: {first}) ran under the runner's tag for its copy inside a call: the tag was forged",
+            unseen_own.len()
+        ));
     }
     if let Some(first) = unseen.first() {
         problems.push(format!(
@@ -183,6 +216,46 @@ pub fn attribute(
     }
 }
 
+/// Requests whose tag cannot be theirs: the runner's own tag on a request from another thread, a
+/// call's tag on a request made outside that call's window; and work queued between calls (kernels
+/// are named by the activity view, which also sees them run).
+fn forged_requests(requests: &[Request], windows: &[CallWindow]) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut say = |found: Vec<&Request>, what: &str| {
+        if let Some(first) = found.first() {
+            problems.push(format!("{} request(s) for GPU work (first: {}) {what}", found.len(), first.function));
+        }
+    };
+    say(
+        requests.iter().filter(|r| matches!(r.tag, Tag::Runner | Tag::RunnerIn(_)) && !r.runner_thread).collect(),
+        "came from another thread under the runner's own tag: the tag was forged",
+    );
+    say(
+        requests.iter().filter(|r| r.tag == Tag::Runner && !is_runner_request(&r.function)).collect(),
+        "were made under the runner's own tag between calls, where the runner asks only for its eviction kernel \
+         (and the events that track its buffers): the tag was forged (a signal handler on the runner's thread?)",
+    );
+    say(
+        requests
+            .iter()
+            .filter(|r| matches!(r.tag, Tag::Call(i) if windows.get(i).is_some_and(|w| !w.holds(r.at_ns))))
+            .collect(),
+        "were made outside the window of the call whose tag they carry: the tag was forged",
+    );
+    say(
+        requests.iter().filter(|r| r.tag == Tag::Outside && !super::callbacks::is_kernel_launch(&r.function)).collect(),
+        "were queued outside build_layer and the calls (copies, sets, stream waits or writes, host functions, \
+         events: between calls the submission may queue nothing)",
+    );
+    problems
+}
+
+/// What the runner asks for between calls: its eviction kernel, and the event records and waits
+/// cudarc makes to track the buffers of a launch.
+fn is_runner_request(function: &str) -> bool {
+    super::callbacks::is_kernel_launch(function) || function.contains("EventRecord") || function.contains("WaitEvent")
+}
+
 fn describe(tag: Option<Tag>) -> String {
     match tag {
         Some(Tag::Build) => "build_layer".into(),
@@ -233,7 +306,7 @@ mod tests {
             activities: vec![kernel("build_pack", 1, 10, 20), kernel("mega", 2, 110, 190), kernel("mega", 3, 310, 390)],
             seen: seen(vec![launch(1, Tag::Build), launch(2, Tag::Call(0)), launch(3, Tag::Call(1))]),
         };
-        let r = attribute(captured, &W, no_scan, vec![]);
+        let r = attribute(captured, &W, OwnWork::default(), no_scan, vec![]);
         assert!(r.problems.is_empty(), "{:?}", r.problems);
         assert_eq!((r.build.kernels, r.calls[0].kernels, r.calls[1].kernels), (1, 1, 1));
         assert_eq!(r.api_launches, vec![1, 1]);
@@ -247,7 +320,7 @@ mod tests {
             activities: vec![kernel("mega", 2, 110, 190)],
             seen: seen(vec![launch(2, Tag::Call(0)), launch(3, Tag::Call(1))]),
         };
-        let r = attribute(captured, &W, no_scan, vec![]);
+        let r = attribute(captured, &W, OwnWork::default(), no_scan, vec![]);
         assert!(
             r.problems.iter().any(|p| p.contains("left no GPU record") && p.contains("call 1")),
             "{:?}",
@@ -258,7 +331,7 @@ mod tests {
             activities: vec![kernel("mega", 2, 110, 190), kernel("hidden", 9, 310, 390)],
             seen: seen(vec![launch(2, Tag::Call(0))]),
         };
-        let r = attribute(captured, &W, no_scan, vec![]);
+        let r = attribute(captured, &W, OwnWork::default(), no_scan, vec![]);
         assert!(r.problems.iter().any(|p| p.contains("no API call") && p.contains("hidden")), "{:?}", r.problems);
     }
 
@@ -271,7 +344,7 @@ mod tests {
             activities: vec![kernel("waiter", 2, 110, 190)],
             seen: seen(vec![launch(2, Tag::Call(0)), launch(3, Tag::Call(0)), launch(4, Tag::Call(0))]),
         };
-        let r = attribute(captured, &W[..1], no_scan, vec![]);
+        let r = attribute(captured, &W[..1], OwnWork::default(), no_scan, vec![]);
         for name in ["recording-off", "recording-off-waiter"] {
             let Some(Expect::GateFails { gate: "launch_record", word }) = redteam::find(name).map(|a| a.expect) else {
                 panic!("{name} must expect launch_record to fail");
@@ -289,7 +362,7 @@ mod tests {
         let mut s = seen(vec![launch(2, Tag::Call(0))]);
         s.tags.insert(7, Tag::RunnerIn(0));
         let captured = Captured { activities: vec![kernel("add", 2, 110, 170), copy], seen: s };
-        let r = attribute(captured, &W[..1], no_scan, vec![]);
+        let r = attribute(captured, &W[..1], OwnWork::default(), no_scan, vec![]);
         assert!(r.problems.is_empty(), "{:?}", r.problems);
         assert_eq!((r.calls[0].kernels, r.calls[0].memcpys), (1, 0));
         assert_eq!(r.runner_copies, vec![1]);
@@ -311,7 +384,7 @@ mod tests {
             });
             s.tags.insert(2 * i + 2, Tag::RunnerIn(i as usize));
         }
-        let r = attribute(Captured { activities, seen: s }, &[batch; 3], no_scan, vec![]);
+        let r = attribute(Captured { activities, seen: s }, &[batch; 3], OwnWork::default(), no_scan, vec![]);
         assert!(r.problems.is_empty(), "{:?}", r.problems);
         assert_eq!(r.runner_copies, vec![1, 1, 1]);
     }
@@ -322,7 +395,7 @@ mod tests {
         outer.function = "cudaLaunchKernel_v7000".into();
         let inner = Launch { correlation_id: 6, runtime_correlation_id: Some(5), ..launch(6, Tag::Call(0)) };
         let captured = Captured { activities: vec![kernel("k", 5, 110, 150)], seen: seen(vec![outer, inner]) };
-        let r = attribute(captured, &W[..1], no_scan, vec![]);
+        let r = attribute(captured, &W[..1], OwnWork::default(), no_scan, vec![]);
         assert!(r.problems.is_empty(), "{:?}", r.problems);
         assert_eq!(r.api_launches, vec![1]);
     }
@@ -333,7 +406,7 @@ mod tests {
             activities: vec![kernel("server", 1, 10, 390), kernel("mega", 2, 110, 190), kernel("stray", 4, 250, 260)],
             seen: seen(vec![launch(1, Tag::Build), launch(2, Tag::Call(0)), launch(4, Tag::Outside)]),
         };
-        let r = attribute(captured, &W, no_scan, vec![]);
+        let r = attribute(captured, &W, OwnWork::default(), no_scan, vec![]);
         assert!(
             r.problems.iter().any(|p| p.contains("ran during 2 call(s)") && p.contains("server")),
             "{:?}",
@@ -356,7 +429,7 @@ mod tests {
         let scan = |img: &[u8]| {
             if img == b"cdp" { vec!["calls cudaLaunchDeviceV2: device-side launch".into()] } else { vec![] }
         };
-        let r = attribute(captured, &W[..1], scan, vec!["driver API callbacks found off after call 0".into()]);
+        let r = attribute(captured, &W[..1], OwnWork::default(), scan, vec!["driver API callbacks found off after call 0".into()]);
         assert_eq!(r.modules, 2);
         assert!(
             r.problems
@@ -367,13 +440,67 @@ mod tests {
         assert!(r.problems.iter().any(|p| p.contains("found off")));
     }
 
+    fn request(corr: u32, function: &str, tag: Tag, runner_thread: bool, at_ns: u64) -> Request {
+        Request { correlation_id: corr, function: function.into(), tag, runner_thread, at_ns }
+    }
+
+    /// An intact call with the requests that go with it, and `extra` ones.
+    fn with_requests(extra: Vec<Request>) -> Captured {
+        let mut s = seen(vec![launch(2, Tag::Call(0))]);
+        s.requests = vec![request(2, "cuLaunchKernel", Tag::Call(0), true, 105)];
+        s.requests.extend(extra);
+        Captured { activities: vec![kernel("mega", 2, 110, 190)], seen: s }
+    }
+
+    /// The tag is a word in the runner's memory: whatever another thread writes there, its requests
+    /// are not the runner's, and a call's tag holds only while that call runs.
+    #[test]
+    fn forged_tags_are_found_by_thread_and_by_time() {
+        let intact = attribute(with_requests(vec![]), &W[..1], OwnWork::default(), no_scan, vec![]);
+        assert!(intact.problems.is_empty(), "{:?}", intact.problems);
+        let cases = [
+            (request(9, "cuMemcpyHtoDAsync_v2", Tag::Runner, false, 250), "another thread under the runner's own tag"),
+            (request(9, "cuMemcpyDtoHAsync_v2", Tag::Runner, true, 250), "where the runner asks only for its eviction"),
+            (request(9, "cuMemsetD8Async", Tag::RunnerIn(0), false, 150), "another thread under the runner's own tag"),
+            (request(9, "cuLaunchKernel", Tag::Call(1), true, 250), "outside the window of the call"),
+            (request(9, "cuStreamWaitValue32_v2", Tag::Outside, false, 250), "queued outside build_layer"),
+            (request(9, "cuLaunchHostFunc", Tag::Outside, false, 250), "queued outside build_layer"),
+            (request(9, "cuEventRecord", Tag::Outside, false, 250), "queued outside build_layer"),
+        ];
+        for (r, word) in cases {
+            let function = r.function.clone();
+            let found = attribute(with_requests(vec![r]), &W, OwnWork::default(), no_scan, vec![]).problems;
+            assert!(found.iter().any(|p| p.contains(word) && p.contains(&function)), "{function}: {found:?}");
+        }
+    }
+
+    /// The runner's tag covers the kernels it counted itself, and its copy inside a call is never a
+    /// kernel.
+    #[test]
+    fn kernels_under_the_runners_tag_must_be_the_ones_it_launched() {
+        let mut s = seen(vec![launch(2, Tag::Call(0)), launch(5, Tag::Runner)]);
+        s.tags.insert(6, Tag::RunnerIn(0));
+        let activities = vec![kernel("mega", 2, 110, 190), kernel("read_u4", 5, 220, 260)];
+        let one = OwnWork { kernels: 1 };
+        let r = attribute(Captured { activities: activities.clone(), seen: s }, &W[..1], one, no_scan, vec![]);
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        let mut s = seen(vec![launch(2, Tag::Call(0)), launch(5, Tag::Runner), launch(7, Tag::Runner)]);
+        s.tags.insert(6, Tag::RunnerIn(0));
+        let mut more = activities;
+        more.push(kernel("hidden", 7, 230, 290));
+        more.push(kernel("hidden_in_call", 6, 120, 130));
+        let r = attribute(Captured { activities: more, seen: s }, &W[..1], one, no_scan, vec![]);
+        assert!(r.problems.iter().any(|p| p.contains("2 kernel(s) ran under the runner's own tag")), "{:?}", r.problems);
+        assert!(r.problems.iter().any(|p| p.contains("hidden_in_call in call 0")), "{:?}", r.problems);
+    }
+
     #[test]
     fn the_profilers_kernels_between_calls_are_set_apart_but_not_inside_a_call() {
         let captured = Captured {
             activities: vec![kernel("WaitNs", 0, 50, 90), kernel("mega", 2, 110, 190), kernel("WaitNs", 0, 150, 160)],
             seen: seen(vec![launch(2, Tag::Call(0))]),
         };
-        let r = attribute(captured, &W[..1], no_scan, vec![]);
+        let r = attribute(captured, &W[..1], OwnWork::default(), no_scan, vec![]);
         assert_eq!(r.profiler_kernels, 1);
         assert!(r.problems.iter().any(|p| p.contains("no API call") && p.contains("WaitNs")), "{:?}", r.problems);
     }

@@ -1,6 +1,7 @@
 //! One call's GPU activities summarised for the launch gates: kernels, their time and the largest
 //! one's share, copies and sets, graph and device-launched records, and the thread blocks launched
-//! (compared with the hardware's own count when the DRAM audit runs).
+//! and those the copies and sets may run by their sizes (compared with the hardware's own count when
+//! the DRAM audit runs).
 
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +29,11 @@ pub struct StepLaunches {
     pub other: usize,
     /// Thread blocks of the kernels (grid x * y * z, summed).
     pub ctas: u64,
+    /// Thread blocks the driver may run for the copies and sets, by their sizes
+    /// ([`copy_blocks_allowed`], summed): CUPTI records those as copies and sets, not kernels, but
+    /// the hardware counts their blocks.
+    #[serde(default)]
+    pub copy_blocks: u64,
     /// Time the GPU spent on any of the activities: the union of their intervals.
     pub busy_ns: u64,
 }
@@ -54,8 +60,14 @@ impl StepLaunches {
                     let (x, y, z) = a.grid;
                     s.ctas += [x, y, z].iter().map(|&g| g.max(0) as u64).product::<u64>();
                 }
-                ActivityKind::Memcpy => s.memcpys += 1,
-                ActivityKind::Memset => s.memsets += 1,
+                ActivityKind::Memcpy => {
+                    s.memcpys += 1;
+                    s.copy_blocks = s.copy_blocks.saturating_add(copy_blocks_allowed(bytes_of(a)));
+                }
+                ActivityKind::Memset => {
+                    s.memsets += 1;
+                    s.copy_blocks = s.copy_blocks.saturating_add(copy_blocks_allowed(bytes_of(a)));
+                }
                 ActivityKind::Other(_) => s.other += 1,
             }
         }
@@ -67,6 +79,40 @@ impl StepLaunches {
         }
         s
     }
+}
+
+/// Thread blocks a copy or a set of `bytes` may run as kernels of the driver's own. Measured on an
+/// H200 (CUDA 13.0, driver 580; `sm__ctas_launched` over one copy or set in Nsight Compute's range
+/// replay):
+/// - a device-to-device `cudaMemcpyAsync` runs 1 block up to 64 bytes, then one per KB with both
+///   ends 4-byte aligned and one per 256 bytes with either end off by 1 or 2 bytes (16 for 4 KB, 256
+///   for 64 KB, 1024 for 256 KB), one per 4 KB from 1 MB (65,551 for 256 MB, off by one);
+/// - a set (`cudaMemsetAsync`, `cuMemsetD16/D32Async`) runs none below 8 KB, then one per 8 KB;
+/// - copies to and from the host run none;
+/// - a 2D or 3D copy or set runs one block per row for rows up to 256 bytes (a 1-byte-wide copy of
+///   4096 rows runs 4096), one per 512 bytes of wider rows.
+///
+/// The record holds a copy's bytes, not its shape, so the rule follows the bytes: 2 blocks, and one
+/// per 64 bytes. That covers every 1D copy and set with 4x to spare over the worst seen (256 bytes a
+/// block), and 2D and 3D ones whose rows are at least 64 bytes (32 bf16 values); one of narrower rows
+/// runs more blocks than this, and the launch record reports them. An unsized record (`None`) keeps
+/// the old flat allowance. Hidden thread blocks so cost 64 bytes of copy or set each, and an
+/// operation brings 2 of its own: a thousand 1-byte sets cover 2,000 blocks, not four million.
+pub fn copy_blocks_allowed(bytes: Option<u64>) -> u64 {
+    const BASE: u64 = 2;
+    const BYTES_PER_BLOCK: u64 = 64;
+    const UNSIZED: u64 = 4096;
+    bytes.map_or(UNSIZED, |b| BASE.saturating_add(b.div_ceil(BYTES_PER_BLOCK)))
+}
+
+/// The size of a copy or a set, from its name (`memcpy DtoD 1234 bytes`, `memset 64 bytes`: see
+/// `activity::parse_record`).
+fn bytes_of(a: &Activity) -> Option<u64> {
+    let mut words = a.name.rsplit(' ');
+    if words.next()? != "bytes" {
+        return None;
+    }
+    words.next()?.parse().ok()
 }
 
 /// The first kernel's start and the last kernel's end (ns); `None` without a kernel.
@@ -140,9 +186,38 @@ mod tests {
             activity(ActivityKind::Other(36), "", 0, 0),
         ]);
         assert_eq!((s.kernels, s.memcpys, s.memsets, s.other), (1, 1, 1, 1));
+        assert_eq!(s.copy_blocks, (2 + 64) + (2 + 1), "4096 and 64 bytes");
         assert_eq!(s.kernel_ns, 1_000);
         assert_eq!(s.dominant_share, 1.0);
         assert_eq!(s.span_ns, 1_000, "the span covers kernels only");
+    }
+
+    /// The allowance against the blocks the driver's copies and sets were seen to run on an H200.
+    #[test]
+    fn copy_allowances_cover_the_drivers_blocks_by_size() {
+        // (bytes, blocks seen): misaligned device-to-device copies (the most per byte of any 1D
+        // copy or set), a 2D copy of 64-byte rows, and sets.
+        for (bytes, seen) in [
+            (1, 1),
+            (64, 1),
+            (1000, 4),
+            (4096, 16),
+            (65_536, 256),
+            (262_144, 1024),
+            (1 << 20, 271),
+            (256 << 20, 65_551),
+            (64 * 4096, 4096),
+            (16_384, 2),
+        ] {
+            let allowed = copy_blocks_allowed(Some(bytes));
+            assert!(allowed >= seen, "{bytes} bytes: {allowed} allowed, {seen} seen");
+        }
+        assert_eq!(copy_blocks_allowed(Some(0)), 2);
+        assert_eq!(copy_blocks_allowed(None), 4096);
+        let named = |name: &str| bytes_of(&activity(ActivityKind::Memset, name, 0, 1));
+        assert_eq!(named("memset 64 bytes"), Some(64));
+        assert_eq!(named("memcpy DtoD 1234 bytes"), Some(1234));
+        assert_eq!((named("DtoD"), named("memset bytes"), named("")), (None, None, None));
     }
 
     #[test]

@@ -20,8 +20,6 @@ use super::runner::Finished;
 pub const REPORT_FD: RawFd = 3;
 /// The control page's descriptor in the runner.
 pub const CONTROL_FD: RawFd = 4;
-/// The input page's descriptor in the runner: where the judge puts each input for `Stage`.
-pub const INPUT_FD: RawFd = 5;
 
 /// Largest report accepted (a graded run's report, every kernel record included, is well under).
 const MAX_REPORT_BYTES: usize = 64 << 20;
@@ -36,6 +34,11 @@ pub enum Message {
     Finished(Box<Finished>),
     /// The submission or the device failed; the runner exits after this.
     Failed {
+        message: String,
+    },
+    /// `build_layer` declined the config as one the submission does not implement, saying why (a
+    /// verdict `unsupported`, not a crash); the runner exits after this.
+    Unsupported {
         message: String,
     },
 }
@@ -128,6 +131,12 @@ mod tests {
     #[test]
     fn exactly_one_readable_message() {
         assert!(matches!(parse(failed("boom").as_bytes(), None), Ok(Message::Failed { .. })));
+        let declined = serde_json::to_string(&Message::Unsupported { message: "ffn over 28672".into() }).unwrap();
+        assert_eq!(declined, r#"{"outcome":"unsupported","message":"ffn over 28672"}"#);
+        match parse((declined + "\n").as_bytes(), None) {
+            Ok(Message::Unsupported { message }) => assert_eq!(message, "ffn over 28672"),
+            other => panic!("{other:?}"),
+        }
         let two = failed("a") + &failed("b");
         assert!(parse(two.as_bytes(), None).unwrap_err().contains("2 messages"));
         assert!(parse(b"", None).unwrap_err().contains("without a report"));

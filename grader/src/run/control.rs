@@ -41,15 +41,11 @@ pub enum Command {
     Teardown = 4,
     /// Write the final report, carrying the nonce `arg0`, and exit.
     Report = 5,
-    /// Copy the input on the input page into call `arg0`'s input buffer, untimed: the input reaches
-    /// the device from the runner's own context, so no work of the judge's context sits on the GPU
-    /// right before a timed call.
-    Stage = 6,
 }
 
 impl Command {
     fn from_byte(b: u8) -> Option<Command> {
-        [Command::Ping, Command::Build, Command::Calls, Command::Teardown, Command::Report, Command::Stage]
+        [Command::Ping, Command::Build, Command::Calls, Command::Teardown, Command::Report]
             .into_iter()
             .find(|c| *c as u8 == b)
     }

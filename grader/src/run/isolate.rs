@@ -11,12 +11,10 @@ use std::process::{Child, ChildStderr, Command as Process, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use half::bf16;
 use serde::Serialize;
 
-use super::channel::{CONTROL_FD, Collector, INPUT_FD, Message, REPORT_FD};
+use super::channel::{CONTROL_FD, Collector, Message, REPORT_FD};
 use super::control::{Command, Control, Status};
-use super::memfd::SharedMemory;
 use super::runner::{Finished, Job};
 use super::sandbox::SECCOMP_KILL_SIGNAL;
 use super::watch::{ProcessWatch, Watched};
@@ -43,6 +41,9 @@ pub enum Failure {
     Crashed(String),
     /// The runner went quiet and was killed.
     Timeout(String),
+    /// The runner reported that `build_layer` declined the config as one the submission does not
+    /// implement, saying why: an honest refusal, still not a pass.
+    Unsupported(String),
 }
 
 /// When the judge posted a command and when it saw the acknowledgement.
@@ -66,8 +67,6 @@ pub struct Runner {
     collector: Option<Collector>,
     stderr: Option<Arc<Mutex<String>>>,
     watch: Option<ProcessWatch>,
-    /// Where the judge puts each input for [`Command::Stage`].
-    input: SharedMemory,
     /// What the runner was last asked, for the messages of a crash or a timeout.
     last: &'static str,
 }
@@ -79,19 +78,13 @@ impl Runner {
         let exe =
             std::env::current_exe().map_err(|e| GraderError::Runner(format!("cannot find the grader binary: {e}")))?;
         let control = Control::create().map_err(|e| GraderError::Runner(format!("creating the control page: {e}")))?;
-        let input = SharedMemory::create(c"persistent-layer-input", input_bytes(&job.config))
-            .map_err(|e| GraderError::Runner(format!("creating the input page: {e}")))?;
         let (read_end, write_end) =
             pipe().map_err(|e| GraderError::Runner(format!("creating the report channel: {e}")))?;
-        let (report_fd, control_fd, input_fd) = (write_end.as_raw_fd(), control.raw_fd(), input.raw_fd());
+        let (report_fd, control_fd) = (write_end.as_raw_fd(), control.raw_fd());
         let mut process = Process::new(exe);
         process.arg("runner").stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::piped());
         // SAFETY: only async-signal-safe calls (fcntl, dup2) run between fork and exec.
-        unsafe {
-            process.pre_exec(move || {
-                place_descriptors(&[(report_fd, REPORT_FD), (control_fd, CONTROL_FD), (input_fd, INPUT_FD)])
-            })
-        };
+        unsafe { process.pre_exec(move || place_descriptors(&[(report_fd, REPORT_FD), (control_fd, CONTROL_FD)])) };
         let mut child =
             process.spawn().map_err(|e| GraderError::Runner(format!("cannot start the runner process: {e}")))?;
         drop(write_end);
@@ -109,7 +102,6 @@ impl Runner {
             collector: Some(Collector::start(read_end)),
             stderr,
             watch: Some(watch),
-            input,
             last: "its start",
         })
     }
@@ -175,18 +167,6 @@ impl Runner {
         }
     }
 
-    /// Puts `x` on the input page and has the runner copy it into call `index`'s input buffer.
-    pub fn stage(&mut self, index: usize, x: &[bf16]) -> Result<(), Failure> {
-        // The runner reads the page only after this command is posted, and the previous command
-        // finished (`command` waits for it to be ready first), so the page is not being read now.
-        self.wait_ready(CALL_TIMEOUT)?;
-        let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-        assert_eq!(bytes.len(), self.input.len(), "an input of the job's size");
-        // SAFETY: the page holds exactly `bytes.len()` bytes (asserted) and nothing reads it now.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.input.as_ptr(), bytes.len()) };
-        self.command(Command::Stage, index as u64, 0, CALL_TIMEOUT).map(drop)
-    }
-
     /// Asks for the report with `nonce`, waits for the runner to exit, and reads the one message.
     pub fn finish(mut self, nonce: u64) -> (Result<Finished, Failure>, Watched) {
         let outcome = self.command(Command::Report, nonce, 0, CALL_TIMEOUT).and_then(|_| {
@@ -199,6 +179,7 @@ impl Runner {
                     status.map_or("no exit".into(), |s| s.to_string())
                 ))),
                 Ok(Message::Failed { message }) => Err(Failure::Crashed(message)),
+                Ok(Message::Unsupported { message }) => Err(Failure::Unsupported(message)),
                 Err(channel) => Err(Failure::Crashed(channel)),
             }
         });
@@ -221,6 +202,7 @@ impl Runner {
         let _ = wait_exit(&mut self.child);
         match self.collector.take().map(|c| c.message(None)) {
             Some(Ok(Message::Failed { message })) => Failure::Crashed(message),
+            Some(Ok(Message::Unsupported { message })) => Failure::Unsupported(message),
             Some(Err(channel)) => Failure::Crashed(format!("the runner failed after {during}, and {channel}")),
             _ => Failure::Crashed(format!("the runner failed after {during}{}", self.stderr_tail())),
         }
@@ -236,8 +218,9 @@ impl Runner {
                  filter stopped it (SIGSYS); processes may only be started in build_layer{tail}"
             ));
         }
+        // A runner that declines a config acknowledges it (`failed_report`): one that died did not.
         let message = self.collector.take().and_then(|c| match c.message(None) {
-            Ok(Message::Failed { message }) => Some(message),
+            Ok(Message::Failed { message } | Message::Unsupported { message }) => Some(message),
             _ => None,
         });
         match message {
@@ -273,13 +256,7 @@ fn describe(kind: Command) -> &'static str {
         Command::Calls => "a call of layer_step",
         Command::Teardown => "teardown",
         Command::Report => "its report",
-        Command::Stage => "handing over an input",
     }
-}
-
-/// Bytes of one input `x`: `(batch, d)` bf16.
-pub fn input_bytes(cfg: &spec::Config) -> usize {
-    cfg.batch * cfg.d * size_of::<bf16>()
 }
 
 /// A pipe whose two ends are closed on exec (the child gets its end through `place_descriptors`).
@@ -297,7 +274,7 @@ fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
 /// Each is first copied above the targets, so no placement overwrites a descriptor still to move.
 fn place_descriptors(moves: &[(RawFd, RawFd)]) -> std::io::Result<()> {
     const ABOVE_TARGETS: RawFd = 64;
-    let mut staged = [0; 3];
+    let mut staged = [0; 2];
     for (slot, &(from, _)) in staged.iter_mut().zip(moves) {
         // SAFETY: duplicates an open descriptor (async-signal-safe).
         *slot = unsafe { libc::fcntl(from, libc::F_DUPFD_CLOEXEC, ABOVE_TARGETS) };

@@ -1,5 +1,5 @@
 //! Host memory both processes map: an anonymous memory file the judge creates and the runner
-//! inherits as a descriptor. The control page and the input page are two of these.
+//! inherits as a descriptor. The control page is one of these.
 
 use std::ffi::CStr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -62,10 +62,6 @@ impl SharedMemory {
 
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
     }
 }
 

@@ -86,11 +86,11 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     // not a GPU start-up, and no judgement is lost to an output path that cannot be written.
     let cfg = Config::load(&args.config.config)?;
     let submission = crate::preflight::submission(&args.submission.name, args.submission.python.as_deref())?;
-    if let Some(path) = &args.json {
-        crate::preflight::output_file("--json", path)?;
-    }
     if let Some(dir) = &args.dump {
         crate::preflight::output_dir("--dump", dir)?;
+    }
+    if let Some(path) = &args.json {
+        crate::preflight::report_file(path, args.dump.as_deref())?;
     }
     let dev = Device::open(device)?;
     let progress = Progress::new(args.quiet);
@@ -98,10 +98,8 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     let policy = Policy { require_audit: args.require_audit };
     let report = judge(&dev, &submission, &cfg, seeds, policy, &progress, args.dump.as_deref())?;
     eprint!("{}", if args.quiet { report.verdict_line() } else { report.table() });
-    let json = serde_json::to_string_pretty(&report).expect("the report serialises") + "\n";
-    match &args.json {
-        Some(path) => crate::write_output(path, &json)?,
-        None => print!("{json}"),
+    if let Some(path) = &args.json {
+        crate::write_output(path, &(serde_json::to_string_pretty(&report).expect("the report serialises") + "\n"))?;
     }
     Ok(if report.verdict.passed { Outcome::Pass } else { Outcome::Fail })
 }
@@ -169,7 +167,8 @@ pub fn judge(
 
     let gates = Gates::TASK;
     let model: Vec<u64> = calls.iter().map(|c| ByteModel::at(cfg, c.pos).total).collect();
-    let held = gates::physics::held_to_model(&calls, &model, facts.l2_bytes as u64);
+    let l2_bytes = facts.l2_bytes as u64;
+    let required = gates::physics::required_bytes(&calls, &model, l2_bytes);
     let f = &finished;
     let gate_list = vec![
         correctness_gate(&steps, &cache_check, &integrity, &gates),
@@ -187,17 +186,9 @@ pub fn judge(
             },
         ),
         gates::environment::exclusive_gpu_gate(&watched),
-        gates::physics::bytes_read_gate(&f.audit, &model, &held, &paced, policy.require_audit, &gates),
+        gates::physics::bytes_read_gate(&f.audit, &model, &required, l2_bytes, &paced, policy.require_audit, &gates),
         gates::environment::l2_gate(&f.l2),
-        gates::physics::plausible_timing_gate(
-            &calls,
-            &paced,
-            &f.runner_us,
-            &model,
-            &held,
-            bw.read_ceiling_tbps,
-            &gates,
-        ),
+        gates::physics::plausible_timing_gate(&calls, &paced, &f.runner_us, &required, bw.read_ceiling_tbps, &gates),
     ];
     let performance = performance(cfg, &calls, &paced, f, &replayed, bw)?;
     let report = Report::judged(report::Judged {

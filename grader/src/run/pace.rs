@@ -1,10 +1,16 @@
 //! The judge's clock over the schedule: it hands each input over, starts each call, stamps it, and
 //! reads its output back, itself.
 //!
-//! What the runner could know in advance: nothing. A call's input is written into its buffer only
-//! after the previous call has finished (and its output has been read); the input seed never
-//! leaves the judge; in the back-to-back phase each input is the previous call's output, so no call
-//! can be computed before its predecessor. What is timed: from the judge's "go" on the control page
+//! What the runner could know in advance: nothing. A call's input is written into its buffer by the
+//! judge itself, from its own context, only after the previous call has finished and its output has
+//! been read: so the input exists in the runner's reach only on the device, never on a page of its
+//! memory, and only between calls, when the submission may queue no GPU work (the launch record
+//! sees any that it does, from any thread, under any tag). The judge writes it while the runner does
+//! its bookkeeping, whose own GPU work follows in the runner's context: the device switches back
+//! from the judge's context there, not inside the next timed call (written after the runner said it
+//! was ready, each timed call of the graded layer started 280 us late). The input seed never leaves
+//! the judge; in the back-to-back phase each input is the previous call's output, so no call can be
+//! computed before its predecessor. What is timed: from the judge's "go" on the control page
 //! to the runner's "done" after it synchronised the device, on the judge's own clock. The
 //! signalling's own cost (a no-op round trip) is measured and reported beside it.
 
@@ -86,7 +92,7 @@ pub fn pace(
             progress.say(&format!("{} {:?} calls", phase.len(), phase[0].phase));
             let first = phase[0];
             if first.phase == Phase::Throughput {
-                obey!(hand_over(runner, cfg, &first, input_seed, &mut p));
+                hand_over(dev, shared, cfg, &first, input_seed, &mut p)?;
                 let stamps =
                     obey!(runner.command(Command::Calls, first.index as u64, phase.len() as u64, CALL_TIMEOUT));
                 (p.batch_us, p.batch_calls) = (stamps.us(), phase.len());
@@ -98,7 +104,7 @@ pub fn pace(
                 }
             } else {
                 for c in phase {
-                    obey!(hand_over(runner, cfg, c, input_seed, &mut p));
+                    hand_over(dev, shared, cfg, c, input_seed, &mut p)?;
                     let stamps = obey!(runner.command(Command::Calls, c.index as u64, 1, CALL_TIMEOUT));
                     p.call_us[c.index] = Some(stamps.us());
                     p.outputs[c.index] = shared.read_output(dev, c.index)?;
@@ -110,11 +116,18 @@ pub fn pace(
     })()
 }
 
-/// Hands `call`'s fresh input over: drawn now, put on the input page, and copied into its buffer by
-/// the runner (untimed), after the previous call's output was read.
-fn hand_over(runner: &mut Runner, cfg: &Config, call: &Call, input_seed: u64, p: &mut Paced) -> Result<(), Failure> {
+/// Hands `call`'s fresh input over, untimed: drawn now and written into its buffer by the judge,
+/// right after the previous call's output was read.
+fn hand_over(
+    dev: &Device,
+    shared: &mut SharedData,
+    cfg: &Config,
+    call: &Call,
+    input_seed: u64,
+    p: &mut Paced,
+) -> Result<(), GraderError> {
     let x = spec::data::input(cfg, input_seed, call.index);
-    runner.stage(call.index, &x)?;
+    shared.write_input(dev, call.index, &x)?;
     p.inputs[call.index] = x;
     Ok(())
 }

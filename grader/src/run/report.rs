@@ -126,6 +126,9 @@ pub enum Status {
     Crashed,
     /// The submission went quiet and the watchdog killed it.
     Timeout,
+    /// The submission's `build_layer` declined the config as one it does not implement (an honest
+    /// refusal, with its reason): nothing could be judged, and the run does not pass.
+    Unsupported,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -133,7 +136,7 @@ pub struct Verdict {
     pub status: Status,
     pub passed: bool,
     pub failed_gates: Vec<&'static str>,
-    /// Why a run was cut short (crashed, timeout).
+    /// Why a run was cut short (crashed, timeout, unsupported).
     pub reason: Option<String>,
     /// Why the DRAM traffic could not be audited, when it could not.
     pub unaudited: Option<String>,
@@ -224,6 +227,7 @@ impl Report {
         let (status, reason) = match failure {
             Failure::Crashed(r) => (Status::Crashed, r),
             Failure::Timeout(r) => (Status::Timeout, r),
+            Failure::Unsupported(r) => (Status::Unsupported, r),
         };
         Self {
             meta: Meta::new(config, device, seeds, submission),
@@ -252,6 +256,7 @@ impl Report {
             }
             (Status::Crashed, _) => format!("VERDICT: CRASHED  {reason}\n"),
             (Status::Timeout, _) => format!("VERDICT: TIMEOUT  {reason}\n"),
+            (Status::Unsupported, _) => format!("VERDICT: UNSUPPORTED  {reason}\n"),
             _ => format!("VERDICT: FAIL  ({})\n", v.failed_gates.join(", ")),
         }
     }
@@ -493,9 +498,11 @@ mod tests {
     /// A run the submission cut short says so, with its reason, and measures nothing.
     #[test]
     fn crashed_and_timed_out_runs_report_their_reason() {
-        for (failure, status) in
-            [(Failure::Crashed("illegal address".into()), "crashed"), (Failure::Timeout("quiet".into()), "timeout")]
-        {
+        for (failure, status) in [
+            (Failure::Crashed("illegal address".into()), "crashed"),
+            (Failure::Timeout("quiet".into()), "timeout"),
+            (Failure::Unsupported("ffn = 53248 is over the megakernel's 28672".into()), "unsupported"),
+        ] {
             let r =
                 Report::not_finished(Config::tiny(), facts(), Seeds { weights: 1, inputs: 2 }, "x", failure, watched());
             let doc: serde_json::Value = serde_json::to_value(&r).unwrap();
@@ -504,5 +511,24 @@ mod tests {
             assert!(doc["performance"].is_null());
             assert!(r.verdict_line().contains(&status.to_uppercase()), "{}", r.verdict_line());
         }
+    }
+
+    /// A declined config is its own verdict, quoting the submission's reason, in the table, the
+    /// quiet line and the JSON; it does not pass.
+    #[test]
+    fn an_unsupported_config_is_its_own_verdict_with_its_reason() {
+        let why = "ffn = 53248 is over the megakernel's 28672";
+        let failure = Failure::Unsupported(why.into());
+        let seeds = Seeds { weights: 1, inputs: 2 };
+        let r = Report::not_finished(Config::tiny(), facts(), seeds, "megakernel", failure, watched());
+        assert_eq!(r.verdict_line(), format!("VERDICT: UNSUPPORTED  {why}\n"));
+        assert!(r.table().ends_with(&format!("VERDICT: UNSUPPORTED  {why}\n")), "{}", r.table());
+        assert!(r.table().contains("submission 'megakernel'"), "{}", r.table());
+        assert!(!r.verdict.passed && r.verdict.status == Status::Unsupported);
+        let doc: serde_json::Value = serde_json::from_str(&serde_json::to_string_pretty(&r).unwrap()).unwrap();
+        assert_eq!(doc["verdict"]["status"], "unsupported");
+        assert_eq!(doc["verdict"]["reason"], why);
+        assert_eq!(doc["verdict"]["passed"], false);
+        assert!(doc["gates"].as_array().unwrap().is_empty() && doc["performance"].is_null());
     }
 }

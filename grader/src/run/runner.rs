@@ -27,22 +27,19 @@ use std::time::Instant;
 use cuda::cudarc::driver::sys::{self as driver, CUlimit};
 use cuda::ipc::RegionHandle;
 use cuda::{Context, Device};
-use half::bf16;
 use reference::gpu::DeviceWeights;
 use serde::{Deserialize, Serialize};
 use spec::{Call, Config, Tensor, schedule};
 use submission::{Chosen, Layer, Submission, SubmissionError};
 
-use super::channel::{self, CONTROL_FD, INPUT_FD, Message, REPORT_FD};
+use super::channel::{self, CONTROL_FD, Message, REPORT_FD};
 use super::check;
 use super::control::{Command, Control, Status};
-use super::isolate::input_bytes;
-use super::memfd::SharedMemory;
 use super::sandbox;
 use super::shared::SharedData;
 use crate::audit::{AUDIT_METRICS, CTAS_LAUNCHED, DRAM_BYTES_READ, DRAM_BYTES_WRITE, RangeAudit};
 use crate::bandwidth::L2Eviction;
-use crate::cupti::{self, CallWindow, Record, Recording, Tag};
+use crate::cupti::{self, CallWindow, OwnWork, Record, Recording, Tag};
 use crate::error::{GraderError, Outcome};
 
 /// The eviction before every command of calls reads this many times L2: enough to replace every
@@ -118,9 +115,11 @@ pub fn command() -> Result<Outcome, GraderError> {
     let mut state = State::default();
     let message = match serve(&job, &control, &mut state) {
         Ok(finished) => Message::Finished(Box::new(finished)),
+        // build_layer declined the config: its reason, judged `unsupported`, not a crash.
+        Err(GraderError::Submission(SubmissionError::Unsupported(why))) => Message::Unsupported { message: why },
         Err(e) => Message::Failed { message: e.to_string() },
     };
-    let failed = matches!(message, Message::Failed { .. });
+    let failed = !matches!(message, Message::Finished(_));
     channel::send(report, &message).map_err(|e| GraderError::Runner(format!("writing the report: {e}")))?;
     if let Some(seq) = state.pending {
         control.ack(seq, if failed { Status::Failed } else { Status::Ok });
@@ -161,6 +160,8 @@ struct Session<'a> {
     l2: Vec<String>,
     build_s: f64,
     name: String,
+    /// The GPU work the runner asked for itself, which its tag may cover.
+    own: OwnWork,
 }
 
 fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, GraderError> {
@@ -171,18 +172,16 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
         .context("copying the weights into the runner's own memory")?;
     // Before any code of the submission runs: it may not read the judge's memory.
     sandbox::drop_ptrace().map_err(|e| GraderError::Runner(format!("dropping CAP_SYS_PTRACE: {e}")))?;
+    // The runner's own buffers are made before the recording starts: between calls, under its tag,
+    // the runner asks the GPU for nothing but its eviction kernel.
+    let flush = L2Eviction::new(&dev, EVICTION_L2_MULTIPLE)?;
     dev.synchronize()?;
     let recording = Recording::start()?;
-    let flush = L2Eviction::new(&dev, EVICTION_L2_MULTIPLE)?;
     // A context can start with a persisting-L2 set-aside (seen: 11.25 MiB once the profiler is
     // enabled); the submission starts with none, and any it sets is found at the next command.
     reset_persisting_l2()?;
     // A range for build, one per command of calls, one for teardown.
     let audit = RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, calls.len() + 3).map_err(|e| e.to_string());
-    // SAFETY: the judge starts the runner with this descriptor open and owned by nobody else.
-    let input = unsafe { channel::inherit(INPUT_FD) }
-        .and_then(|fd| SharedMemory::map(fd, input_bytes(&job.config)))
-        .map_err(|e| GraderError::Runner(format!("no input page on fd {INPUT_FD}: {e}")))?;
     let mut s = Session {
         dev: &dev,
         cfg: &job.config,
@@ -200,6 +199,7 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
         l2: Vec::new(),
         build_s: 0.0,
         name: job.submission.label(),
+        own: OwnWork::default(),
     };
     let mut last = 0;
     loop {
@@ -211,7 +211,6 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
             Some(Command::Build) => s.build(&job.submission)?,
             Some(Command::Calls) => s.calls(arg0 as usize, arg1 as usize)?,
             Some(Command::Teardown) => s.teardown()?,
-            Some(Command::Stage) => s.stage(&input, arg0 as usize)?,
             Some(Command::Report) => return s.finish(arg0),
             None => return Err(GraderError::Runner("the judge posted an unknown command".into())),
         }
@@ -269,26 +268,6 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Copies the input the judge put on the input page into call `index`'s input buffer.
-    fn stage(&mut self, page: &SharedMemory, index: usize) -> Result<(), GraderError> {
-        let Some(buffer) = self.shared.inputs.get_mut(index) else {
-            return Err(GraderError::Runner(format!(
-                "the judge staged an input for call {index}, which does not exist"
-            )));
-        };
-        // SAFETY: the page holds one input's bytes (its size is the job's) and the judge does not
-        // write it while this command runs (it waits for the command to be acknowledged).
-        let bytes = unsafe { std::slice::from_raw_parts(page.as_ptr(), page.len()) };
-        let x: Vec<bf16> = bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
-        // The runner's own copy, set apart from the submission's work in the record.
-        cupti::set_current(Tag::Runner);
-        let copied = self.dev.stream().memcpy_htod(&x, &mut **buffer).context("staging an input");
-        let synced = self.dev.synchronize();
-        cupti::set_current(Tag::Outside);
-        copied?;
-        Ok(synced?)
-    }
-
     fn teardown(&mut self) -> Result<(), GraderError> {
         cupti::set_current(Tag::Teardown);
         if let Some(mut sub) = self.sub.take() {
@@ -301,20 +280,27 @@ impl Session<'_> {
 
     /// The work between commands: the recording still on, the persisting L2 still off, and the
     /// audit range of the last command of calls closed and the next one opened, with the device
-    /// idle again afterwards.
+    /// idle again afterwards. All of it under the runner's own tag, which covers only requests from
+    /// this thread, and only the kernels counted in `own`.
     fn after_command(&mut self, kind: Option<Command>) -> Result<(), GraderError> {
         // Only commands that ran the submission's code can have changed anything to check.
         if !matches!(kind, Some(Command::Build | Command::Calls | Command::Teardown)) {
             return Ok(());
         }
+        cupti::set_current(Tag::Runner);
+        let done = self.bookkeeping(kind);
+        cupti::set_current(Tag::Outside);
+        done
+    }
+
+    fn bookkeeping(&mut self, kind: Option<Command>) -> Result<(), GraderError> {
         if matches!(kind, Some(Command::Calls | Command::Teardown)) {
             self.pop_range();
         }
         if matches!(kind, Some(Command::Build | Command::Calls)) {
-            cupti::set_current(Tag::Runner);
             self.flush.enqueue(self.dev)?;
+            self.own.kernels += 1;
             self.dev.synchronize()?;
-            cupti::set_current(Tag::Outside);
             self.push_range(None);
         }
         self.dev.synchronize()?;
@@ -396,7 +382,7 @@ impl Session<'_> {
             weight_vectors_changed +=
                 check::vectors_differing(self.dev, self.weights.get(t), self.shared.weights.get(t))?;
         }
-        let record = cupti::record::attribute(captured, &self.windows, scan_module, self.tampering);
+        let record = cupti::record::attribute(captured, &self.windows, self.own, scan_module, self.tampering);
         Ok(Finished {
             nonce,
             name: self.name,

@@ -141,6 +141,12 @@ impl SharedData {
         self.region.handle()
     }
 
+    /// Writes call `index`'s input (the judge's side), and waits until it is on the device.
+    pub fn write_input(&mut self, dev: &Device, index: usize, x: &[bf16]) -> Result<(), CudaError> {
+        dev.stream().memcpy_htod(x, &mut *self.inputs[index]).context("writing an input")?;
+        dev.stream().synchronize().context("writing an input")
+    }
+
     /// Reads call `index`'s output as it is now.
     pub fn read_output(&self, dev: &Device, index: usize) -> Result<Vec<bf16>, CudaError> {
         dev.stream().clone_dtoh(&*self.outputs[index]).context("reading an output")

@@ -17,6 +17,7 @@ pub const EXAMPLE_LIBRARY: &str = "target/examples/libexternal_eager.so";
 pub fn checks() -> Vec<Check> {
     vec![
         Check { name: "red team: every adversary is caught", run: red_team },
+        Check { name: "red team at a second shape (llama-3.2-1b)", run: red_team_second_shape },
         Check { name: "external example passes correctness", run: external_example },
     ]
 }
@@ -55,17 +56,26 @@ fn caught(r: &Report, expect: Expect) -> Result<String, String> {
 }
 
 fn red_team(ctx: &mut Ctx) -> CheckResult {
-    let adversaries = redteam::ALL.iter().map(|a| (a.name.to_string(), named(a.name), a.expect)).collect();
-    every_one_caught(ctx, adversaries)
+    every_one_caught(ctx, &Config::small(), every_adversary())
 }
 
-/// Judges each `(label, submission, expected verdict)` at the small config; every one must end as
-/// expected. The judge and the GPU must still work after each one: the next one shows it.
-pub fn every_one_caught(ctx: &Ctx, adversaries: Vec<(String, Chosen, Expect)>) -> CheckResult {
-    let cfg = Config::small();
+/// The red team again at a real model's shape (hd 64, 4k context), so no verdict rests on the
+/// small config's proportions.
+fn red_team_second_shape(ctx: &mut Ctx) -> CheckResult {
+    let cfg = spec::family::find("llama-3.2-1b").expect("a family member").config();
+    every_one_caught(ctx, &cfg, every_adversary())
+}
+
+fn every_adversary() -> Vec<(String, Chosen, Expect)> {
+    redteam::ALL.iter().map(|a| (a.name.to_string(), named(a.name), a.expect)).collect()
+}
+
+/// Judges each `(label, submission, expected verdict)` at `cfg`; every one must end as expected.
+/// The judge and the GPU must still work after each one: the next one shows it.
+pub fn every_one_caught(ctx: &Ctx, cfg: &Config, adversaries: Vec<(String, Chosen, Expect)>) -> CheckResult {
     let mut missed = Vec::new();
     for (label, chosen, expect) in &adversaries {
-        let r = judged(ctx, chosen, &cfg, None)?;
+        let r = judged(ctx, chosen, cfg, None)?;
         if let Err(shown) = caught(&r, *expect) {
             missed.push(format!("{label} (expected {expect:?}, got {shown})"));
         }
@@ -73,7 +83,11 @@ pub fn every_one_caught(ctx: &Ctx, adversaries: Vec<(String, Chosen, Expect)>) -
     ensure(missed.is_empty(), || {
         format!("{} of {} not caught: {}", missed.len(), adversaries.len(), missed.join(" | "))
     })?;
-    Ok(format!("{} adversaries, each caught as expected; the judge and GPU stayed usable", adversaries.len()))
+    Ok(format!(
+        "{} adversaries at '{}', each caught as expected; the judge and GPU stayed usable",
+        adversaries.len(),
+        cfg.name
+    ))
 }
 
 fn external_example(ctx: &mut Ctx) -> CheckResult {

@@ -96,14 +96,27 @@ fn checks() -> Vec<Check> {
     all
 }
 
-pub fn command(device: usize, args: &SelftestArgs) -> Result<Outcome, GraderError> {
+/// The checks whose name contains `filter` in any case (all of them without one): names are
+/// lower case, and `--filter RNG` means the RNG checks.
+fn selected(filter: Option<&str>) -> Result<Vec<Check>, GraderError> {
+    let filter = filter.map(str::to_lowercase);
     let selected: Vec<Check> =
-        checks().into_iter().filter(|c| args.filter.as_deref().is_none_or(|t| c.name.contains(t))).collect();
+        checks().into_iter().filter(|c| filter.as_deref().is_none_or(|t| c.name.to_lowercase().contains(t))).collect();
     if selected.is_empty() {
         return Err(GraderError::Usage(format!(
-            "no selftest check matches --filter {:?}: `grader selftest` without it runs them all",
-            args.filter.as_deref().unwrap_or("")
+            "no selftest check matches --filter {:?}: `grader selftest --list` names them all",
+            filter.unwrap_or_default()
         )));
+    }
+    Ok(selected)
+}
+
+pub fn command(device: usize, args: &SelftestArgs) -> Result<Outcome, GraderError> {
+    let selected = selected(args.filter.as_deref())?;
+    if args.list {
+        // Names only: no device is needed to learn what --filter can pick.
+        selected.iter().for_each(|c| println!("{}", c.name));
+        return Ok(Outcome::Pass);
     }
     if let Some(path) = &args.log {
         crate::preflight::output_file("--log", path)?;
@@ -131,4 +144,18 @@ pub fn command(device: usize, args: &SelftestArgs) -> Result<Outcome, GraderErro
     // The closing line CI and people read: counts only.
     println!("{passed} passed, {failed} failed");
     Ok(if failed == 0 { Outcome::Pass } else { Outcome::Fail })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_ignore_case_and_name_the_list_when_nothing_matches() {
+        let names = |filter| selected(Some(filter)).unwrap().iter().map(|c| c.name).collect::<Vec<_>>();
+        assert!(!names("rng").is_empty() && names("rng").iter().all(|n| n.starts_with("rng: ")));
+        assert_eq!(names("RNG"), names("rng"));
+        let msg = selected(Some("no such check")).err().expect("nothing matches").to_string();
+        assert!(msg.contains("grader selftest --list"), "{msg}");
+    }
 }

@@ -69,5 +69,5 @@ fn red_team(ctx: &mut Ctx) -> CheckResult {
         .iter()
         .map(|a| Ok((a.file.to_string(), module(&format!("{}/{}", redteam::FOLDER, a.file))?, a.expect)))
         .collect::<Result<_, Failure>>()?;
-    every_one_caught(ctx, adversaries)
+    every_one_caught(ctx, &Config::small(), adversaries)
 }

@@ -1,6 +1,8 @@
 """The task's layer (docs/task.md), unfused, in eager PyTorch: one op after another, as a framework
-runs it. Correct, and about thirty kernels per step, so it fails the launch gates on purpose, like
-the grader's own eager reference (`grader run --submission reference`).
+runs it. Correct, and 62 kernels per step on the H200 with torch 2.11 (the count depends on the
+torch version: `grader launches --submission` with this file's path counts them), so it fails the
+launch gates on purpose, like the grader's own eager reference (`grader run --submission
+reference`, 21 launches per step).
 
     grader run --submission submission/examples/python/eager_layer.py --config small
 

@@ -1,6 +1,6 @@
 """The task's layer with its MLP fused in Triton: one kernel for gate, up and SiLU, one for down
 and the residual add. Attention and the norms stay in eager PyTorch, so this still launches about
-twenty kernels per step and fails the launch gates; it shows how a Triton submission is written and measured. It returns x_out in fp32,
+57 kernels per step on the H200 with torch 2.11 and Triton 3.6, and fails the launch gates; it shows how a Triton submission is written and measured. It returns x_out in fp32,
 which the contract allows (the grader rounds it to bf16, the type of the next call's x).
 
     grader run --submission submission/examples/python/triton_layer.py

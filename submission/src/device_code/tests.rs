@@ -51,11 +51,34 @@ impl Fixtures {
     /// A fresh folder `name` in the build's target folder (beside the test binary's `deps/`), so that
     /// `cargo clean` removes it.
     pub(crate) fn new(name: &str) -> Self {
+        let f = Self::at(name);
+        f.empty();
+        f
+    }
+
+    /// The folder `name` as an earlier run left it when that run made it from the same `key`, so a
+    /// warm test run compiles nothing (nvcc takes most of this binary's time); else emptied and
+    /// filled by `make`. The stamp is written last: an interrupted `make` leaves no stamp.
+    pub(crate) fn cached(name: &str, key: &str, make: impl FnOnce(&Self)) -> Self {
+        const STAMP: &str = "made-from.txt";
+        let f = Self::at(name);
+        if std::fs::read_to_string(f.path(STAMP)).is_ok_and(|made| made == key) {
+            return f;
+        }
+        f.empty();
+        make(&f);
+        f.write(STAMP, key);
+        f
+    }
+
+    fn at(name: &str) -> Self {
         let exe = std::env::current_exe().unwrap();
-        let dir = exe.ancestors().nth(2).unwrap().join("fixtures").join(name);
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Self { dir }
+        Self { dir: exe.ancestors().nth(2).unwrap().join("fixtures").join(name) }
+    }
+
+    fn empty(&self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+        std::fs::create_dir_all(&self.dir).unwrap();
     }
 
     pub(crate) fn path(&self, file: &str) -> PathBuf {
@@ -91,30 +114,32 @@ impl Fixtures {
     }
 }
 
-/// [`CDP_SOURCE`] and the others, compiled once for every test of this binary.
+/// [`CDP_SOURCE`] and the others, compiled once for every test of this binary, and again only when
+/// the compiler or this file (the sources and the commands) changed.
 fn fixtures() -> &'static Fixtures {
     static FIXTURES: OnceLock<Fixtures> = OnceLock::new();
+    let key = format!("{}\n{}", cuda::kernels::NVCC, include_str!("tests.rs"));
     FIXTURES.get_or_init(|| {
-        let f = Fixtures::new("device-code");
-        f.write("cdp.cu", CDP_SOURCE);
-        f.write("graph.cu", GRAPH_SOURCE);
-        f.write("clean.cu", CLEAN_SOURCE);
-        f.nvcc(&["-rdc=true", "-ptx", "-arch=sm_90a", "-o", "cdp.ptx", "cdp.cu"]);
-        f.nvcc(&["-rdc=true", "-cubin", HOPPER, "-o", "cdp.rdc.cubin", "cdp.cu"]);
-        f.nvcc(&["-dlink", "-cubin", HOPPER, "-o", "cdp.cubin", "cdp.rdc.cubin", "-lcudadevrt"]);
-        for (mode, file) in [("default", "cdp.zstd.fatbin"), ("speed", "cdp.lz4.fatbin"), ("none", "cdp.fatbin")] {
-            let compress = format!("-compress-mode={mode}");
-            let link = ["-dlink", "--fatbin", HOPPER, "-Xfatbin", "-compress-all", "-Xfatbin", &compress];
-            f.nvcc(&[&link[..], &["-o", file, "cdp.rdc.cubin", "-lcudadevrt"]].concat());
-        }
-        // PTX in a fatbin is compressed by default.
-        f.nvcc(&["-rdc=true", "--fatbin", HOPPER_PTX, "-o", "cdp.ptx.fatbin", "cdp.cu"]);
-        f.nvcc(&["-cubin", HOPPER, "-o", "graph.cubin", "graph.cu"]);
-        f.nvcc(&["-rdc=true", "-cubin", HOPPER, "-o", "clean.rdc.cubin", "clean.cu"]);
-        f.nvcc(&["-dlink", "-cubin", HOPPER, "-o", "clean.cubin", "clean.rdc.cubin", "-lcudadevrt"]);
-        f.library("cdp", CDP_SOURCE);
-        f.library("clean", CLEAN_SOURCE);
-        f
+        Fixtures::cached("device-code", &key, |f| {
+            f.write("cdp.cu", CDP_SOURCE);
+            f.write("graph.cu", GRAPH_SOURCE);
+            f.write("clean.cu", CLEAN_SOURCE);
+            f.nvcc(&["-rdc=true", "-ptx", "-arch=sm_90a", "-o", "cdp.ptx", "cdp.cu"]);
+            f.nvcc(&["-rdc=true", "-cubin", HOPPER, "-o", "cdp.rdc.cubin", "cdp.cu"]);
+            f.nvcc(&["-dlink", "-cubin", HOPPER, "-o", "cdp.cubin", "cdp.rdc.cubin", "-lcudadevrt"]);
+            for (mode, file) in [("default", "cdp.zstd.fatbin"), ("speed", "cdp.lz4.fatbin"), ("none", "cdp.fatbin")] {
+                let compress = format!("-compress-mode={mode}");
+                let link = ["-dlink", "--fatbin", HOPPER, "-Xfatbin", "-compress-all", "-Xfatbin", &compress];
+                f.nvcc(&[&link[..], &["-o", file, "cdp.rdc.cubin", "-lcudadevrt"]].concat());
+            }
+            // PTX in a fatbin is compressed by default.
+            f.nvcc(&["-rdc=true", "--fatbin", HOPPER_PTX, "-o", "cdp.ptx.fatbin", "cdp.cu"]);
+            f.nvcc(&["-cubin", HOPPER, "-o", "graph.cubin", "graph.cu"]);
+            f.nvcc(&["-rdc=true", "-cubin", HOPPER, "-o", "clean.rdc.cubin", "clean.cu"]);
+            f.nvcc(&["-dlink", "-cubin", HOPPER, "-o", "clean.cubin", "clean.rdc.cubin", "-lcudadevrt"]);
+            f.library("cdp", CDP_SOURCE);
+            f.library("clean", CLEAN_SOURCE);
+        })
     })
 }
 

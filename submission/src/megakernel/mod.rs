@@ -263,27 +263,38 @@ fn max_block_rows(rows: usize, grid: usize) -> usize {
     2 * (rows / 2).div_ceil(grid)
 }
 
-/// Refuses configurations the kernel's fixed limits cannot hold, naming the limit.
+/// Declines configurations the kernel's fixed limits cannot hold, naming the limit
+/// ([`SubmissionError::Unsupported`]).
 fn check_fits(cfg: &Config) -> Result<(), SubmissionError> {
+    let unsupported = |why: String| Err(SubmissionError::Unsupported(why));
     let max_cols = MAX_VPT * THREADS as usize * 8;
     for (name, cols) in [("d", cfg.d), ("ffn", cfg.ffn), ("n_q * hd", cfg.q_dim())] {
         if cols > max_cols {
-            return Err(SubmissionError::Refused(format!("{name} = {cols} is over the megakernel's {max_cols}")));
+            return unsupported(format!("{name} = {cols} is over the megakernel's {max_cols}"));
         }
     }
     // The combine keeps one scale per (chunk, query head) where a chunk's scores were.
     if program::max_chunks(cfg) > program::ATTN_CHUNK {
-        return Err(SubmissionError::Refused(format!(
-            "max_seq_len {} needs more than {} attention chunks",
+        // As many chunks as a chunk has positions.
+        let (chunks, positions) = (program::ATTN_CHUNK, program::ATTN_CHUNK);
+        return unsupported(format!(
+            "max_seq_len = {} is over the megakernel's {} ({chunks} attention chunks of {positions} positions)",
             cfg.max_seq_len,
-            program::ATTN_CHUNK
-        )));
+            chunks * positions,
+        ));
     }
     // The tensor-core attention takes the head dimension 16 at a time and the group as 8 of 16 rows.
-    if cfg.hd > ATTN_MAX_HD || !cfg.hd.is_multiple_of(16) || cfg.group() > ATTN_MAX_GROUP {
-        return Err(SubmissionError::Refused(format!(
-            "attention needs hd a multiple of 16 up to {ATTN_MAX_HD} and at most {ATTN_MAX_GROUP} query heads per KV head"
-        )));
+    if cfg.hd > ATTN_MAX_HD {
+        return unsupported(format!("hd = {} is over the megakernel's attention's {ATTN_MAX_HD}", cfg.hd));
+    }
+    if !cfg.hd.is_multiple_of(16) {
+        return unsupported(format!("hd = {} is not a multiple of 16, as the megakernel's attention needs", cfg.hd));
+    }
+    if cfg.group() > ATTN_MAX_GROUP {
+        return unsupported(format!(
+            "{} query heads per KV head is over the megakernel's attention's {ATTN_MAX_GROUP}",
+            cfg.group()
+        ));
     }
     Ok(())
 }
@@ -358,7 +369,7 @@ impl Submission for Megakernel {
         };
         let rows = program::compile(cfg, &buffers, grid);
         let param = ProgramParam::new(&rows).ok_or_else(|| {
-            SubmissionError::Refused(format!(
+            SubmissionError::Unsupported(format!(
                 "the layer compiled to {} phases; the kernel's program holds {}",
                 rows.len(),
                 program::MAX_PHASES
@@ -374,7 +385,7 @@ impl Submission for Megakernel {
             .unwrap_or(0);
         let smem = RING_BYTES + (red_rows as u32) * WARPS * 4;
         if smem as i32 > dev.facts().max_smem_optin_bytes {
-            return Err(SubmissionError::Refused(format!(
+            return Err(SubmissionError::Unsupported(format!(
                 "the megakernel needs {smem} bytes of shared memory per block; this card allows {}",
                 dev.facts().max_smem_optin_bytes
             )));
@@ -385,7 +396,9 @@ impl Submission for Megakernel {
             .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None)
             .context("reading occupancy")?;
         if per_sm == 0 {
-            return Err(SubmissionError::Refused("the megakernel cannot fit one block on an SM".into()));
+            return Err(SubmissionError::Unsupported(format!(
+                "the megakernel cannot fit one block of {THREADS} threads and {smem} bytes of shared memory on an SM"
+            )));
         }
         let plan = rows
             .iter()
@@ -507,5 +520,43 @@ mod tests {
         let mut bad = Config::graded();
         bad.ffn = 32768;
         assert!(check_fits(&bad).is_err());
+    }
+
+    /// A config over one of the kernel's limits is declined as unsupported, naming the limit.
+    #[test]
+    fn configs_over_the_limits_are_unsupported_naming_the_limit() {
+        let over = |change: fn(&mut Config), words: &[&str]| {
+            let mut cfg = Config::graded();
+            change(&mut cfg);
+            match check_fits(&cfg) {
+                Err(SubmissionError::Unsupported(why)) => {
+                    assert!(words.iter().all(|w| why.contains(w)), "{why}");
+                    why
+                }
+                other => panic!("{other:?}"),
+            }
+        };
+        let why = over(|c| c.ffn = 53248, &["ffn = 53248", "28672"]);
+        assert_eq!(why, "ffn = 53248 is over the megakernel's 28672");
+        assert_eq!(
+            SubmissionError::Unsupported(why).to_string(),
+            "the submission does not support this config: ffn = 53248 is over the megakernel's 28672"
+        );
+        over(|c| c.d = 32768, &["d = 32768", "28672"]);
+        over(|c| c.n_q = 256, &["n_q * hd = 32768", "28672"]);
+        over(
+            |c| {
+                c.hd = 256;
+                c.n_q = 32;
+                c.n_kv = 4;
+            },
+            &["hd = 256", "128"],
+        );
+        over(|c| c.hd = 120, &["hd = 120", "multiple of 16"]);
+        over(|c| c.n_kv = 4, &["16 query heads per KV head", "8"]);
+        over(|c| c.max_seq_len = 16384 + 1, &["max_seq_len = 16385", "16384"]);
+        let mut at_the_limit = Config::graded();
+        at_the_limit.max_seq_len = 16384;
+        check_fits(&at_the_limit).unwrap();
     }
 }

@@ -7,6 +7,11 @@
 //! def teardown(handle)                                             # optional
 //! ```
 //!
+//! `build_layer` declines a config it does not implement by raising `NotImplementedError` with the
+//! limit in its text (`raise NotImplementedError(f"hd = {cfg['hd']} is over this kernel's 128")`):
+//! the run ends `unsupported`, quoting that text. Any other exception, and `NotImplementedError`
+//! from `layer_step`, ends it `crashed`.
+//!
 //! The runner stays the Rust `grader runner`: it embeds the interpreter the judge chose and probed
 //! ([`probe`]), by opening its shared libpython at run time ([`ffi`]), and runs the module through a
 //! small Python shim ([`shim`]). The submission's tensors alias the runner's device buffers through
@@ -35,7 +40,7 @@ use half::bf16;
 use spec::{Config, Tensor};
 
 pub use probe::{PythonInfo, interpreter, is_python_module, probe};
-pub use shim::{DeviceTensor, Dtype, Output, Shim};
+pub use shim::{BuildError, DeviceTensor, Dtype, Output, Shim};
 
 use crate::{Layer, Submission, SubmissionError, device_address};
 
@@ -125,7 +130,8 @@ impl Submission for PythonSubmission {
             tensors.push(DeviceTensor { name: t.name(), address: device_address(dev, buffer), shape: t.shape(cfg) });
         }
         dev.ctx().bind_to_thread().context("making the grader's context current for the submission")?;
-        self.shim.build(cfg, &tensors).map_err(SubmissionError::Python)?;
+        // `NotImplementedError` declines the config (unsupported); anything else is the module failing.
+        self.shim.build(cfg, &tensors)?;
         self.row = Some((cfg.batch, cfg.d));
         self.staging = (vec![0.0; cfg.batch * cfg.d], vec![bf16::ZERO; cfg.batch * cfg.d]);
         Ok(())

@@ -10,6 +10,13 @@ import sysconfig
 
 MIN_VERSION = (3, 9)
 
+CONTRACT = ("a Python submission defines build_layer(weights, kv_cache, cfg, max_seq_len) -> handle and "
+            "layer_step(handle, x, pos) -> x_out (docs/task.md, and submission/examples/python/)")
+
+# Values no call can be made on: a name bound to one is no function, whatever else the module does.
+NEVER_CALLABLE = {ast.List: "list", ast.ListComp: "list", ast.Tuple: "tuple", ast.Dict: "dict", ast.DictComp: "dict",
+                  ast.Set: "set", ast.SetComp: "set", ast.JoinedStr: "str", ast.GeneratorExp: "generator"}
+
 
 def fail(message):
     print(json.dumps({"error": message}))
@@ -34,15 +41,19 @@ def library():
 
 
 def defined_at_top(tree):
-    names = set()
+    """Each name the module binds at its top level, to None where its last binding may be a function (a def, a
+    class, an import, any other expression), else to (line, type) of the value that never is one."""
+    names = {}
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names[node.name] = None
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(t.id for t in targets if isinstance(t, ast.Name))
+            value = node.value
+            kind = type(value.value).__name__ if isinstance(value, ast.Constant) else NEVER_CALLABLE.get(type(value))
+            names.update((t.id, (node.lineno, kind) if kind else None) for t in targets if isinstance(t, ast.Name))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            names.update(((a.asname or a.name).split(".")[0], None) for a in node.names)
     return names
 
 
@@ -56,11 +67,14 @@ def check_module(path):
         tree = ast.parse(source, path)
     except SyntaxError as e:
         fail(f"{path}:{e.lineno}: {type(e).__name__}: {e.msg}")
-    missing = [f for f in ("build_layer", "layer_step") if f not in defined_at_top(tree)]
+    defined = defined_at_top(tree)
+    missing = [f for f in ("build_layer", "layer_step") if f not in defined]
     if missing:
-        fail(f"{path} defines no {' and no '.join(missing)} at its top level: a Python submission defines "
-             "build_layer(weights, kv_cache, cfg, max_seq_len) -> handle and layer_step(handle, x, pos) -> x_out "
-             "(docs/task.md, and submission/examples/python/)")
+        fail(f"{path} defines no {' and no '.join(missing)} at its top level: {CONTRACT}")
+    for name in ("build_layer", "layer_step"):
+        if defined[name]:
+            line, kind = defined[name]
+            fail(f"{path}:{line}: {name} must be a function, not a value of type {kind}: {CONTRACT}")
 
 
 def main():

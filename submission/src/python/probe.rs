@@ -1,10 +1,14 @@
 //! The interpreter a Python submission runs in, asked before any GPU work: the judge runs it once on
 //! a small script (`probe.py`) that reports what the runner needs to embed the same interpreter
 //! (its shared libpython, home, `sys.path`, prefixes) and checks the module as far as it can without
-//! importing it (readable, valid syntax, `build_layer` and `layer_step` defined, torch installed).
+//! importing it (readable, valid syntax, `build_layer` and `layer_step` defined and not bound to
+//! plain values, torch installed). An interpreter that does not answer in time is stopped.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -12,6 +16,13 @@ use crate::SubmissionError;
 
 /// The probe script, run with `python -c`.
 const PROBE: &str = include_str!("probe.py");
+
+/// Longest wait for the probe's answer: a Python interpreter starts and answers in well under a
+/// second, even a cold one on a network file system in a few; a `--python` that is some program
+/// which never exits must not hang the grader.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often the probing interpreter is polled.
+const POLL: Duration = Duration::from_millis(10);
 
 /// The interpreter used when neither `--python` nor `$PYTHON` names one.
 pub const DEFAULT_INTERPRETER: &str = "python3";
@@ -49,21 +60,16 @@ pub fn is_python_module(path: &Path) -> bool {
 
 /// Runs `python` on the probe for `module`; any problem is one sentence.
 pub fn probe(python: &Path, module: &Path) -> Result<PythonInfo, SubmissionError> {
+    probe_within(python, module, PROBE_TIMEOUT)
+}
+
+/// [`probe`], waiting at most `timeout` for the interpreter's answer.
+fn probe_within(python: &Path, module: &Path, timeout: Duration) -> Result<PythonInfo, SubmissionError> {
     let refuse = |m: String| SubmissionError::Python(m);
     if !module.is_file() {
         return Err(refuse(format!("no Python submission at {}", module.display())));
     }
-    let output = Command::new(python).arg("-c").arg(PROBE).arg(module).output().map_err(|e| {
-        refuse(if e.kind() == std::io::ErrorKind::NotFound {
-            format!(
-                "no Python interpreter {}: a .py submission runs in one with torch; install it, or name one with \
-                 --python PATH (or $PYTHON)",
-                python.display()
-            )
-        } else {
-            format!("cannot run the Python interpreter {}: {e}", python.display())
-        })
-    })?;
+    let output = run(python, module, timeout)?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     let last = stdout.lines().rev().find(|l| l.starts_with('{'));
     let reply: serde_json::Value = match last.map(serde_json::from_str) {
@@ -82,6 +88,69 @@ pub fn probe(python: &Path, module: &Path) -> Result<PythonInfo, SubmissionError
         return Err(refuse(error.to_string()));
     }
     serde_json::from_value(reply).map_err(|e| refuse(format!("{} answered the probe oddly: {e}", python.display())))
+}
+
+/// `python -c PROBE module`, killed if it has not exited within `timeout`.
+fn run(python: &Path, module: &Path, timeout: Duration) -> Result<Output, SubmissionError> {
+    let refuse = |m: String| SubmissionError::Python(m);
+    let mut child = Command::new(python)
+        .arg("-c")
+        .arg(PROBE)
+        .arg(module)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            refuse(match e.kind() {
+                std::io::ErrorKind::NotFound => format!(
+                    "no Python interpreter {}: a .py submission runs in one with torch; install it, or name one with \
+                     --python PATH (or $PYTHON)",
+                    python.display()
+                ),
+                // Running a folder fails with "Permission denied", which hides the mistake.
+                _ if python.is_dir() => format!(
+                    "the Python interpreter {} is a directory, not an interpreter: name its executable with \
+                     --python PATH (or $PYTHON), e.g. {}",
+                    python.display(),
+                    python.join("bin/python3").display()
+                ),
+                _ => format!("cannot run the Python interpreter {}: {e}", python.display()),
+            })
+        })?;
+    let stdout = drain(child.stdout.take().expect("piped"));
+    let stderr = drain(child.stderr.take().expect("piped"));
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                // The readers are left behind: a process the interpreter started may hold the pipes.
+                return Err(refuse(format!(
+                    "the Python interpreter {} did not answer the grader's probe within {} s and was stopped: name \
+                     a Python interpreter with --python PATH (or $PYTHON)",
+                    python.display(),
+                    timeout.as_secs()
+                )));
+            }
+            Err(e) => return Err(refuse(format!("cannot wait for the Python interpreter {}: {e}", python.display()))),
+        }
+    };
+    let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
+    Ok(Output { status, stdout, stderr })
+}
+
+/// Reads `pipe` to its end on a thread of its own, so that a long answer cannot block the
+/// interpreter on a full pipe while it is waited for.
+fn drain(mut pipe: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        bytes
+    })
 }
 
 #[cfg(test)]
@@ -114,6 +183,29 @@ pub(crate) mod tests {
     fn a_missing_interpreter_is_one_sentence() {
         let msg = probe_err(Path::new("/nonexistent/python9"), &fixture("plain.py"));
         assert!(msg.contains("no Python interpreter /nonexistent/python9") && msg.contains("--python"), "{msg}");
+    }
+
+    #[test]
+    fn a_directory_is_no_interpreter() {
+        let dir = std::env::temp_dir();
+        let msg = probe_err(&dir, &fixture("plain.py"));
+        assert!(msg.contains("is a directory, not an interpreter") && msg.contains("--python"), "{msg}");
+    }
+
+    /// An executable that never answers is killed at the timeout, with one sentence.
+    #[test]
+    fn an_interpreter_that_never_answers_is_given_up_on() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("probe-hangs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let python = dir.join("python3");
+        std::fs::write(&python, "#!/bin/sh\nexec sleep 600\n").unwrap();
+        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let start = Instant::now();
+        let msg = probe_within(&python, &fixture("plain.py"), Duration::from_secs(1)).unwrap_err().to_string();
+        assert!(start.elapsed() < Duration::from_secs(30), "waited {:?}", start.elapsed());
+        assert!(msg.contains("did not answer the grader's probe within 1 s") && msg.contains("--python"), "{msg}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -9,7 +9,8 @@
 # Only the data pointer and the dtype go back to Rust, which copies the bytes itself.
 #
 # Every entry returns (error, a, b, c): error "" and three ints, or one paragraph saying what went
-# wrong, a shortened traceback included.
+# wrong, a shortened traceback included, and a = _UNSUPPORTED where build_layer declined the config
+# by raising NotImplementedError (then error is the exception's own text).
 
 import sys
 import traceback
@@ -20,6 +21,10 @@ _type = type
 _tuple = tuple
 _TRACEBACK_FRAMES = 4
 _MESSAGE_CHARS = 1500
+_NotImplementedError = NotImplementedError
+_str = str
+# The failure kind `a` of an answer whose build_layer declined the config (shim.rs, UNSUPPORTED).
+_UNSUPPORTED = 1
 
 # Filled by start(): torch's originals, the submission's module, its handle, its last output.
 _t = None
@@ -33,6 +38,10 @@ class Refusal(Exception):
     """A broken contract, said in one sentence (no traceback)."""
 
 
+class Declined(Exception):
+    """build_layer raised NotImplementedError: a config the module does not implement, in its own words."""
+
+
 def _describe(e):
     if _type(e) is Refusal:
         return str(e)
@@ -44,6 +53,15 @@ def _describe(e):
     return text[:_MESSAGE_CHARS]
 
 
+def _unsupported(e):
+    """The text of build_layer's NotImplementedError, or a sentence saying it had none."""
+    try:
+        text = _str(e).strip()
+    except BaseException:
+        text = ""
+    return (text or "build_layer raised NotImplementedError without saying why")[:_MESSAGE_CHARS]
+
+
 def _entry(what):
     def wrap(function):
         def call(*args):
@@ -51,6 +69,8 @@ def _entry(what):
                 a, b, c = function(*args)
                 return ("", a, b, c)
             except BaseException as e:  # SystemExit and KeyboardInterrupt too: the runner must get an answer
+                if _type(e) is Declined:
+                    return (e.args[0], _UNSUPPORTED, 0, 0)
                 return (_describe(e) if _type(e) is Refusal else f"{what} raised {_describe(e)}", 0, 0, 0)
         return call
     return wrap
@@ -133,7 +153,10 @@ def build(cfg_json, names, capsules, max_seq_len):
     cache = [(tensors.pop("k_cache"), tensors.pop("v_cache"))]
     cfg = json.loads(cfg_json)
     cfg["wdtype"] = _t.bfloat16
-    _handle = _user.build_layer({"layers": [tensors]}, cache, cfg, max_seq_len)
+    try:
+        _handle = _user.build_layer({"layers": [tensors]}, cache, cfg, max_seq_len)
+    except _NotImplementedError as e:
+        raise Declined(_unsupported(e))
     return 0, 0, 0
 
 

@@ -11,11 +11,38 @@ use spec::Config;
 use super::dlpack;
 use super::ffi::{Gil, Object, Python, RawObject};
 use super::probe::PythonInfo;
+use crate::SubmissionError;
 
 const SHIM: &str = include_str!("shim.py");
 /// The file name tracebacks give the shim's frames (the shim leaves them out of its messages).
 const SHIM_FILE: &str = "<grader shim>";
 const DLTENSOR: &CStr = c"dltensor";
+/// `a` of a failed answer whose `build_layer` declined the config (`_UNSUPPORTED` of `shim.py`).
+const UNSUPPORTED: u64 = 1;
+
+/// Why `build_layer` did not build.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BuildError {
+    /// It raised `NotImplementedError`: a config the module does not implement, the exception's text.
+    Unsupported(String),
+    /// Anything else, said for a Python user (an exception with its traceback, a broken contract).
+    Failed(String),
+}
+
+impl From<BuildError> for SubmissionError {
+    fn from(e: BuildError) -> Self {
+        match e {
+            BuildError::Unsupported(why) => SubmissionError::Unsupported(why),
+            BuildError::Failed(message) => SubmissionError::Python(message),
+        }
+    }
+}
+
+/// An entry's answer: its three ints, or its paragraph and the kind of failure (`a`).
+enum Answer {
+    Done([u64; 3]),
+    Failed { message: String, kind: u64 },
+}
 
 /// The element type of a step's output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,17 +110,28 @@ impl Shim {
         entry: &str,
         args: impl FnOnce(&'g Gil<'static>) -> Result<Vec<Object<'g, 'static>>, String>,
     ) -> Result<[u64; 3], String> {
+        match self.answer(gil, entry, args)? {
+            Answer::Done(values) => Ok(values),
+            Answer::Failed { message, .. } => Err(message),
+        }
+    }
+
+    /// `shim.<entry>(*args)`'s `(error, a, b, c)` answer; `Err` when it could not be called or read.
+    fn answer<'g>(
+        &self,
+        gil: &'g Gil<'static>,
+        entry: &str,
+        args: impl FnOnce(&'g Gil<'static>) -> Result<Vec<Object<'g, 'static>>, String>,
+    ) -> Result<Answer, String> {
         let module = gil.borrowed(self.module);
         let answer = module.call_method(entry, gil.tuple(args(gil)?)?)?;
         let error = answer.item(0)?.to_str()?;
-        if !error.is_empty() {
-            return Err(error);
-        }
-        Ok([answer.item(1)?.to_u64()?, answer.item(2)?.to_u64()?, answer.item(3)?.to_u64()?])
+        let values = [answer.item(1)?.to_u64()?, answer.item(2)?.to_u64()?, answer.item(3)?.to_u64()?];
+        Ok(if error.is_empty() { Answer::Done(values) } else { Answer::Failed { message: error, kind: values[0] } })
     }
 
     /// `build_layer(weights, kv_cache, cfg, max_seq_len)`, the tensors aliasing `tensors`.
-    pub fn build(&self, cfg: &Config, tensors: &[DeviceTensor<'_>]) -> Result<(), String> {
+    pub fn build(&self, cfg: &Config, tensors: &[DeviceTensor<'_>]) -> Result<(), BuildError> {
         let cfg_json = serde_json::to_string(&Cfg {
             layers: 1,
             batch: cfg.batch,
@@ -105,14 +143,26 @@ impl Shim {
             eps: f64::from(cfg.eps),
             theta: cfg.theta,
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| BuildError::Failed(e.to_string()))?;
         let names: Vec<&str> = tensors.iter().map(|t| t.name).collect();
         let gil = self.python.gil();
-        self.call(&gil, "build", |g| {
-            let capsules = tensors.iter().map(|t| self.capsule(g, t.address, &t.shape)).collect::<Result<_, _>>()?;
-            Ok(vec![g.str(&cfg_json)?, g.str(&names.join(","))?, g.tuple(capsules)?, g.int(cfg.max_seq_len as i64)?])
-        })
-        .map(drop)
+        let answer = self
+            .answer(&gil, "build", |g| {
+                let capsules =
+                    tensors.iter().map(|t| self.capsule(g, t.address, &t.shape)).collect::<Result<_, _>>()?;
+                Ok(vec![
+                    g.str(&cfg_json)?,
+                    g.str(&names.join(","))?,
+                    g.tuple(capsules)?,
+                    g.int(cfg.max_seq_len as i64)?,
+                ])
+            })
+            .map_err(BuildError::Failed)?;
+        match answer {
+            Answer::Done(_) => Ok(()),
+            Answer::Failed { message, kind: UNSUPPORTED } => Err(BuildError::Unsupported(message)),
+            Answer::Failed { message, .. } => Err(BuildError::Failed(message)),
+        }
     }
 
     /// `layer_step(handle, x, pos)` with `x` the `(batch, d)` tensor at `x_address`.

@@ -110,6 +110,67 @@ fn modules_that_cannot_be_imported_say_why() {
     let msg = load("import_error.py").err().unwrap();
     assert!(msg.contains("importing the submission raised ModuleNotFoundError"), "{msg}");
     assert!(msg.contains("no_such_module_anywhere"), "{msg}");
+    // The probe refuses a name bound to a plain value without importing the module...
     let msg = load("not_callable.py").err().unwrap();
+    assert!(msg.contains("not_callable.py:1: build_layer must be a function, not a value of type NoneType"), "{msg}");
+    // ...and the shim refuses what only the import shows (here the same module, unprobed).
+    let mut info = probe(&test_python(), &fixture("contract.py")).unwrap();
+    info.module = fixture("not_callable.py");
+    let msg = Shim::load(&info, 0).err().unwrap();
     assert!(msg.contains("has no function build_layer once imported"), "{msg}");
+}
+
+/// `NotImplementedError` from build_layer declines the config with the exception's own text (no
+/// traceback); any other exception, and `NotImplementedError` from layer_step, is a failure.
+#[test]
+fn not_implemented_in_build_layer_declines_the_config() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = std::env::temp_dir().join(format!("pl-declines-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let module = dir.join("declines_config.py");
+    std::fs::write(
+        &module,
+        "CALLS = []\n\n\n\
+         class Limit(NotImplementedError):\n    pass\n\n\n\
+         def build_layer(weights, kv_cache, cfg, max_seq_len):\n\
+         \x20   CALLS.append(1)\n\
+         \x20   if len(CALLS) == 1:\n\
+         \x20       raise NotImplementedError(f\"hd = {cfg['hd']} is over this module's 16\")\n\
+         \x20   if len(CALLS) == 2:\n\
+         \x20       raise NotImplementedError\n\
+         \x20   if len(CALLS) == 3:\n\
+         \x20       raise Limit(\"ffn over 512\")\n\
+         \x20   if len(CALLS) == 4:\n\
+         \x20       raise ValueError(\"not a refusal\")\n\
+         \x20   return {}\n\n\n\
+         def layer_step(handle, x, pos):\n\
+         \x20   raise NotImplementedError(\"no steps\")\n",
+    )
+    .unwrap();
+    // Probed next to the stand-in torch, so the module's folder is only where its file is.
+    let mut info = probe(&test_python(), &fixture("contract.py")).unwrap();
+    info.module = module;
+    let shim = Shim::load(&info, 0).unwrap();
+    let cfg = Config::tiny();
+    let build = || shim.build(&cfg, &tensors(&cfg));
+    assert_eq!(build(), Err(BuildError::Unsupported("hd = 32 is over this module's 16".into())));
+    assert_eq!(
+        build(),
+        Err(BuildError::Unsupported("build_layer raised NotImplementedError without saying why".into()))
+    );
+    assert_eq!(build(), Err(BuildError::Unsupported("ffn over 512".into())));
+    match build() {
+        Err(BuildError::Failed(msg)) => {
+            assert!(msg.starts_with("build_layer raised ValueError: not a refusal"), "{msg}")
+        }
+        other => panic!("{other:?}"),
+    }
+    build().unwrap();
+    let msg = shim.step(X, 0, cfg.batch, cfg.d).unwrap_err();
+    assert!(msg.starts_with("layer_step raised NotImplementedError: no steps"), "{msg}");
+    // As the submission's error, what the runner reports.
+    let declined = SubmissionError::from(BuildError::Unsupported("hd = 32 is over this module's 16".into()));
+    assert!(matches!(&declined, SubmissionError::Unsupported(m) if m == "hd = 32 is over this module's 16"));
+    assert!(matches!(SubmissionError::from(BuildError::Failed("x".into())), SubmissionError::Python(_)));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -13,12 +13,15 @@
 //! [`quantize`] (lossy weight formats, simulated on the host).
 
 mod abort;
+mod background;
 mod batcher;
+mod between_calls;
 mod build_kernel;
 mod corrupt_prefix;
 mod crash;
 mod defer_to_teardown;
 mod device_launch;
+mod forged_ack;
 mod forged_report;
 mod graph_of_kernels;
 mod hang;
@@ -168,6 +171,18 @@ pub const ALL: &[Adversary] = &[
         what: "the megakernel, plus a 4 GiB copy per step on a stream of its own that it never joins",
         expect: Expect::TimedHonestly { min_us: side_stream::MIN_STEP_US },
         make: side_stream::make,
+    },
+    Adversary {
+        name: between_calls::NAME,
+        what: "the megakernel, plus a thread that queues small copies on its own stream, between calls too",
+        expect: Expect::GateFails { gate: "launch_record", word: "request(s) for GPU work" },
+        make: between_calls::make,
+    },
+    Adversary {
+        name: forged_ack::NAME,
+        what: "the megakernel, plus a thread that writes the runner's acknowledgement as soon as a call is posted",
+        expect: Expect::GateFails { gate: "plausible_timing", word: "forged" },
+        make: forged_ack::make,
     },
     Adversary {
         name: build_kernel::NAME,
