@@ -99,10 +99,11 @@ fn thread_id() -> i32 {
 
 /// A request for GPU work the host made: a launch, a copy, a set, a stream-ordered wait, write or
 /// host function, an event record, a graph launch.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
     pub correlation_id: u32,
-    pub function: String,
+    /// CUPTI's name of the entry point (a static string: noting it allocates nothing).
+    pub function: &'static str,
     pub tag: Tag,
     /// Whether the runner's own thread made it.
     pub runner_thread: bool,
@@ -342,11 +343,11 @@ fn on_api(runtime: bool, data: &CUpti_CallbackData) {
         outer
     });
     let tag = current();
-    let function = if data.functionName.is_null() {
-        String::new()
+    let function: &'static str = if data.functionName.is_null() {
+        ""
     } else {
         // SAFETY: CUPTI's function name is a NUL-terminated static string.
-        unsafe { CStr::from_ptr(data.functionName) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(data.functionName) }.to_str().unwrap_or("(a name that is not UTF-8)")
     };
     let runner_thread = thread_id() == RUNNER_THREAD.load(Ordering::SeqCst);
     let mut at_ns = 0;
@@ -357,11 +358,11 @@ fn on_api(runtime: bool, data: &CUpti_CallbackData) {
     seen.tags.insert(corr, tag);
     // A runtime call and the driver call inside it are one request: the outer one is noted.
     if runtime || outer.is_none() {
-        seen.requests.push(Request { correlation_id: corr, function: function.clone(), tag, runner_thread, at_ns });
+        seen.requests.push(Request { correlation_id: corr, function, tag, runner_thread, at_ns });
     }
-    if is_kernel_launch(&function) {
+    if is_kernel_launch(function) {
         let runtime_correlation_id = if runtime { None } else { outer };
-        seen.launches.push(Launch { correlation_id: corr, runtime_correlation_id, function, tag });
+        seen.launches.push(Launch { correlation_id: corr, runtime_correlation_id, function: function.into(), tag });
     }
 }
 

@@ -231,9 +231,9 @@ fn forged_requests(requests: &[Request], windows: &[CallWindow]) -> Vec<String> 
         "came from another thread under the runner's own tag: the tag was forged",
     );
     say(
-        requests.iter().filter(|r| r.tag == Tag::Runner && !is_runner_request(&r.function)).collect(),
+        requests.iter().filter(|r| r.tag == Tag::Runner && !is_runner_request(r.function)).collect(),
         "were made under the runner's own tag between calls, where the runner asks only for its eviction kernel \
-         (and the events that track its buffers): the tag was forged (a signal handler on the runner's thread?)",
+         and the events that track its buffers: the tag was forged (a signal handler on the runner's thread?)",
     );
     say(
         requests
@@ -243,7 +243,7 @@ fn forged_requests(requests: &[Request], windows: &[CallWindow]) -> Vec<String> 
         "were made outside the window of the call whose tag they carry: the tag was forged",
     );
     say(
-        requests.iter().filter(|r| r.tag == Tag::Outside && !super::callbacks::is_kernel_launch(&r.function)).collect(),
+        requests.iter().filter(|r| r.tag == Tag::Outside && !super::callbacks::is_kernel_launch(r.function)).collect(),
         "were queued outside build_layer and the calls (copies, sets, stream waits or writes, host functions, \
          events: between calls the submission may queue nothing)",
     );
@@ -440,8 +440,8 @@ mod tests {
         assert!(r.problems.iter().any(|p| p.contains("found off")));
     }
 
-    fn request(corr: u32, function: &str, tag: Tag, runner_thread: bool, at_ns: u64) -> Request {
-        Request { correlation_id: corr, function: function.into(), tag, runner_thread, at_ns }
+    fn request(corr: u32, function: &'static str, tag: Tag, runner_thread: bool, at_ns: u64) -> Request {
+        Request { correlation_id: corr, function, tag, runner_thread, at_ns }
     }
 
     /// An intact call with the requests that go with it, and `extra` ones.
@@ -468,9 +468,9 @@ mod tests {
             (request(9, "cuEventRecord", Tag::Outside, false, 250), "queued outside build_layer"),
         ];
         for (r, word) in cases {
-            let function = r.function.clone();
+            let function = r.function;
             let found = attribute(with_requests(vec![r]), &W, OwnWork::default(), no_scan, vec![]).problems;
-            assert!(found.iter().any(|p| p.contains(word) && p.contains(&function)), "{function}: {found:?}");
+            assert!(found.iter().any(|p| p.contains(word) && p.contains(function)), "{function}: {found:?}");
         }
     }
 

@@ -66,7 +66,9 @@ struct Page {
     command: AtomicU64,
     arg0: AtomicU64,
     arg1: AtomicU64,
-    _judge_pad: [u64; 5],
+    /// The last command after which the judge has written the next call's input.
+    staged: AtomicU64,
+    _judge_pad: [u64; 4],
     ack: AtomicU64,
     status: AtomicU64,
     ready: AtomicU64,
@@ -114,6 +116,12 @@ impl Control {
         p.command.store((seq << 8) | kind as u64, Ordering::Release);
     }
 
+    /// Says the next call's input is on the device, written after command `seq` was acknowledged.
+    pub fn staged(&self, seq: u64) {
+        // Release: the input was synchronised on the device before this store.
+        self.page().staged.store(seq, Ordering::Release);
+    }
+
     /// Waits until the runner has acknowledged command `seq`, or `give_up` says to stop looking
     /// (checked only while sleeping, never during the spin, so it adds nothing to a timed wait).
     /// Returns the time the ack was seen.
@@ -153,6 +161,13 @@ impl Control {
                 std::thread::sleep(SLEEP_BETWEEN_LOOKS);
             }
         }
+    }
+
+    /// Waits until the judge has written the input of the call after command `seq`, or `give_up`.
+    pub fn wait_staged(&self, seq: u64, give_up: impl FnMut() -> bool) -> Option<Instant> {
+        let p = self.page();
+        // Acquire: pairs with the judge's release store of `staged`.
+        wait_for(|| p.staged.load(Ordering::Acquire) >= seq, give_up)
     }
 
     /// Acknowledges command `seq` with `status`.

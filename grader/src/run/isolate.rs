@@ -167,6 +167,12 @@ impl Runner {
         }
     }
 
+    /// Says the next call's input is written: the runner waits for it before its eviction, so the
+    /// judge's context is done with the device before the runner's last work ahead of the call.
+    pub fn input_written(&self) {
+        self.control.staged(self.seq);
+    }
+
     /// Asks for the report with `nonce`, waits for the runner to exit, and reads the one message.
     pub fn finish(mut self, nonce: u64) -> (Result<Finished, Failure>, Watched) {
         let outcome = self.command(Command::Report, nonce, 0, CALL_TIMEOUT).and_then(|_| {

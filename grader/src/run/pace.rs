@@ -6,13 +6,13 @@
 //! been read: so the input exists in the runner's reach only on the device, never on a page of its
 //! memory, and only between calls, when the submission may queue no GPU work (the launch record
 //! sees any that it does, from any thread, under any tag). The judge writes it while the runner does
-//! its bookkeeping, whose own GPU work follows in the runner's context: the device switches back
-//! from the judge's context there, not inside the next timed call (written after the runner said it
-//! was ready, each timed call of the graded layer started 280 us late). The input seed never leaves
-//! the judge; in the back-to-back phase each input is the previous call's output, so no call can be
-//! computed before its predecessor. What is timed: from the judge's "go" on the control page
-//! to the runner's "done" after it synchronised the device, on the judge's own clock. The
-//! signalling's own cost (a no-op round trip) is measured and reported beside it.
+//! its bookkeeping, and says so; the runner waits for that before its own GPU work, so the device
+//! switches back from the judge's context there, not inside the next timed call (written after the
+//! runner said it was ready, each timed call of the graded layer started 280 us late). The input
+//! seed never leaves the judge; in the back-to-back phase each input is the previous call's output,
+//! so no call can be computed before its predecessor. What is timed: from the judge's "go" on the
+//! control page to the runner's "done" after it synchronised the device, on the judge's own clock.
+//! The signalling's own cost (a no-op round trip) is measured and reported beside it.
 
 use cuda::Device;
 use half::bf16;
@@ -93,6 +93,7 @@ pub fn pace(
             let first = phase[0];
             if first.phase == Phase::Throughput {
                 hand_over(dev, shared, cfg, &first, input_seed, &mut p)?;
+                runner.input_written();
                 let stamps =
                     obey!(runner.command(Command::Calls, first.index as u64, phase.len() as u64, CALL_TIMEOUT));
                 (p.batch_us, p.batch_calls) = (stamps.us(), phase.len());
@@ -105,6 +106,7 @@ pub fn pace(
             } else {
                 for c in phase {
                     hand_over(dev, shared, cfg, c, input_seed, &mut p)?;
+                    runner.input_written();
                     let stamps = obey!(runner.command(Command::Calls, c.index as u64, 1, CALL_TIMEOUT));
                     p.call_us[c.index] = Some(stamps.us());
                     p.outputs[c.index] = shared.read_output(dev, c.index)?;

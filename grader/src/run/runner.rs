@@ -45,6 +45,10 @@ use crate::error::{GraderError, Outcome};
 /// The eviction before every command of calls reads this many times L2: enough to replace every
 /// line the last call left.
 const EVICTION_L2_MULTIPLE: usize = 2;
+/// The longest wait for the judge to write the next input: past it the runner goes on (a judge that
+/// died is found by its watchdog, not here).
+const STAGED_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 
 /// What the judge asks of the runner, as the first line of its stdin. Nothing secret: the inputs
 /// arrive one call at a time through the shared region.
@@ -146,6 +150,8 @@ struct Session<'a> {
     audit: Result<RangeAudit, String>,
     recording: Recording,
     flush: L2Eviction,
+    /// The call the next command of calls starts with.
+    next: usize,
     /// The submission's weights: this process's own copy of the shared ones (see `shared`).
     weights: DeviceWeights,
     shared: SharedData,
@@ -190,6 +196,7 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
         shared,
         recording,
         flush,
+        next: 0,
         weights,
         audit,
         sub: None,
@@ -217,6 +224,11 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
         state.pending = None;
         control.ack(seq, Status::Ok);
         // Bookkeeping after the ack, outside the judge's clock, which waits for `ready`.
+        if kind == Some(Command::Calls) && s.next < s.calls.len() {
+            // The judge writes the next input now; its context is to be done before the runner's.
+            let start = Instant::now();
+            control.wait_staged(seq, || start.elapsed() > STAGED_WAIT);
+        }
         s.after_command(kind)?;
         control.ready(seq);
     }
@@ -250,6 +262,7 @@ impl Session<'_> {
         if let Some(open) = self.ranges.last_mut() {
             *open = Some((first, count));
         }
+        self.next = range.end;
         let t = Instant::now();
         let start_ns = cupti::timestamp()?;
         for i in range.clone() {
