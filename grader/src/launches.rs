@@ -49,7 +49,8 @@ pub fn command(device: usize, args: &LaunchesArgs) -> Result<Outcome, GraderErro
         windows.push(CallWindow { start_ns, end_ns: cupti::timestamp()? });
     }
     cupti::set_current(Tag::Outside);
-    let mut record = cupti::record::attribute(recording.finish()?, &windows, cupti::OwnWork::default(), |_| Vec::new(), Vec::new());
+    let mut record =
+        cupti::record::attribute(recording.finish()?, &windows, cupti::OwnWork::default(), |_| Vec::new(), Vec::new());
     let activities = record.activities.pop().unwrap_or_default();
     sub.teardown();
     eprint!("{}", table(sub.name(), &activities));

@@ -8,7 +8,7 @@ use std::fs::{File, OpenOptions};
 use std::io::Read;
 use std::path::{Component, Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use submission::external::ExternalSubmission;
 use submission::{Choice, Chosen};
@@ -18,8 +18,6 @@ use crate::error::{GraderError, Outcome};
 /// Longest wait for a library to load in the checking process: its initialisers are the library's
 /// own code, and one that hangs must not hang the grader.
 const LIBRARY_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
-/// How often the checking process is polled.
-const POLL: Duration = Duration::from_millis(10);
 /// The hidden subcommand that loads a library in a process of its own (see `cli::Command`).
 const CHECK_LIBRARY: &str = "check-library";
 /// The files `grader run --dump` writes into its folder (`run/dump.rs`).
@@ -73,23 +71,18 @@ fn check_library(path: &Path) -> Result<(), GraderError> {
         let _ = stderr.read_to_string(&mut text);
         text
     });
-    let deadline = Instant::now() + LIBRARY_CHECK_TIMEOUT;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(usage(format!(
-                    "loading {} did not finish within {} s: its initialisers hang",
-                    path.display(),
-                    LIBRARY_CHECK_TIMEOUT.as_secs()
-                )));
-            }
-            Err(e) => return Err(usage(format!("cannot wait for the check of {}: {e}", path.display()))),
+    let status = match submission::child::wait_or_kill(&mut child, LIBRARY_CHECK_TIMEOUT) {
+        Ok(Some(status)) => status,
+        Ok(None) => {
+            return Err(usage(format!(
+                "loading {} did not finish within {} s: its initialisers hang",
+                path.display(),
+                LIBRARY_CHECK_TIMEOUT.as_secs()
+            )));
         }
+        Err(e) => return Err(usage(format!("cannot wait for the check of {}: {e}", path.display()))),
     };
+
     let text = reader.join().unwrap_or_default();
     if status.success() {
         return Ok(());

@@ -7,6 +7,7 @@
 //! checks all of that after the run, so a submission that breaks a rule fails instead of being
 //! trusted.
 
+pub mod child;
 pub mod device_code;
 mod eager;
 pub mod external;

@@ -429,7 +429,13 @@ mod tests {
         let scan = |img: &[u8]| {
             if img == b"cdp" { vec!["calls cudaLaunchDeviceV2: device-side launch".into()] } else { vec![] }
         };
-        let r = attribute(captured, &W[..1], OwnWork::default(), scan, vec!["driver API callbacks found off after call 0".into()]);
+        let r = attribute(
+            captured,
+            &W[..1],
+            OwnWork::default(),
+            scan,
+            vec!["driver API callbacks found off after call 0".into()],
+        );
         assert_eq!(r.modules, 2);
         assert!(
             r.problems
@@ -490,7 +496,11 @@ mod tests {
         more.push(kernel("hidden", 7, 230, 290));
         more.push(kernel("hidden_in_call", 6, 120, 130));
         let r = attribute(Captured { activities: more, seen: s }, &W[..1], one, no_scan, vec![]);
-        assert!(r.problems.iter().any(|p| p.contains("2 kernel(s) ran under the runner's own tag")), "{:?}", r.problems);
+        assert!(
+            r.problems.iter().any(|p| p.contains("2 kernel(s) ran under the runner's own tag")),
+            "{:?}",
+            r.problems
+        );
         assert!(r.problems.iter().any(|p| p.contains("hidden_in_call in call 0")), "{:?}", r.problems);
     }
 

@@ -59,7 +59,8 @@ pub fn replay(
         windows.push(CallWindow { start_ns, end_ns: cupti::timestamp()? });
     }
     cupti::set_current(Tag::Outside);
-    let record = cupti::record::attribute(recording.finish()?, &windows, cupti::OwnWork::default(), |_| Vec::new(), Vec::new());
+    let record =
+        cupti::record::attribute(recording.finish()?, &windows, cupti::OwnWork::default(), |_| Vec::new(), Vec::new());
     let read = |v| s.clone_dtoh(v).context("reading the reference's results");
     Ok(Replayed {
         outputs: outs.iter().map(read).collect::<Result<_, _>>()?,

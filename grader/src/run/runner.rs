@@ -49,7 +49,6 @@ const EVICTION_L2_MULTIPLE: usize = 2;
 /// died is found by its watchdog, not here).
 const STAGED_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
-
 /// What the judge asks of the runner, as the first line of its stdin. Nothing secret: the inputs
 /// arrive one call at a time through the shared region.
 #[derive(Debug, Clone, Serialize, Deserialize)]

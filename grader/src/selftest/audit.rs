@@ -246,7 +246,13 @@ fn back_to_back(ctx: &mut Ctx) -> CheckResult {
     dev.synchronize()?;
     let window = CallWindow { start_ns, end_ns: recording::timestamp()? };
     recording::set_current(Tag::Outside);
-    let record = recording::record::attribute(recording.finish()?, &[window], recording::OwnWork::default(), |_| Vec::new(), Vec::new());
+    let record = recording::record::attribute(
+        recording.finish()?,
+        &[window],
+        recording::OwnWork::default(),
+        |_| Vec::new(),
+        Vec::new(),
+    );
     let (activities, launches) = (&record.activities[0], record.api_launches[0]);
     let ranges = audit.finish()?;
     ensure(launches == BACK_TO_BACK, || format!("the callback API saw {launches} launches of {BACK_TO_BACK}"))?;

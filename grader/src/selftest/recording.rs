@@ -59,7 +59,8 @@ fn recorded(dev: &Device, body: impl FnOnce() -> Result<(), Failure>) -> Result<
     dev.synchronize()?;
     let window = CallWindow { start_ns, end_ns: cupti::timestamp()? };
     cupti::set_current(Tag::Outside);
-    let record = cupti::record::attribute(recording.finish()?, &[window], cupti::OwnWork::default(), |_| Vec::new(), Vec::new());
+    let record =
+        cupti::record::attribute(recording.finish()?, &[window], cupti::OwnWork::default(), |_| Vec::new(), Vec::new());
     outcome.map(|()| record)
 }
 

@@ -8,7 +8,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -21,8 +21,6 @@ const PROBE: &str = include_str!("probe.py");
 /// second, even a cold one on a network file system in a few; a `--python` that is some program
 /// which never exits must not hang the grader.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(60);
-/// How often the probing interpreter is polled.
-const POLL: Duration = Duration::from_millis(10);
 
 /// The interpreter used when neither `--python` nor `$PYTHON` names one.
 pub const DEFAULT_INTERPRETER: &str = "python3";
@@ -120,25 +118,20 @@ fn run(python: &Path, module: &Path, timeout: Duration) -> Result<Output, Submis
         })?;
     let stdout = drain(child.stdout.take().expect("piped"));
     let stderr = drain(child.stderr.take().expect("piped"));
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                // The readers are left behind: a process the interpreter started may hold the pipes.
-                return Err(refuse(format!(
-                    "the Python interpreter {} did not answer the grader's probe within {} s and was stopped: name \
-                     a Python interpreter with --python PATH (or $PYTHON)",
-                    python.display(),
-                    timeout.as_secs()
-                )));
-            }
-            Err(e) => return Err(refuse(format!("cannot wait for the Python interpreter {}: {e}", python.display()))),
+    let status = match crate::child::wait_or_kill(&mut child, timeout) {
+        Ok(Some(status)) => status,
+        // The readers are left behind: a process the interpreter started may hold the pipes.
+        Ok(None) => {
+            return Err(refuse(format!(
+                "the Python interpreter {} did not answer the grader's probe within {} s and was stopped: name a \
+                 Python interpreter with --python PATH (or $PYTHON)",
+                python.display(),
+                timeout.as_secs()
+            )));
         }
+        Err(e) => return Err(refuse(format!("cannot wait for the Python interpreter {}: {e}", python.display()))),
     };
+
     let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
     Ok(Output { status, stdout, stderr })
 }
@@ -155,6 +148,8 @@ fn drain(mut pipe: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use std::time::Instant;
+
     use super::*;
 
     /// The interpreter of the tests: `$PYTHON` or `python3`, as a user's run would pick it.
