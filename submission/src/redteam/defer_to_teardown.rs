@@ -66,21 +66,25 @@ impl DeferToTeardown {
         let pending = std::mem::take(&mut self.pending);
         let dev = Device::open(l.ordinal)?;
         let s = dev.stream();
-        // SAFETY (every upgrade_device_ptr below): each address is a live allocation of the grader's
+        // Every upgrade_device_ptr below is sound: each address is a live allocation of the grader's
         // of that many bf16 (docs/task.md: the buffers stay where they are for the whole run, and the
         // grader frees nothing before teardown returns), in the primary context this device shares.
         // The slices are ManuallyDrop and never dropped: they must not free what the grader owns.
         let Ok(weights) = LayerWeights::try_from_fn(|t| {
             let (ptr, len) = *l.weights.get(t);
+            // SAFETY: as above.
             Ok::<_, Infallible>(unsafe { s.upgrade_device_ptr::<bf16>(ptr, len) })
         });
         let weights = ManuallyDrop::new(weights);
         let mut cache = ManuallyDrop::new(DeviceCache {
+            // SAFETY: as above.
             k: unsafe { s.upgrade_device_ptr(l.k.0, l.k.1) },
+            // SAFETY: as above.
             v: unsafe { s.upgrade_device_ptr(l.v.0, l.v.1) },
         });
         let mut eager = Eager::new(&dev, &l.cfg)?;
         for p in &pending {
+            // SAFETY: as above.
             let mut out = ManuallyDrop::new(unsafe { s.upgrade_device_ptr::<bf16>(p.out.0, p.out.1) });
             eager.step(&dev, &weights, &mut cache, &p.x, p.pos, &mut out)?;
         }

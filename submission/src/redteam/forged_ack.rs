@@ -49,7 +49,7 @@ impl Extra for ForgedAck {
         let page = control_page()?;
         let mut last = 0;
         self.forger = Some(Background::start(move || {
-            // SAFETY (of the adversary's own doing): the page is mapped for the runner's life, and
+            // SAFETY: the page is mapped for the runner's life, and
             // its words are atomics of the runner's layout, which this thread may race with.
             let (command, ack) = unsafe {
                 let base = page as *const AtomicU64;
