@@ -12,36 +12,13 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
-use super::runner::Finished;
-
-/// The report descriptor in the runner.
-pub const REPORT_FD: RawFd = 3;
-/// The control page's descriptor in the runner.
-pub const CONTROL_FD: RawFd = 4;
+use super::protocol::Message;
 
 /// Largest report accepted (a graded run's report, every kernel record included, is well under).
 const MAX_REPORT_BYTES: usize = 64 << 20;
 /// How long the judge waits for the end of the channel once the runner has exited: a process the
 /// runner left behind that still holds the channel cannot keep the judge waiting.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// The runner's one message.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case")]
-pub enum Message {
-    Finished(Box<Finished>),
-    /// The submission or the device failed; the runner exits after this.
-    Failed {
-        message: String,
-    },
-    /// `build_layer` declined the config as one the submission does not implement, saying why (a
-    /// verdict `unsupported`, not a crash); the runner exits after this.
-    Unsupported {
-        message: String,
-    },
-}
 
 /// Writes the message as one line and closes the descriptor.
 pub fn send(fd: OwnedFd, message: &Message) -> std::io::Result<()> {
@@ -123,6 +100,7 @@ fn parse(bytes: &[u8], nonce: Option<u64>) -> Result<Message, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run::protocol::{Finished, REPORT_FD};
 
     fn failed(msg: &str) -> String {
         serde_json::to_string(&Message::Failed { message: msg.into() }).unwrap() + "\n"

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::channel::{CONTROL_FD, Collector, Message, REPORT_FD};
+use super::channel::Collector;
 use super::control::{Command, Control, Status};
-use super::runner::{Finished, Job};
+use super::protocol::{CONTROL_FD, Finished, Job, Message, REPORT_FD};
 use super::sandbox::SECCOMP_KILL_SIGNAL;
 use super::watch::{ProcessWatch, Watched};
 use crate::error::GraderError;

@@ -22,6 +22,7 @@ pub mod gates;
 mod isolate;
 mod memfd;
 pub mod pace;
+pub mod protocol;
 mod replay;
 pub mod report;
 pub mod runner;
@@ -46,9 +47,9 @@ use crate::stats::Summary;
 use gates::{StepCheck, correctness_gate};
 use isolate::Runner;
 use pace::Paced;
+use protocol::{Finished, Job};
 use replay::Replayed;
 use report::{HostShare, Performance, Report, Seeds};
-use runner::{Finished, Job};
 use shared::SharedData;
 
 /// Bandwidth buffers of a run: 2 GiB each is 34x the H200's L2; 20 repetitions keep the median's

@@ -9,7 +9,7 @@ use spec::{ByteModel, Config};
 
 use super::gates::{CacheCheck, Gate, Integrity, Source, StepCheck};
 use super::isolate::Failure;
-use super::runner::Audit;
+use super::protocol::Audit;
 use super::watch::Watched;
 use crate::bandwidth::Bandwidth;
 use crate::cupti::{Record, StepLaunches, kernel_bounds};

@@ -25,21 +25,20 @@ use std::io::BufRead;
 use std::time::Instant;
 
 use cuda::cudarc::driver::sys::{self as driver, CUlimit};
-use cuda::ipc::RegionHandle;
 use cuda::{Context, Device};
 use reference::gpu::DeviceWeights;
-use serde::{Deserialize, Serialize};
 use spec::{Call, Config, Tensor, schedule};
 use submission::{Chosen, Layer, Submission, SubmissionError};
 
-use super::channel::{self, CONTROL_FD, Message, REPORT_FD};
+use super::channel;
 use super::check;
 use super::control::{Command, Control, Status};
+use super::protocol::{Audit, Batch, CONTROL_FD, Counters, Finished, Job, Message, REPORT_FD};
 use super::sandbox;
 use super::shared::SharedData;
 use crate::audit::{AUDIT_METRICS, CTAS_LAUNCHED, DRAM_BYTES_READ, DRAM_BYTES_WRITE, RangeAudit};
 use crate::bandwidth::L2Eviction;
-use crate::cupti::{self, CallWindow, OwnWork, Record, Recording, Tag};
+use crate::cupti::{self, CallWindow, OwnWork, Recording, Tag};
 use crate::error::{GraderError, Outcome};
 
 /// The eviction before every command of calls reads this many times L2: enough to replace every
@@ -48,60 +47,6 @@ const EVICTION_L2_MULTIPLE: usize = 2;
 /// The longest wait for the judge to write the next input: past it the runner goes on (a judge that
 /// died is found by its watchdog, not here).
 const STAGED_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// What the judge asks of the runner, as the first line of its stdin. Nothing secret: the inputs
-/// arrive one call at a time through the shared region.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Job {
-    pub device: usize,
-    pub submission: Chosen,
-    pub config: Config,
-    pub region: RegionHandle,
-}
-
-/// The DRAM audit's counters of one range, or why there are none.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Counters {
-    pub bytes_read: f64,
-    pub bytes_written: f64,
-    pub ctas: f64,
-}
-
-/// The counters of a back-to-back batch of calls, audited as one range.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Batch {
-    pub first: usize,
-    pub count: usize,
-    pub counters: Counters,
-}
-
-/// The audit's outcome: a reason it could not run, or the counters of each call run alone and of
-/// each back-to-back batch.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Audit {
-    pub unavailable: Option<String>,
-    pub calls: Vec<Option<Counters>>,
-    pub batches: Vec<Batch>,
-}
-
-/// The runner's report on success: everything here is the runner's word (measured inside the
-/// submission's process), and the judge labels it so.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Finished {
-    /// The nonce the judge handed over after teardown.
-    pub nonce: u64,
-    pub name: String,
-    pub build_s: f64,
-    pub record: Record,
-    pub audit: Audit,
-    /// The runner's own clock over each command of calls: `(first call, calls, us)`.
-    pub runner_us: Vec<(usize, usize, f64)>,
-    /// Each time the persisting L2 was found set: one sentence each.
-    pub l2: Vec<String>,
-    /// 16-byte vectors of the submission's weights (the runner's copy) that differ from the shared
-    /// ones after teardown.
-    pub weight_vectors_changed: u64,
-}
 
 /// `grader runner`: reads the job, obeys the control page, and always ends with one report.
 pub fn command() -> Result<Outcome, GraderError> {

@@ -13,7 +13,7 @@ use spec::{Call, Gates, Phase};
 use super::{Gate, Source};
 use crate::cupti::{Record, StepLaunches};
 use crate::run::pace::Paced;
-use crate::run::runner::Audit;
+use crate::run::protocol::Audit;
 
 /// Host time per recorded launch (and one more for the call itself) that a call may spend outside
 /// recorded GPU work before the shortfall counts: launching, synchronising, a small-config layer
@@ -248,7 +248,7 @@ pub fn launch_record_gate(
 mod tests {
     use super::*;
     use crate::cupti::{Activity, ActivityKind};
-    use crate::run::runner::Counters;
+    use crate::run::protocol::Counters;
     use crate::stats::Summary;
 
     fn launches(kernels: &[(u64, &str)]) -> StepLaunches {

@@ -16,7 +16,7 @@ use spec::{Call, Gates, Input, Phase};
 
 use super::{Gate, Source};
 use crate::run::pace::Paced;
-use crate::run::runner::Audit;
+use crate::run::protocol::Audit;
 use crate::stats::Summary;
 
 /// The runner's interval lies inside the judge's; this much disagreement is clock granularity.
@@ -264,7 +264,7 @@ pub fn plausible_timing_gate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::run::runner::{Batch, Counters};
+    use crate::run::protocol::{Batch, Counters};
 
     const MODEL: u64 = 1_728_000_000;
 
