@@ -20,8 +20,6 @@ use crate::error::{GraderError, Outcome};
 const LIBRARY_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 /// The hidden subcommand that loads a library in a process of its own (see `cli::Command`).
 const CHECK_LIBRARY: &str = "check-library";
-/// The files `grader run --dump` writes into its folder (`run/dump.rs`).
-const DUMP_FILES: [&str; 4] = ["weights.safetensors", "kv_prefix.safetensors", "steps.safetensors", "manifest.json"];
 
 /// `--submission` checked: a built-in or red-team name as it is, a library by its absolute path
 /// once a child process has loaded it and checked its ABI, a Python module with what its
@@ -145,7 +143,7 @@ pub fn report_file(json: &Path, dump: Option<&Path>) -> Result<(), GraderError> 
     let (report, folder) = (resolved(json), resolved(dump));
     let clash = if folder.starts_with(&report) {
         "the dump's folder would be made at or inside the report's path".to_string()
-    } else if let Some(file) = DUMP_FILES.iter().find(|&f| report == folder.join(f)) {
+    } else if let Some(file) = crate::run::dump::FILES.iter().find(|&f| report == folder.join(f)) {
         format!("the dump writes its {file} there")
     } else if !folder.exists() && report.parent() == Some(&folder) {
         return Ok(()); // the dump makes the folder, and `output_dir` checked that it can

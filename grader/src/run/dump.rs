@@ -21,6 +21,13 @@ use super::report::Seeds;
 use crate::error::GraderError;
 use spec::Call;
 
+/// The files a dump writes into its folder (the preflight keeps `--json` clear of them).
+pub const WEIGHTS_FILE: &str = "weights.safetensors";
+pub const PREFIX_FILE: &str = "kv_prefix.safetensors";
+pub const STEPS_FILE: &str = "steps.safetensors";
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const FILES: [&str; 4] = [WEIGHTS_FILE, PREFIX_FILE, STEPS_FILE, MANIFEST_FILE];
+
 /// What `manifest.json` holds.
 #[derive(Serialize)]
 struct Manifest<'a> {
@@ -77,13 +84,13 @@ pub fn dump(
     for &t in Tensor::WEIGHTS {
         weights.push((t.name().to_string(), Dtype::BF16, t.shape(cfg), bytes(&read(data.pristine.get(t))?)));
     }
-    write(dir, "weights.safetensors", weights)?;
+    write(dir, WEIGHTS_FILE, weights)?;
 
     let prefix = DeviceCache::generate(dev, cfg, seeds.weights)?;
     let shape = Tensor::KCache.shape(cfg);
     write(
         dir,
-        "kv_prefix.safetensors",
+        PREFIX_FILE,
         vec![
             ("k_cache".into(), Dtype::BF16, shape.clone(), bytes(&read(&prefix.k)?)),
             ("v_cache".into(), Dtype::BF16, shape, bytes(&read(&prefix.v)?)),
@@ -96,7 +103,7 @@ pub fn dump(
     let pos: Vec<u8> = calls.iter().flat_map(|c| (c.pos as i64).to_le_bytes()).collect();
     write(
         dir,
-        "steps.safetensors",
+        STEPS_FILE,
         vec![
             ("x".into(), Dtype::BF16, rows.clone(), stack(data.inputs)?),
             ("out_submission".into(), Dtype::BF16, rows.clone(), stack(data.outputs)?),
@@ -106,12 +113,12 @@ pub fn dump(
     )?;
 
     let files = HashMap::from([
-        ("weights.safetensors", "the nine weights, row-major bf16 (out, in), applied as h @ W^T"),
-        ("kv_prefix.safetensors", "k_cache and v_cache (batch, n_kv, max_seq_len, hd) before the first call"),
-        ("steps.safetensors", "per call: x, out_submission, out_reference (calls, d) and pos (calls)"),
+        (WEIGHTS_FILE, "the nine weights, row-major bf16 (out, in), applied as h @ W^T"),
+        (PREFIX_FILE, "k_cache and v_cache (batch, n_kv, max_seq_len, hd) before the first call"),
+        (STEPS_FILE, "per call: x, out_submission, out_reference (calls, d) and pos (calls)"),
     ]);
     let manifest = Manifest { schema_version: 1, config: cfg, seeds, files, calls, passed, failed_gates };
-    let path = dir.join("manifest.json");
+    let path = dir.join(MANIFEST_FILE);
     std::fs::write(&path, serde_json::to_string_pretty(&manifest).expect("serialises") + "\n")
         .map_err(|source| GraderError::Write { path: path.display().to_string(), source })
 }

@@ -17,7 +17,7 @@
 mod channel;
 mod check;
 mod control;
-mod dump;
+pub(crate) mod dump;
 pub mod gates;
 mod isolate;
 mod memfd;
