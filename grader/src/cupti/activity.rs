@@ -41,6 +41,9 @@ pub struct Activity {
     pub end_ns: u64,
     pub stream_id: u32,
     pub correlation_id: u32,
+    /// Bytes a copy or a set moves; 0 for a kernel.
+    #[serde(default)]
+    pub bytes: u64,
     /// Zeros for anything but a kernel.
     pub grid: (i32, i32, i32),
     pub block: (i32, i32, i32),
@@ -66,6 +69,7 @@ impl Activity {
             end_ns,
             stream_id: 0,
             correlation_id: 0,
+            bytes: 0,
             grid: (0, 0, 0),
             block: (0, 0, 0),
             registers: 0,
@@ -395,6 +399,7 @@ unsafe fn parse_record(ptr: *const u8, len: usize) -> Option<Activity> {
             let bytes: u64 = m!(bytes);
             activity.kind = ActivityKind::Memcpy;
             activity.name = format!("memcpy {} {bytes} bytes", copy_kind_name(m!(copyKind)));
+            activity.bytes = bytes;
             activity.start_ns = m!(start);
             activity.end_ns = m!(end);
             activity.stream_id = m!(streamId);
@@ -411,6 +416,7 @@ unsafe fn parse_record(ptr: *const u8, len: usize) -> Option<Activity> {
             let bytes: u64 = m!(bytes);
             activity.kind = ActivityKind::Memset;
             activity.name = format!("memset {bytes} bytes");
+            activity.bytes = bytes;
             activity.start_ns = m!(start);
             activity.end_ns = m!(end);
             activity.stream_id = m!(streamId);
@@ -535,6 +541,7 @@ mod tests {
             end_ns: 2_500,
             stream_id: 13,
             correlation_id: 77,
+            bytes: 0,
             grid: (132, 2, 1),
             block: (512, 1, 1),
             registers: 96,
@@ -570,7 +577,7 @@ mod tests {
         r.put(offset_of!(Memcpy, graphId), 9u32);
         let a = r.parse(size_of::<Memcpy>()).unwrap();
         assert_eq!(a.kind, ActivityKind::Memcpy);
-        assert_eq!(a.name, "memcpy DtoD 1234 bytes");
+        assert_eq!((a.name.as_str(), a.bytes), ("memcpy DtoD 1234 bytes", 1234));
         assert_eq!((a.start_ns, a.end_ns, a.stream_id, a.correlation_id, a.graph_id), (10, 20, 3, 4, 9));
         assert_eq!((a.grid, a.block, a.registers), ((0, 0, 0), (0, 0, 0), 0));
 
@@ -581,7 +588,7 @@ mod tests {
         r.put(offset_of!(Memset, isDeviceLaunched), 1u8);
         let a = r.parse(size_of::<Memset>()).unwrap();
         assert_eq!(a.kind, ActivityKind::Memset);
-        assert_eq!(a.name, "memset 64 bytes");
+        assert_eq!((a.name.as_str(), a.bytes), ("memset 64 bytes", 64));
         assert_eq!((a.start_ns, a.end_ns, a.launched_from_device), (30, 31, true));
     }
 

@@ -101,7 +101,6 @@ fn thread_id() -> i32 {
 /// host function, an event record, a graph launch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
-    pub correlation_id: u32,
     /// CUPTI's name of the entry point (a static string: noting it allocates nothing).
     pub function: &'static str,
     pub tag: Tag,
@@ -358,7 +357,7 @@ fn on_api(runtime: bool, data: &CUpti_CallbackData) {
     seen.tags.insert(corr, tag);
     // A runtime call and the driver call inside it are one request: the outer one is noted.
     if runtime || outer.is_none() {
-        seen.requests.push(Request { correlation_id: corr, function, tag, runner_thread, at_ns });
+        seen.requests.push(Request { function, tag, runner_thread, at_ns });
     }
     if is_kernel_launch(function) {
         let runtime_correlation_id = if runtime { None } else { outer };

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use activity::{Activity, ActivityKind};
 pub use callbacks::{Tag, current, set_current};
-pub use record::{CallWindow, OwnWork, Record};
+pub use record::{CallWindow, OwnWork, Record, RunnerCopies};
 pub use summary::{StepLaunches, kernel_bounds};
 
 use cuda::cudarc::cupti::sys;

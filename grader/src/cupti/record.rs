@@ -34,6 +34,14 @@ impl CallWindow {
     }
 }
 
+/// The runner's own copies and sets inside one call, and the thread blocks the driver may run for
+/// them ([`super::summary::copy_blocks_allowed`], by their sizes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunnerCopies {
+    pub copies: usize,
+    pub blocks: u64,
+}
+
 /// The runner's own GPU work, as the runner counted it when it asked for it: what its tag may
 /// cover, and nothing more.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -59,7 +67,7 @@ pub struct Record {
     pub profiler_kernels: usize,
     /// Copies and sets of the runner's own inside each call (a Python submission's x_out copied into
     /// the judge's buffer): not the submission's, but the hardware counts their thread blocks.
-    pub runner_copies: Vec<usize>,
+    pub runner_copies: Vec<RunnerCopies>,
     /// Everything that makes the record incomplete or the work unaccounted for; empty when intact.
     pub problems: Vec<String>,
     /// Each call's window on CUPTI's clock, the runner's own stamps (a back-to-back batch's calls share
@@ -89,7 +97,7 @@ pub fn attribute(
     let mut unseen_own = Vec::new();
     let mut foreign: HashMap<usize, Vec<String>> = HashMap::new();
     let mut profiler_kernels = 0;
-    let mut runner_copies = vec![0; n];
+    let mut runner_copies = vec![RunnerCopies::default(); n];
     let mut runner_kernels = 0;
     for a in activities {
         let tag = seen.tags.get(&a.correlation_id).copied();
@@ -114,7 +122,11 @@ pub fn attribute(
         match tag {
             Some(Tag::Call(i)) if i < n => per_call[i].push(a),
             Some(Tag::Build) => build.push(a),
-            Some(Tag::RunnerIn(i)) if i < n && a.kind != ActivityKind::Kernel => runner_copies[i] += 1,
+            Some(Tag::RunnerIn(i)) if i < n && a.kind != ActivityKind::Kernel => {
+                let own = &mut runner_copies[i];
+                own.copies += 1;
+                own.blocks = own.blocks.saturating_add(super::summary::copy_blocks_allowed(a.bytes));
+            }
             // The runner's work inside a call is a copy, never a kernel: one under its tag is not its.
             Some(Tag::RunnerIn(i)) => unseen_own.push(format!("{} in call {i}", a.name)),
             Some(Tag::Runner) if a.kind == ActivityKind::Kernel => runner_kernels += 1,
@@ -365,7 +377,7 @@ mod tests {
         let r = attribute(captured, &W[..1], OwnWork::default(), no_scan, vec![]);
         assert!(r.problems.is_empty(), "{:?}", r.problems);
         assert_eq!((r.calls[0].kernels, r.calls[0].memcpys), (1, 0));
-        assert_eq!(r.runner_copies, vec![1]);
+        assert_eq!(r.runner_copies.iter().map(|c| c.copies).collect::<Vec<_>>(), vec![1]);
     }
 
     /// The calls of a back-to-back batch share the batch's window: each runner copy still counts for
@@ -386,7 +398,7 @@ mod tests {
         }
         let r = attribute(Captured { activities, seen: s }, &[batch; 3], OwnWork::default(), no_scan, vec![]);
         assert!(r.problems.is_empty(), "{:?}", r.problems);
-        assert_eq!(r.runner_copies, vec![1, 1, 1]);
+        assert_eq!(r.runner_copies.iter().map(|c| c.copies).collect::<Vec<_>>(), vec![1, 1, 1]);
     }
 
     #[test]
@@ -446,14 +458,14 @@ mod tests {
         assert!(r.problems.iter().any(|p| p.contains("found off")));
     }
 
-    fn request(corr: u32, function: &'static str, tag: Tag, runner_thread: bool, at_ns: u64) -> Request {
-        Request { correlation_id: corr, function, tag, runner_thread, at_ns }
+    fn request(function: &'static str, tag: Tag, runner_thread: bool, at_ns: u64) -> Request {
+        Request { function, tag, runner_thread, at_ns }
     }
 
     /// An intact call with the requests that go with it, and `extra` ones.
     fn with_requests(extra: Vec<Request>) -> Captured {
         let mut s = seen(vec![launch(2, Tag::Call(0))]);
-        s.requests = vec![request(2, "cuLaunchKernel", Tag::Call(0), true, 105)];
+        s.requests = vec![request("cuLaunchKernel", Tag::Call(0), true, 105)];
         s.requests.extend(extra);
         Captured { activities: vec![kernel("mega", 2, 110, 190)], seen: s }
     }
@@ -465,13 +477,13 @@ mod tests {
         let intact = attribute(with_requests(vec![]), &W[..1], OwnWork::default(), no_scan, vec![]);
         assert!(intact.problems.is_empty(), "{:?}", intact.problems);
         let cases = [
-            (request(9, "cuMemcpyHtoDAsync_v2", Tag::Runner, false, 250), "another thread under the runner's own tag"),
-            (request(9, "cuMemcpyDtoHAsync_v2", Tag::Runner, true, 250), "where the runner asks only for its eviction"),
-            (request(9, "cuMemsetD8Async", Tag::RunnerIn(0), false, 150), "another thread under the runner's own tag"),
-            (request(9, "cuLaunchKernel", Tag::Call(1), true, 250), "outside the window of the call"),
-            (request(9, "cuStreamWaitValue32_v2", Tag::Outside, false, 250), "queued outside build_layer"),
-            (request(9, "cuLaunchHostFunc", Tag::Outside, false, 250), "queued outside build_layer"),
-            (request(9, "cuEventRecord", Tag::Outside, false, 250), "queued outside build_layer"),
+            (request("cuMemcpyHtoDAsync_v2", Tag::Runner, false, 250), "another thread under the runner's own tag"),
+            (request("cuMemcpyDtoHAsync_v2", Tag::Runner, true, 250), "where the runner asks only for its eviction"),
+            (request("cuMemsetD8Async", Tag::RunnerIn(0), false, 150), "another thread under the runner's own tag"),
+            (request("cuLaunchKernel", Tag::Call(1), true, 250), "outside the window of the call"),
+            (request("cuStreamWaitValue32_v2", Tag::Outside, false, 250), "queued outside build_layer"),
+            (request("cuLaunchHostFunc", Tag::Outside, false, 250), "queued outside build_layer"),
+            (request("cuEventRecord", Tag::Outside, false, 250), "queued outside build_layer"),
         ];
         for (r, word) in cases {
             let function = r.function;

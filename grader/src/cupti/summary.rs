@@ -62,11 +62,11 @@ impl StepLaunches {
                 }
                 ActivityKind::Memcpy => {
                     s.memcpys += 1;
-                    s.copy_blocks = s.copy_blocks.saturating_add(copy_blocks_allowed(bytes_of(a)));
+                    s.copy_blocks = s.copy_blocks.saturating_add(copy_blocks_allowed(a.bytes));
                 }
                 ActivityKind::Memset => {
                     s.memsets += 1;
-                    s.copy_blocks = s.copy_blocks.saturating_add(copy_blocks_allowed(bytes_of(a)));
+                    s.copy_blocks = s.copy_blocks.saturating_add(copy_blocks_allowed(a.bytes));
                 }
                 ActivityKind::Other(_) => s.other += 1,
             }
@@ -95,24 +95,13 @@ impl StepLaunches {
 /// The record holds a copy's bytes, not its shape, so the rule follows the bytes: 2 blocks, and one
 /// per 64 bytes. That covers every 1D copy and set with 4x to spare over the worst seen (256 bytes a
 /// block), and 2D and 3D ones whose rows are at least 64 bytes (32 bf16 values); one of narrower rows
-/// runs more blocks than this, and the launch record reports them. An unsized record (`None`) keeps
-/// the old flat allowance. Hidden thread blocks so cost 64 bytes of copy or set each, and an
-/// operation brings 2 of its own: a thousand 1-byte sets cover 2,000 blocks, not four million.
-pub fn copy_blocks_allowed(bytes: Option<u64>) -> u64 {
+/// runs more blocks than this, and the launch record reports them. Hidden thread blocks so cost 64
+/// bytes of copy or set each, and an operation brings 2 of its own: a thousand 1-byte sets cover
+/// 2,000 blocks, not four million.
+pub fn copy_blocks_allowed(bytes: u64) -> u64 {
     const BASE: u64 = 2;
     const BYTES_PER_BLOCK: u64 = 64;
-    const UNSIZED: u64 = 4096;
-    bytes.map_or(UNSIZED, |b| BASE.saturating_add(b.div_ceil(BYTES_PER_BLOCK)))
-}
-
-/// The size of a copy or a set, from its name (`memcpy DtoD 1234 bytes`, `memset 64 bytes`: see
-/// `activity::parse_record`).
-fn bytes_of(a: &Activity) -> Option<u64> {
-    let mut words = a.name.rsplit(' ');
-    if words.next()? != "bytes" {
-        return None;
-    }
-    words.next()?.parse().ok()
+    BASE.saturating_add(bytes.div_ceil(BYTES_PER_BLOCK))
 }
 
 /// The first kernel's start and the last kernel's end (ns); `None` without a kernel.
@@ -181,8 +170,8 @@ mod tests {
     fn copies_and_sets_are_counted_apart_from_kernels() {
         let s = StepLaunches::of(&[
             kernel("layer", 100, 1_100),
-            activity(ActivityKind::Memcpy, "memcpy DtoD 4096 bytes", 0, 50),
-            activity(ActivityKind::Memset, "memset 64 bytes", 60, 70),
+            Activity { bytes: 4096, ..activity(ActivityKind::Memcpy, "memcpy DtoD 4096 bytes", 0, 50) },
+            Activity { bytes: 64, ..activity(ActivityKind::Memset, "memset 64 bytes", 60, 70) },
             activity(ActivityKind::Other(36), "", 0, 0),
         ]);
         assert_eq!((s.kernels, s.memcpys, s.memsets, s.other), (1, 1, 1, 1));
@@ -209,15 +198,10 @@ mod tests {
             (64 * 4096, 4096),
             (16_384, 2),
         ] {
-            let allowed = copy_blocks_allowed(Some(bytes));
+            let allowed = copy_blocks_allowed(bytes);
             assert!(allowed >= seen, "{bytes} bytes: {allowed} allowed, {seen} seen");
         }
-        assert_eq!(copy_blocks_allowed(Some(0)), 2);
-        assert_eq!(copy_blocks_allowed(None), 4096);
-        let named = |name: &str| bytes_of(&activity(ActivityKind::Memset, name, 0, 1));
-        assert_eq!(named("memset 64 bytes"), Some(64));
-        assert_eq!(named("memcpy DtoD 1234 bytes"), Some(1234));
-        assert_eq!((named("DtoD"), named("memset bytes"), named("")), (None, None, None));
+        assert_eq!(copy_blocks_allowed(0), 2);
     }
 
     #[test]

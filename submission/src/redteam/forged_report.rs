@@ -72,7 +72,7 @@ pub fn forged_line(calls: usize) -> String {
         ("api_launches", each("1")),
         ("modules", "1".into()),
         ("profiler_kernels", zero()),
-        ("runner_copies", each("0")),
+        ("runner_copies", each("{\"copies\":0,\"blocks\":0}")),
         ("problems", "[]".into()),
         ("windows", each("{\"start_ns\":0,\"end_ns\":0}")),
     ]);

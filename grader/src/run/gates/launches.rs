@@ -30,12 +30,6 @@ impl LaunchAllowance {
     pub const PYTHON: LaunchAllowance = LaunchAllowance { us_per_launch: 50.0 };
 }
 
-/// Thread blocks the runner's own copy inside a call may run as a kernel of the driver's: the record
-/// counts those copies (`Record::runner_copies`) without their sizes, so each keeps the flat
-/// allowance of an unsized copy. The submission's copies and sets are allowed blocks by their sizes
-/// (`StepLaunches::copy_blocks`).
-const BLOCKS_PER_RUNNER_COPY: u64 = 4096;
-
 /// Gate 2: the most kernels any call ran.
 pub fn kernels_gate(calls: &[Call], launches: &[StepLaunches], gates: &Gates) -> Gate {
     let limit = gates.max_kernels_per_step;
@@ -200,17 +194,18 @@ pub fn launch_record_gate(
         for (what, c, span) in alone.chain(batches) {
             let recorded: Vec<&StepLaunches> = record.calls.get(span.clone()).into_iter().flatten().collect();
             let ctas: u64 = recorded.iter().map(|l| l.ctas).sum();
+            // The call's copies and sets, and the runner's own inside it, each allowed blocks by size.
             let copies = recorded.iter().map(|l| (l.memcpys + l.memsets) as u64).sum::<u64>();
-            let runner_copies = record.runner_copies.get(span).into_iter().flatten().map(|&c| c as u64).sum::<u64>();
-            let copy_blocks = recorded.iter().map(|l| l.copy_blocks).sum::<u64>()
-                + BLOCKS_PER_RUNNER_COPY.saturating_mul(runner_copies);
+            let runner = record.runner_copies.get(span).into_iter().flatten();
+            let copy_blocks =
+                recorded.iter().map(|l| l.copy_blocks).sum::<u64>() + runner.clone().map(|c| c.blocks).sum::<u64>();
+            let copies = copies + runner.map(|c| c.copies as u64).sum::<u64>();
             let allowed = ctas.saturating_add(copy_blocks);
             if c.ctas > allowed as f64 {
-                let sets = if copies + runner_copies > 0 {
+                let sets = if copies > 0 {
                     format!(
-                        " and its {} copies and sets may run {copy_blocks} more by their sizes (2 each and one per 64 \
-                         bytes; a 2D copy or set of narrower rows runs one per row)",
-                        copies + runner_copies
+                        " and its {copies} copies and sets may run {copy_blocks} more by their sizes (2 each and one \
+                         per 64 bytes; a 2D copy or set of narrower rows runs one per row)"
                     )
                 } else {
                     String::new()
@@ -247,7 +242,7 @@ pub fn launch_record_gate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cupti::{Activity, ActivityKind};
+    use crate::cupti::{Activity, ActivityKind, RunnerCopies};
     use crate::run::protocol::Counters;
     use crate::stats::Summary;
 
@@ -421,7 +416,9 @@ mod tests {
         };
         let timing = paced(vec![Some(420.0), Some(430.0)]);
         assert!(!launch_record_gate(&calls(2), &copying, &timing, &hw_copy, &g, python).passed);
-        let with_copies = Record { runner_copies: vec![1, 1], ..copying };
+        // x_out of the graded layer: 16 KB device to device, 16 blocks on the H200.
+        let x_out = RunnerCopies { copies: 1, blocks: crate::cupti::summary::copy_blocks_allowed(16 << 10) };
+        let with_copies = Record { runner_copies: vec![x_out; 2], ..copying };
         let gate = launch_record_gate(&calls(2), &with_copies, &timing, &hw_copy, &g, python);
         assert!(gate.passed, "{gate:?}");
     }
@@ -431,7 +428,10 @@ mod tests {
             vec![Activity { grid: (132, 1, 1), ..Activity::synthetic(ActivityKind::Kernel, "mega", 1, 1 + kernel_ns) }];
         for (i, &bytes) in sets.iter().enumerate() {
             let t = 2 + kernel_ns + i as u64;
-            acts.push(Activity::synthetic(ActivityKind::Memset, &format!("memset {bytes} bytes"), t, t + 1));
+            acts.push(Activity {
+                bytes,
+                ..Activity::synthetic(ActivityKind::Memset, &format!("memset {bytes} bytes"), t, t + 1)
+            });
         }
         StepLaunches::of(&acts)
     }

@@ -43,6 +43,11 @@ pub fn required_bytes(calls: &[Call], model: &[u64], l2_bytes: u64) -> Vec<u64> 
     calls.iter().map(|c| if chained(c) { model[c.index].saturating_sub(l2_bytes) } else { model[c.index] }).collect()
 }
 
+/// A command of calls as a reader names it: one call, or a back-to-back batch.
+fn command_name(first: usize, count: usize) -> String {
+    if count == 1 { format!("call {first}") } else { format!("the back-to-back calls {first}..{}", first + count - 1) }
+}
+
 fn gb(bytes: f64) -> String {
     format!("{:.3} GB", bytes / 1e9)
 }
@@ -92,7 +97,7 @@ pub fn bytes_read_gate(
         let (Some(m), Some(r)) = (model.get(span.clone()), required.get(span)) else { continue };
         let (m, r) = (m.iter().sum::<u64>(), r.iter().sum::<u64>());
         if r > 0 {
-            let what = format!("the back-to-back calls {}..{}", b.first, b.first + b.count - 1);
+            let what = command_name(b.first, b.count);
             ratios.push((what, b.counters.bytes_read, b.counters.bytes_read / r as f64, m, r));
         }
     }
@@ -202,11 +207,7 @@ pub fn plausible_timing_gate(
         };
         let lead = runner - judge;
         if lead > CLOCK_GRANULARITY_US {
-            let which = if count == 1 {
-                format!("call {first}")
-            } else {
-                format!("the back-to-back calls {first}..{}", first + count - 1)
-            };
+            let which = command_name(first, count);
             problems.push(format!(
                 "the judge saw {which} acknowledged {lead:.1} us before the runner's own clock ended it (judge \
                  {judge:.1} us, runner {runner:.1} us): the acknowledgement was forged from inside the runner process"
@@ -227,11 +228,7 @@ pub fn plausible_timing_gate(
     let stall_note = match stalls.iter().max_by(|a, b| a.2.total_cmp(&b.2)) {
         None => String::new(),
         Some(&(first, count, wait)) => {
-            let which = if count == 1 {
-                format!("call {first}")
-            } else {
-                format!("the back-to-back calls {first}..{}", first + count - 1)
-            };
+            let which = command_name(first, count);
             let slack = CLOCK_SLACK_US;
             if stalls.len() == 1 {
                 format!(
