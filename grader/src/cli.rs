@@ -220,6 +220,10 @@ pub struct SweepArgs {
     /// Runs of each submission at each member.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub runs: u32,
+    /// Weight seeds of the honest ensemble at each member (the CPU variants of `grader selftest`'s
+    /// ensemble beside the eager reference, each to stay within half the tolerance); 0 skips it.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=64), value_name = "N")]
+    pub ensemble_seeds: u64,
     /// Write every run's whole table to this file.
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,

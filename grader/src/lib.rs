@@ -4,6 +4,7 @@ pub mod audit;
 pub mod bandwidth;
 pub mod cli;
 pub mod cupti;
+pub mod ensemble;
 pub mod error;
 pub mod launches;
 pub mod metrics;

@@ -3,7 +3,10 @@
 //! judges it, and checks that honest work is never failed: the megakernel passes every gate or says
 //! `unsupported`; the eager reference passes every gate but the two launch gates it fails by design
 //! (21 kernels per call). A verdict that fails honest work anywhere in the family is a bug of the
-//! grader's, and this is where it shows. Ends with `N passed, M failed` over the runs.
+//! grader's, and this is where it shows. Before a member's runs, the honest ensemble (the CPU
+//! variants of `crate::ensemble`) at that shape over a few fresh seeds: the data itself must leave
+//! honest arithmetic within half the tolerance there. Ends with `N passed, M failed` over the runs
+//! and the ensembles.
 
 use std::fmt::Write as _;
 
@@ -12,6 +15,7 @@ use spec::family::{FAMILY, Member};
 use submission::Chosen;
 
 use crate::cli::SweepArgs;
+use crate::ensemble;
 use crate::error::{GraderError, Outcome};
 use crate::run::report::{Report, Seeds, Status};
 use crate::run::{Policy, Progress, judge};
@@ -98,6 +102,34 @@ pub fn command(device: usize, args: &SweepArgs) -> Result<Outcome, GraderError> 
     let (mut table, mut log) = (vec![header], String::new());
     for member in &members {
         let cfg = member.config();
+        if args.ensemble_seeds > 0 {
+            let first = u64::from(rand::random::<u32>());
+            progress.say(&format!("{} ({}), the honest ensemble", member.name, member.what));
+            let m = ensemble::margins(&dev, &cfg, first..first + args.ensemble_seeds)?;
+            let line = format!(
+                "{:<14} {:<11} {:>3} {:>8} {:>9} {:>9} {:>7} {:<5} least margin {:.2}x (seeds {first}..)",
+                member.name,
+                "ensemble",
+                "-",
+                "-",
+                "-",
+                format!("{:.2e}", m.worst.iter().copied().fold(0.0, f64::max)),
+                "-",
+                if m.failure().is_none() { "ok" } else { "FALSE FAILURE" },
+                m.least()
+            );
+            eprintln!("{line}");
+            let _ = writeln!(log, "{line}\n  {}", m.shown());
+            match m.failure() {
+                Some(why) => {
+                    let _ = writeln!(log, "  false failure: {why}");
+                    eprintln!("  false failure: {why}");
+                    failed += 1;
+                }
+                None => passed += 1,
+            }
+            table.push(line);
+        }
         for (name, chosen) in &submissions {
             for run in 1..=args.runs as usize {
                 progress.say(&format!("{} ({}), {name}, run {run} of {}", member.name, member.what, args.runs));

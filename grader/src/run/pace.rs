@@ -8,7 +8,9 @@
 //! sees any that it does, from any thread, under any tag). The judge writes it while the runner does
 //! its bookkeeping, and says so; the runner waits for that before its own GPU work, so the device
 //! switches back from the judge's context there, not inside the next timed call (written after the
-//! runner said it was ready, each timed call of the graded layer started 280 us late). The input
+//! runner said it was ready, each timed call of the graded layer started 280 us late). The write
+//! also leaves the GPU's address translations cold for the call (docs/perf.md, measured: 4-5 us of
+//! the graded layer's kernel), as a real model's other layers would have left them. The input
 //! seed never leaves the judge; in the back-to-back phase each input is the previous call's output,
 //! so no call can be computed before its predecessor. What is timed: from the judge's "go" on the
 //! control page to the runner's "done" after it synchronised the device, on the judge's own clock.
