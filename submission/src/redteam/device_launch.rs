@@ -30,20 +30,20 @@ pub fn make() -> Box<dyn Submission> {
 }
 
 /// The parent kernel and the counter its children add to.
-struct Parent {
+pub(super) struct Parent {
     func: CudaFunction,
     launches: CudaSlice<u64>,
 }
 
 impl Parent {
-    fn new(dev: &Device) -> Result<Self, SubmissionError> {
+    pub(super) fn new(dev: &Device) -> Result<Self, SubmissionError> {
         let func = dev.function(&REDTEAM_CDP, KERNEL)?;
         let launches = dev.stream().alloc_zeros::<u64>(1).context("allocating the child launch counter")?;
         Ok(Self { func, launches })
     }
 
     /// One parent on the device's stream, which launches [`CHILDREN`] children.
-    fn launch(&mut self, dev: &Device) -> Result<(), SubmissionError> {
+    pub(super) fn launch(&mut self, dev: &Device) -> Result<(), SubmissionError> {
         let mut args = dev.stream().launch_builder(&self.func);
         args.arg(&mut self.launches).arg(&CHILDREN);
         // SAFETY: cdp_parent_launch_u64(launches: u64*, children: u32), one thread; each child adds one

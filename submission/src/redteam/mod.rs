@@ -32,6 +32,7 @@ mod int8_down;
 mod int8_down_padded;
 mod lookahead;
 mod lossy_weights;
+mod memset_cover;
 mod modify_input;
 mod modify_weights;
 mod nan_output;
@@ -267,6 +268,12 @@ pub const ALL: &[Adversary] = &[
         what: "the megakernel, plus a one-thread parent per step that launches child kernels from the device",
         expect: Expect::GateFails { gate: "launch_record", word: "device-side launch" },
         make: device_launch::make,
+    },
+    Adversary {
+        name: memset_cover::NAME,
+        what: "the megakernel, plus a parent launching child kernels from the device, covered by one-byte memsets",
+        expect: Expect::GateFails { gate: "launch_record", word: "escaped the record" },
+        make: memset_cover::make,
     },
     Adversary {
         name: phase_aware::NAME,
