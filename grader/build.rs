@@ -1,6 +1,7 @@
-//! cudarc dlopens libcuda, libnvrtc and libcupti by name at run time. Add the standard CUDA library
-//! folders to the binary's run path so a default install is found without LD_LIBRARY_PATH (which
-//! still takes precedence). Also records the git revision for reports.
+//! Compiles the judge's kernels (`kernels/*.cu`) with the workspace's nvcc. cudarc dlopens libcuda,
+//! libnvrtc and libcupti by name at run time: adds the standard CUDA library folders to the binary's
+//! run path so a default install is found without LD_LIBRARY_PATH (which still takes precedence).
+//! Also records the git revision for reports.
 
 use std::path::Path;
 use std::process::Command;
@@ -10,6 +11,7 @@ const CUDA_LIB_DIRS: [&str; 3] =
     ["/usr/local/cuda/lib64", "/usr/local/cuda/extras/CUPTI/lib64", "/usr/local/nvidia/lib64"];
 
 fn main() {
+    cuda_build::build(&cuda_build::Toolchain::from_cuda(), cuda_build::Files::default(), "");
     // The revision the report names; "unknown" outside a git checkout.
     let rev = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=GRADER_GIT_REVISION={rev}");

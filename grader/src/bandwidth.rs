@@ -7,13 +7,13 @@
 use std::sync::Arc;
 
 use cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, DeviceSlice, LaunchConfig, PushKernelArg};
-use cuda::kernels::BANDWIDTH;
 use cuda::{Context, CudaError, Device};
 use half::bf16;
 use serde::Serialize;
 
 use crate::cli::BandwidthArgs;
 use crate::error::{GraderError, Outcome};
+use crate::kernels::BANDWIDTH;
 use crate::stats::Summary;
 
 /// Threads per block of the stream kernels.

@@ -42,14 +42,12 @@ impl Margins {
     /// Every variant's worst error and its margin to the tolerance.
     pub fn shown(&self) -> String {
         let tol = Gates::TASK.rel_err_tol;
-        let each: Vec<String> =
-            HONEST.iter().zip(self.worst).map(|((name, _), err)| format!("{name} {err:.2e} ({:.2}x)", tol / err)).collect();
-        format!(
-            "{} seeds x {} calls, worst error (margin to {tol:.1e}): {}",
-            self.seeds,
-            self.calls,
-            each.join(", ")
-        )
+        let each: Vec<String> = HONEST
+            .iter()
+            .zip(self.worst)
+            .map(|((name, _), err)| format!("{name} {err:.2e} ({:.2}x)", tol / err))
+            .collect();
+        format!("{} seeds x {} calls, worst error (margin to {tol:.1e}): {}", self.seeds, self.calls, each.join(", "))
     }
 
     /// The first variant over half the tolerance, as a sentence; `None` when all are within it.

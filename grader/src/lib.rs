@@ -2,10 +2,12 @@
 
 pub mod audit;
 pub mod bandwidth;
+pub mod builtins;
 pub mod cli;
 pub mod cupti;
 pub mod ensemble;
 pub mod error;
+pub mod kernels;
 pub mod launches;
 pub mod metrics;
 pub mod preflight;
@@ -56,31 +58,26 @@ fn list_command() -> Result<Outcome, GraderError> {
 
 /// The text of `grader list`.
 pub fn list() -> String {
-    let width = submission::BUILTIN
-        .iter()
-        .map(|b| b.name)
-        .chain(submission::redteam::names())
-        .map(str::len)
-        .max()
-        .unwrap_or_default();
+    let width =
+        crate::builtins::BUILTIN.iter().map(|b| b.name).chain(redteam::names()).map(str::len).max().unwrap_or_default();
     let mut s = String::from("Built-in submissions (--submission NAME):\n");
-    for b in submission::BUILTIN {
+    for b in crate::builtins::BUILTIN {
         s += &format!("  {:<width$}  {}\n", b.name, b.what);
     }
     s += "\nRed-team adversaries, each a trick the grader must catch (`grader selftest --filter \"red team\"`):\n";
-    for a in submission::redteam::ALL {
+    for a in redteam::ALL {
         s += &format!("  {:<width$}  {}\n", a.name, a.what);
     }
     s += "\nAny other submission is a shared library given by its path, speaking the C ABI of\n\
           submission/include/persistent_layer.h (scripts/build-example builds an example), or a Python\n\
           module (.py) with the task's contract in torch, run in the interpreter of --python, $PYTHON or\n\
           python3 (examples: submission/examples/python/eager_layer.py and triton_layer.py).\n";
-    let python = submission::python::redteam::ALL;
+    let python = redteam::python::ALL;
     let width = python.iter().map(|a| a.file.len()).max().unwrap_or_default();
     s += &format!(
         "\nPython red-team adversaries in {}/, each a module the grader must catch\n\
          (`grader selftest --filter python:`):\n",
-        submission::python::redteam::FOLDER
+        redteam::python::FOLDER
     );
     for a in python {
         s += &format!("  {:<width$}  {}\n", a.file, a.what);

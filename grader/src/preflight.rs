@@ -6,13 +6,13 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Read;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use submission::external::ExternalSubmission;
-use submission::{Choice, Chosen};
 
+use crate::builtins::{Choice, Chosen};
 use crate::error::{GraderError, Outcome};
 
 /// Longest wait for a library to load in the checking process: its initialisers are the library's
@@ -26,7 +26,7 @@ const CHECK_LIBRARY: &str = "check-library";
 /// interpreter (`python`: `--python`, else `$PYTHON`, else `python3`) reported. Paths are absolute
 /// so that the runner process finds the same file whatever its working folder.
 pub fn submission(name_or_path: &str, python: Option<&Path>) -> Result<Chosen, GraderError> {
-    let choice = submission::resolve(name_or_path)?;
+    let choice = crate::builtins::resolve(name_or_path)?;
     // An interpreter given for a submission that runs in none is a mistake, not a detail to drop.
     if let (Some(python), Choice::Named(_) | Choice::Library(_)) = (python, &choice) {
         return Err(usage(format!(
@@ -132,52 +132,6 @@ pub fn output_dir(flag: &str, path: &Path) -> Result<(), GraderError> {
     std::fs::remove_file(&probe).map_err(|e| cannot(e.to_string()))
 }
 
-/// `--json` of `grader run`, written after the dump of `--dump` (if any, checked by [`output_dir`]):
-/// a file as [`output_file`] checks, which may lie in the dump's folder before the dump makes it,
-/// but is neither that folder (nor a path above it) nor one of the files the dump writes, or one
-/// would overwrite the other after the whole judgement.
-pub fn report_file(json: &Path, dump: Option<&Path>) -> Result<(), GraderError> {
-    let Some(dump) = dump.filter(|_| json != Path::new("-")) else {
-        return output_file("--json", json);
-    };
-    let (report, folder) = (resolved(json), resolved(dump));
-    let clash = if folder.starts_with(&report) {
-        "the dump's folder would be made at or inside the report's path".to_string()
-    } else if let Some(file) = crate::run::dump::FILES.iter().find(|&f| report == folder.join(f)) {
-        format!("the dump writes its {file} there")
-    } else if !folder.exists() && report.parent() == Some(&folder) {
-        return Ok(()); // the dump makes the folder, and `output_dir` checked that it can
-    } else {
-        return output_file("--json", json);
-    };
-    Err(usage(format!(
-        "cannot write --json {} with --dump {}: {clash}; give the report a path of its own, e.g. {}",
-        json.display(),
-        dump.display(),
-        dump.join("report.json").display()
-    )))
-}
-
-/// `path` absolute, its deepest existing ancestor with symbolic links resolved and the rest (which
-/// holds no link, since it does not exist) with `.` and `..` resolved, so that two spellings of one
-/// place compare equal before either exists.
-fn resolved(path: &Path) -> PathBuf {
-    let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let Some((existing, mut real)) = path.ancestors().find_map(|a| Some((a, a.canonicalize().ok()?))) else {
-        return path;
-    };
-    for part in path.strip_prefix(existing).expect("an ancestor is a prefix").components() {
-        match part {
-            Component::ParentDir => {
-                real.pop();
-            }
-            Component::CurDir => {}
-            other => real.push(other),
-        }
-    }
-    real
-}
-
 /// The folder holding `path` (`.` for a bare file name).
 fn parent(path: &Path) -> &Path {
     match path.parent() {
@@ -186,15 +140,15 @@ fn parent(path: &Path) -> &Path {
     }
 }
 
-fn usage(message: String) -> GraderError {
+pub(crate) fn usage(message: String) -> GraderError {
     GraderError::Usage(message)
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
+    pub(crate) fn scratch(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("grader-preflight-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -214,31 +168,6 @@ mod tests {
         let msg = output_file("--json", &dir).unwrap_err().to_string();
         assert!(msg.contains("it is a folder"), "{msg}");
         let msg = output_file("--json", &dir.join("no/such/report.json")).unwrap_err().to_string();
-        assert!(msg.contains("does not exist"), "{msg}");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn the_report_stays_clear_of_the_dump() {
-        let dir = scratch("clash");
-        let dump = dir.join("dump");
-        let at_or_inside = "the dump's folder would be made at or inside the report's path";
-        for (json, folder, words) in [
-            (dump.clone(), dump.clone(), at_or_inside),
-            (dir.join("./dump/../dump"), dump.clone(), at_or_inside),
-            (dir.join("out"), dir.join("out/dump"), at_or_inside),
-            (dump.join("manifest.json"), dump.clone(), "the dump writes its manifest.json there"),
-            (dump.join("weights.safetensors"), dump.clone(), "the dump writes its weights.safetensors there"),
-        ] {
-            let msg = report_file(&json, Some(&folder)).unwrap_err().to_string();
-            assert!(msg.contains(words) && msg.contains("report.json"), "{}: {msg}", json.display());
-        }
-        // Beside the dump's files, in the folder the dump will make.
-        report_file(&dump.join("report.json"), Some(&dump)).unwrap();
-        report_file(&dir.join("dump.json"), Some(&dump)).unwrap();
-        report_file(Path::new("-"), Some(&dump)).unwrap();
-        // Deeper than the folder the dump makes: nothing makes that one.
-        let msg = report_file(&dump.join("sub/report.json"), Some(&dump)).unwrap_err().to_string();
         assert!(msg.contains("does not exist"), "{msg}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -12,8 +12,8 @@ use std::fmt::Write as _;
 
 use cuda::Device;
 use spec::family::{FAMILY, Member};
-use submission::Chosen;
 
+use crate::builtins::Chosen;
 use crate::cli::SweepArgs;
 use crate::ensemble;
 use crate::error::{GraderError, Outcome};
@@ -165,7 +165,7 @@ mod tests {
     #[test]
     fn the_launch_gates_are_the_only_ones_the_reference_may_fail() {
         for g in LAUNCH_GATES {
-            assert!(submission::redteam::GATES.contains(&g), "{g} is a gate");
+            assert!(redteam::GATES.contains(&g), "{g} is a gate");
         }
     }
 }

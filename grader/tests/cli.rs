@@ -83,9 +83,9 @@ fn list_names_every_builtin_and_adversary_once() {
     let out = grader(&["list"]);
     assert!(out.status.success());
     let (stdout, _) = text(&out);
-    let names = submission::BUILTIN.iter().map(|b| (b.name, b.what));
-    let python = submission::python::redteam::ALL.iter().map(|a| (a.file, a.what));
-    for (name, what) in names.chain(submission::redteam::ALL.iter().map(|a| (a.name, a.what))).chain(python) {
+    let names = grader::builtins::BUILTIN.iter().map(|b| (b.name, b.what));
+    let python = redteam::python::ALL.iter().map(|a| (a.file, a.what));
+    for (name, what) in names.chain(redteam::ALL.iter().map(|a| (a.name, a.what))).chain(python) {
         let lines: Vec<&str> = stdout.lines().filter(|l| l.split_whitespace().next() == Some(name)).collect();
         assert_eq!(lines.len(), 1, "'{name}' is not listed once:\n{stdout}");
         assert!(lines[0].ends_with(what), "{}", lines[0]);

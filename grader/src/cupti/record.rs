@@ -351,7 +351,7 @@ mod tests {
     /// for launches the activity view never recorded (a recorded waiter beside them or not).
     #[test]
     fn hidden_launches_are_named_as_the_recording_adversaries_expect() {
-        use submission::redteam::{self, Expect};
+        use redteam::{self, Expect};
         let captured = Captured {
             activities: vec![kernel("waiter", 2, 110, 190)],
             seen: seen(vec![launch(2, Tag::Call(0)), launch(3, Tag::Call(0)), launch(4, Tag::Call(0))]),

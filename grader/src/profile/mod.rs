@@ -11,12 +11,12 @@ mod timeline;
 use std::fmt::Write as _;
 
 use cuda::{Context, CudaError, Device};
+use megakernel::program::Blocks;
+use megakernel::{Megakernel, Mode, PhasePlan};
 use reference::gpu::DeviceCache;
 use reference::gpu::data::generate_input;
 use serde::Serialize;
 use spec::{ByteModel, Config};
-use submission::megakernel::program::Blocks;
-use submission::megakernel::{Megakernel, Mode, PhasePlan};
 use submission::{Layer, Submission};
 
 use crate::audit::{DRAM_BYTES_READ, RangeAudit};

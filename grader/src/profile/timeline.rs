@@ -5,8 +5,8 @@
 
 use std::fmt::Write as _;
 
+use megakernel::program::Blocks;
 use serde::Serialize;
-use submission::megakernel::program::Blocks;
 
 /// One phase of the traced launch. Times in microseconds from the launch's first stamp.
 #[derive(Debug, Clone, Serialize)]
@@ -141,7 +141,7 @@ impl Timeline {
         const TOP: f64 = 40.0;
         const ROW: f64 = 3.0;
         // One per phase a program can hold.
-        const COLOURS: [&str; submission::megakernel::program::MAX_PHASES] = [
+        const COLOURS: [&str; megakernel::program::MAX_PHASES] = [
             "#5b9bd5", "#d9534f", "#f0ad4e", "#5cb85c", "#8e6fb8", "#777777", "#17becf", "#bcbd22", "#e377c2",
             "#8c564b", "#1f3a93", "#ff9896",
         ];

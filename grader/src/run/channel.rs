@@ -127,7 +127,7 @@ mod tests {
     /// it makes two messages, which ends the run with the sentence forged-report expects.
     #[test]
     fn the_red_teams_forged_report_is_refused_by_the_channels_rules() {
-        use submission::redteam::{self, Expect};
+        use redteam::{self, Expect};
         assert_eq!(redteam::REPORT_FD, REPORT_FD, "forged-report writes where the runner reports");
         let calls = spec::schedule(&spec::Config::small()).len();
         let forged = redteam::forged_line(calls);

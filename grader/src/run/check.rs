@@ -2,7 +2,6 @@
 //! the reference's, and the read-only buffers (weights, inputs) against what the judge put there.
 
 use cuda::cudarc::driver::{CudaSlice, PushKernelArg};
-use cuda::kernels::VERIFY;
 use cuda::{Context, CudaError, Device, grid_1d};
 use half::bf16;
 use reference::gpu::DeviceWeights;
@@ -10,6 +9,7 @@ use spec::{Call, Config, Input, Tensor};
 
 use super::gates::{CacheCheck, Integrity};
 use super::shared::SharedData;
+use crate::kernels::VERIFY;
 use crate::metrics::{rel_err, to_f32};
 
 /// Threads per block of the comparison kernel.

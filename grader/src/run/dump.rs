@@ -7,7 +7,7 @@
 //! - `manifest.json`: config, seeds, the schedule of calls, and the verdict.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 
 use cuda::cudarc::driver::CudaSlice;
 use cuda::{Context, Device};
@@ -121,4 +121,81 @@ pub fn dump(
     let path = dir.join(MANIFEST_FILE);
     std::fs::write(&path, serde_json::to_string_pretty(&manifest).expect("serialises") + "\n")
         .map_err(|source| GraderError::Write { path: path.display().to_string(), source })
+}
+
+/// `--json` of `grader run`, written after the dump of `--dump` (if any, checked by `preflight::output_dir`):
+/// a file as `preflight::output_file` checks, which may lie in the dump's folder before the dump makes it,
+/// but is neither that folder (nor a path above it) nor one of the files the dump writes, or one
+/// would overwrite the other after the whole judgement.
+pub fn report_file(json: &Path, dump: Option<&Path>) -> Result<(), GraderError> {
+    let Some(dump) = dump.filter(|_| json != Path::new("-")) else {
+        return crate::preflight::output_file("--json", json);
+    };
+    let (report, folder) = (resolved(json), resolved(dump));
+    let clash = if folder.starts_with(&report) {
+        "the dump's folder would be made at or inside the report's path".to_string()
+    } else if let Some(file) = FILES.iter().find(|&f| report == folder.join(f)) {
+        format!("the dump writes its {file} there")
+    } else if !folder.exists() && report.parent() == Some(&folder) {
+        return Ok(()); // the dump makes the folder, and `output_dir` checked that it can
+    } else {
+        return crate::preflight::output_file("--json", json);
+    };
+    Err(crate::preflight::usage(format!(
+        "cannot write --json {} with --dump {}: {clash}; give the report a path of its own, e.g. {}",
+        json.display(),
+        dump.display(),
+        dump.join("report.json").display()
+    )))
+}
+
+/// `path` absolute, its deepest existing ancestor with symbolic links resolved and the rest (which
+/// holds no link, since it does not exist) with `.` and `..` resolved, so that two spellings of one
+/// place compare equal before either exists.
+fn resolved(path: &Path) -> PathBuf {
+    let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let Some((existing, mut real)) = path.ancestors().find_map(|a| Some((a, a.canonicalize().ok()?))) else {
+        return path;
+    };
+    for part in path.strip_prefix(existing).expect("an ancestor is a prefix").components() {
+        match part {
+            Component::ParentDir => {
+                real.pop();
+            }
+            Component::CurDir => {}
+            other => real.push(other),
+        }
+    }
+    real
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preflight::tests::scratch;
+
+    #[test]
+    fn the_report_stays_clear_of_the_dump() {
+        let dir = scratch("clash");
+        let dump = dir.join("dump");
+        let at_or_inside = "the dump's folder would be made at or inside the report's path";
+        for (json, folder, words) in [
+            (dump.clone(), dump.clone(), at_or_inside),
+            (dir.join("./dump/../dump"), dump.clone(), at_or_inside),
+            (dir.join("out"), dir.join("out/dump"), at_or_inside),
+            (dump.join("manifest.json"), dump.clone(), "the dump writes its manifest.json there"),
+            (dump.join("weights.safetensors"), dump.clone(), "the dump writes its weights.safetensors there"),
+        ] {
+            let msg = report_file(&json, Some(&folder)).unwrap_err().to_string();
+            assert!(msg.contains(words) && msg.contains("report.json"), "{}: {msg}", json.display());
+        }
+        // Beside the dump's files, in the folder the dump will make.
+        report_file(&dump.join("report.json"), Some(&dump)).unwrap();
+        report_file(&dir.join("dump.json"), Some(&dump)).unwrap();
+        report_file(Path::new("-"), Some(&dump)).unwrap();
+        // Deeper than the folder the dump makes: nothing makes that one.
+        let msg = report_file(&dump.join("sub/report.json"), Some(&dump)).unwrap_err().to_string();
+        assert!(msg.contains("does not exist"), "{msg}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

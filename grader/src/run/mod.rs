@@ -35,11 +35,11 @@ use std::time::Instant;
 use cuda::{Context, Device, DeviceFacts};
 use reference::gpu::{DeviceCache, generate_weights};
 use spec::{ByteModel, Call, Config, Gates, Phase};
-use submission::Chosen;
 
 use gates::launches::LaunchAllowance;
 
 use crate::bandwidth::{self, Bandwidth};
+use crate::builtins::Chosen;
 use crate::cli::RunArgs;
 use crate::error::{GraderError, Outcome};
 use crate::metrics::to_f32;
@@ -91,7 +91,7 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
         crate::preflight::output_dir("--dump", dir)?;
     }
     if let Some(path) = &args.json {
-        crate::preflight::report_file(path, args.dump.as_deref())?;
+        dump::report_file(path, args.dump.as_deref())?;
     }
     let dev = Device::open(device)?;
     let progress = Progress::new(args.quiet);

@@ -8,8 +8,8 @@ use std::os::fd::RawFd;
 use cuda::ipc::RegionHandle;
 use serde::{Deserialize, Serialize};
 use spec::Config;
-use submission::Chosen;
 
+use crate::builtins::Chosen;
 use crate::cupti::Record;
 
 /// The report descriptor in the runner.

@@ -28,7 +28,9 @@ use cuda::cudarc::driver::sys::{self as driver, CUlimit};
 use cuda::{Context, Device};
 use reference::gpu::DeviceWeights;
 use spec::{Call, Config, Tensor, schedule};
-use submission::{Chosen, Layer, Submission, SubmissionError};
+use submission::{Layer, Submission, SubmissionError};
+
+use crate::builtins::Chosen;
 
 use super::channel;
 use super::check;

@@ -202,7 +202,7 @@ mod tests {
     fn the_red_teams_stride_is_the_layouts() {
         for cfg in [Config::tiny(), Config::small(), Config::graded()] {
             let l = Layout::of(&cfg, spec::schedule(&cfg).len());
-            let stride = submission::redteam::buffer_stride(&cfg);
+            let stride = redteam::buffer_stride(&cfg);
             let starts: Vec<usize> = l.inputs.iter().chain(&l.outputs).map(|&(o, _)| o).collect();
             assert!(starts.windows(2).all(|w| w[1] - w[0] == stride), "{}", cfg.name);
         }

@@ -1,14 +1,14 @@
 //! The grader against people trying to fool it, on the GPU: every red-team adversary of
-//! `submission::redteam` is judged through the whole isolated flow and must end with the status and
+//! `redteam` is judged through the whole isolated flow and must end with the status and
 //! message its entry expects; and the example external submission (a C ABI library) must pass
 //! correctness.
 
+use redteam::{self, Expect};
 use spec::Config;
-use submission::Chosen;
-use submission::redteam::{self, Expect};
 
 use super::flow::gate;
 use super::{Check, CheckResult, Ctx, ensure, judged, named};
+use crate::builtins::Chosen;
 use crate::run::report::{Report, Status};
 
 /// Where `scripts/build-example` leaves the example external submission.

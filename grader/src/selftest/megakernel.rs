@@ -4,10 +4,10 @@
 use cuda::Context;
 use cuda::cudarc::driver::CudaSlice;
 use half::bf16;
+use megakernel::{Megakernel, Mode};
 use reference::gpu::{DeviceCache, Eager};
 use spec::data::input;
 use spec::{Config, Gates};
-use submission::megakernel::{Megakernel, Mode};
 use submission::{Layer, Submission};
 
 use super::{Check, CheckResult, Ctx, Failure, ensure};

@@ -16,8 +16,8 @@ use std::time::Instant;
 
 use cuda::{CudaError, Device};
 use spec::{Config, DEFAULT_SEED};
-use submission::Chosen;
 
+use crate::builtins::Chosen;
 use crate::cli::SelftestArgs;
 use crate::error::{GraderError, Outcome};
 use crate::run::report::{Report, Seeds};

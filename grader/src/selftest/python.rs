@@ -1,11 +1,12 @@
 //! Python submissions on the GPU, through the whole isolated flow (checks named `python: ...`): the
 //! two examples, the proof that the runner's copy of `x_out` is not counted as the submission's,
-//! and the Python red team of `submission::python::redteam`, each with the verdict it must get. The
+//! and the Python red team of `redteam::python`, each with the verdict it must get. The
 //! interpreter is `$PYTHON`, else `python3`, as for `grader run`; paths are from the workspace root.
 
+use redteam::python;
 use spec::Config;
-use submission::Chosen;
-use submission::python::redteam;
+
+use crate::builtins::Chosen;
 
 use super::flow::{eager_verdict, gate};
 use super::isolation::every_one_caught;
@@ -65,9 +66,9 @@ fn output_copy(ctx: &mut Ctx) -> CheckResult {
 }
 
 fn red_team(ctx: &mut Ctx) -> CheckResult {
-    let adversaries = redteam::ALL
+    let adversaries = python::ALL
         .iter()
-        .map(|a| Ok((a.file.to_string(), module(&format!("{}/{}", redteam::FOLDER, a.file))?, a.expect)))
+        .map(|a| Ok((a.file.to_string(), module(&format!("{}/{}", python::FOLDER, a.file))?, a.expect)))
         .collect::<Result<_, Failure>>()?;
     every_one_caught(ctx, &Config::small(), adversaries)
 }

@@ -1,8 +1,8 @@
 //! The run's data on the GPU, generated there from the seed by `kernels/rng.cu` with the recipe of
 //! `spec::data`, so it equals the CPU's bitwise (checked by `grader selftest`).
 
+use crate::kernels::RNG;
 use cuda::cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
-use cuda::kernels::RNG;
 use cuda::{Context, CudaError, Device, grid_1d};
 use half::bf16;
 use spec::Config;
@@ -134,8 +134,8 @@ mod tests {
     /// The CUDA fill mirrors spec's constants: the two sides must never drift.
     #[test]
     fn fill_constants_mirror_spec() {
-        let cu = include_str!("../../../kernels/rng.cu");
-        let cuh = include_str!("../../../kernels/rng.cuh");
+        let cu = include_str!("../../kernels/rng.cu");
+        let cuh = include_str!("../../kernels/rng.cuh");
         for (name, value) in [
             ("OUTLIER_SPACING", spec::data::OUTLIER_SPACING),
             ("ANCHOR_SPACING", spec::data::ANCHOR_SPACING),

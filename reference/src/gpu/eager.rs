@@ -28,8 +28,8 @@ use std::ops::Range;
 
 use std::sync::Arc;
 
+use crate::kernels::REFERENCE;
 use cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
-use cuda::kernels::REFERENCE;
 use cuda::{Context, CudaError, Device, grid_1d};
 use half::bf16;
 use spec::Config;
@@ -540,7 +540,7 @@ mod tests {
     /// Every kernel of `kernels/reference.cu` is loaded here by its exact name.
     #[test]
     fn every_kernel_is_loaded() {
-        let cu = include_str!("../../../kernels/reference.cu");
+        let cu = include_str!("../../kernels/reference.cu");
         let names: Vec<&str> =
             cu.split("__global__ void ").skip(1).map(|s| s.split('(').next().unwrap().trim()).collect();
         assert!(!names.is_empty(), "no kernel found in kernels/reference.cu");

@@ -29,7 +29,6 @@
 mod dlpack;
 mod ffi;
 pub mod probe;
-pub mod redteam;
 mod shim;
 
 use std::path::Path;

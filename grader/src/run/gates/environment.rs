@@ -63,7 +63,7 @@ mod tests {
     /// helper-process expects this gate to fail with a word of its sentence.
     #[test]
     fn the_helper_process_is_named_as_this_gate_names_it() {
-        use submission::redteam::{self, Expect};
+        use redteam::{self, Expect};
         let Some(Expect::GateFails { gate, word }) = redteam::find("helper-process").map(|a| a.expect) else {
             panic!("helper-process must expect a gate to fail");
         };

@@ -297,8 +297,8 @@ mod tests {
 
     /// The gate and the word an adversary's entry expects.
     fn expected(name: &str) -> (&'static str, &'static str) {
-        match submission::redteam::find(name).map(|a| a.expect) {
-            Some(submission::redteam::Expect::GateFails { gate, word }) => (gate, word),
+        match redteam::find(name).map(|a| a.expect) {
+            Some(redteam::Expect::GateFails { gate, word }) => (gate, word),
             other => panic!("{name} must expect a gate to fail, not {other:?}"),
         }
     }

@@ -1,0 +1,868 @@
+// The megakernel: the whole decoder layer in one persistent launch per token. The layer is compiled
+// (megakernel/src/program.rs) into a table of phases, each naming the blocks that run it and
+// the phases it waits for; every block of a grid sized to be co-resident walks the table, and for each
+// of its phases waits until every block of the phases it depends on has finished them, then does its
+// share. In the two-role plan the grid's halves take turns: one streams weights while the other runs
+// attention's latency-bound chain, so HBM keeps streaming; and the MLP runs in two parts of ffn, so that
+// Down's first part depends only on GateUp's first, finished long before, and no block waits between
+// GateUp and Down (program.rs, compile). The same code runs one phase per launch (phase_begin + 1 ==
+// phase_end) for debugging and per-phase timing; the results are bitwise identical because nothing
+// else changes.
+//
+// Weight streaming (the 1.71 GB that decide the score): a GEMV phase splits its rows evenly over the
+// blocks, in RoPE / gate-up pairs. A block streams its rows through a ring of STAGES shared-memory
+// slots, each filled by one bulk copy of whole consecutive rows (the copy engine, completing on the
+// slot's mbarrier), STAGES - 1 slots ahead of use. Thread t owns the 16-byte vectors t, t + THREADS,
+// ... of every row and holds the matching vectors of the input in registers; each warp reduces a row
+// with a shuffle butterfly and the warps' partials meet in shared memory once, at the end of the
+// phase, where they are added in warp order. A phase's first slots are filled before its input
+// exists (before the norm, while the block waits for the phases it depends on), so the stream does not
+// stop between phases; attention's cached rows are loaded the same way. Weights are not prefetched to L2:
+// bulk prefetches of rows the ring then copies made the phases slower (docs/perf.md); the ring's copies
+// mark them evict-first instead. No float atomics anywhere: outputs are bitwise reproducible.
+//
+// Rounding follows the eager reference: q, k, v, a, o, x1, h, h2, gate, up, act and down are rounded to
+// bf16 where the reference stores them; scores and softmax weights stay f32.
+#include <cuda_bf16.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+#include "bulk.cuh"
+#include "layer_math.cuh"
+#include "program.cuh"
+
+// Threads per block; one block per SM (__launch_bounds__ below) leaves 128 registers per thread.
+constexpr uint32_t THREADS = 512;
+constexpr uint32_t WARPS = THREADS / WARP;
+// The ring: STAGES slots of STAGE_BYTES, STAGES - 1 of them in flight ahead of use.
+constexpr uint32_t STAGES = 3;
+constexpr uint32_t STAGE_BYTES = 64 * 1024;
+constexpr uint32_t RING_BYTES = STAGES * STAGE_BYTES;
+// Input vectors a thread holds: rows of up to MAX_VPT * THREADS * VEC = 28672 bf16.
+constexpr uint32_t MAX_VPT = 7;
+// Attention work items: ATTN_CHUNK cached positions of one KV head for all of its query heads.
+constexpr uint32_t ATTN_CHUNK = 128;
+constexpr uint32_t ATTN_MAX_HD = 128;
+constexpr uint32_t ATTN_MAX_GROUP = 8;
+// bf16 of padding after each K, V and Q row in shared memory: rows then start 4 banks apart, so the
+// tensor-core fragment loads of phase_attention (8 rows x 4 words per warp) hit 32 distinct banks.
+constexpr uint32_t KS_PAD = 8;
+// Attention runs as TEAMS independent teams per block, each on its own work item, so one team's
+// latency chain (load, scores, softmax, sums) overlaps the other's.
+constexpr uint32_t TEAMS = 2;
+constexpr uint32_t TEAM_THREADS = THREADS / TEAMS;
+constexpr uint32_t TEAM_WARPS = TEAM_THREADS / WARP;
+// f32 of padding after each query head's row of scores (see the P V product in phase_attention).
+constexpr uint32_t PS_PAD = 4;
+// Shared memory of one team: K, V and Q (bf16, rows padded by KS_PAD) and the scores (f32).
+constexpr uint32_t TEAM_SMEM_BYTES =
+    (2 * ATTN_CHUNK + ATTN_MAX_GROUP) * (ATTN_MAX_HD + KS_PAD) * 2 + ATTN_MAX_GROUP * (ATTN_CHUNK + PS_PAD) * 4;
+static_assert(TEAMS * TEAM_SMEM_BYTES <= RING_BYTES, "the attention teams' shared memory must fit in the ring");
+// The combine: outputs each thread of a team sums, and the f32 it stages per pass (the team's K and V
+// space).
+constexpr uint32_t COMBINE_OUTPUTS = ATTN_MAX_GROUP * ATTN_MAX_HD / TEAM_THREADS;
+constexpr uint32_t COMBINE_STAGE_FLOATS = 2 * ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD) * 2 / 4;
+// Chunks of a KV head each lane of the combine holds the running max and sum of: the launcher keeps a
+// head's chunks (max_seq_len / ATTN_CHUNK) within ATTN_CHUNK, the scales' room in shared memory.
+constexpr uint32_t COMBINE_CHUNKS_PER_LANE = ATTN_CHUNK / WARP;
+static_assert(COMBINE_CHUNKS_PER_LANE * WARP == ATTN_CHUNK, "the combine's lanes must reach every chunk a head can have");
+
+// ---------------------------------------------------------------------------------------------------
+// Memory helpers
+// ---------------------------------------------------------------------------------------------------
+
+// GPU-scope release and acquire on counters that blocks signal through. A release reduction returns
+// nothing, so the signalling thread does not wait for its round trip; an acquire load orders the
+// reads after it without a separate fence (a __threadfence plus a plain atomic or volatile load
+// costs a full fence and a round trip more; docs/perf.md has the measurement).
+__device__ inline void red_release_add(unsigned* p, unsigned v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ inline unsigned atom_acq_rel_add(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ inline unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// A 16-byte global -> shared copy completing asynchronously, through L2 only (other blocks wrote the
+// data earlier in this launch); cp_async_wait_all() waits for this thread's copies.
+__device__ inline void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ inline void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Orders this thread's generic-proxy shared-memory accesses before later copy-engine writes.
+__device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Activations written earlier in this launch by other blocks are read through L2 (ld.global.cg):
+// L1 is not coherent across SMs, and the dependency counts' release and acquire order only L2.
+__device__ inline uint4 load_cg(const bf16* p, uint32_t vector) { return __ldcg(reinterpret_cast<const uint4*>(p) + vector); }
+
+// Tensor-core products of one warp, D = A B + D, f32 accumulation (the PTX ISA's fragment layouts:
+// lane l holds row l / 4 and columns 2 (l % 4) + {0, 1} of D, etc.).
+// A 16x16 bf16 (row), B 16x8 bf16 (col).
+__device__ inline void mma_bf16_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// A 16x8 tf32 (row), B 8x8 tf32 (col).
+__device__ inline void mma_tf32_m16n8k8(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// f32 rounded to the nearest tf32 (10-bit mantissa).
+__device__ inline uint32_t to_tf32(float f) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(f));
+    return r;
+}
+// Two consecutive bf16 in shared memory as one 32-bit fragment register.
+__device__ inline uint32_t pair_at(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// ---------------------------------------------------------------------------------------------------
+// Blocks and dependencies
+// ---------------------------------------------------------------------------------------------------
+
+// The blocks first + i * stride (i < count) that run a phase.
+struct BlockSet {
+    uint32_t first, count, stride;
+};
+
+__device__ inline BlockSet blocks_of(const int64_t* op) {
+    const uint64_t w = (uint64_t)op[ROW_BLOCKS];
+    return {(uint32_t)(w >> 32) & 0xFFFFu, (uint32_t)w, (uint32_t)(w >> 48) & 0x7FFFu};
+}
+// This block's place among the phase's blocks (blocks before `first` wrap to large ranks).
+__device__ inline uint32_t rank(const BlockSet& b) { return (blockIdx.x - b.first) / b.stride; }
+// Whether this block runs the phase.
+__device__ inline bool runs(const BlockSet& b) { return (blockIdx.x - b.first) % b.stride == 0 && rank(b) < b.count; }
+
+// phase_done[p] counts the blocks that have finished phase p, over every step so far: phase p has
+// finished step `step` (the steps launched before this one) once it reaches count * (step + 1). The
+// counters are never reset; the comparison is on the signed difference, so they may wrap.
+
+// Waits until every phase in `op`'s wait mask has finished this step. Call with the block converged.
+__device__ inline void wait_for(const int64_t* program, const int64_t* op, const unsigned* phase_done, uint32_t step) {
+    if (threadIdx.x == 0) {
+        for (uint32_t w = 0; w < PROGRAM_MAX_PHASES; ++w) {
+            if (!((op[ROW_WAITS] >> w) & 1)) continue;
+            const unsigned target = blocks_of(program + (size_t)w * PROGRAM_ROW_WORDS).count * (step + 1);
+            // Acquire: no read of this phase moves above the observation of the last block's count.
+            while ((int)(ld_acquire(&phase_done[w]) - target) < 0) __nanosleep(64);
+        }
+    }
+    __syncthreads();  // the rest of the block waits for thread 0 to see every count
+}
+
+// Counts this block as done with phase p: call after a __syncthreads that follows every write of it.
+__device__ inline void count_done(unsigned* phase_done, uint32_t p) {
+    // Release: the block's writes (ordered before thread 0 by the caller's bar.sync) become visible
+    // device-wide before the count does.
+    if (threadIdx.x == 0) red_release_add(&phase_done[p], 1);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The streamed GEMV
+// ---------------------------------------------------------------------------------------------------
+
+// The input vector of a GEMV as this thread holds it: h[v] is 16-byte vector t + v * THREADS.
+struct Slice {
+    uint4 h[MAX_VPT];
+    uint32_t vecs;  // 16-byte vectors per row
+    uint32_t vpt;   // vectors per thread, ceil(vecs / THREADS)
+};
+
+__device__ inline bool owns(const Slice& s, uint32_t v) { return threadIdx.x + v * THREADS < s.vecs; }
+
+// This block's rows of a GEMV with `rows` rows run by `set`: an even share, in whole pairs.
+__device__ inline void block_rows(uint32_t rows, const BlockSet& set, uint32_t& r0, uint32_t& r1) {
+    const uint64_t pairs = rows / 2;
+    r0 = 2 * (uint32_t)(pairs * rank(set) / set.count);
+    r1 = 2 * (uint32_t)(pairs * (rank(set) + 1) / set.count);
+}
+
+// Where a GEMV phase keeps its row partials: red_rows rows of WARPS floats after the ring.
+struct Partials {
+    float* red;
+    uint32_t rows;
+};
+
+// The ring: STAGES slots of STAGE_BYTES, each filled by one bulk copy that completes on the slot's
+// mbarrier. `seq` counts the stages a launch has issued so far (the same in every thread): stage k
+// uses slot k % STAGES and completes phase (k / STAGES) & 1 of that slot's barrier.
+struct Ring {
+    uint4* data;     // (STAGES, STAGE_BYTES / 16)
+    uint64_t* full;  // (STAGES)
+    uint32_t seq;
+};
+
+// A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
+// thread; each stage is STAGE_ROWS consecutive rows, so one bulk copy.
+template <uint32_t VPT>
+struct RowStream {
+    static constexpr uint32_t STAGE_ROWS = STAGE_BYTES / 16 / (THREADS * VPT) > 0 ? STAGE_BYTES / 16 / (THREADS * VPT) : 1;
+    static_assert(STAGE_ROWS * THREADS * VPT * 16 <= STAGE_BYTES, "a row must fit a ring stage");
+    const bf16* w;  // (rows, vecs * VEC)
+    uint32_t vecs, r0, n, nstages;
+
+    __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_)
+        : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), nstages((r1_ - r0_ + STAGE_ROWS - 1) / STAGE_ROWS) {}
+
+    __device__ const bf16* stage_rows(uint32_t st) const { return w + (size_t)(r0 + st * STAGE_ROWS) * vecs * VEC; }
+    __device__ unsigned stage_bytes(uint32_t st) const { return min(STAGE_ROWS, n - st * STAGE_ROWS) * vecs * 16; }
+
+    // Thread 0 starts the copy of stage st into its slot. The slot's previous contents must be dead:
+    // the callers reach this only after a __syncthreads that follows every read of them.
+    __device__ void issue(const Ring& ring, uint32_t st) const {
+        if (threadIdx.x != 0 || st >= nstages) return;
+        const uint32_t k = ring.seq + st;
+        mbar_expect_tx(&ring.full[k % STAGES], stage_bytes(st));
+        // Evict-first: each weight is read once a step, so its lines should not push out the cache and
+        // the activations, which are read again (docs/perf.md measured it).
+        bulk_copy(ring.data + (k % STAGES) * (STAGE_BYTES / 16), stage_rows(st), stage_bytes(st), &ring.full[k % STAGES], l2_evict_first());
+    }
+
+    // The first STAGES - 1 stages. Weights do not depend on anything the layer computes, so this runs
+    // before the phase's input exists: before its norm, and before the wait for its dependencies.
+    __device__ void prime(const Ring& ring) const {
+        for (uint32_t st = 0; st < STAGES - 1; ++st) issue(ring, st);
+    }
+
+    // red[r - r0][warp] = the warp's partial dot product of row r with the slice; needs prime() first.
+    // Advances ring.seq past this stream's stages.
+    __device__ void run(const Slice& s, Ring& ring, Partials part) const {
+        const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+        if (n > part.rows) __trap();  // the launcher sized red for fewer rows than this block got
+        for (uint32_t st = 0; st < nstages; ++st) {
+            __syncthreads();  // every thread is done with stage st - 1, whose slot the next issue refills
+            issue(ring, st + STAGES - 1);
+            const uint32_t k = ring.seq + st;
+            mbar_wait(&ring.full[k % STAGES], (k / STAGES) & 1);  // stage st has landed
+            const uint4* slot = ring.data + (k % STAGES) * (STAGE_BYTES / 16);
+            float acc[STAGE_ROWS];
+#pragma unroll
+            for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
+                acc[i] = 0.0f;
+#pragma unroll
+                for (uint32_t v = 0; v < VPT; ++v) {
+                    if (t + v * THREADS < vecs) acc[i] = dot8(slot[i * vecs + v * THREADS + t], s.h[v], acc[i]);
+                }
+            }
+            // Independent butterflies, one per row, so their shuffles overlap.
+#pragma unroll
+            for (uint32_t i = 0; i < STAGE_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
+            if (lane == 0) {
+#pragma unroll
+                for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
+                    if (st * STAGE_ROWS + i < n) part.red[(st * STAGE_ROWS + i) * WARPS + warp] = acc[i];
+                }
+            }
+        }
+        ring.seq += nstages;
+        __syncthreads();  // every warp's partials are in red before any thread adds them up
+    }
+};
+
+// Calls f(RowStream<VPT>) for the VPT of rows of `cols` bf16: the loops above unroll at compile time.
+template <typename F>
+__device__ void with_stream(const bf16* w, uint32_t cols, uint32_t r0, uint32_t r1, F f) {
+    const uint32_t vecs = cols / VEC;
+    switch ((vecs + THREADS - 1) / THREADS) {
+        case 1: f(RowStream<1>(w, vecs, r0, r1)); break;
+        case 2: f(RowStream<2>(w, vecs, r0, r1)); break;
+        case 3: f(RowStream<3>(w, vecs, r0, r1)); break;
+        case 4: f(RowStream<4>(w, vecs, r0, r1)); break;
+        case 5: f(RowStream<5>(w, vecs, r0, r1)); break;
+        case 6: f(RowStream<6>(w, vecs, r0, r1)); break;
+        case 7: f(RowStream<7>(w, vecs, r0, r1)); break;
+        default: __trap();  // the launcher refuses rows longer than MAX_VPT vectors per thread
+    }
+}
+
+// The GEMV of a phase: matrix, row length and rows, as the program row names them.
+struct Gemv {
+    const bf16* w;
+    uint32_t cols, rows;
+};
+
+// Where each GEMV phase's matrix is; attention has none.
+__device__ inline bool gemv_of(const int64_t* op, Gemv& g) {
+    switch (op[0]) {
+        case OP_QKV: g = {reinterpret_cast<const bf16*>(op[qkv::W]), (uint32_t)op[qkv::D], (uint32_t)((op[qkv::NQ] + 2 * op[qkv::NKv]) * op[qkv::Hd])}; return true;
+        case OP_O_PROJ: g = {reinterpret_cast<const bf16*>(op[oproj::W]), (uint32_t)op[oproj::Cols], (uint32_t)op[oproj::Rows]}; return true;
+        case OP_GATE_UP: g = {reinterpret_cast<const bf16*>(op[gateup::W]), (uint32_t)op[gateup::D], (uint32_t)(2 * op[gateup::Ffn])}; return true;
+        case OP_DOWN: g = {reinterpret_cast<const bf16*>(op[down::W]), (uint32_t)op[down::Cols], (uint32_t)op[down::Rows]}; return true;
+        default: return false;
+    }
+}
+
+// Starts streaming this block's weights of phase `op` into the ring (nothing for a phase without a
+// GEMV).
+__device__ void prime_phase(const int64_t* op, const Ring& ring) {
+    Gemv g;
+    if (!gemv_of(op, g)) return;
+    uint32_t r0, r1;
+    block_rows(g.rows, blocks_of(op), r0, r1);
+    with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.prime(ring); });
+}
+
+// This block's rows [r0, r1) of phase `op`'s GEMV.
+__device__ inline void gemv_rows(const int64_t* op, uint32_t& r0, uint32_t& r1) {
+    Gemv g;
+    if (!gemv_of(op, g)) __trap();
+    block_rows(g.rows, blocks_of(op), r0, r1);
+}
+
+// This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
+// primed).
+__device__ void gemv_phase(const int64_t* op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
+    Gemv g;
+    if (!gemv_of(op, g)) __trap();
+    with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.run(s, ring, part); });
+}
+
+// The sum of row r's warp partials, in warp order.
+__device__ inline float row_sum(const float* red, uint32_t r) {
+    float total = red[r * WARPS];
+    for (uint32_t w = 1; w < WARPS; ++w) total += red[r * WARPS + w];
+    return total;
+}
+
+// A slice of a vector in global memory written earlier in this launch.
+__device__ inline Slice load_slice(const bf16* v, uint32_t len) {
+    Slice s;
+    s.vecs = len / VEC;
+    s.vpt = (s.vecs + THREADS - 1) / THREADS;
+#pragma unroll
+    for (uint32_t j = 0; j < MAX_VPT; ++j) s.h[j] = owns(s, j) ? load_cg(v, threadIdx.x + j * THREADS) : make_uint4(0, 0, 0, 0);
+    return s;
+}
+
+// rmsnorm(x, g) as a slice: every block computes the same sum of squares in the same order.
+__device__ inline Slice rmsnorm_slice(const bf16* x, const bf16* g, uint32_t d, float eps) {
+    Slice s = load_slice(x, d);
+    float acc = 0.0f;
+#pragma unroll
+    for (uint32_t j = 0; j < MAX_VPT; ++j) acc = sumsq8(s.h[j], acc);  // zero vectors add nothing
+    const float r = inv_rms(__fdiv_rn(block_reduce(acc, Add{}), (float)d), eps);
+#pragma unroll
+    for (uint32_t j = 0; j < MAX_VPT; ++j) {
+        if (owns(s, j)) s.h[j] = rms_scale8(s.h[j], __ldg(reinterpret_cast<const uint4*>(g) + threadIdx.x + j * THREADS), r);
+    }
+    return s;
+}
+
+__device__ inline float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Element threadIdx.x of v[0, n) (0 past n), for an epilogue that adds it: loaded before the phase's
+// stream, it is in a register when the epilogue runs instead of one more round trip at the phase's
+// end, where the last block's round trip delays the phase's done count.
+__device__ inline float preload(const bf16* v, uint32_t n) { return threadIdx.x < n ? __bfloat162float(__ldcg(v + threadIdx.x)) : 0.0f; }
+
+// ---------------------------------------------------------------------------------------------------
+// Phases
+// ---------------------------------------------------------------------------------------------------
+
+// h = rmsnorm(x); [q|k|v] = W h over pair-interleaved rows; rope q and k; append k and v at pos.
+__device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
+    const uint32_t d = (uint32_t)op[qkv::D], n_q = (uint32_t)op[qkv::NQ], n_kv = (uint32_t)op[qkv::NKv];
+    const uint32_t hd = (uint32_t)op[qkv::Hd], max_seq = (uint32_t)op[qkv::MaxSeq], half = hd / 2;
+    const float eps = __int_as_float((int)op[qkv::EpsBits]);
+    bf16* q_out = reinterpret_cast<bf16*>(op[qkv::QOut]);
+    bf16* k_cache = reinterpret_cast<bf16*>(op[qkv::KCache]);
+    bf16* v_cache = reinterpret_cast<bf16*>(op[qkv::VCache]);
+    const float* cos_row = reinterpret_cast<const float*>(op[qkv::Cos]) + (size_t)pos * half;
+    const float* sin_row = reinterpret_cast<const float*>(op[qkv::Sin]) + (size_t)pos * half;
+
+    // Pair p of the packed matrix is (row i, row i + hd/2) of one head: q heads, then k, then v.
+    const uint32_t q_pairs = n_q * half, k_pairs = n_kv * half;
+    const auto rope_index = [&](uint32_t gp) { return (gp < q_pairs ? gp : gp - q_pairs) % half; };
+    uint32_t r0, r1;
+    gemv_rows(op, r0, r1);
+    // The rope factors of this thread's first pair, loaded before the stream (see preload).
+    float first_cos = 0.0f, first_sin = 0.0f;
+    if (threadIdx.x < (r1 - r0) / 2 && r0 / 2 + threadIdx.x < q_pairs + k_pairs) {
+        first_cos = cos_row[rope_index(r0 / 2 + threadIdx.x)];
+        first_sin = sin_row[rope_index(r0 / 2 + threadIdx.x)];
+    }
+    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(op[qkv::Norm]), d, eps);
+    gemv_phase(op, s, ring, part, r0, r1);
+
+    for (uint32_t p = threadIdx.x; p < (r1 - r0) / 2; p += THREADS) {
+        const uint32_t gp = r0 / 2 + p;
+        const float a = bf(row_sum(part.red, 2 * p)), b = bf(row_sum(part.red, 2 * p + 1));
+        if (gp < q_pairs + k_pairs) {
+            const bool is_q = gp < q_pairs;
+            const uint32_t j = is_q ? gp : gp - q_pairs, head = j / half, i = j % half;
+            bf16* dst = is_q ? q_out + (size_t)head * hd : k_cache + ((size_t)head * max_seq + pos) * hd;
+            const bool first = p == threadIdx.x;
+            rope_pair(a, b, first ? first_cos : cos_row[i], first ? first_sin : sin_row[i], &dst[i], &dst[i + half]);
+        } else {
+            const uint32_t j = gp - q_pairs - k_pairs, head = j / half, i = j % half;
+            bf16* dst = v_cache + ((size_t)head * max_seq + pos) * hd;
+            dst[i] = __float2bfloat16_rn(a);
+            dst[i + half] = __float2bfloat16_rn(b);
+        }
+    }
+}
+
+// A team of TEAM_THREADS threads of the block, synchronised by its own named barrier.
+struct Team {
+    uint32_t id, t, lane, warp;  // team index; thread, lane and warp within the team
+    __device__ Team() : id(threadIdx.x / TEAM_THREADS), t(threadIdx.x % TEAM_THREADS), lane(threadIdx.x % WARP), warp(threadIdx.x % TEAM_THREADS / WARP) {}
+    // Barrier 0 is __syncthreads; team i uses barrier 1 + i, counting only its own threads.
+    __device__ void sync() const { asm volatile("bar.sync %0, %1;\n" ::"r"(1 + id), "n"(TEAM_THREADS) : "memory"); }
+};
+
+// Outputs [lo, hi) of KV head kv's attention (query head i / hd, dimension i % hd, over the group):
+// a = sum_c o_c e^(m_c - M) / sum_c l_c e^(m_c - M), chunks in order (deterministic, whichever team
+// and share computes it). lo and hi are multiples of 4. Every chunk's scale is computed once into
+// shared memory, so the sums below are streams of independent loads. The caller has made the head's
+// partials visible (acquire).
+__device__ void combine(const Team& team, uint32_t kv, uint32_t n_chunks, uint32_t max_chunks, uint32_t group, uint32_t hd,
+                        uint32_t lo, uint32_t hi, const float* part_o, const float* part_ml, bf16* a_out, float* scale, float* stage) {
+    const float* pm = part_ml + (size_t)kv * max_chunks * group * 2;  // (n_chunks, group, 2)
+    const float* po = part_o + (size_t)kv * max_chunks * group * hd;  // (n_chunks, group, hd)
+    // The share of each chunk's partials passes through shared memory (the team's K and V space, free
+    // now) as many chunks at a time as fit: every thread's copies are in flight together, so a pass
+    // costs one round trip, and the first pass's copies start before the scales' loads, which do not
+    // depend on them, so the two overlap. Thread t sums outputs lo + t, lo + t + TEAM_THREADS, ...,
+    // each over the chunks in order.
+    const uint32_t per_chunk = group * hd, width = hi - lo, chunks_per_pass = COMBINE_STAGE_FLOATS / width;
+    const auto load_pass = [&](uint32_t c0) {
+        const uint32_t cn = min(chunks_per_pass, n_chunks - c0);
+        for (uint32_t i = team.t; i < cn * width / 4; i += TEAM_THREADS) {
+            const uint32_t c = 4 * i / width, off = 4 * i % width;
+            cp_async16(stage + 4 * i, po + (size_t)(c0 + c) * per_chunk + lo + off);
+        }
+    };
+    load_pass(0);
+    // Each lane loads the running max and sum of its chunks once (lane, lane + WARP, ...).
+    for (uint32_t g = team.warp; g < group; g += TEAM_WARPS) {
+        float cm[COMBINE_CHUNKS_PER_LANE], cl[COMBINE_CHUNKS_PER_LANE];
+        float m = -CUDART_INF_F;
+#pragma unroll
+        for (uint32_t k = 0; k < COMBINE_CHUNKS_PER_LANE; ++k) {
+            const uint32_t c = team.lane + k * WARP;
+            cm[k] = c < n_chunks ? __ldcg(pm + (c * group + g) * 2) : -CUDART_INF_F;
+            cl[k] = c < n_chunks ? __ldcg(pm + (c * group + g) * 2 + 1) : 0.0f;
+            m = fmaxf(m, cm[k]);
+        }
+        m = warp_reduce(m, Max{});
+        float l = 0.0f;
+#pragma unroll
+        for (uint32_t k = 0; k < COMBINE_CHUNKS_PER_LANE; ++k) {
+            const uint32_t c = team.lane + k * WARP;
+            if (c < n_chunks) {
+                cm[k] = expf(__fsub_rn(cm[k], m));
+                l = fmaf(cl[k], cm[k], l);
+            }
+        }
+        l = warp_reduce(l, Add{});
+#pragma unroll
+        for (uint32_t k = 0; k < COMBINE_CHUNKS_PER_LANE; ++k) {
+            const uint32_t c = team.lane + k * WARP;
+            if (c < n_chunks) scale[c * ATTN_MAX_GROUP + g] = __fdiv_rn(cm[k], l);
+        }
+    }
+    float o[COMBINE_OUTPUTS] = {};
+    for (uint32_t c0 = 0; c0 < n_chunks; c0 += chunks_per_pass) {
+        if (c0 > 0) {
+            team.sync();  // every thread is done with the previous pass before this one overwrites it
+            load_pass(c0);
+        }
+        cp_async_wait_all();
+        team.sync();  // the pass's partials (and, on the first, every chunk's scale) are in shared memory
+        const uint32_t cn = min(chunks_per_pass, n_chunks - c0);
+#pragma unroll
+        for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
+            const uint32_t i = team.t + k * TEAM_THREADS;
+            if (i >= width) break;
+            for (uint32_t c = 0; c < cn; ++c) o[k] = fmaf(stage[c * width + i], scale[(c0 + c) * ATTN_MAX_GROUP + (lo + i) / hd], o[k]);
+        }
+    }
+#pragma unroll
+    for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
+        const uint32_t i = team.t + k * TEAM_THREADS;
+        if (i < width) a_out[(size_t)kv * per_chunk + lo + i] = __float2bfloat16_rn(o[k]);
+    }
+}
+
+// The work items of an attention phase at one position: (KV head, chunk of ATTN_CHUNK slots), item
+// kv * n_chunks + c, taken by the phase's teams in turn (item i by team i % TEAMS of the phase's block
+// i / TEAMS % its count).
+struct AttnItems {
+    BlockSet set;
+    uint32_t n_chunks, count;
+    // Every team holds at most one item: the teams of a KV head then combine it together, each a
+    // share, instead of the last one to finish combining all of it.
+    bool one_round;
+    __device__ AttnItems(const int64_t* op, uint32_t pos)
+        : set(blocks_of(op)), n_chunks((pos + ATTN_CHUNK) / ATTN_CHUNK), count((uint32_t)op[attn::NKv] * n_chunks),
+          one_round(count <= set.count * TEAMS) {}
+    __device__ uint32_t first(const Team& team) const { return rank(set) * TEAMS + team.id; }
+    __device__ uint32_t stride() const { return set.count * TEAMS; }
+};
+
+// A team's K, V and Q rows and scores in shared memory (the ring, free outside GEMV phases).
+struct AttnSmem {
+    bf16 *ks, *vs, *qs;  // (ATTN_CHUNK, row), (ATTN_CHUNK, row), (ATTN_MAX_GROUP, row)
+    float* ps;           // (ATTN_MAX_GROUP, ps_row)
+    __device__ AttnSmem(uint4* smem, const Team& team) {
+        ks = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + team.id * TEAM_SMEM_BYTES);
+        vs = ks + ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD);
+        qs = vs + ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD);
+        ps = reinterpret_cast<float*>(qs + ATTN_MAX_GROUP * (ATTN_MAX_HD + KS_PAD));
+    }
+};
+
+// Rows [r0, r1) of a team's chunk (slots first + r of KV head kv): rows under len but `skip` are
+// copied asynchronously (cp_async_wait_all() waits), rows from len on are zeroed, so the P V product
+// may run over the whole chunk.
+constexpr uint32_t NO_ROW = UINT32_MAX;
+__device__ void load_cache_rows(const Team& team, const int64_t* op, const AttnSmem& sm, uint32_t kv, uint32_t first, uint32_t len,
+                                uint32_t r0, uint32_t r1, uint32_t skip) {
+    const bf16* k_cache = reinterpret_cast<const bf16*>(op[attn::KCache]);
+    const bf16* v_cache = reinterpret_cast<const bf16*>(op[attn::VCache]);
+    const uint32_t hd = (uint32_t)op[attn::Hd], row_vecs = hd / VEC, row = ATTN_MAX_HD + KS_PAD;
+    const size_t base = ((size_t)kv * (uint32_t)op[attn::MaxSeq] + first) * hd;
+    for (uint32_t i = r0 * row_vecs + team.t; i < r1 * row_vecs; i += TEAM_THREADS) {
+        const uint32_t r = i / row_vecs, col = i % row_vecs;
+        uint4* kd = reinterpret_cast<uint4*>(sm.ks + r * row) + col;
+        uint4* vd = reinterpret_cast<uint4*>(sm.vs + r * row) + col;
+        if (r >= len) {
+            *kd = make_uint4(0, 0, 0, 0);
+            *vd = make_uint4(0, 0, 0, 0);
+        } else if (r != skip) {
+            cp_async16(kd, reinterpret_cast<const uint4*>(k_cache + base) + i);
+            cp_async16(vd, reinterpret_cast<const uint4*>(v_cache + base) + i);
+        }
+    }
+}
+
+// Before the wait in front of attention: each team starts loading the cache rows of its first
+// item that earlier steps wrote (every slot but pos, which this launch's Qkv phase writes). They do
+// not depend on this step, so HBM streams them while the block waits for the Qkv phase it depends on;
+// the phase then loads only the queries and the row at pos.
+__device__ void prime_attention(const int64_t* op, uint32_t pos, uint4* smem) {
+    const Team team;
+    const AttnItems items(op, pos);
+    const uint32_t item = items.first(team);
+    if (item >= items.count) return;
+    const uint32_t kv = item / items.n_chunks, first = item % items.n_chunks * ATTN_CHUNK;
+    load_cache_rows(team, op, AttnSmem(smem, team), kv, first, min(ATTN_CHUNK, pos + 1 - first), 0, ATTN_CHUNK, pos - first);
+}
+
+// Starts loading what phase `op` reads that no phase of this step writes, before the block waits for
+// the phases it depends on: a GEMV phase's first weights, or an attention phase's cached rows.
+__device__ void prime_inputs(const int64_t* op, const Ring& ring, uint32_t pos) {
+    if (op[0] == OP_ATTENTION) prime_attention(op, pos, ring.data);
+    else prime_phase(op, ring);
+}
+
+// Attention: work item (KV head, chunk of ATTN_CHUNK slots) -> partial softmax numerator and its
+// running max and sum for each query head of the group, then the combine of each KV head's partials
+// into a (see AttnItems). Each KV chunk is loaded once for all of its query heads. The block ran
+// prime_attention for this phase (prime_inputs), so each team's first item lacks only the row at pos.
+__device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
+    const bf16* q = reinterpret_cast<const bf16*>(op[attn::Q]);
+    float* part_o = reinterpret_cast<float*>(op[attn::PartO]);
+    float* part_ml = reinterpret_cast<float*>(op[attn::PartMl]);
+    unsigned* counters = reinterpret_cast<unsigned*>(op[attn::Counters]);
+    bf16* a_out = reinterpret_cast<bf16*>(op[attn::AOut]);
+    const uint32_t n_q = (uint32_t)op[attn::NQ], n_kv = (uint32_t)op[attn::NKv], hd = (uint32_t)op[attn::Hd];
+    const uint32_t max_seq = (uint32_t)op[attn::MaxSeq], group = n_q / n_kv, per_head = group * hd;
+    const AttnItems items(op, pos);
+    const uint32_t n_chunks = items.n_chunks, max_chunks = (max_seq + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    unsigned* arrivals = counters;         // (n_kv) chunks of each head whose partials are written
+    unsigned* departures = counters + n_kv;  // (n_kv) teams done with the shared combine
+    const float inv_sqrt_hd = __fdiv_rn(1.0f, __fsqrt_rn((float)hd));
+    const Team team;
+    const uint32_t t = team.t, lane = team.lane, warp = team.warp;
+    const uint32_t row_vecs = hd / VEC, row = ATTN_MAX_HD + KS_PAD, ps_row = ATTN_CHUNK + PS_PAD;  // strides
+    // Fragment coordinates of this lane: its row of A and D (a query head), its quad position.
+    const uint32_t g = lane / 4, quad = lane % 4;
+    const AttnSmem sm(smem, team);
+    bf16 *ks = sm.ks, *vs = sm.vs, *qs = sm.qs;
+    float* ps = sm.ps;
+    __shared__ bool last[TEAMS];
+
+    for (uint32_t item = items.first(team); item < items.count; item += items.stride()) {
+        const uint32_t kv = item / n_chunks, c = item % n_chunks, first = c * ATTN_CHUNK;
+        const uint32_t len = min(ATTN_CHUNK, pos + 1 - first);
+        if (item == items.first(team)) {
+            // Only the row this step's Qkv phase wrote is missing (when it is in this chunk).
+            if (pos - first < len) load_cache_rows(team, op, sm, kv, first, len, pos - first, pos - first + 1, NO_ROW);
+        } else {
+            load_cache_rows(team, op, sm, kv, first, len, 0, ATTN_CHUNK, NO_ROW);
+        }
+        for (uint32_t i = t; i < group * row_vecs; i += TEAM_THREADS) {
+            cp_async16(reinterpret_cast<uint4*>(qs + (i / row_vecs) * row) + i % row_vecs, reinterpret_cast<const uint4*>(q + (size_t)kv * group * hd) + i);
+        }
+        cp_async_wait_all();
+        team.sync();  // the chunk and the queries are in shared memory
+        // Scores S = Q K^T on the tensor cores: A = Q (query heads as rows 0..group-1 of 16, the rest
+        // zero), B = K^T (8 slots per tile, k over the head dimension). Warp w takes slot tiles w,
+        // w + TEAM_WARPS, ...; lane (g, quad) ends with head g's scores of slots 2 quad + {0, 1}.
+        for (uint32_t tile = warp; tile < ATTN_CHUNK / 8; tile += TEAM_WARPS) {
+            const bf16* krow = ks + (tile * 8 + g) * row;  // B column n = g is slot tile * 8 + g
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (uint32_t k0 = 0; k0 < hd; k0 += 16) {
+                uint32_t a[4] = {0, 0, 0, 0};
+                if (g < group) {
+                    a[0] = pair_at(qs + g * row + k0 + 2 * quad);
+                    a[2] = pair_at(qs + g * row + k0 + 8 + 2 * quad);
+                }
+                const uint32_t b[2] = {pair_at(krow + k0 + 2 * quad), pair_at(krow + k0 + 8 + 2 * quad)};
+                mma_bf16_m16n8k16(d, a, b);
+            }
+            const uint32_t j = tile * 8 + 2 * quad;
+            if (g < group) {
+                if (j < len) ps[g * ps_row + j] = __fmul_rn(d[0], inv_sqrt_hd);
+                if (j + 1 < len) ps[g * ps_row + j + 1] = __fmul_rn(d[1], inv_sqrt_hd);
+            }
+        }
+        team.sync();  // every score is in ps
+
+        // Partial softmax of each query head over the chunk: warp h. Weights past len are zero.
+        float* ml = part_ml + (((size_t)kv * max_chunks + c) * group) * 2;
+        for (uint32_t h = warp; h < group; h += TEAM_WARPS) {
+            float m = -CUDART_INF_F;
+            for (uint32_t j = lane; j < len; j += WARP) m = fmaxf(m, ps[h * ps_row + j]);
+            m = warp_reduce(m, Max{});
+            float l = 0.0f;
+            for (uint32_t j = lane; j < ATTN_CHUNK; j += WARP) {
+                const float e = j < len ? expf(__fsub_rn(ps[h * ps_row + j], m)) : 0.0f;
+                ps[h * ps_row + j] = e;
+                l += e;
+            }
+            l = warp_reduce(l, Add{});
+            if (lane == 0) {
+                ml[h * 2] = m;
+                ml[h * 2 + 1] = l;
+            }
+        }
+        team.sync();  // the exponentials are in ps
+
+        // Partial numerator O = P V on the tensor cores in tf32 (P keeps 10 mantissa bits; V's bf16 is
+        // exact in tf32): A = P (heads x slots), B = V (slots x 8 columns per tile). Warp w takes
+        // column tiles w, w + TEAM_WARPS, ...; lane (g, quad) ends with head g's columns 2 quad + {0, 1}.
+        float* po = part_o + (((size_t)kv * max_chunks + c) * group) * hd;
+        for (uint32_t tile = warp; tile < hd / 8; tile += TEAM_WARPS) {
+            const bf16* vcol = vs + tile * 8 + g;  // B column n = g is head dimension tile * 8 + g
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (uint32_t s0 = 0; s0 < ATTN_CHUNK; s0 += 8) {
+                uint32_t a[4] = {0, 0, 0, 0};
+                if (g < group) {
+                    a[0] = to_tf32(ps[g * ps_row + s0 + quad]);
+                    a[2] = to_tf32(ps[g * ps_row + s0 + quad + 4]);
+                }
+                const uint32_t b[2] = {__float_as_uint(__bfloat162float(vcol[(s0 + quad) * row])),
+                                       __float_as_uint(__bfloat162float(vcol[(s0 + quad + 4) * row]))};
+                mma_tf32_m16n8k8(d, a, b);
+            }
+            if (g < group) reinterpret_cast<float2*>(po + g * hd + tile * 8)[quad] = make_float2(d[0], d[1]);
+        }
+        team.sync();  // all of this team's partials are written (and its shared memory is free again)
+
+        unsigned departed = 0;  // thread 0, one round: teams of the head past their wait before this one
+        if (t == 0) {
+            if (items.one_round) {
+                // Every chunk of the head is some team's only item, so all of them arrive: count this
+                // chunk in (release: its partials first) and wait for the rest (acquire: the head's
+                // partials are read only after every arrival was seen).
+                red_release_add(&arrivals[kv], 1);
+                while (ld_acquire(&arrivals[kv]) < n_chunks) __nanosleep(32);
+                // Counted out as soon as it is past the wait; the count is read only after the
+                // combine, so the atomic's round trip overlaps it.
+                departed = atomicAdd(&departures[kv], 1u);
+            } else {
+                // The last chunk to arrive combines the head: acquire and release, so it both
+                // publishes its own partials and sees every other chunk's.
+                last[team.id] = atom_acq_rel_add(&arrivals[kv], 1) == n_chunks - 1;
+            }
+        }
+        team.sync();  // every thread of the team sees its `last` and, in one round, every arrival
+        if (items.one_round) {
+            // Chunk c's team combines outputs [c share, (c + 1) share) of the head.
+            const uint32_t share = ((per_head + n_chunks - 1) / n_chunks + 3) & ~3u;
+            const uint32_t lo = min(c * share, per_head), hi = min(lo + share, per_head);
+            if (lo < hi) combine(team, kv, n_chunks, max_chunks, group, hd, lo, hi, part_o, part_ml, a_out, ps, reinterpret_cast<float*>(ks));
+            if (t == 0 && departed == n_chunks - 1) {
+                // Every team of the head is past its wait: reset both for the next step (the launch
+                // boundary orders this before any later arrival: a step runs each attention phase once).
+                arrivals[kv] = 0;
+                departures[kv] = 0;
+            }
+        } else if (last[team.id]) {
+            combine(team, kv, n_chunks, max_chunks, group, hd, 0, per_head, part_o, part_ml, a_out, ps, reinterpret_cast<float*>(ks));
+            if (t == 0) arrivals[kv] = 0;  // reset for the next step, as above
+        }
+        team.sync();  // the team's shared memory is free for its next item
+    }
+}
+
+// dst = residual + W v over the columns the row names: all of them; or a first part, whose f32 products
+// go to part_out; or the rest, whose products are added to part_in's (the first part's) before
+// rounding. The O projection and Down are this GEMV.
+__device__ void residual_gemv(const int64_t* op, const bf16* v, uint32_t cols, const bf16* residual, bf16* dst,
+                              const float* part_in, float* part_out, Ring& ring, Partials part) {
+    uint32_t r0, r1;
+    gemv_rows(op, r0, r1);
+    const float first_res = part_out == nullptr ? preload(residual + r0, r1 - r0) : 0.0f;
+    const float first_part = part_in != nullptr && threadIdx.x < r1 - r0 ? __ldcg(part_in + r0 + threadIdx.x) : 0.0f;
+    const Slice s = load_slice(v, cols);
+    gemv_phase(op, s, ring, part, r0, r1);
+    for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
+        const float y = row_sum(part.red, r);
+        if (part_out != nullptr) {
+            part_out[r0 + r] = y;
+            continue;
+        }
+        const bool first = r == threadIdx.x;
+        const float res = first ? first_res : __bfloat162float(__ldcg(residual + r0 + r));
+        const float sum = part_in == nullptr ? y : __fadd_rn(first ? first_part : __ldcg(part_in + r0 + r), y);
+        dst[r0 + r] = add_round(res, bf(sum));
+    }
+}
+
+// x1 = x + Wo a over the columns the row names: all of them; or those of the first half of the KV
+// groups (f32 products to PartOut); or those of the second half, added to PartIn's, which the first
+// half's blocks wrote (this phase waits for theirs).
+__device__ void phase_oproj(const int64_t* op, const bf16* x, Ring& ring, Partials part) {
+    residual_gemv(op, reinterpret_cast<const bf16*>(op[oproj::A]), (uint32_t)op[oproj::Cols], x,
+                  reinterpret_cast<bf16*>(op[oproj::X1Out]), reinterpret_cast<const float*>(op[oproj::PartIn]),
+                  reinterpret_cast<float*>(op[oproj::PartOut]), ring, part);
+}
+
+// h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2) over gate/up-interleaved rows.
+__device__ void phase_gateup(const int64_t* op, Ring& ring, Partials part) {
+    const uint32_t d = (uint32_t)op[gateup::D];
+    const float eps = __int_as_float((int)op[gateup::EpsBits]);
+    bf16* act = reinterpret_cast<bf16*>(op[gateup::ActOut]);
+    const Slice s = rmsnorm_slice(reinterpret_cast<const bf16*>(op[gateup::X1]), reinterpret_cast<const bf16*>(op[gateup::Norm]), d, eps);
+    uint32_t r0, r1;
+    gemv_rows(op, r0, r1);
+    gemv_phase(op, s, ring, part, r0, r1);
+    for (uint32_t p = threadIdx.x; p < (r1 - r0) / 2; p += THREADS) {
+        act[r0 / 2 + p] = silu_mul(bf(row_sum(part.red, 2 * p)), bf(row_sum(part.red, 2 * p + 1)));
+    }
+}
+
+// out = x1 + Wd act over the columns of act the row names: all of them; or the first half (f32 products
+// to PartOut); or the second, added to PartIn's. Both halves run on the same blocks with the same rows,
+// so a block adds the partials it wrote itself: program order, no wait.
+__device__ void phase_down(const int64_t* op, bf16* out, Ring& ring, Partials part) {
+    residual_gemv(op, reinterpret_cast<const bf16*>(op[down::Act]), (uint32_t)op[down::Cols],
+                  reinterpret_cast<const bf16*>(op[down::X1]), out, reinterpret_cast<const float*>(op[down::PartIn]),
+                  reinterpret_cast<float*>(op[down::PartOut]), ring, part);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The phase trace (`grader profile`)
+// ---------------------------------------------------------------------------------------------------
+
+// Which stamp of a phase: when the block starts its work (its dependencies met), and when the whole
+// block has finished it. The gap to the block's next phase's start is time spent waiting.
+constexpr uint32_t TRACE_START = 0;
+constexpr uint32_t TRACE_END = 1;
+
+// Thread 0 writes the global timer (ns) into trace[block][phase][which]; nothing when trace is null,
+// as in every graded launch. A plain store: the host reads the trace after the launch has finished.
+__device__ inline void stamp(uint64_t* trace, uint32_t phases, uint32_t phase, uint32_t which) {
+    if (trace == nullptr || threadIdx.x != 0) return;
+    uint64_t ns;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
+    trace[((size_t)blockIdx.x * phases + phase) * 2 + which] = ns;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------------------------------
+
+// Runs phases [phase_begin, phase_end) of step `step` of the program: each block runs the phases that
+// name it, each after the phases it waits for. The grid must be co-resident, or a block could wait for
+// one not yet running (the launcher uses a cooperative launch). A step's phases run in order from
+// phase 0, in one launch or several (the launcher enforces it), so that the counts a phase waits for
+// are this step's. Dynamic shared memory: RING_BYTES of ring, then red_rows * WARPS floats of row
+// partials. `trace`, when not null, receives each block's phase stamps (zero for the phases it does not
+// run).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
+    const __grid_constant__ Program program,  // by value: see program.cuh
+    uint32_t phase_begin, uint32_t phase_end,
+    const bf16* __restrict__ x,  // (d)
+    bf16* __restrict__ out,      // (d)
+    uint32_t pos,
+    uint32_t step,                      // steps launched before this one
+    unsigned* __restrict__ phase_done,  // (PROGRAM_MAX_PHASES): see wait_for
+    uint32_t red_rows,
+    uint64_t* __restrict__ trace) {  // (gridDim.x, phases, 2) or null: see stamp()
+    // 128-byte aligned: where dynamic shared memory starts depends on the static variables before it,
+    // and ring slots 16 bytes off a 32-byte boundary made every bulk copy, so every GEMV phase, about
+    // 25% slower (measured in docs/perf.md).
+    extern __shared__ __align__(128) uint4 smem[];
+    __shared__ uint64_t full[STAGES];
+    Ring ring{smem, full, 0};                                                          // (RING_BYTES / 16)
+    const Partials part{reinterpret_cast<float*>(smem + RING_BYTES / 16), red_rows};  // (red_rows, WARPS)
+    if (blockDim.x != THREADS) __trap();
+    if (threadIdx.x == 0) {
+        for (uint32_t s = 0; s < STAGES; ++s) mbar_init(&full[s], 1);  // one arrival: thread 0's expect_tx
+        // Make the initialised barriers visible to the copy engine before any copy names them.
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();  // every thread sees initialised barriers before waiting on them
+
+    if (phase_end > PROGRAM_MAX_PHASES) __trap();  // the launcher checks this; a bigger range reads past the table
+    const auto row = [&](uint32_t p) { return program.words + (size_t)p * PROGRAM_ROW_WORDS; };
+    // The first phase at or after p that this block runs (phase_end if none).
+    const auto next_own = [&](uint32_t p) {
+        while (p < phase_end && !runs(blocks_of(row(p)))) ++p;
+        return p;
+    };
+    const uint32_t phases = phase_end - phase_begin;
+    uint32_t p = next_own(phase_begin);
+    if (p < phase_end) prime_inputs(row(p), ring, pos);
+    while (p < phase_end) {
+        const int64_t* op = row(p);
+        wait_for(program.words, op, phase_done, step);
+        stamp(trace, phases, p - phase_begin, TRACE_START);
+        switch (op[0]) {
+            case OP_NOP: break;
+            case OP_QKV: phase_qkv(op, x, pos, ring, part); break;
+            case OP_ATTENTION: phase_attention(op, pos, ring.data); break;
+            case OP_O_PROJ: phase_oproj(op, x, ring, part); break;
+            case OP_GATE_UP: phase_gateup(op, ring, part); break;
+            case OP_DOWN: phase_down(op, out, ring, part); break;
+            default: __trap();  // an unknown opcode is a broken program
+        }
+        // The next phase of this block's first weights (or attention's cached rows) stream in while it
+        // waits for that phase's dependencies. The ring is free once every thread is past this phase;
+        // attention wrote it with ordinary stores, so each thread orders those before the copy
+        // engine's writes (proxy fence), then the block synchronises before thread 0 issues (and
+        // before it counts the phase done: every write of the phase precedes the count).
+        fence_proxy_async();
+        __syncthreads();
+        stamp(trace, phases, p - phase_begin, TRACE_END);
+        count_done(phase_done, p);
+        p = next_own(p + 1);
+        if (p < phase_end) prime_inputs(row(p), ring, pos);
+    }
+}
+
+// dst row r = the row at src_rows[r]: packs weights into the layouts the phases stream.
+extern "C" __global__ void gather_rows_u4(uint4* __restrict__ dst,  // (rows, vecs)
+                                          const uint64_t* __restrict__ src_rows,  // (rows) addresses
+                                          uint32_t rows, uint32_t vecs) {
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < (uint64_t)rows * vecs; i += (uint64_t)gridDim.x * blockDim.x) {
+        dst[i] = reinterpret_cast<const uint4*>(src_rows[i / vecs])[i % vecs];
+    }
+}

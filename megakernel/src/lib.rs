@@ -1,0 +1,567 @@
+//! The reference submission: the layer compiled into a program (`program`) that one persistent kernel
+//! (`kernels/megakernel.cu`) interprets, one cooperative launch per token. `build_layer` packs the
+//! weights (`pack`), uploads the RoPE tables, allocates the scratch the phases share and compiles the
+//! program; `layer_step` only launches.
+//!
+//! [`Mode::PerPhase`] runs the same device code one phase per launch, for debugging and per-phase
+//! timing; its results are bitwise those of [`Mode::Fused`].
+
+pub mod cpu;
+pub mod kernels;
+pub mod pack;
+pub mod program;
+
+use cuda::cudarc::driver::sys::CUfunction_attribute;
+use cuda::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cuda::{Context, CudaError, Device};
+use half::bf16;
+use reference::golden::RopeTable;
+use reference::gpu::DeviceWeights;
+use spec::{Config, LayerOp, Tensor};
+
+use submission::{Layer, Submission, SubmissionError, device_address};
+
+use kernels::MEGAKERNEL;
+use pack::Packing;
+use program::{Blocks, Buffers};
+
+/// Mirrors of `kernels/megakernel.cu` (a test checks them against the file).
+pub const THREADS: u32 = 512;
+const WARPS: u32 = THREADS / 32;
+const RING_BYTES: u32 = 3 * 64 * 1024;
+const MAX_VPT: usize = 7;
+const ATTN_MAX_HD: usize = 128;
+const ATTN_MAX_GROUP: usize = 8;
+/// The row gather of `kernels/megakernel.cu` that packs weights (the red team packs cache rows with it).
+pub const GATHER: &str = "gather_rows_u4";
+/// Threads per block of the packing gather.
+pub const GATHER_BLOCK: u32 = 256;
+
+/// How `layer_step` runs the program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// One cooperative launch for the whole step: the submission.
+    Fused,
+    /// One launch per phase: for debugging and per-phase timing.
+    PerPhase,
+}
+
+/// Where the launches stand in the steps. A step's phases run in order from phase 0: a phase waits
+/// until every block of each phase it depends on has counted itself done this step (`phase_done`,
+/// monotonic: blocks * steps), so a phase launched out of order would wait forever.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct StepCursor {
+    /// Steps whose last phase has been launched.
+    step: u32,
+    /// The phase the next launch must start at.
+    next_phase: u32,
+}
+
+impl StepCursor {
+    /// Refuses a launch of `range` that does not continue the step.
+    fn check(&self, range: &std::ops::Range<u32>) -> Result<(), SubmissionError> {
+        if range.start == self.next_phase {
+            return Ok(());
+        }
+        Err(SubmissionError::Refused(format!(
+            "phases {range:?}: the step's next phase is {} (a step's phases run in order from 0)",
+            self.next_phase
+        )))
+    }
+
+    /// After a launch of phases up to `end` of a program of `phases`.
+    fn advance(&mut self, end: u32, phases: u32) {
+        if end == phases {
+            self.step = self.step.wrapping_add(1);
+            self.next_phase = 0;
+        } else {
+            self.next_phase = end;
+        }
+    }
+}
+
+/// The program as the kernel receives it: by value, `program::MAX_PHASES` rows (see
+/// `kernels/program.cuh`, `struct Program`).
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct ProgramParam([i64; program::MAX_PHASES * program::ROW_WORDS]);
+
+// SAFETY: plain old data of the layout `struct Program` declares (int64 words, no padding).
+unsafe impl DeviceRepr for ProgramParam {}
+
+impl ProgramParam {
+    /// The rows, then no-op rows (opcode 0) that no block runs, up to `MAX_PHASES`; `None` when there
+    /// are more rows.
+    fn new(rows: &[program::Row]) -> Option<ProgramParam> {
+        let mut nop = [0i64; program::ROW_WORDS];
+        nop[program::BLOCKS_WORD] = Blocks { first: 0, count: 0, stride: 1 }.word();
+        let flat: Vec<i64> =
+            rows.iter().chain(std::iter::repeat(&nop)).take(program::MAX_PHASES).flatten().copied().collect();
+        (rows.len() <= program::MAX_PHASES).then(|| ProgramParam(flat.try_into().expect("MAX_PHASES rows")))
+    }
+}
+
+/// A phase of the compiled program as `grader profile` reports it: the layer's operation it computes,
+/// the share of that operation's bytes it reads, and the blocks that run it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PhasePlan {
+    pub op: LayerOp,
+    pub share: f64,
+    pub blocks: Blocks,
+}
+
+/// Everything `build_layer` made; dropped by `teardown`.
+struct Built {
+    program: ProgramParam,
+    phases: u32,
+    plan: Vec<PhasePlan>,
+    func: CudaFunction,
+    grid: u32,
+    smem: u32,
+    red_rows: u32,
+    /// `(MAX_PHASES)`: per phase, how many blocks have finished it, over all steps so far.
+    phase_done: CudaSlice<u32>,
+    cursor: StepCursor,
+    // Owned for the program's pointers to stay valid.
+    _buffers: Vec<CudaSlice<bf16>>,
+    _tables: Vec<CudaSlice<f32>>,
+    _counters: CudaSlice<u32>,
+}
+
+pub struct Megakernel {
+    mode: Mode,
+    built: Option<Built>,
+}
+
+impl Megakernel {
+    pub fn new(mode: Mode) -> Self {
+        Self { mode, built: None }
+    }
+
+    /// Phases of the compiled program (after `build_layer`).
+    pub fn phases(&self) -> Option<u32> {
+        self.built.as_ref().map(|b| b.phases)
+    }
+
+    /// What each phase of the compiled program computes and which blocks run it (after
+    /// `build_layer`).
+    pub fn plan(&self) -> Option<&[PhasePlan]> {
+        self.built.as_ref().map(|b| b.plan.as_slice())
+    }
+
+    /// Launches phases `[begin, end)` of the current step once. A step's phases must be launched in
+    /// order from phase 0 (whole, or in consecutive ranges); anything else is refused.
+    pub fn launch_phases(
+        &mut self,
+        dev: &Device,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+        begin: u32,
+        end: u32,
+    ) -> Result<(), SubmissionError> {
+        self.launch(dev, x, pos, out, begin..end, None)
+    }
+
+    /// Runs the whole program in one launch, as `layer_step` does in [`Mode::Fused`], with every
+    /// block stamping the GPU's global timer at the start and end of each phase it runs (zero for the
+    /// others). `Ok` holds the stamps in ns, `(block, phase, [start, end])` flattened, and the grid.
+    pub fn trace_step(
+        &mut self,
+        dev: &Device,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(Vec<u64>, u32), SubmissionError> {
+        let (phases, grid) = match &self.built {
+            Some(b) => (b.phases, b.grid),
+            None => return Err(SubmissionError::Refused("trace_step before build_layer".into())),
+        };
+        let mut trace =
+            dev.stream().alloc_zeros::<u64>((grid * phases * 2) as usize).context("allocating the trace")?;
+        self.launch(dev, x, pos, out, 0..phases, Some(&mut trace))?;
+        Ok((dev.stream().clone_dtoh(&trace).context("reading the trace")?, grid))
+    }
+
+    fn launch(
+        &mut self,
+        dev: &Device,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+        phases: std::ops::Range<u32>,
+        trace: Option<&mut CudaSlice<u64>>,
+    ) -> Result<(), SubmissionError> {
+        let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
+        if phases.is_empty() || phases.end > b.phases {
+            return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {} phases", b.phases)));
+        }
+        b.cursor.check(&phases)?;
+        let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
+        let (pos, begin, end) = (pos as u32, phases.start, phases.end);
+        let no_trace = 0u64;
+        let mut args = dev.stream().launch_builder(&b.func);
+        args.arg(&b.program).arg(&begin).arg(&end).arg(x).arg(out).arg(&pos);
+        args.arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
+        match trace {
+            Some(t) => args.arg(t),
+            None => args.arg(&no_trace),
+        };
+        // SAFETY: megakernel_bf16(program: Program by value, phase_begin: u32, phase_end: u32, x, out, pos: u32,
+        // step: u32, phase_done (MAX_PHASES), red_rows: u32, trace (null or grid * phases * 2 u64));
+        // the grid is co-resident (occupancy-sized, and the cooperative launch fails rather than run
+        // it otherwise), smem as build_layer sized it; the phases continue the step (checked above).
+        unsafe { args.launch_cooperative(cfg) }.context("launching megakernel_bf16")?;
+        b.cursor.advance(end, b.phases);
+        Ok(())
+    }
+}
+
+/// The packed matrix `packing` describes, gathered on the GPU.
+fn gather<F: Fn(usize) -> (Tensor, usize)>(
+    dev: &Device,
+    w: &DeviceWeights,
+    packing: Packing<F>,
+) -> Result<CudaSlice<bf16>, CudaError> {
+    let Packing { rows, cols, start } = packing;
+    let table: Vec<u64> = (0..rows)
+        .map(|p| {
+            let (t, at) = start(p);
+            device_address(dev, w.get(t)) + (at * 2) as u64
+        })
+        .collect();
+    let table = dev.stream().clone_htod(&table).context("uploading a packing table")?;
+    // SAFETY: the gather writes every element before anything reads it.
+    let mut out = unsafe { dev.stream().alloc::<bf16>(rows * cols) }.context("allocating a packed matrix")?;
+    let f = dev.function(&MEGAKERNEL, GATHER)?;
+    let (r, vecs) = (rows as u32, (cols / 8) as u32);
+    let mut args = dev.stream().launch_builder(&f);
+    args.arg(&mut out).arg(&table).arg(&r).arg(&vecs);
+    // SAFETY: gather_rows_u4(dst (rows, vecs), src_rows (rows), rows: u32, vecs: u32); every table
+    // entry is the start of a row of `cols` bf16 inside a weight.
+    unsafe { args.launch(cuda::grid_1d(rows * cols / 8, GATHER_BLOCK, dev.facts().sms)) }
+        .context("launching gather_rows_u4")?;
+    Ok(out)
+}
+
+/// A matrix the program streams in two parts of columns (`parts`): both gathered, and their addresses; or,
+/// with `None`, the weight `whole` as it is (no copy).
+fn two_parts<F: Fn(usize) -> (Tensor, usize)>(
+    dev: &Device,
+    w: &DeviceWeights,
+    parts: Option<[Packing<F>; 2]>,
+    whole: Tensor,
+) -> Result<(Vec<CudaSlice<bf16>>, [u64; 2]), CudaError> {
+    match parts {
+        Some([p0, p1]) => {
+            let packed = vec![gather(dev, w, p0)?, gather(dev, w, p1)?];
+            let at = [device_address(dev, &packed[0]), device_address(dev, &packed[1])];
+            Ok((packed, at))
+        }
+        None => Ok((Vec::new(), [device_address(dev, w.get(whole)), 0])),
+    }
+}
+
+/// The largest row share any block gets in a GEMV phase of `rows` rows over `grid` blocks.
+fn max_block_rows(rows: usize, grid: usize) -> usize {
+    2 * (rows / 2).div_ceil(grid)
+}
+
+/// Declines configurations the kernel's fixed limits cannot hold, naming the limit
+/// ([`SubmissionError::Unsupported`]).
+fn check_fits(cfg: &Config) -> Result<(), SubmissionError> {
+    let unsupported = |why: String| Err(SubmissionError::Unsupported(why));
+    let max_cols = MAX_VPT * THREADS as usize * 8;
+    for (name, cols) in [("d", cfg.d), ("ffn", cfg.ffn), ("n_q * hd", cfg.q_dim())] {
+        if cols > max_cols {
+            return unsupported(format!("{name} = {cols} is over the megakernel's {max_cols}"));
+        }
+    }
+    // The combine keeps one scale per (chunk, query head) where a chunk's scores were.
+    if program::max_chunks(cfg) > program::ATTN_CHUNK {
+        // As many chunks as a chunk has positions.
+        let (chunks, positions) = (program::ATTN_CHUNK, program::ATTN_CHUNK);
+        return unsupported(format!(
+            "max_seq_len = {} is over the megakernel's {} ({chunks} attention chunks of {positions} positions)",
+            cfg.max_seq_len,
+            chunks * positions,
+        ));
+    }
+    // The tensor-core attention takes the head dimension 16 at a time and the group as 8 of 16 rows.
+    if cfg.hd > ATTN_MAX_HD {
+        return unsupported(format!("hd = {} is over the megakernel's attention's {ATTN_MAX_HD}", cfg.hd));
+    }
+    if !cfg.hd.is_multiple_of(16) {
+        return unsupported(format!("hd = {} is not a multiple of 16, as the megakernel's attention needs", cfg.hd));
+    }
+    if cfg.group() > ATTN_MAX_GROUP {
+        return unsupported(format!(
+            "{} query heads per KV head is over the megakernel's attention's {ATTN_MAX_GROUP}",
+            cfg.group()
+        ));
+    }
+    Ok(())
+}
+
+impl Submission for Megakernel {
+    fn name(&self) -> &str {
+        match self.mode {
+            Mode::Fused => "megakernel",
+            Mode::PerPhase => "megakernel-phases",
+        }
+    }
+
+    fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
+        let (major, minor) = dev.facts().compute_capability;
+        if !dev.is_hopper() {
+            return Err(CudaError::NeedsHopper {
+                what: "the megakernel".into(),
+                kernel_file: "megakernel",
+                major,
+                minor,
+            }
+            .into());
+        }
+        check_fits(cfg)?;
+        let s = dev.stream();
+        let w = layer.weights;
+        // One grid per SM (red_rows is sized for it below).
+        let grid = dev.facts().sms as u32;
+        let halves = program::halves(cfg, grid);
+        let split = halves.len() == 2;
+        let w_qkv: Vec<CudaSlice<bf16>> =
+            halves.iter().map(|&g| gather(dev, w, pack::qkv(cfg, g))).collect::<Result<_, _>>()?;
+        let (w_o, w_o_at) =
+            two_parts(dev, w, split.then(|| [pack::oproj(cfg, halves[0]), pack::oproj(cfg, halves[1])]), Tensor::Wo)?;
+        let w_gateup = gather(dev, w, pack::gateup(cfg))?;
+        let mlp_split = program::mlp_parts(cfg, grid) == 2;
+        let (w_down, w_down_at) =
+            two_parts(dev, w, mlp_split.then(|| [pack::down(cfg, 0), pack::down(cfg, 1)]), Tensor::Wdown)?;
+        let rope = RopeTable::new(cfg);
+        let (cos, sin) =
+            (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
+        let zeros = |n: usize| s.alloc_zeros::<bf16>(n).context("allocating megakernel scratch");
+        let (q, a, x1, act) = (zeros(cfg.q_dim())?, zeros(cfg.q_dim())?, zeros(cfg.d)?, zeros(cfg.ffn)?);
+        let partials = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
+        let part_o = s.alloc_zeros::<f32>(partials * cfg.hd).context("allocating attention partials")?;
+        let part_ml = s.alloc_zeros::<f32>(partials * 2).context("allocating attention partials")?;
+        // Arrivals and departures per KV head (see phase_attention).
+        let counters = s.alloc_zeros::<u32>(2 * cfg.n_kv).context("allocating attention counters")?;
+        let x1_part = s.alloc_zeros::<f32>(cfg.d).context("allocating the O projection's partials")?;
+        let down_part = s.alloc_zeros::<f32>(cfg.d).context("allocating Down's partials")?;
+        let address = |v: Option<&CudaSlice<bf16>>| v.map_or(0, |v| device_address(dev, v));
+        let buffers = Buffers {
+            w_qkv: [address(w_qkv.first()), address(w_qkv.get(1))],
+            in_norm: device_address(dev, &w.in_norm),
+            q: device_address(dev, &q),
+            k_cache: device_address(dev, &layer.cache.k),
+            v_cache: device_address(dev, &layer.cache.v),
+            cos: device_address(dev, &cos),
+            sin: device_address(dev, &sin),
+            part_o: device_address(dev, &part_o),
+            part_ml: device_address(dev, &part_ml),
+            counters: device_address(dev, &counters),
+            a: device_address(dev, &a),
+            w_o: w_o_at,
+            x1_part: device_address(dev, &x1_part),
+            x1: device_address(dev, &x1),
+            w_gateup: device_address(dev, &w_gateup),
+            post_norm: device_address(dev, &w.post_norm),
+            act: device_address(dev, &act),
+            w_down: w_down_at,
+            down_part: device_address(dev, &down_part),
+        };
+        let rows = program::compile(cfg, &buffers, grid);
+        let param = ProgramParam::new(&rows).ok_or_else(|| {
+            SubmissionError::Unsupported(format!(
+                "the layer compiled to {} phases; the kernel's program holds {}",
+                rows.len(),
+                program::MAX_PHASES
+            ))
+        })?;
+
+        let func = dev.function(&MEGAKERNEL, "megakernel_bf16")?;
+        // The most rows any block gets in any GEMV phase (over the phase's own blocks).
+        let red_rows = rows
+            .iter()
+            .filter_map(|r| Some(max_block_rows(program::gemv_rows(r)?, Blocks::of(r).count as usize)))
+            .max()
+            .unwrap_or(0);
+        let smem = RING_BYTES + (red_rows as u32) * WARPS * 4;
+        if smem as i32 > dev.facts().max_smem_optin_bytes {
+            return Err(SubmissionError::Unsupported(format!(
+                "the megakernel needs {smem} bytes of shared memory per block; this card allows {}",
+                dev.facts().max_smem_optin_bytes
+            )));
+        }
+        func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .context("raising the megakernel's shared memory limit")?;
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None)
+            .context("reading occupancy")?;
+        if per_sm == 0 {
+            return Err(SubmissionError::Unsupported(format!(
+                "the megakernel cannot fit one block of {THREADS} threads and {smem} bytes of shared memory on an SM"
+            )));
+        }
+        let plan = rows
+            .iter()
+            .map(|r| PhasePlan {
+                op: program::Op::from_word(r[0]).and_then(program::Op::layer_op).expect("compile emits layer ops"),
+                share: program::share(r, cfg),
+                blocks: Blocks::of(r),
+            })
+            .collect();
+        self.built = Some(Built {
+            program: param,
+            phases: rows.len() as u32,
+            plan,
+            func,
+            grid,
+            smem,
+            red_rows: red_rows as u32,
+            phase_done: s.alloc_zeros::<u32>(program::MAX_PHASES).context("allocating the phase counters")?,
+            cursor: StepCursor::default(),
+            _buffers: w_qkv.into_iter().chain(w_o).chain(w_down).chain([w_gateup, q, a, x1, act]).collect(),
+            _tables: vec![cos, sin, part_o, part_ml, x1_part, down_part],
+            _counters: counters,
+        });
+        Ok(())
+    }
+
+    fn layer_step(
+        &mut self,
+        dev: &Device,
+        _layer: Layer<'_>,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), SubmissionError> {
+        let phases = self.phases().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
+        match self.mode {
+            Mode::Fused => self.launch_phases(dev, x, pos, out, 0, phases),
+            Mode::PerPhase => (0..phases).try_for_each(|p| self.launch_phases(dev, x, pos, out, p, p + 1)),
+        }
+    }
+
+    fn teardown(&mut self) {
+        self.built = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CU: &str = include_str!("../kernels/megakernel.cu");
+
+    #[test]
+    fn constants_mirror_the_kernel() {
+        for line in [
+            format!("constexpr uint32_t THREADS = {THREADS};"),
+            format!("constexpr uint32_t STAGES = {};", RING_BYTES / (64 * 1024)),
+            "constexpr uint32_t STAGE_BYTES = 64 * 1024;".to_string(),
+            format!("constexpr uint32_t MAX_VPT = {MAX_VPT};"),
+            format!("constexpr uint32_t ATTN_MAX_HD = {ATTN_MAX_HD};"),
+            format!("constexpr uint32_t ATTN_MAX_GROUP = {ATTN_MAX_GROUP};"),
+            format!("constexpr uint32_t ATTN_CHUNK = {};", program::ATTN_CHUNK),
+            format!("__global__ void {GATHER}("),
+        ] {
+            assert!(CU.contains(&line), "kernels/megakernel.cu lacks `{line}`");
+        }
+    }
+
+    #[test]
+    fn a_step_runs_its_phases_in_order_from_phase_0() {
+        let mut c = StepCursor::default();
+        assert!(c.check(&(1..2)).is_err(), "a step cannot start past phase 0");
+        c.check(&(0..2)).unwrap();
+        c.advance(2, 8);
+        assert_eq!(c, StepCursor { step: 0, next_phase: 2 });
+        assert!(c.check(&(0..8)).is_err(), "nor restart before it has finished");
+        assert!(c.check(&(3..8)).is_err(), "nor skip a phase");
+        c.check(&(2..8)).unwrap();
+        c.advance(8, 8);
+        assert_eq!(c, StepCursor { step: 1, next_phase: 0 });
+        c.advance(8, 8);
+        assert_eq!(c.step, 2, "a whole step in one launch");
+    }
+
+    /// The kernel's `blocks_of` takes the fields where `Blocks::word` puts them.
+    #[test]
+    fn the_kernel_decodes_the_blocks_word_as_it_is_encoded() {
+        assert!(CU.contains("return {(uint32_t)(w >> 32) & 0xFFFFu, (uint32_t)w, (uint32_t)(w >> 48) & 0x7FFFu};"));
+        let w = Blocks { first: 1, count: 66, stride: 2 }.word() as u64;
+        assert_eq!(((w >> 32) & 0xFFFF, w & 0xFFFF_FFFF, (w >> 48) & 0x7FFF), (1, 66, 2));
+    }
+
+    #[test]
+    fn program_param_pads_with_noops_and_refuses_too_many_rows() {
+        let mut row = [0i64; program::ROW_WORDS];
+        row[0] = program::Op::Down as i64;
+        row[program::ROW_WORDS - 1] = 7;
+        let param = ProgramParam::new(&[row, row]).unwrap();
+        assert_eq!(&param.0[..program::ROW_WORDS], &row);
+        assert_eq!(&param.0[program::ROW_WORDS..2 * program::ROW_WORDS], &row);
+        // The padding: no-ops that wait for nothing and that no block runs (a stride of 1, not 0, which
+        // the kernel divides by).
+        for pad in param.0[2 * program::ROW_WORDS..].chunks(program::ROW_WORDS) {
+            let pad: &program::Row = pad.try_into().unwrap();
+            assert_eq!(pad[0], program::Op::Nop as i64);
+            assert_eq!(Blocks::of(pad), Blocks { first: 0, count: 0, stride: 1 });
+            assert_eq!(pad[program::WAITS_WORD], 0);
+        }
+        assert!(ProgramParam::new(&vec![row; program::MAX_PHASES]).is_some());
+        assert!(ProgramParam::new(&vec![row; program::MAX_PHASES + 1]).is_none());
+    }
+
+    #[test]
+    fn graded_config_fits_and_block_rows_cover_every_row() {
+        check_fits(&Config::graded()).unwrap();
+        assert_eq!(max_block_rows(8192, 132), 64);
+        assert_eq!(max_block_rows(57344, 132), 436);
+        let smem = RING_BYTES + 436 * WARPS * 4;
+        assert!(smem <= 232_448, "{smem} bytes of shared memory");
+        let mut bad = Config::graded();
+        bad.ffn = 32768;
+        assert!(check_fits(&bad).is_err());
+    }
+
+    /// A config over one of the kernel's limits is declined as unsupported, naming the limit.
+    #[test]
+    fn configs_over_the_limits_are_unsupported_naming_the_limit() {
+        let over = |change: fn(&mut Config), words: &[&str]| {
+            let mut cfg = Config::graded();
+            change(&mut cfg);
+            match check_fits(&cfg) {
+                Err(SubmissionError::Unsupported(why)) => {
+                    assert!(words.iter().all(|w| why.contains(w)), "{why}");
+                    why
+                }
+                other => panic!("{other:?}"),
+            }
+        };
+        let why = over(|c| c.ffn = 53248, &["ffn = 53248", "28672"]);
+        assert_eq!(why, "ffn = 53248 is over the megakernel's 28672");
+        assert_eq!(
+            SubmissionError::Unsupported(why).to_string(),
+            "the submission does not support this config: ffn = 53248 is over the megakernel's 28672"
+        );
+        over(|c| c.d = 32768, &["d = 32768", "28672"]);
+        over(|c| c.n_q = 256, &["n_q * hd = 32768", "28672"]);
+        over(
+            |c| {
+                c.hd = 256;
+                c.n_q = 32;
+                c.n_kv = 4;
+            },
+            &["hd = 256", "128"],
+        );
+        over(|c| c.hd = 120, &["hd = 120", "multiple of 16"]);
+        over(|c| c.n_kv = 4, &["16 query heads per KV head", "8"]);
+        over(|c| c.max_seq_len = 16384 + 1, &["max_seq_len = 16385", "16384"]);
+        let mut at_the_limit = Config::graded();
+        at_the_limit.max_seq_len = 16384;
+        check_fits(&at_the_limit).unwrap();
+    }
+}

@@ -1,0 +1,613 @@
+//! The megakernel's program: the layer compiled into a table of phases, `ROW_WORDS` int64 words per
+//! phase, that one persistent kernel interprets. This file is the one source of truth for the format;
+//! `kernels/program.cuh` mirrors it and a test checks every constant against that file.
+//!
+//! The program is data: the same table runs on the GPU (pointers are device addresses) and on the
+//! CPU executor (pointers are addresses in a host arena), so CI checks the compiler without a GPU.
+//!
+//! Every row also names the blocks that run it and the phases it waits for (its last two words): a
+//! block walks the table, skips the rows that are not its own, and before each of its rows waits until
+//! every block of each phase it depends on has finished that phase. The layer compiles to one of two
+//! plans (`compile`): every phase on every block, or the two-role plan, in which the two halves of the
+//! grid take turns streaming and running attention so that HBM keeps streaming while attention runs.
+//! On a grid of more than one block the MLP runs in two parts of `ffn` (`mlp_parts`), so that Down's
+//! first part waits only for GateUp's first, long finished, and no block waits at the end of GateUp.
+
+use spec::{Config, LayerOp};
+
+use super::pack::Groups;
+
+/// Words per phase row.
+pub const ROW_WORDS: usize = 16;
+/// Rows the kernel's by-value program parameter holds (the rows past a program's are no-ops that no
+/// block runs).
+pub const MAX_PHASES: usize = 12;
+/// Cached positions per attention work item.
+pub const ATTN_CHUNK: usize = 128;
+
+/// One phase row.
+pub type Row = [i64; ROW_WORDS];
+
+/// The word of every row that names its blocks (see [`Blocks::word`]).
+pub const BLOCKS_WORD: usize = ROW_WORDS - 2;
+/// The word of every row that names the phases it waits for, one bit per phase.
+pub const WAITS_WORD: usize = ROW_WORDS - 1;
+
+/// The blocks `first + i * stride` of the grid, `i < count`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Blocks {
+    pub first: u32,
+    pub count: u32,
+    pub stride: u32,
+}
+
+impl Blocks {
+    /// The grid's first `count` blocks.
+    pub fn first(count: u32) -> Blocks {
+        Blocks { first: 0, count, stride: 1 }
+    }
+
+    /// The count in bits 0-31, the first block in bits 32-47, the stride in bits 48-62 (program.cuh).
+    /// The count stays under 2^16: the kernel lets the offset of a block before `first` wrap, and the
+    /// wrapped offset over a stride under 2^15 is then past any count.
+    pub fn word(self) -> i64 {
+        assert!(
+            self.first < 1 << 16 && self.count < 1 << 16 && (1..1 << 15).contains(&self.stride),
+            "{self:?} does not fit its word"
+        );
+        ((self.stride as i64) << 48) | ((self.first as i64) << 32) | self.count as i64
+    }
+
+    pub fn of(row: &Row) -> Blocks {
+        let w = row[BLOCKS_WORD] as u64;
+        Blocks { first: (w >> 32) as u32 & 0xFFFF, count: w as u32, stride: (w >> 48) as u32 & 0x7FFF }
+    }
+
+    pub fn contains(self, block: usize) -> bool {
+        let d = block.wrapping_sub(self.first as usize);
+        block >= self.first as usize
+            && d.is_multiple_of(self.stride as usize)
+            && d / (self.stride as usize) < self.count as usize
+    }
+}
+
+/// What a phase does. The step's own arguments are kernel parameters: `Qkv` and `OProj` read `x`,
+/// `Down` writes `out`, and `Qkv` and `Attention` use `pos`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i64)]
+pub enum Op {
+    Nop = 0,
+    /// `h = rmsnorm(x)`; `[q|k|v] = W h` over RoPE-pair-interleaved rows; rope `q`, `k`; append `k`, `v`.
+    Qkv = 1,
+    /// Attention of `q` over cache slots `0..=pos` in chunks, partials combined into `a`.
+    Attention = 2,
+    /// `x1 = x + Wo a`.
+    OProj = 3,
+    /// `h2 = rmsnorm(x1)`; `act = silu(Wg h2) * (Wu h2)` over gate/up-interleaved rows.
+    GateUp = 4,
+    /// `out = x1 + Wd act`.
+    Down = 5,
+}
+
+impl Op {
+    pub const ALL: [Op; 6] = [Op::Nop, Op::Qkv, Op::Attention, Op::OProj, Op::GateUp, Op::Down];
+
+    pub fn from_word(w: i64) -> Option<Op> {
+        Op::ALL.into_iter().find(|op| *op as i64 == w)
+    }
+
+    /// The operation of the task's layer this phase computes (`ByteModel::by_op` names its bytes).
+    pub fn layer_op(self) -> Option<LayerOp> {
+        match self {
+            Op::Nop => None,
+            Op::Qkv => Some(LayerOp::Qkv),
+            Op::Attention => Some(LayerOp::Attention),
+            Op::OProj => Some(LayerOp::OProj),
+            Op::GateUp => Some(LayerOp::GateUp),
+            Op::Down => Some(LayerOp::Down),
+        }
+    }
+}
+
+/// Declares an opcode's operand words (from word 1 on) with the names `kernels/program.cuh` uses.
+macro_rules! operands {
+    ($module:ident { $first:ident $(, $name:ident)* $(,)? }) => {
+        #[allow(non_snake_case, non_upper_case_globals, dead_code)]
+        pub mod $module {
+            #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+            #[repr(usize)]
+            pub enum Word { $first = 1 $(, $name)* }
+            pub use Word::*;
+            /// Every operand, in word order.
+            pub const ALL: &[Word] = &[$first $(, $name)*];
+        }
+    };
+}
+
+operands!(qkv { W, Norm, QOut, KCache, VCache, Cos, Sin, D, NQ, NKv, Hd, MaxSeq, EpsBits });
+operands!(attn { Q, KCache, VCache, PartO, PartMl, Counters, AOut, NQ, NKv, Hd, MaxSeq, Chunk });
+operands!(oproj { W, A, X1Out, Rows, Cols, PartIn, PartOut });
+operands!(gateup { W, Norm, X1, ActOut, D, Ffn, EpsBits });
+operands!(down { W, Act, X1, Rows, Cols, PartIn, PartOut });
+
+/// The addresses of every buffer the program names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buffers {
+    /// Per half of the KV groups (`halves`; the second 0 when there is one): its q, k and v rows with
+    /// RoPE pairs adjacent (`pack::qkv_source`).
+    pub w_qkv: [u64; 2],
+    pub in_norm: u64,
+    /// `(n_q, hd)` roped queries, bf16.
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    /// `(max_seq_len, hd / 2)` f32 RoPE tables.
+    pub cos: u64,
+    pub sin: u64,
+    /// `(n_kv, max_chunks, group, hd)` f32 attention partial outputs.
+    pub part_o: u64,
+    /// `(n_kv, max_chunks, group, 2)` f32 running max and sum of each partial.
+    pub part_ml: u64,
+    /// u32 counters of the attention combine, zero between steps: per half, `(2, its n_kv)`, its KV
+    /// heads' arrivals, then their departures.
+    pub counters: u64,
+    /// `(n_q * hd)` attention output, bf16.
+    pub a: u64,
+    /// Two halves: per half, `(d, its query heads * hd)`, the O projection's columns of its heads.
+    /// One: `Wo` itself.
+    pub w_o: [u64; 2],
+    /// `(d)` f32: the first half's O projection, which the second half's adds (two halves only).
+    pub x1_part: u64,
+    /// `(d)` residual after attention, bf16.
+    pub x1: u64,
+    /// `(2 ffn, d)`: gate and up rows interleaved (see `pack::gateup_source`).
+    pub w_gateup: u64,
+    pub post_norm: u64,
+    /// `(ffn)` SwiGLU activation, bf16.
+    pub act: u64,
+    /// Per half of the MLP (`mlp_parts`), `(d, ffn / 2)`: the columns of `Wdown` that read its half of
+    /// `act`. One: `Wdown` itself.
+    pub w_down: [u64; 2],
+    /// `(d)` f32: Down's first half, which its second half adds (two halves only).
+    pub down_part: u64,
+}
+
+/// Attention chunks needed for the deepest slot of the cache.
+pub fn max_chunks(cfg: &Config) -> usize {
+    cfg.max_seq_len.div_ceil(ATTN_CHUNK)
+}
+
+/// A row with `op` in word 0 and `words` set.
+fn row<W: Copy + Into<usize>>(op: Op, words: &[(W, i64)]) -> Row {
+    let mut r = [0i64; ROW_WORDS];
+    r[0] = op as i64;
+    for &(w, v) in words {
+        r[w.into()] = v;
+    }
+    r
+}
+
+macro_rules! word_into_usize {
+    ($($m:ident),*) => { $(impl From<$m::Word> for usize { fn from(w: $m::Word) -> usize { w as usize } })* };
+}
+word_into_usize!(qkv, attn, oproj, gateup, down);
+
+/// The KV groups of each half of the plan `compile` makes for a grid of `grid` blocks: two halves (the
+/// two-role plan) when the layer has two KV heads or more and the grid two blocks or more, else one
+/// range of every group.
+pub fn halves(cfg: &Config, grid: u32) -> Vec<Groups> {
+    if cfg.n_kv < 2 || grid < 2 {
+        return vec![Groups::all(cfg)];
+    }
+    let first = cfg.n_kv / 2;
+    vec![Groups { kv0: 0, n_kv: first }, Groups { kv0: first, n_kv: cfg.n_kv - first }]
+}
+
+/// Parts of `ffn` that GateUp and Down run in on a grid of `grid` blocks: two when the grid has two
+/// blocks or more and each half of `ffn` is a whole number of 16-byte vectors, else one.
+pub fn mlp_parts(cfg: &Config, grid: u32) -> usize {
+    if grid >= 2 && cfg.ffn.is_multiple_of(16) { 2 } else { 1 }
+}
+
+/// The layer as a program for a grid of `grid` blocks.
+///
+/// With one half (`halves`) or one block: Qkv, attention, the O projection, each on every block and
+/// waiting for the one before; then the MLP.
+///
+/// With two halves, A (the grid's even blocks) and B (the odd ones) take turns (the weights' bytes
+/// stream while attention's latency-bound chain runs):
+///
+/// | phase | blocks | waits for | |
+/// |---|---|---|---|
+/// | 0 Qkv, half 0 | all | - | the first half's q, k, v |
+/// | 1 Qkv, half 1 | B | - | while A runs 2 and 3 |
+/// | 2 attention, half 0 | A | 0 | |
+/// | 3 O projection, half 0's columns | A | 2 | f32 partials, while B runs 1 and 4 |
+/// | 4 attention, half 1 | B | 1 | |
+/// | 5 O projection, half 1's columns | all | 3, 4 | adds the partials: x1 |
+///
+/// The MLP follows on every block. In one part (`mlp_parts`): GateUp, then Down. In two, with `o` the
+/// O projection's last phase:
+///
+/// | phase | waits for | |
+/// |---|---|---|
+/// | o + 1 GateUp, act's first half | o | |
+/// | o + 2 GateUp, act's second half | o | |
+/// | o + 3 Down, act's first half | o + 1 | f32 partials, one per row |
+/// | o + 4 Down, act's second half | o + 2 | adds the partials: out |
+///
+/// Down's halves run on the same blocks with the same rows, so each block adds the partials it wrote
+/// itself and the second half waits for nothing else. A block that ends GateUp starts Down at once:
+/// the half it needs finished a whole GateUp half ago.
+pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
+    let i = |v: usize| v as i64;
+    let p = |v: u64| v as i64;
+    let eps = cfg.eps.to_bits() as i64;
+    let (hd, max_seq, group) = (cfg.hd, cfg.max_seq_len, cfg.group());
+    let halves = halves(cfg, grid);
+    let all = Blocks::first(grid);
+    // The halves interleave (A the even blocks, B the odd): the launch places blocks 2i and 2i + 1 on
+    // neighbouring SMs, so each half has one SM of every such pair and reads at the whole grid's rate,
+    // where the grid's first half lands on an uneven set of SMs (it read 3.2 TB/s against 4.5 on one
+    // card; docs/perf.md, "The two-role plan, measured").
+    let (a, bb) =
+        (Blocks { first: 0, count: grid.div_ceil(2), stride: 2 }, Blocks { first: 1, count: grid / 2, stride: 2 });
+    let qkv_row = |h: usize, g: Groups| {
+        let cache = 2 * (g.kv0 * max_seq * hd) as u64;
+        row(
+            Op::Qkv,
+            &[
+                (qkv::W, p(b.w_qkv[h])),
+                (qkv::Norm, p(b.in_norm)),
+                (qkv::QOut, p(b.q + 2 * (g.q0(cfg) * hd) as u64)),
+                (qkv::KCache, p(b.k_cache + cache)),
+                (qkv::VCache, p(b.v_cache + cache)),
+                (qkv::Cos, p(b.cos)),
+                (qkv::Sin, p(b.sin)),
+                (qkv::D, i(cfg.d)),
+                (qkv::NQ, i(g.n_q(cfg))),
+                (qkv::NKv, i(g.n_kv)),
+                (qkv::Hd, i(hd)),
+                (qkv::MaxSeq, i(max_seq)),
+                (qkv::EpsBits, eps),
+            ],
+        )
+    };
+    let attn_row = |g: Groups| {
+        let cache = 2 * (g.kv0 * max_seq * hd) as u64;
+        let partials = (g.kv0 * max_chunks(cfg) * group) as u64;
+        row(
+            Op::Attention,
+            &[
+                (attn::Q, p(b.q + 2 * (g.q0(cfg) * hd) as u64)),
+                (attn::KCache, p(b.k_cache + cache)),
+                (attn::VCache, p(b.v_cache + cache)),
+                (attn::PartO, p(b.part_o + 4 * partials * hd as u64)),
+                (attn::PartMl, p(b.part_ml + 4 * partials * 2)),
+                (attn::Counters, p(b.counters + 4 * 2 * g.kv0 as u64)),
+                (attn::AOut, p(b.a + 2 * (g.q0(cfg) * hd) as u64)),
+                (attn::NQ, i(g.n_q(cfg))),
+                (attn::NKv, i(g.n_kv)),
+                (attn::Hd, i(hd)),
+                (attn::MaxSeq, i(max_seq)),
+                (attn::Chunk, i(ATTN_CHUNK)),
+            ],
+        )
+    };
+    // The O projection of the columns of `g`'s query heads from `w`; `part_in` / `part_out` as the
+    // operands say (0: none).
+    let oproj_row = |w: u64, g: Groups, part_in: u64, part_out: u64| {
+        row(
+            Op::OProj,
+            &[
+                (oproj::W, p(w)),
+                (oproj::A, p(b.a + 2 * (g.q0(cfg) * hd) as u64)),
+                (oproj::X1Out, p(b.x1)),
+                (oproj::Rows, i(cfg.d)),
+                (oproj::Cols, i(g.n_q(cfg) * hd)),
+                (oproj::PartIn, p(part_in)),
+                (oproj::PartOut, p(part_out)),
+            ],
+        )
+    };
+    // Part k of the MLP's parts (`mlp_parts`), f of `ffn` each: GateUp's rows of act's k-th part, and
+    // the product of Down's columns that read it; `part_in` / `part_out` as Down's operands say (0:
+    // none).
+    let parts = mlp_parts(cfg, grid);
+    let f = cfg.ffn / parts;
+    let gateup_row = |k: usize| {
+        row(
+            Op::GateUp,
+            &[
+                (gateup::W, p(b.w_gateup + 2 * (2 * f * k * cfg.d) as u64)),
+                (gateup::Norm, p(b.post_norm)),
+                (gateup::X1, p(b.x1)),
+                (gateup::ActOut, p(b.act + 2 * (f * k) as u64)),
+                (gateup::D, i(cfg.d)),
+                (gateup::Ffn, i(f)),
+                (gateup::EpsBits, eps),
+            ],
+        )
+    };
+    let down_row = |k: usize, part_in: u64, part_out: u64| {
+        row(
+            Op::Down,
+            &[
+                (down::W, p(b.w_down[k])),
+                (down::Act, p(b.act + 2 * (f * k) as u64)),
+                (down::X1, p(b.x1)),
+                (down::Rows, i(cfg.d)),
+                (down::Cols, i(f)),
+                (down::PartIn, p(part_in)),
+                (down::PartOut, p(part_out)),
+            ],
+        )
+    };
+    let mut plan: Vec<(Row, Blocks, Vec<usize>)> = if halves.len() == 1 {
+        let g = Groups::all(cfg);
+        vec![(qkv_row(0, g), all, vec![]), (attn_row(g), all, vec![0]), (oproj_row(b.w_o[0], g, 0, 0), all, vec![1])]
+    } else {
+        let (h0, h1) = (halves[0], halves[1]);
+        vec![
+            (qkv_row(0, h0), all, vec![]),
+            (qkv_row(1, h1), bb, vec![]),
+            (attn_row(h0), a, vec![0]),
+            (oproj_row(b.w_o[0], h0, 0, b.x1_part), a, vec![2]),
+            (attn_row(h1), bb, vec![1]),
+            (oproj_row(b.w_o[1], h1, b.x1_part, 0), all, vec![3, 4]),
+        ]
+    };
+    let o = plan.len() - 1;
+    if parts == 1 {
+        plan.push((gateup_row(0), all, vec![o]));
+        plan.push((down_row(0, 0, 0), all, vec![o + 1]));
+    } else {
+        plan.push((gateup_row(0), all, vec![o]));
+        plan.push((gateup_row(1), all, vec![o]));
+        plan.push((down_row(0, 0, b.down_part), all, vec![o + 1]));
+        plan.push((down_row(1, b.down_part, 0), all, vec![o + 2]));
+    }
+    plan.into_iter()
+        .map(|(mut r, blocks, waits)| {
+            r[BLOCKS_WORD] = blocks.word();
+            r[WAITS_WORD] = waits.iter().map(|w| 1i64 << w).sum();
+            r
+        })
+        .collect()
+}
+
+/// Rows of the GEMV `row` streams (the kernel's `gemv_of`); `None` for a phase without one.
+pub fn gemv_rows(row: &Row) -> Option<usize> {
+    let w = |i: usize| row[i] as usize;
+    match Op::from_word(row[0])? {
+        Op::Qkv => Some((w(qkv::NQ as usize) + 2 * w(qkv::NKv as usize)) * w(qkv::Hd as usize)),
+        Op::OProj => Some(w(oproj::Rows as usize)),
+        Op::GateUp => Some(2 * w(gateup::Ffn as usize)),
+        Op::Down => Some(w(down::Rows as usize)),
+        Op::Nop | Op::Attention => None,
+    }
+}
+
+/// The share of its operation's bytes (`ByteModel::by_op`) that `row` reads: the part of the groups, of
+/// the O projection's columns or of `ffn` it covers.
+pub fn share(row: &Row, cfg: &Config) -> f64 {
+    match Op::from_word(row[0]) {
+        Some(Op::Qkv) => row[qkv::NKv as usize] as f64 / cfg.n_kv as f64,
+        Some(Op::Attention) => row[attn::NKv as usize] as f64 / cfg.n_kv as f64,
+        Some(Op::OProj) => row[oproj::Cols as usize] as f64 / cfg.q_dim() as f64,
+        Some(Op::GateUp) => row[gateup::Ffn as usize] as f64 / cfg.ffn as f64,
+        Some(Op::Down) => row[down::Cols as usize] as f64 / cfg.ffn as f64,
+        Some(Op::Nop) | None => 1.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The phases a row waits for.
+    fn waits(row: &Row) -> Vec<usize> {
+        (0..MAX_PHASES).filter(|p| row[WAITS_WORD] >> p & 1 == 1).collect()
+    }
+
+    /// One past the last block of `b`.
+    fn end(b: Blocks) -> u32 {
+        if b.count == 0 { b.first } else { b.first + (b.count - 1) * b.stride + 1 }
+    }
+
+    const CUH: &str = include_str!("../kernels/program.cuh");
+
+    #[test]
+    fn opcodes_mirror_the_cuda_header() {
+        assert!(CUH.contains(&format!("PROGRAM_ROW_WORDS = {ROW_WORDS};")));
+        assert!(CUH.contains(&format!("PROGRAM_MAX_PHASES = {MAX_PHASES};")));
+        // BLOCKS_WORD and WAITS_WORD are defined the same way.
+        assert!(CUH.contains("ROW_BLOCKS = PROGRAM_ROW_WORDS - 2;"));
+        assert!(CUH.contains("ROW_WAITS = PROGRAM_ROW_WORDS - 1;"));
+        let upper = |op: Op| {
+            let name = format!("{op:?}");
+            let mut s = String::new();
+            for (i, c) in name.chars().enumerate() {
+                if c.is_uppercase() && i > 0 {
+                    s.push('_');
+                }
+                s.push(c.to_ascii_uppercase());
+            }
+            s
+        };
+        for op in Op::ALL {
+            let line = format!("OP_{} = {};", upper(op), op as i64);
+            assert!(CUH.contains(&line), "kernels/program.cuh lacks `{line}`");
+        }
+    }
+
+    #[test]
+    fn operand_words_mirror_the_cuda_header() {
+        fn check<W: std::fmt::Debug + Copy + Into<usize>>(ns: &str, all: &[W]) {
+            let names: Vec<String> = all.iter().map(|w| format!("{w:?}")).collect();
+            assert_eq!(all.first().map(|w| (*w).into()), Some(1));
+            let want = format!("namespace {ns} {{ enum : int {{ {} = 1, {} }}; }}", names[0], names[1..].join(", "));
+            assert!(CUH.contains(&want), "kernels/program.cuh lacks `{want}`");
+            assert!(all.len() < ROW_WORDS);
+        }
+        check("qkv", qkv::ALL);
+        check("attn", attn::ALL);
+        check("oproj", oproj::ALL);
+        check("gateup", gateup::ALL);
+        check("down", down::ALL);
+    }
+
+    fn buffers() -> Buffers {
+        Buffers {
+            w_qkv: [1, 18],
+            in_norm: 2,
+            q: 3,
+            k_cache: 4,
+            v_cache: 5,
+            cos: 6,
+            sin: 7,
+            part_o: 8,
+            part_ml: 9,
+            counters: 10,
+            a: 11,
+            w_o: [12, 19],
+            x1_part: 20,
+            x1: 13,
+            w_gateup: 14,
+            post_norm: 15,
+            act: 16,
+            w_down: [17, 21],
+            down_part: 22,
+        }
+    }
+
+    /// Operand words of each opcode, which end before the blocks and waits words.
+    fn operands(op: Op) -> usize {
+        match op {
+            Op::Nop => 0,
+            Op::Qkv => qkv::ALL.len(),
+            Op::Attention => attn::ALL.len(),
+            Op::OProj => oproj::ALL.len(),
+            Op::GateUp => gateup::ALL.len(),
+            Op::Down => down::ALL.len(),
+        }
+    }
+
+    #[test]
+    fn the_one_half_plan_runs_every_phase_on_every_block() {
+        let mut cfg = Config::small();
+        assert_eq!(cfg.n_kv, 1);
+        let prog = compile(&cfg, &buffers(), 132);
+        let ops: Vec<Op> = prog.iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
+        use Op::*;
+        assert_eq!(ops, [Qkv, Attention, OProj, GateUp, GateUp, Down, Down]);
+        let w: Vec<Vec<usize>> = prog.iter().map(waits).collect();
+        assert_eq!(w, [vec![], vec![0], vec![1], vec![2], vec![2], vec![3], vec![4]]);
+        assert!(prog.iter().all(|r| Blocks::of(r) == Blocks::first(132)));
+        // One block: five phases, each the byte model's operation of its index, whatever the layer.
+        for c in [Config::small(), Config::graded()] {
+            cfg = c;
+            let prog = compile(&cfg, &buffers(), 1);
+            let ops: Vec<LayerOp> = prog.iter().map(|r| Op::from_word(r[0]).unwrap().layer_op().unwrap()).collect();
+            assert_eq!(ops, LayerOp::ALL);
+            assert!(prog.iter().all(|r| share(r, &cfg) == 1.0 && Blocks::of(r) == Blocks::first(1)));
+            assert_eq!(prog.iter().map(waits).collect::<Vec<_>>(), [vec![], vec![0], vec![1], vec![2], vec![3]]);
+        }
+    }
+
+    /// GateUp's halves write the two halves of act from the two halves of the packed rows; Down's
+    /// read them with their halves of the columns, the first writing the partials the second adds, on
+    /// the same blocks with the same rows (the kernel adds a block's own partials without a wait).
+    #[test]
+    fn the_mlp_parts_split_act_and_share_downs_rows() {
+        for (cfg, grid) in [(Config::graded(), 132), (Config::small(), 132), (Config::tiny(), 2)] {
+            let prog = compile(&cfg, &buffers(), grid);
+            let of = |op: Op| prog.iter().filter(move |r| r[0] == op as i64).collect::<Vec<_>>();
+            let (g, d) = (of(Op::GateUp), of(Op::Down));
+            assert_eq!((g.len(), d.len()), (2, 2), "{}", cfg.name);
+            let f = cfg.ffn / 2;
+            assert!(g.iter().chain(&d).all(|r| share(r, &cfg) == 0.5));
+            assert_eq!(g[1][gateup::W as usize] - g[0][gateup::W as usize], (2 * 2 * f * cfg.d) as i64);
+            assert_eq!(g[1][gateup::ActOut as usize] - g[0][gateup::ActOut as usize], (2 * f) as i64);
+            assert_eq!((g[0][gateup::Ffn as usize], g[1][gateup::Ffn as usize]), (f as i64, f as i64));
+            assert_eq!((d[0][down::W as usize], d[1][down::W as usize]), (17, 21));
+            assert_eq!(d[0][down::Act as usize], g[0][gateup::ActOut as usize]);
+            assert_eq!(d[1][down::Act as usize], g[1][gateup::ActOut as usize]);
+            assert_eq!((d[0][down::Cols as usize], d[1][down::Cols as usize]), (f as i64, f as i64));
+            assert_eq!((d[0][down::PartIn as usize], d[0][down::PartOut as usize]), (0, 22));
+            assert_eq!((d[1][down::PartIn as usize], d[1][down::PartOut as usize]), (22, 0));
+            assert_eq!(Blocks::of(d[0]), Blocks::of(d[1]));
+            assert_eq!(gemv_rows(d[0]), gemv_rows(d[1]));
+            // Each half of Down waits for the GateUp half it reads, and nothing else.
+            let index = |r: &Row| prog.iter().position(|q| q == r).unwrap();
+            assert_eq!(waits(d[0]), [index(g[0])]);
+            assert_eq!(waits(d[1]), [index(g[1])]);
+        }
+        // A part of ffn that is no whole number of 16-byte vectors: one part.
+        let cfg = Config { ffn: 776, ..Config::tiny() };
+        assert_eq!(mlp_parts(&cfg, 132), 1);
+        let ops: Vec<Op> = compile(&cfg, &buffers(), 132).iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
+        assert_eq!(&ops[ops.len() - 2..], [Op::GateUp, Op::Down]);
+    }
+
+    #[test]
+    fn the_two_role_plan_splits_qkv_attention_and_oproj_by_halves_of_the_groups() {
+        let cfg = Config::graded();
+        let prog = compile(&cfg, &buffers(), 132);
+        let ops: Vec<Op> = prog.iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
+        use Op::*;
+        assert_eq!(ops, [Qkv, Qkv, Attention, OProj, Attention, OProj, GateUp, GateUp, Down, Down]);
+        let (all, a, b) =
+            (Blocks::first(132), Blocks { first: 0, count: 66, stride: 2 }, Blocks { first: 1, count: 66, stride: 2 });
+        let blocks: Vec<Blocks> = prog.iter().map(Blocks::of).collect();
+        assert_eq!(blocks, [all, b, a, a, b, all, all, all, all, all]);
+        // The halves are the even and the odd blocks, and together every block once.
+        assert!((0..132).all(|k| a.contains(k) == (k % 2 == 0) && b.contains(k) == (k % 2 == 1)));
+        assert!(!a.contains(132) && !b.contains(133) && end(a) == 131 && end(b) == 132);
+        let w: Vec<Vec<usize>> = prog.iter().map(waits).collect();
+        assert_eq!(w, [vec![], vec![], vec![0], vec![2], vec![1], vec![3, 4], vec![5], vec![5], vec![6], vec![7]]);
+        // Each operation's shares add up to the whole of it.
+        for op in [Qkv, Attention, OProj, GateUp, Down] {
+            let total: f64 = prog.iter().filter(|r| r[0] == op as i64).map(|r| share(r, &cfg)).sum();
+            assert_eq!(total, 1.0, "{op:?}");
+        }
+        // The halves' heads: the second half's q, caches, partials, counters and a start past the first's.
+        let (q_half, cache_half) = (2 * (cfg.q_dim() / 2) as i64, 2 * (4 * cfg.max_seq_len * cfg.hd) as i64);
+        assert_eq!(prog[1][qkv::QOut as usize] - prog[0][qkv::QOut as usize], q_half);
+        assert_eq!(prog[1][qkv::KCache as usize] - prog[0][qkv::KCache as usize], cache_half);
+        assert_eq!(prog[4][attn::Q as usize] - prog[2][attn::Q as usize], q_half);
+        assert_eq!(prog[4][attn::AOut as usize] - prog[2][attn::AOut as usize], q_half);
+        assert_eq!(prog[4][attn::Counters as usize] - prog[2][attn::Counters as usize], 4 * 2 * 4);
+        assert_eq!(prog[5][oproj::A as usize] - prog[3][oproj::A as usize], q_half);
+        // The first half's O projection writes the partials the second half's reads.
+        assert_eq!((prog[3][oproj::PartIn as usize], prog[3][oproj::PartOut as usize]), (0, 20));
+        assert_eq!((prog[5][oproj::PartIn as usize], prog[5][oproj::PartOut as usize]), (20, 0));
+    }
+
+    /// Every row waits only for earlier phases, so no block can wait, directly or through others, for a
+    /// phase it has yet to run itself: the program cannot deadlock.
+    #[test]
+    fn every_plan_waits_only_for_earlier_phases() {
+        for (cfg, grid) in [(Config::tiny(), 2), (Config::tiny(), 132), (Config::small(), 132), (Config::graded(), 132)]
+        {
+            let prog = compile(&cfg, &buffers(), grid);
+            assert!(prog.len() <= MAX_PHASES);
+            for (k, r) in prog.iter().enumerate() {
+                assert!(waits(r).iter().all(|&w| w < k), "{}: phase {k} waits for {:?}", cfg.name, waits(r));
+                let op = Op::from_word(r[0]).unwrap();
+                let n = operands(op);
+                assert!(n < BLOCKS_WORD, "{op:?}");
+                let optional = |w: usize| match op {
+                    Op::OProj => w == oproj::PartIn as usize || w == oproj::PartOut as usize,
+                    Op::Down => w == down::PartIn as usize || w == down::PartOut as usize,
+                    _ => false,
+                };
+                assert!((1..=n).all(|w| r[w] != 0 || optional(w)), "{r:?}");
+                assert!(r[n + 1..BLOCKS_WORD].iter().all(|&w| w == 0), "{r:?}");
+                let bl = Blocks::of(r);
+                assert!(bl.count > 0 && end(bl) <= grid, "{}: {bl:?}", cfg.name);
+                assert_eq!(Blocks::of(&[bl.word(); ROW_WORDS]), bl, "the word round-trips");
+            }
+        }
+    }
+}
