@@ -1,8 +1,10 @@
-"""The honest eager layer (../eager_layer.py) that the adversaries wrap."""
+"""The honest eager layer (submission/examples/python/eager_layer.py) that the adversaries wrap."""
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The examples' folder, from this one (redteam/python/).
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "submission", "examples", "python")
+sys.path.insert(0, EXAMPLES)
 
 import eager_layer as eager  # noqa: E402
 

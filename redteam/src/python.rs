@@ -113,6 +113,12 @@ mod tests {
         assert_eq!(listed.len(), ALL.len(), "a file is listed twice");
         // The interpreter a user's run would pick: `$PYTHON` or `python3`.
         let python = submission::python::interpreter(None);
+        // Where `_honest.py` imports the eager example from: the probe does not run the import.
+        let honest = std::fs::read_to_string(folder.join("_honest.py")).unwrap();
+        let examples = ["..", "..", "submission", "examples", "python"];
+        let quoted: Vec<String> = examples.iter().map(|p| format!("{p:?}")).collect();
+        assert!(honest.contains(&quoted.join(", ")), "_honest.py no longer names {examples:?}");
+        assert!(examples.iter().fold(folder.clone(), |f, p| f.join(p)).join("eager_layer.py").is_file());
         for a in ALL {
             assert!(!a.what.is_empty(), "{}", a.file);
             if let Err(e) = submission::python::probe(&python, &folder.join(a.file)) {
