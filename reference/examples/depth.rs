@@ -1,0 +1,53 @@
+//! The residual stream and the honest variants' error over a stack of layers, on the CPU: what the
+//! whole-stack task has to design its data and its tolerance around. Layer `l` of the stack has the
+//! one-layer recipe's weights and prefix at seed `seed + l` (a placeholder for a per-layer recipe);
+//! one decode step runs through every layer, once with the eager reference's rounding and once per
+//! variant of `golden::HONEST`, each variant carrying its own hidden state and caches. After each
+//! layer it prints the reference's RMS of x and each variant's relative error from the reference.
+//!
+//! UPDATE scales every layer's `Wo` and `Wdown` (so its update of the residual stream), for trying
+//! recipes that keep x O(1).
+//!
+//!   cargo run --release -p reference --example depth -- [CONFIG=tiny] [LAYERS=80] [SEED=1] [UPDATE=1]
+
+use std::thread;
+
+use half::bf16;
+use reference::golden::ensemble::rel_err;
+use reference::golden::{HONEST, KvCache, RopeTable, generate_weights, output_bf16, step, step_as};
+use spec::Config;
+use spec::data::input;
+
+fn rms(x: &[bf16]) -> f64 {
+    (x.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / x.len() as f64).sqrt()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cfg = Config::named(args.first().map_or("tiny", String::as_str)).expect("a named config: tiny, small, graded");
+    let layers: u64 = args.get(1).map_or(80, |a| a.parse().expect("LAYERS: a whole number"));
+    let seed: u64 = args.get(2).map_or(1, |a| a.parse().expect("SEED: a whole number"));
+    let update: f32 = args.get(3).map_or(1.0, |a| a.parse().expect("UPDATE: a number"));
+    let table = RopeTable::new(&cfg);
+    let pos = cfg.prefill;
+    let mut x = input(&cfg, seed, 0);
+    let mut variants = vec![x.clone(); HONEST.len()];
+    println!("config {}, {layers} layers, seed {seed}, updates x{update}; x's RMS before the first: {:.3}", cfg.name, rms(&x));
+    println!("{:>5} {:>8}  {}", "layer", "rms(x)", HONEST.map(|(n, _)| format!("{n:>24}")).join(""));
+    for l in 0..layers {
+        let mut w = generate_weights(&cfg, seed + l);
+        for m in [&mut w.o, &mut w.down] {
+            m.iter_mut().for_each(|v| *v = bf16::from_f32(v.to_f32() * update));
+        }
+        let cache = KvCache::generate(&cfg, seed + l);
+        x = step(&cfg, &w, &mut cache.clone(), &table, &x, pos);
+        thread::scope(|s| {
+            for (v, (_, rounding)) in variants.iter_mut().zip(&HONEST) {
+                let (cfg, w, cache) = (&cfg, &w, &cache);
+                s.spawn(move || *v = output_bf16(&step_as(rounding, cfg, w, &mut cache.clone(), v, pos)));
+            }
+        });
+        let errors: Vec<String> = variants.iter().map(|v| format!("{:>24.2e}", rel_err(v, &x))).collect();
+        println!("{:>5} {:>8.3}  {}", l + 1, rms(&x), errors.join(""));
+    }
+}
