@@ -3,7 +3,8 @@
 //! one-layer recipe's weights and prefix at seed `seed + l` (a placeholder for a per-layer recipe);
 //! one decode step runs through every layer, once with the eager reference's rounding and once per
 //! variant of `golden::HONEST`, each variant carrying its own hidden state and caches. After each
-//! layer it prints the reference's RMS of x and each variant's relative error from the reference.
+//! layer it prints the reference's RMS of x, each variant's relative error from the reference, and
+//! the two least-rounding variants' (fp32 stream, exact) from each other.
 //!
 //! UPDATE scales every layer's `Wo` and `Wdown` (so its update of the residual stream), for trying
 //! recipes that keep x O(1).
@@ -33,7 +34,8 @@ fn main() {
     let mut x = input(&cfg, seed, 0);
     let mut variants = vec![x.clone(); HONEST.len()];
     println!("config {}, {layers} layers, seed {seed}, updates x{update}; x's RMS before the first: {:.3}", cfg.name, rms(&x));
-    println!("{:>5} {:>8}  {}", "layer", "rms(x)", HONEST.map(|(n, _)| format!("{n:>24}")).join(""));
+    let names = HONEST.map(|(n, _)| format!("{n:>24}")).join("");
+    println!("{:>5} {:>8}  {names}{:>24}", "layer", "rms(x)", "fp32 stream vs exact");
     for l in 0..layers {
         let mut w = generate_weights(&cfg, seed + l);
         for m in [&mut w.o, &mut w.down] {
@@ -48,6 +50,8 @@ fn main() {
             }
         });
         let errors: Vec<String> = variants.iter().map(|v| format!("{:>24.2e}", rel_err(v, &x))).collect();
-        println!("{:>5} {:>8.3}  {}", l + 1, rms(&x), errors.join(""));
+        // The two variants that round least, against each other.
+        let precise = rel_err(&variants[HONEST.len() - 2], &variants[HONEST.len() - 1]);
+        println!("{:>5} {:>8.3}  {}{precise:>24.2e}", l + 1, rms(&x), errors.join(""));
     }
 }
