@@ -4,7 +4,9 @@
 //! one decode step runs through every layer, once with the eager reference's rounding and once per
 //! variant of `golden::HONEST`, each variant carrying its own hidden state and caches. After each
 //! layer it prints the reference's RMS of x, each variant's relative error from the reference, and
-//! the two least-rounding variants' (fp32 stream, exact) from each other.
+//! the two least-rounding variants' (fp32 stream, exact) from each other; then two cheats' errors, to
+//! set against the drift: attention over the most recent quarter of the slots in every layer, and in
+//! the middle layer only.
 //!
 //! UPDATE scales every layer's `Wo` and `Wdown` (so its update of the residual stream), for trying
 //! recipes that keep x O(1).
@@ -15,7 +17,9 @@ use std::thread;
 
 use half::bf16;
 use reference::golden::ensemble::rel_err;
-use reference::golden::{HONEST, KvCache, RopeTable, generate_weights, output_bf16, step, step_as};
+use reference::golden::{
+    AttentionSpan, HONEST, KvCache, RopeTable, generate_weights, output_bf16, step, step_as, step_with,
+};
 use spec::Config;
 use spec::data::input;
 
@@ -33,9 +37,10 @@ fn main() {
     let pos = cfg.prefill;
     let mut x = input(&cfg, seed, 0);
     let mut variants = vec![x.clone(); HONEST.len()];
+    let (mut short_all, mut short_middle) = (x.clone(), x.clone());
     println!("config {}, {layers} layers, seed {seed}, updates x{update}; x's RMS before the first: {:.3}", cfg.name, rms(&x));
     let names = HONEST.map(|(n, _)| format!("{n:>24}")).join("");
-    println!("{:>5} {:>8}  {names}{:>24}", "layer", "rms(x)", "fp32 stream vs exact");
+    println!("{:>5} {:>8}  {names}{:>24}{:>16}{:>16}", "layer", "rms(x)", "fp32 stream vs exact", "short, all", "short, middle");
     for l in 0..layers {
         let mut w = generate_weights(&cfg, seed + l);
         for m in [&mut w.o, &mut w.down] {
@@ -52,6 +57,11 @@ fn main() {
         let errors: Vec<String> = variants.iter().map(|v| format!("{:>24.2e}", rel_err(v, &x))).collect();
         // The two variants that round least, against each other.
         let precise = rel_err(&variants[HONEST.len() - 2], &variants[HONEST.len() - 1]);
-        println!("{:>5} {:>8.3}  {}{precise:>24.2e}", l + 1, rms(&x), errors.join(""));
+        let short = |x: &[bf16], span| step_with(&cfg, &w, &mut cache.clone(), &table, x, pos, span);
+        short_all = short(&short_all, AttentionSpan::RecentQuarter);
+        let middle = if l == layers / 2 { AttentionSpan::RecentQuarter } else { AttentionSpan::Full };
+        short_middle = short(&short_middle, middle);
+        let (all, mid) = (rel_err(&short_all, &x), rel_err(&short_middle, &x));
+        println!("{:>5} {:>8.3}  {}{precise:>24.2e}{all:>16.2e}{mid:>16.2e}", l + 1, rms(&x), errors.join(""));
     }
 }
