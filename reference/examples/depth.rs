@@ -6,13 +6,14 @@
 //! layer it prints the reference's RMS of x, each variant's relative error from the reference, and
 //! the two least-rounding variants' (fp32 stream, exact) from each other; then two cheats' errors, to
 //! set against the drift: attention over the most recent quarter of the slots in every layer, and in
-//! the middle layer only. Last, each chain's worst error of one layer against the reference's layer
+//! one layer only (CHEAT_LAYER, counted from 1; the middle one by default). Last, each chain's worst error of one layer against the reference's layer
 //! on the chain's own input to it: what a judge comparing layer by layer would see.
 //!
 //! UPDATE scales every layer's `Wo` and `Wdown` (so its update of the residual stream), for trying
 //! recipes that keep x O(1).
 //!
 //!   cargo run --release -p reference --example depth -- [CONFIG=tiny] [LAYERS=80] [SEED=1] [UPDATE=1]
+//!       [CHEAT_LAYER=LAYERS/2+1]
 
 use std::thread;
 
@@ -34,6 +35,7 @@ fn main() {
     let layers: u64 = args.get(1).map_or(80, |a| a.parse().expect("LAYERS: a whole number"));
     let seed: u64 = args.get(2).map_or(1, |a| a.parse().expect("SEED: a whole number"));
     let update: f32 = args.get(3).map_or(1.0, |a| a.parse().expect("UPDATE: a number"));
+    let cheat_at: u64 = args.get(4).map_or(layers / 2 + 1, |a| a.parse().expect("CHEAT_LAYER: a layer, from 1"));
     let table = RopeTable::new(&cfg);
     let pos = cfg.prefill;
     let mut x = input(&cfg, seed, 0);
@@ -50,7 +52,7 @@ fn main() {
     let names = HONEST.map(|(n, _)| format!("{n:>24}")).join("");
     println!(
         "{:>5} {:>8}  {names}{:>24}{:>16}{:>16}",
-        "layer", "rms(x)", "fp32 stream vs exact", "short, all", "short, middle"
+        "layer", "rms(x)", "fp32 stream vs exact", "short, all", "short, one"
     );
     for l in 0..layers {
         let mut w = generate_weights(&cfg, seed + l);
@@ -75,7 +77,7 @@ fn main() {
         // The two variants that round least, against each other.
         let precise = rel_err(&variants[HONEST.len() - 2], &variants[HONEST.len() - 1]);
         let short = |x: &[bf16], span| step_with(&cfg, &w, &mut cache.clone(), &table, x, pos, span);
-        let middle = if l == layers / 2 { AttentionSpan::RecentQuarter } else { AttentionSpan::Full };
+        let middle = if l + 1 == cheat_at { AttentionSpan::RecentQuarter } else { AttentionSpan::Full };
         let [.., all_worst, middle_worst] = worst_own.as_mut_slice() else { unreachable!("two cheats") };
         for (chain, span, worst) in
             [(&mut short_all, AttentionSpan::RecentQuarter, all_worst), (&mut short_middle, middle, middle_worst)]
