@@ -29,6 +29,20 @@ fn rms(x: &[bf16]) -> f64 {
     (x.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / x.len() as f64).sqrt()
 }
 
+/// `||out - reference|| / ||reference - input||`: the error of a layer's update of the residual stream.
+fn update_err(input: &[bf16], out: &[bf16], reference: &[bf16]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for ((i, o), r) in input.iter().zip(out).zip(reference) {
+        num += (o.to_f64() - r.to_f64()).powi(2);
+        den += (r.to_f64() - i.to_f64()).powi(2);
+    }
+    (num / den).sqrt()
+}
+
+fn max2(a: [f64; 2], b: [f64; 2]) -> [f64; 2] {
+    [a[0].max(b[0]), a[1].max(b[1])]
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let cfg = Config::named(args.first().map_or("tiny", String::as_str)).expect("a named config: tiny, small, graded");
@@ -43,7 +57,7 @@ fn main() {
     let (mut short_all, mut short_middle) = (x.clone(), x.clone());
     // Each chain's worst error, over the layers, of its layer on its own input: the variants', then
     // the two cheats'.
-    let mut worst_own = [0f64; HONEST.len() + 2];
+    let mut worst_own = [[0f64; 2]; HONEST.len() + 2];
     println!(
         "config {}, {layers} layers, seed {seed}, updates x{update}; x's RMS before the first: {:.3}",
         cfg.name,
@@ -62,13 +76,17 @@ fn main() {
         let cache = KvCache::generate(&cfg, seed + l);
         x = step(&cfg, &w, &mut cache.clone(), &table, &x, pos);
         // Each chain's layer against the reference's layer on the chain's own input.
-        let own = |input: &[bf16], out: &[bf16]| rel_err(out, &step(&cfg, &w, &mut cache.clone(), &table, input, pos));
+        // As the output's relative error, and as the update's (out - input against reference - input).
+        let own = |input: &[bf16], out: &[bf16]| {
+            let reference = step(&cfg, &w, &mut cache.clone(), &table, input, pos);
+            [rel_err(out, &reference), update_err(input, out, &reference)]
+        };
         thread::scope(|s| {
             for ((v, worst), (_, rounding)) in variants.iter_mut().zip(&mut worst_own).zip(&HONEST) {
                 let (cfg, w, cache, own) = (&cfg, &w, &cache, &own);
                 s.spawn(move || {
                     let out = output_bf16(&step_as(rounding, cfg, w, &mut cache.clone(), v, pos));
-                    *worst = worst.max(own(v, &out));
+                    *worst = max2(*worst, own(v, &out));
                     *v = out;
                 });
             }
@@ -83,13 +101,15 @@ fn main() {
             [(&mut short_all, AttentionSpan::RecentQuarter, all_worst), (&mut short_middle, middle, middle_worst)]
         {
             let out = short(chain, span);
-            *worst = worst.max(own(chain, &out));
+            *worst = max2(*worst, own(chain, &out));
             *chain = out;
         }
         let (all, mid) = (rel_err(&short_all, &x), rel_err(&short_middle, &x));
         println!("{:>5} {:>8.3}  {}{precise:>24.2e}{all:>16.2e}{mid:>16.2e}", l + 1, rms(&x), errors.join(""));
     }
-    let judged: Vec<String> = worst_own.iter().map(|e| format!("{e:>24.2e}")).collect();
-    println!("worst error of a layer against the reference's layer on the same input:");
-    println!("{:>16}{}", "", judged.join(""));
+    println!("worst error of a layer against the reference's layer on the same input (its output, its update):");
+    for (k, what) in ["output", "update"].iter().enumerate() {
+        let judged: Vec<String> = worst_own.iter().map(|e| format!("{:>24.2e}", e[k])).collect();
+        println!("{what:>16}{}", judged.join(""));
+    }
 }
