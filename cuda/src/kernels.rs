@@ -11,7 +11,7 @@ use crate::{Context, CudaError, Device};
 /// One compiled kernel file.
 #[derive(Debug, Clone, Copy)]
 pub struct Kernel {
-    /// The file's stem: `rng` for `kernels/rng.cu`.
+    /// The file's stem: `bulk_read` for `kernels/bulk_read.cu`.
     pub name: &'static str,
     /// Machine code for each target architecture plus PTX, as nvcc's `--fatbin` writes it.
     pub fatbin: &'static [u8],

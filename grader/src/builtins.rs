@@ -36,7 +36,7 @@ pub const BUILTIN: &[Builtin] = &[
 pub enum Choice {
     /// A built-in submission or a red-team adversary.
     Named(&'static str),
-    /// A file: a shared library that should speak the C ABI of `include/persistent_layer.h`.
+    /// A file: a shared library that should speak the C ABI of `submission/include/persistent_layer.h`.
     Library(PathBuf),
     /// A `.py` file: a Python module with the task's contract (see [`python`]).
     Python(PathBuf),

@@ -1,4 +1,4 @@
-//! `cargo bench`: `layer_step` of the eager reference and the megakernel at the graded size, on the
+//! `cargo bench -p megakernel`: `layer_step` of the eager reference and the megakernel at the graded size, on the
 //! first GPU. Without one it prints why and measures nothing. The grader's report (`grader run`),
 //! not this bench, is the figure of record: this is for quick A/B comparisons while editing kernels.
 

@@ -64,7 +64,7 @@ pub fn gateup_source(p: usize) -> (Tensor, usize) {
 }
 
 /// A packed matrix: `rows` rows of `cols` elements, row `p` starting at element `start(p).1` of weight
-/// `start(p).0`. The GPU gathers it (`megakernel::gather`), the CPU executor copies it.
+/// `start(p).0`. The GPU gathers it (`gather` in lib.rs), the CPU executor copies it.
 pub struct Packing<F: Fn(usize) -> (Tensor, usize)> {
     pub rows: usize,
     pub cols: usize,

@@ -77,7 +77,7 @@ mod tests {
     use super::*;
 
     /// The parent's children run: after `runs` parents the counter holds `runs * CHILDREN`. On Hopper
-    /// none of them is a host launch. `cargo test -p submission -- --ignored device_launch`.
+    /// none of them is a host launch. `cargo test -p redteam -- --ignored device_launch`.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn children_launched_from_the_device_run() {

@@ -309,7 +309,7 @@ mod tests {
     }
 
     /// The graded layer: minutes of CPU (856 M weights drawn, two steps per seed). Run with
-    /// `cargo test --release -p submission graded -- --ignored --nocapture`.
+    /// `cargo test --release -p redteam int8_down_is_within_the_tolerance_at_graded -- --ignored --nocapture`.
     #[test]
     #[ignore]
     fn int8_down_is_within_the_tolerance_at_graded() {

