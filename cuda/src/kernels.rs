@@ -1,4 +1,4 @@
-//! A compiled kernel file ([`Kernel`]) and how each crate embeds its own ([`embed_kernels!`]); this
+//! A compiled kernel file ([`Kernel`]) and how each crate embeds its own ([`crate::embed_kernels!`]); this
 //! crate's one kernel file, the bulk read stream that the grader's bandwidth measurement and the red
 //! team both launch, with its launch shape ([`read_bulk`]); and the toolchain that compiled every
 //! crate's kernels ([`NVCC`], [`CUDADEVRT_DIR`]), for tests that compile fixtures of their own.
@@ -35,12 +35,11 @@ macro_rules! embed_kernels {
     };
 }
 
-pub use embed_kernels;
 
 embed_kernels!();
 
 /// Panics unless `all` holds one kernel per `.cu` file of `folder`, each with machine code and a
-/// ptxas report, none of them spilling registers: the test [`embed_kernels!`] gives each crate.
+/// ptxas report, none of them spilling registers: the test [`crate::embed_kernels!`] gives each crate.
 pub fn assert_embedded(folder: &str, all: &[Kernel]) {
     let on_disk = std::fs::read_dir(folder)
         .unwrap()

@@ -140,7 +140,7 @@ fn parent(path: &Path) -> &Path {
     }
 }
 
-pub(crate) fn usage(message: String) -> GraderError {
+fn usage(message: String) -> GraderError {
     GraderError::Usage(message)
 }
 

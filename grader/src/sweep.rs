@@ -43,6 +43,17 @@ fn honest_outcome(submission: &str, r: &Report) -> Result<(), String> {
     }
 }
 
+/// A line of the table: the eight columns, then the verdict (or what stands in its place).
+fn columns(cells: [&str; 8], last: &str) -> String {
+    let [config, submission, run, x, us, err, bytes, honest] = cells;
+    format!("{config:<14} {submission:<11} {run:>3} {x:>8} {us:>9} {err:>9} {bytes:>7} {honest:<5} {last}")
+}
+
+/// What a honest outcome's column says.
+fn honesty(honest: &Result<(), String>) -> &'static str {
+    if honest.is_ok() { "ok" } else { "FALSE FAILURE" }
+}
+
 /// One row of the table: the run's verdict and figures.
 fn row(member: &Member, submission: &str, run: usize, r: &Report, honest: &Result<(), String>) -> String {
     let v = &r.verdict;
@@ -54,19 +65,45 @@ fn row(member: &Member, submission: &str, run: usize, r: &Report, honest: &Resul
         (format!("{:.3}", p.x_floor), format!("{:.1}", p.us_per_call))
     });
     let err = r.steps.iter().filter_map(|s| s.rel_err).fold(None, |m: Option<f64>, e| Some(m.map_or(e, |m| m.max(e))));
+    let err = err.map_or("-".into(), |e| format!("{e:.2e}"));
     let bytes = r.gates.iter().find(|g| g.name == "bytes_read").map_or(f64::NAN, |g| g.value);
-    let ok = if honest.is_ok() { "ok" } else { "FALSE FAILURE" };
-    format!(
-        "{:<14} {:<11} {:>3} {:>8} {:>9} {:>9} {:>7.3} {:<5} {verdict}",
-        member.name,
-        submission,
-        run,
-        x,
-        us,
-        err.map_or("-".into(), |e| format!("{e:.2e}")),
-        bytes,
-        ok
+    columns(
+        [member.name, submission, &run.to_string(), &x, &us, &err, &format!("{bytes:.3}"), honesty(honest)],
+        &verdict,
     )
+}
+
+/// The ensemble's row at `member`, seeds from `first`.
+fn ensemble_row(member: &Member, m: &ensemble::Margins, first: u64, honest: &Result<(), String>) -> String {
+    let worst = format!("{:.2e}", m.worst.iter().copied().fold(0.0, f64::max));
+    let last = format!("least margin {:.2}x (seeds {first}..)", m.least());
+    columns([member.name, "ensemble", "-", "-", "-", &worst, "-", honesty(honest)], &last)
+}
+
+/// The table, the log and the count, row by row.
+#[derive(Default)]
+struct Tally {
+    passed: usize,
+    failed: usize,
+    table: Vec<String>,
+    log: String,
+}
+
+impl Tally {
+    /// A row, with `detail` for the log under it; a dishonest outcome is a failure said twice.
+    fn add(&mut self, line: String, detail: &str, honest: Result<(), String>) {
+        eprintln!("{line}");
+        let _ = writeln!(self.log, "{line}\n{detail}");
+        match honest {
+            Ok(()) => self.passed += 1,
+            Err(why) => {
+                let _ = writeln!(self.log, "  false failure: {why}");
+                eprintln!("  false failure: {why}");
+                self.failed += 1;
+            }
+        }
+        self.table.push(line);
+    }
 }
 
 pub fn command(device: usize, args: &SweepArgs) -> Result<Outcome, GraderError> {
@@ -94,41 +131,17 @@ pub fn command(device: usize, args: &SweepArgs) -> Result<Outcome, GraderError> 
     }
     let dev = Device::open(device)?;
     let progress = Progress::new(false);
-    let header = format!(
-        "{:<14} {:<11} {:>3} {:>8} {:>9} {:>9} {:>7} {:<5} verdict",
-        "config", "submission", "run", "x floor", "us/call", "worst err", "bytes", "honest"
-    );
-    let (mut passed, mut failed) = (0, 0);
-    let (mut table, mut log) = (vec![header], String::new());
+    let header =
+        columns(["config", "submission", "run", "x floor", "us/call", "worst err", "bytes", "honest"], "verdict");
+    let mut tally = Tally { table: vec![header], ..Tally::default() };
     for member in &members {
         let cfg = member.config();
         if args.ensemble_seeds > 0 {
             let first = u64::from(rand::random::<u32>());
             progress.say(&format!("{} ({}), the honest ensemble", member.name, member.what));
             let m = ensemble::margins(&dev, &cfg, first..first + args.ensemble_seeds)?;
-            let line = format!(
-                "{:<14} {:<11} {:>3} {:>8} {:>9} {:>9} {:>7} {:<5} least margin {:.2}x (seeds {first}..)",
-                member.name,
-                "ensemble",
-                "-",
-                "-",
-                "-",
-                format!("{:.2e}", m.worst.iter().copied().fold(0.0, f64::max)),
-                "-",
-                if m.failure().is_none() { "ok" } else { "FALSE FAILURE" },
-                m.least()
-            );
-            eprintln!("{line}");
-            let _ = writeln!(log, "{line}\n  {}", m.shown());
-            match m.failure() {
-                Some(why) => {
-                    let _ = writeln!(log, "  false failure: {why}");
-                    eprintln!("  false failure: {why}");
-                    failed += 1;
-                }
-                None => passed += 1,
-            }
-            table.push(line);
+            let honest = m.failure().map_or(Ok(()), Err);
+            tally.add(ensemble_row(member, &m, first, &honest), &format!("  {}", m.shown()), honest);
         }
         for (name, chosen) in &submissions {
             for run in 1..=args.runs as usize {
@@ -136,31 +149,33 @@ pub fn command(device: usize, args: &SweepArgs) -> Result<Outcome, GraderError> 
                 let seeds = Seeds { weights: spec::DEFAULT_SEED, inputs: rand::random() };
                 let r = judge(&dev, chosen, &cfg, seeds, Policy { require_audit: false }, &Progress::new(true), None)?;
                 let honest = honest_outcome(name, &r);
-                let line = row(member, name, run, &r, &honest);
-                eprintln!("{line}");
-                let _ = writeln!(log, "{line}\n{}", r.table());
-                if let Err(why) = &honest {
-                    let _ = writeln!(log, "  false failure: {why}");
-                    eprintln!("  false failure: {why}");
-                    failed += 1;
-                } else {
-                    passed += 1;
-                }
-                table.push(line);
+                tally.add(row(member, name, run, &r, &honest), &r.table(), honest);
             }
         }
     }
     if let Some(path) = &args.log {
-        crate::write_output(path, &log)?;
+        crate::write_output(path, &tally.log)?;
     }
-    eprintln!("\n{}", table.join("\n"));
-    println!("{passed} passed, {failed} failed");
-    Ok(if failed == 0 { Outcome::Pass } else { Outcome::Fail })
+    eprintln!("\n{}", tally.table.join("\n"));
+    println!("{} passed, {} failed", tally.passed, tally.failed);
+    Ok(if tally.failed == 0 { Outcome::Pass } else { Outcome::Fail })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ensemble_row_lines_up_with_the_header_and_says_a_false_failure() {
+        let member = spec::family::find("graded").unwrap();
+        let m = ensemble::Margins { seeds: 2, calls: 1, worst: [3e-3; reference::golden::HONEST.len()] };
+        let header = columns(["config", "submission", "run", "x floor", "us/call", "worst err", "bytes", "honest"], "v");
+        let ok = ensemble_row(member, &m, 7, &Ok(()));
+        let bad = ensemble_row(member, &m, 7, &Err("over".into()));
+        assert_eq!(header.find("honest"), ok.find(" ok ").map(|i| i + 1), "{header}\n{ok}");
+        assert!(ok.ends_with("least margin 5.00x (seeds 7..)"), "{ok}");
+        assert!(bad.contains("FALSE FAILURE"), "{bad}");
+    }
 
     #[test]
     fn the_launch_gates_are_the_only_ones_the_reference_may_fail() {

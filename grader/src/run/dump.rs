@@ -141,7 +141,7 @@ pub fn report_file(json: &Path, dump: Option<&Path>) -> Result<(), GraderError> 
     } else {
         return crate::preflight::output_file("--json", json);
     };
-    Err(crate::preflight::usage(format!(
+    Err(GraderError::Usage(format!(
         "cannot write --json {} with --dump {}: {clash}; give the report a path of its own, e.g. {}",
         json.display(),
         dump.display(),
