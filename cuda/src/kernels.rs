@@ -35,7 +35,6 @@ macro_rules! embed_kernels {
     };
 }
 
-
 embed_kernels!();
 
 /// Panics unless `all` holds one kernel per `.cu` file of `folder`, each with machine code and a

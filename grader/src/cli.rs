@@ -210,8 +210,8 @@ pub struct SelftestArgs {
 #[derive(Debug, Args)]
 pub struct SweepArgs {
     /// Family members to judge, comma-separated (default: all): llama-3.2-1b, llama-3.2-3b,
-    /// llama-3-8b, qwen-7b, llama-2-13b, qwen-32b, gemma-hd256, graded, 70b-8k, 70b-16k, 70b-32k,
-    /// 405b. `grader spec --config NAME` prints any of them.
+    /// llama-3-8b, qwen-7b, llama-2-13b, qwen-32b, glm-4-9b, gemma-hd256, graded, 70b-8k, 70b-16k,
+    /// 70b-32k, 70b-128k, 405b. `grader spec --config NAME` prints any of them.
     #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
     pub configs: Option<Vec<String>>,
     /// Built-in submissions to judge at each member, comma-separated.

@@ -169,7 +169,8 @@ mod tests {
     fn an_ensemble_row_lines_up_with_the_header_and_says_a_false_failure() {
         let member = spec::family::find("graded").unwrap();
         let m = ensemble::Margins { seeds: 2, calls: 1, worst: [3e-3; reference::golden::HONEST.len()] };
-        let header = columns(["config", "submission", "run", "x floor", "us/call", "worst err", "bytes", "honest"], "v");
+        let header =
+            columns(["config", "submission", "run", "x floor", "us/call", "worst err", "bytes", "honest"], "v");
         let ok = ensemble_row(member, &m, 7, &Ok(()));
         let bad = ensemble_row(member, &m, 7, &Err("over".into()));
         assert_eq!(header.find("honest"), ok.find(" ok ").map(|i| i + 1), "{header}\n{ok}");

@@ -40,10 +40,17 @@ constexpr uint32_t STAGE_BYTES = 64 * 1024;
 constexpr uint32_t RING_BYTES = STAGES * STAGE_BYTES;
 // Input vectors a thread holds: rows of up to MAX_VPT * THREADS * VEC = 28672 bf16.
 constexpr uint32_t MAX_VPT = 7;
-// Attention work items: ATTN_CHUNK cached positions of one KV head for all of its query heads.
-constexpr uint32_t ATTN_CHUNK = 128;
-constexpr uint32_t ATTN_MAX_HD = 128;
-constexpr uint32_t ATTN_MAX_GROUP = 8;
+// Attention work items: a KV head's cached positions in chunks of ATTN_CHUNK_ELEMS / hd slots, at most
+// ATTN_MAX_CHUNK (128 slots at hd 128, 64 at hd 256; the program row's Chunk word), so that a chunk's K
+// and V rows take the same shared memory at every head size. An item is a run of consecutive chunks of
+// one KV head (a split of it), loaded and scored a chunk at a time with a running max and sum.
+constexpr uint32_t ATTN_MAX_CHUNK = 128;
+constexpr uint32_t ATTN_CHUNK_ELEMS = 128 * 128;
+constexpr uint32_t ATTN_MAX_HD = 256;
+// Query heads per KV head: the 16 rows of the tensor-core tiles.
+constexpr uint32_t ATTN_MAX_GROUP = 16;
+// Splits of one KV head at most: the combine's lanes hold each split's max and sum in registers.
+constexpr uint32_t ATTN_MAX_SPLITS = 128;
 // bf16 of padding after each K, V and Q row in shared memory: rows then start 4 banks apart, so the
 // tensor-core fragment loads of phase_attention (8 rows x 4 words per warp) hit 32 distinct banks.
 constexpr uint32_t KS_PAD = 8;
@@ -54,18 +61,26 @@ constexpr uint32_t TEAM_THREADS = THREADS / TEAMS;
 constexpr uint32_t TEAM_WARPS = TEAM_THREADS / WARP;
 // f32 of padding after each query head's row of scores (see the P V product in phase_attention).
 constexpr uint32_t PS_PAD = 4;
-// Shared memory of one team: K, V and Q (bf16, rows padded by KS_PAD) and the scores (f32).
-constexpr uint32_t TEAM_SMEM_BYTES =
-    (2 * ATTN_CHUNK + ATTN_MAX_GROUP) * (ATTN_MAX_HD + KS_PAD) * 2 + ATTN_MAX_GROUP * (ATTN_CHUNK + PS_PAD) * 4;
-static_assert(TEAMS * TEAM_SMEM_BYTES <= RING_BYTES, "the attention teams' shared memory must fit in the ring");
-// The combine: outputs each thread of a team sums, and the f32 it stages per pass (the team's K and V
-// space).
-constexpr uint32_t COMBINE_OUTPUTS = ATTN_MAX_GROUP * ATTN_MAX_HD / TEAM_THREADS;
-constexpr uint32_t COMBINE_STAGE_FLOATS = 2 * ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD) * 2 / 4;
-// Chunks of a KV head each lane of the combine holds the running max and sum of: the launcher keeps a
-// head's chunks (max_seq_len / ATTN_CHUNK) within ATTN_CHUNK, the scales' room in shared memory.
-constexpr uint32_t COMBINE_CHUNKS_PER_LANE = ATTN_CHUNK / WARP;
-static_assert(COMBINE_CHUNKS_PER_LANE * WARP == ATTN_CHUNK, "the combine's lanes must reach every chunk a head can have");
+// Each team owns an equal share of the ring (free outside GEMV phases).
+constexpr uint32_t TEAM_SMEM_BYTES = RING_BYTES / TEAMS;
+// A team's shared memory for chunks of `chunk` slots at head size hd: K, V and Q (bf16, rows padded by
+// KS_PAD), the scores (f32), and each query head's running max, sum and rescale (f32). The launcher
+// checks its chunk against the same sum (megakernel/src/lib.rs, attention_smem_bytes).
+constexpr uint32_t attn_smem_bytes(uint32_t chunk, uint32_t hd) {
+    return (2 * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2 + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4 + 3 * ATTN_MAX_GROUP * 4;
+}
+static_assert(attn_smem_bytes(ATTN_MAX_CHUNK, ATTN_CHUNK_ELEMS / ATTN_MAX_CHUNK) <= TEAM_SMEM_BYTES, "a team's chunk must fit its share of the ring");
+static_assert(attn_smem_bytes(ATTN_CHUNK_ELEMS / ATTN_MAX_HD, ATTN_MAX_HD) <= TEAM_SMEM_BYTES, "a team's chunk must fit its share of the ring");
+// Column tiles of 8 of the P V product each warp accumulates across a split's chunks.
+constexpr uint32_t PV_TILES = ATTN_MAX_HD / 8 / TEAM_WARPS;
+// The combine: outputs each thread of a team sums per window; the splits' scales, then the partials
+// of a pass, in the team's shared memory.
+constexpr uint32_t COMBINE_OUTPUTS = 4;
+constexpr uint32_t COMBINE_WINDOW = COMBINE_OUTPUTS * TEAM_THREADS;
+constexpr uint32_t COMBINE_SCALES = ATTN_MAX_SPLITS * ATTN_MAX_GROUP;
+constexpr uint32_t COMBINE_STAGE_FLOATS = TEAM_SMEM_BYTES / 4 - COMBINE_SCALES;
+constexpr uint32_t COMBINE_SPLITS_PER_LANE = ATTN_MAX_SPLITS / WARP;
+static_assert(COMBINE_SPLITS_PER_LANE * WARP == ATTN_MAX_SPLITS, "the combine's lanes must reach every split a head can have");
 
 // ---------------------------------------------------------------------------------------------------
 // Memory helpers
@@ -424,104 +439,124 @@ struct Team {
 };
 
 // Outputs [lo, hi) of KV head kv's attention (query head i / hd, dimension i % hd, over the group):
-// a = sum_c o_c e^(m_c - M) / sum_c l_c e^(m_c - M), chunks in order (deterministic, whichever team
-// and share computes it). lo and hi are multiples of 4. Every chunk's scale is computed once into
-// shared memory, so the sums below are streams of independent loads. The caller has made the head's
-// partials visible (acquire).
-__device__ void combine(const Team& team, uint32_t kv, uint32_t n_chunks, uint32_t max_chunks, uint32_t group, uint32_t hd,
-                        uint32_t lo, uint32_t hi, const float* part_o, const float* part_ml, bf16* a_out, float* scale, float* stage) {
-    const float* pm = part_ml + (size_t)kv * max_chunks * group * 2;  // (n_chunks, group, 2)
-    const float* po = part_o + (size_t)kv * max_chunks * group * hd;  // (n_chunks, group, hd)
-    // The share of each chunk's partials passes through shared memory (the team's K and V space, free
-    // now) as many chunks at a time as fit: every thread's copies are in flight together, so a pass
-    // costs one round trip, and the first pass's copies start before the scales' loads, which do not
-    // depend on them, so the two overlap. Thread t sums outputs lo + t, lo + t + TEAM_THREADS, ...,
-    // each over the chunks in order.
-    const uint32_t per_chunk = group * hd, width = hi - lo, chunks_per_pass = COMBINE_STAGE_FLOATS / width;
-    const auto load_pass = [&](uint32_t c0) {
-        const uint32_t cn = min(chunks_per_pass, n_chunks - c0);
-        for (uint32_t i = team.t; i < cn * width / 4; i += TEAM_THREADS) {
-            const uint32_t c = 4 * i / width, off = 4 * i % width;
-            cp_async16(stage + 4 * i, po + (size_t)(c0 + c) * per_chunk + lo + off);
+// a = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M) over the head's n_splits partials in order
+// (deterministic, whichever team and share computes it). lo and hi are multiples of 4. Every split's
+// scale is computed once into shared memory, so the sums below are streams of independent loads. The
+// caller has made the head's partials visible (acquire). `scratch` is the team's shared memory, free.
+__device__ void combine(const Team& team, uint32_t kv, uint32_t n_splits, uint32_t max_splits, uint32_t group, uint32_t hd,
+                        uint32_t lo, uint32_t hi, const float* part_o, const float* part_ml, bf16* a_out, float* scratch) {
+    const float* pm = part_ml + (size_t)kv * max_splits * group * 2;  // (n_splits, group, 2)
+    const float* po = part_o + (size_t)kv * max_splits * group * hd;  // (n_splits, group, hd)
+    float* scale = scratch;                                           // (ATTN_MAX_SPLITS, ATTN_MAX_GROUP)
+    float* stage = scratch + COMBINE_SCALES;                          // (COMBINE_STAGE_FLOATS)
+    // The outputs go a window of COMBINE_WINDOW at a time (thread t sums outputs t, t + TEAM_THREADS,
+    // ... of the window, each over the splits in order); the window's share of each split's partials
+    // passes through shared memory as many splits at a time as fit: every thread's copies are in
+    // flight together, so a pass costs one round trip, and the first pass's copies start before the
+    // scales' loads, which do not depend on them, so the two overlap.
+    const uint32_t per_split = group * hd;
+    const auto load_pass = [&](uint32_t w0, uint32_t width, uint32_t s0, uint32_t sn) {
+        for (uint32_t i = team.t; i < sn * width / 4; i += TEAM_THREADS) {
+            const uint32_t s = 4 * i / width, off = 4 * i % width;
+            cp_async16(stage + 4 * i, po + (size_t)(s0 + s) * per_split + w0 + off);
         }
     };
-    load_pass(0);
-    // Each lane loads the running max and sum of its chunks once (lane, lane + WARP, ...).
-    for (uint32_t g = team.warp; g < group; g += TEAM_WARPS) {
-        float cm[COMBINE_CHUNKS_PER_LANE], cl[COMBINE_CHUNKS_PER_LANE];
-        float m = -CUDART_INF_F;
+    for (uint32_t w0 = lo; w0 < hi; w0 += COMBINE_WINDOW) {
+        const uint32_t width = min(COMBINE_WINDOW, hi - w0), per_pass = COMBINE_STAGE_FLOATS / width;
+        if (w0 > lo) team.sync();  // every thread is done with the previous window's last pass
+        load_pass(w0, width, 0, min(per_pass, n_splits));
+        if (w0 == lo) {
+            // Each lane loads the running max and sum of its splits once (lane, lane + WARP, ...).
+            for (uint32_t g = team.warp; g < group; g += TEAM_WARPS) {
+                float sm[COMBINE_SPLITS_PER_LANE], sl[COMBINE_SPLITS_PER_LANE];
+                float m = -CUDART_INF_F;
 #pragma unroll
-        for (uint32_t k = 0; k < COMBINE_CHUNKS_PER_LANE; ++k) {
-            const uint32_t c = team.lane + k * WARP;
-            cm[k] = c < n_chunks ? __ldcg(pm + (c * group + g) * 2) : -CUDART_INF_F;
-            cl[k] = c < n_chunks ? __ldcg(pm + (c * group + g) * 2 + 1) : 0.0f;
-            m = fmaxf(m, cm[k]);
-        }
-        m = warp_reduce(m, Max{});
-        float l = 0.0f;
+                for (uint32_t k = 0; k < COMBINE_SPLITS_PER_LANE; ++k) {
+                    const uint32_t s = team.lane + k * WARP;
+                    sm[k] = s < n_splits ? __ldcg(pm + (s * group + g) * 2) : -CUDART_INF_F;
+                    sl[k] = s < n_splits ? __ldcg(pm + (s * group + g) * 2 + 1) : 0.0f;
+                    m = fmaxf(m, sm[k]);
+                }
+                m = warp_reduce(m, Max{});
+                float l = 0.0f;
 #pragma unroll
-        for (uint32_t k = 0; k < COMBINE_CHUNKS_PER_LANE; ++k) {
-            const uint32_t c = team.lane + k * WARP;
-            if (c < n_chunks) {
-                cm[k] = expf(__fsub_rn(cm[k], m));
-                l = fmaf(cl[k], cm[k], l);
+                for (uint32_t k = 0; k < COMBINE_SPLITS_PER_LANE; ++k) {
+                    const uint32_t s = team.lane + k * WARP;
+                    if (s < n_splits) {
+                        sm[k] = expf(__fsub_rn(sm[k], m));
+                        l = fmaf(sl[k], sm[k], l);
+                    }
+                }
+                l = warp_reduce(l, Add{});
+#pragma unroll
+                for (uint32_t k = 0; k < COMBINE_SPLITS_PER_LANE; ++k) {
+                    const uint32_t s = team.lane + k * WARP;
+                    if (s < n_splits) scale[s * ATTN_MAX_GROUP + g] = __fdiv_rn(sm[k], l);
+                }
             }
         }
-        l = warp_reduce(l, Add{});
+        float o[COMBINE_OUTPUTS] = {};
+        for (uint32_t s0 = 0; s0 < n_splits; s0 += per_pass) {
+            const uint32_t sn = min(per_pass, n_splits - s0);
+            if (s0 > 0) {
+                team.sync();  // every thread is done with the previous pass before this one overwrites it
+                load_pass(w0, width, s0, sn);
+            }
+            cp_async_wait_all();
+            team.sync();  // the pass's partials (and, on the first, every split's scale) are in shared memory
 #pragma unroll
-        for (uint32_t k = 0; k < COMBINE_CHUNKS_PER_LANE; ++k) {
-            const uint32_t c = team.lane + k * WARP;
-            if (c < n_chunks) scale[c * ATTN_MAX_GROUP + g] = __fdiv_rn(cm[k], l);
+            for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
+                const uint32_t i = team.t + k * TEAM_THREADS;
+                if (i >= width) break;
+                for (uint32_t s = 0; s < sn; ++s) o[k] = fmaf(stage[s * width + i], scale[(s0 + s) * ATTN_MAX_GROUP + (w0 + i) / hd], o[k]);
+            }
         }
-    }
-    float o[COMBINE_OUTPUTS] = {};
-    for (uint32_t c0 = 0; c0 < n_chunks; c0 += chunks_per_pass) {
-        if (c0 > 0) {
-            team.sync();  // every thread is done with the previous pass before this one overwrites it
-            load_pass(c0);
-        }
-        cp_async_wait_all();
-        team.sync();  // the pass's partials (and, on the first, every chunk's scale) are in shared memory
-        const uint32_t cn = min(chunks_per_pass, n_chunks - c0);
 #pragma unroll
         for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
             const uint32_t i = team.t + k * TEAM_THREADS;
-            if (i >= width) break;
-            for (uint32_t c = 0; c < cn; ++c) o[k] = fmaf(stage[c * width + i], scale[(c0 + c) * ATTN_MAX_GROUP + (lo + i) / hd], o[k]);
+            if (i < width) a_out[(size_t)kv * per_split + w0 + i] = __float2bfloat16_rn(o[k]);
         }
-    }
-#pragma unroll
-    for (uint32_t k = 0; k < COMBINE_OUTPUTS; ++k) {
-        const uint32_t i = team.t + k * TEAM_THREADS;
-        if (i < width) a_out[(size_t)kv * per_chunk + lo + i] = __float2bfloat16_rn(o[k]);
     }
 }
 
-// The work items of an attention phase at one position: (KV head, chunk of ATTN_CHUNK slots), item
-// kv * n_chunks + c, taken by the phase's teams in turn (item i by team i % TEAMS of the phase's block
-// i / TEAMS % its count).
+// The work items of an attention phase at one position: a KV head's chunks in `splits` runs of `span`
+// consecutive chunks, item kv * splits + split, taken by the phase's teams in turn (item i by team
+// i % TEAMS of the phase's block i / TEAMS % its count). With fewer KV heads than teams, each head is
+// split over as many teams as it can have (at most ATTN_MAX_SPLITS), so every team holds at most one
+// item and the teams of a head then combine it together, each a share; with as many heads as teams or
+// more, a head is one item (one split) and its team writes its output itself.
 struct AttnItems {
     BlockSet set;
-    uint32_t n_chunks, count;
-    // Every team holds at most one item: the teams of a KV head then combine it together, each a
-    // share, instead of the last one to finish combining all of it.
-    bool one_round;
-    __device__ AttnItems(const int64_t* op, uint32_t pos)
-        : set(blocks_of(op)), n_chunks((pos + ATTN_CHUNK) / ATTN_CHUNK), count((uint32_t)op[attn::NKv] * n_chunks),
-          one_round(count <= set.count * TEAMS) {}
+    uint32_t chunk, n_chunks, span, splits, count;
+    __device__ AttnItems(const int64_t* op, uint32_t pos) : set(blocks_of(op)), chunk((uint32_t)op[attn::Chunk]), n_chunks(pos / chunk + 1) {
+        const uint32_t n_kv = (uint32_t)op[attn::NKv], teams = set.count * TEAMS;
+        const uint32_t most = n_kv >= teams ? 1 : min(min(teams / n_kv, ATTN_MAX_SPLITS), n_chunks);
+        span = (n_chunks + most - 1) / most;
+        splits = (n_chunks + span - 1) / span;
+        count = n_kv * splits;
+    }
     __device__ uint32_t first(const Team& team) const { return rank(set) * TEAMS + team.id; }
     __device__ uint32_t stride() const { return set.count * TEAMS; }
+    // The first slot of item i's split, and its chunks [chunk_begin, chunk_end).
+    __device__ uint32_t chunk_begin(uint32_t i) const { return i % splits * span; }
+    __device__ uint32_t chunk_end(uint32_t i) const { return min(chunk_begin(i) + span, n_chunks); }
 };
 
-// A team's K, V and Q rows and scores in shared memory (the ring, free outside GEMV phases).
+// A team's K, V and Q rows, scores and per-head running statistics in shared memory (its share of the
+// ring, laid out as attn_smem_bytes sums it).
 struct AttnSmem {
-    bf16 *ks, *vs, *qs;  // (ATTN_CHUNK, row), (ATTN_CHUNK, row), (ATTN_MAX_GROUP, row)
-    float* ps;           // (ATTN_MAX_GROUP, ps_row)
-    __device__ AttnSmem(uint4* smem, const Team& team) {
+    bf16 *ks, *vs, *qs;        // (chunk, row), (chunk, row), (ATTN_MAX_GROUP, row); row = hd + KS_PAD
+    float* ps;                 // (ATTN_MAX_GROUP, chunk + PS_PAD)
+    float *run_m, *run_l, *rescale;  // (ATTN_MAX_GROUP) each
+    __device__ AttnSmem(uint4* smem, const Team& team, uint32_t chunk, uint32_t hd) {
+        const uint32_t row = hd + KS_PAD;
         ks = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + team.id * TEAM_SMEM_BYTES);
-        vs = ks + ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD);
-        qs = vs + ATTN_CHUNK * (ATTN_MAX_HD + KS_PAD);
-        ps = reinterpret_cast<float*>(qs + ATTN_MAX_GROUP * (ATTN_MAX_HD + KS_PAD));
+        vs = ks + chunk * row;
+        qs = vs + chunk * row;
+        ps = reinterpret_cast<float*>(qs + ATTN_MAX_GROUP * row);
+        run_m = ps + ATTN_MAX_GROUP * (chunk + PS_PAD);
+        run_l = run_m + ATTN_MAX_GROUP;
+        rescale = run_l + ATTN_MAX_GROUP;
     }
 };
 
@@ -533,7 +568,7 @@ __device__ void load_cache_rows(const Team& team, const int64_t* op, const AttnS
                                 uint32_t r0, uint32_t r1, uint32_t skip) {
     const bf16* k_cache = reinterpret_cast<const bf16*>(op[attn::KCache]);
     const bf16* v_cache = reinterpret_cast<const bf16*>(op[attn::VCache]);
-    const uint32_t hd = (uint32_t)op[attn::Hd], row_vecs = hd / VEC, row = ATTN_MAX_HD + KS_PAD;
+    const uint32_t hd = (uint32_t)op[attn::Hd], row_vecs = hd / VEC, row = hd + KS_PAD;
     const size_t base = ((size_t)kv * (uint32_t)op[attn::MaxSeq] + first) * hd;
     for (uint32_t i = r0 * row_vecs + team.t; i < r1 * row_vecs; i += TEAM_THREADS) {
         const uint32_t r = i / row_vecs, col = i % row_vecs;
@@ -550,16 +585,17 @@ __device__ void load_cache_rows(const Team& team, const int64_t* op, const AttnS
 }
 
 // Before the wait in front of attention: each team starts loading the cache rows of its first
-// item that earlier steps wrote (every slot but pos, which this launch's Qkv phase writes). They do
-// not depend on this step, so HBM streams them while the block waits for the Qkv phase it depends on;
-// the phase then loads only the queries and the row at pos.
+// item's first chunk that earlier steps wrote (every slot but pos, which this launch's Qkv phase
+// writes). They do not depend on this step, so HBM streams them while the block waits for the Qkv
+// phase it depends on; the phase then loads only the queries and the row at pos.
 __device__ void prime_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const Team team;
     const AttnItems items(op, pos);
     const uint32_t item = items.first(team);
     if (item >= items.count) return;
-    const uint32_t kv = item / items.n_chunks, first = item % items.n_chunks * ATTN_CHUNK;
-    load_cache_rows(team, op, AttnSmem(smem, team), kv, first, min(ATTN_CHUNK, pos + 1 - first), 0, ATTN_CHUNK, pos - first);
+    const uint32_t kv = item / items.splits, first = items.chunk_begin(item) * items.chunk;
+    const AttnSmem sm(smem, team, items.chunk, (uint32_t)op[attn::Hd]);
+    load_cache_rows(team, op, sm, kv, first, min(items.chunk, pos + 1 - first), 0, items.chunk, pos - first);
 }
 
 // Starts loading what phase `op` reads that no phase of this step writes, before the block waits for
@@ -569,10 +605,12 @@ __device__ void prime_inputs(const int64_t* op, const Ring& ring, uint32_t pos) 
     else prime_phase(op, ring);
 }
 
-// Attention: work item (KV head, chunk of ATTN_CHUNK slots) -> partial softmax numerator and its
-// running max and sum for each query head of the group, then the combine of each KV head's partials
-// into a (see AttnItems). Each KV chunk is loaded once for all of its query heads. The block ran
-// prime_attention for this phase (prime_inputs), so each team's first item lacks only the row at pos.
+// Attention: work item (KV head, split of its chunks) -> for each query head of the group, the
+// softmax numerator over the split's slots and its max and sum, kept running across the split's
+// chunks (flash-decoding); then, with one split per head, the output, and with several, the combine
+// of the head's partials into a (see AttnItems). Each KV chunk is loaded once for all of its query
+// heads. The block ran prime_attention for this phase (prime_inputs), so each team's first chunk
+// lacks only the row at pos.
 __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const bf16* q = reinterpret_cast<const bf16*>(op[attn::Q]);
     float* part_o = reinterpret_cast<float*>(op[attn::PartO]);
@@ -582,138 +620,190 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const uint32_t n_q = (uint32_t)op[attn::NQ], n_kv = (uint32_t)op[attn::NKv], hd = (uint32_t)op[attn::Hd];
     const uint32_t max_seq = (uint32_t)op[attn::MaxSeq], group = n_q / n_kv, per_head = group * hd;
     const AttnItems items(op, pos);
-    const uint32_t n_chunks = items.n_chunks, max_chunks = (max_seq + ATTN_CHUNK - 1) / ATTN_CHUNK;
-    unsigned* arrivals = counters;         // (n_kv) chunks of each head whose partials are written
+    const uint32_t chunk = items.chunk, splits = items.splits;
+    // The partials' room per head: as many splits as the deepest slot can need (lib.rs allocates it).
+    const uint32_t max_splits = min((max_seq + chunk - 1) / chunk, ATTN_MAX_SPLITS);
+    unsigned* arrivals = counters;           // (n_kv) splits of each head whose partials are written
     unsigned* departures = counters + n_kv;  // (n_kv) teams done with the shared combine
     const float inv_sqrt_hd = __fdiv_rn(1.0f, __fsqrt_rn((float)hd));
     const Team team;
     const uint32_t t = team.t, lane = team.lane, warp = team.warp;
-    const uint32_t row_vecs = hd / VEC, row = ATTN_MAX_HD + KS_PAD, ps_row = ATTN_CHUNK + PS_PAD;  // strides
-    // Fragment coordinates of this lane: its row of A and D (a query head), its quad position.
+    const uint32_t row_vecs = hd / VEC, row = hd + KS_PAD, ps_row = chunk + PS_PAD;  // strides
+    // Fragment coordinates of this lane: its rows of A and D (query heads g and g + 8), its quad position.
     const uint32_t g = lane / 4, quad = lane % 4;
-    const AttnSmem sm(smem, team);
+    const bool lo_row = g < group, hi_row = g + 8 < group;
+    const AttnSmem sm(smem, team, chunk, hd);
     bf16 *ks = sm.ks, *vs = sm.vs, *qs = sm.qs;
     float* ps = sm.ps;
-    __shared__ bool last[TEAMS];
 
     for (uint32_t item = items.first(team); item < items.count; item += items.stride()) {
-        const uint32_t kv = item / n_chunks, c = item % n_chunks, first = c * ATTN_CHUNK;
-        const uint32_t len = min(ATTN_CHUNK, pos + 1 - first);
-        if (item == items.first(team)) {
-            // Only the row this step's Qkv phase wrote is missing (when it is in this chunk).
-            if (pos - first < len) load_cache_rows(team, op, sm, kv, first, len, pos - first, pos - first + 1, NO_ROW);
-        } else {
-            load_cache_rows(team, op, sm, kv, first, len, 0, ATTN_CHUNK, NO_ROW);
-        }
+        const uint32_t kv = item / splits, split = item % splits;
         for (uint32_t i = t; i < group * row_vecs; i += TEAM_THREADS) {
             cp_async16(reinterpret_cast<uint4*>(qs + (i / row_vecs) * row) + i % row_vecs, reinterpret_cast<const uint4*>(q + (size_t)kv * group * hd) + i);
         }
-        cp_async_wait_all();
-        team.sync();  // the chunk and the queries are in shared memory
-        // Scores S = Q K^T on the tensor cores: A = Q (query heads as rows 0..group-1 of 16, the rest
-        // zero), B = K^T (8 slots per tile, k over the head dimension). Warp w takes slot tiles w,
-        // w + TEAM_WARPS, ...; lane (g, quad) ends with head g's scores of slots 2 quad + {0, 1}.
-        for (uint32_t tile = warp; tile < ATTN_CHUNK / 8; tile += TEAM_WARPS) {
-            const bf16* krow = ks + (tile * 8 + g) * row;  // B column n = g is slot tile * 8 + g
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (uint32_t k0 = 0; k0 < hd; k0 += 16) {
-                uint32_t a[4] = {0, 0, 0, 0};
-                if (g < group) {
-                    a[0] = pair_at(qs + g * row + k0 + 2 * quad);
-                    a[2] = pair_at(qs + g * row + k0 + 8 + 2 * quad);
-                }
-                const uint32_t b[2] = {pair_at(krow + k0 + 2 * quad), pair_at(krow + k0 + 8 + 2 * quad)};
-                mma_bf16_m16n8k16(d, a, b);
+        for (uint32_t h = t; h < group; h += TEAM_THREADS) {
+            sm.run_m[h] = -CUDART_INF_F;
+            sm.run_l[h] = 0.0f;
+        }
+        // The numerator's column tiles warp, warp + TEAM_WARPS, ... (rows g and g + 8), across chunks.
+        float acc[PV_TILES][4] = {};
+        for (uint32_t c = items.chunk_begin(item); c < items.chunk_end(item); ++c) {
+            const uint32_t first = c * chunk, len = min(chunk, pos + 1 - first);
+            if (item == items.first(team) && c == items.chunk_begin(item)) {
+                // Primed: only the row this step's Qkv phase wrote is missing (when it is in this chunk).
+                if (pos - first < len) load_cache_rows(team, op, sm, kv, first, len, pos - first, pos - first + 1, NO_ROW);
+            } else {
+                if (c > items.chunk_begin(item)) team.sync();  // every thread is done with the previous chunk's rows
+                load_cache_rows(team, op, sm, kv, first, len, 0, chunk, NO_ROW);
             }
-            const uint32_t j = tile * 8 + 2 * quad;
-            if (g < group) {
-                if (j < len) ps[g * ps_row + j] = __fmul_rn(d[0], inv_sqrt_hd);
-                if (j + 1 < len) ps[g * ps_row + j + 1] = __fmul_rn(d[1], inv_sqrt_hd);
+            cp_async_wait_all();
+            team.sync();  // the chunk, the queries and the running statistics are in shared memory
+            // Scores S = Q K^T on the tensor cores: A = Q (query heads as rows 0..group-1 of 16, the
+            // rest zero), B = K^T (8 slots per tile, k over the head dimension). Warp w takes slot
+            // tiles w, w + TEAM_WARPS, ...; lane (g, quad) ends with heads g's and g + 8's scores of
+            // slots 2 quad + {0, 1}.
+            for (uint32_t tile = warp; tile < chunk / 8; tile += TEAM_WARPS) {
+                const bf16* krow = ks + (tile * 8 + g) * row;  // B column n = g is slot tile * 8 + g
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (uint32_t k0 = 0; k0 < hd; k0 += 16) {
+                    const uint32_t a[4] = {lo_row ? pair_at(qs + g * row + k0 + 2 * quad) : 0u,
+                                           hi_row ? pair_at(qs + (g + 8) * row + k0 + 2 * quad) : 0u,
+                                           lo_row ? pair_at(qs + g * row + k0 + 8 + 2 * quad) : 0u,
+                                           hi_row ? pair_at(qs + (g + 8) * row + k0 + 8 + 2 * quad) : 0u};
+                    const uint32_t b[2] = {pair_at(krow + k0 + 2 * quad), pair_at(krow + k0 + 8 + 2 * quad)};
+                    mma_bf16_m16n8k16(d, a, b);
+                }
+                const uint32_t j = tile * 8 + 2 * quad;
+                if (lo_row) {
+                    if (j < len) ps[g * ps_row + j] = __fmul_rn(d[0], inv_sqrt_hd);
+                    if (j + 1 < len) ps[g * ps_row + j + 1] = __fmul_rn(d[1], inv_sqrt_hd);
+                }
+                if (hi_row) {
+                    if (j < len) ps[(g + 8) * ps_row + j] = __fmul_rn(d[2], inv_sqrt_hd);
+                    if (j + 1 < len) ps[(g + 8) * ps_row + j + 1] = __fmul_rn(d[3], inv_sqrt_hd);
+                }
+            }
+            team.sync();  // every score is in ps
+
+            // Softmax of each query head over the chunk, against the running max: warp h. Weights past
+            // len are zero. The running sum and the numerator are rescaled by e^(old max - new max),
+            // which is 0 on a split's first chunk (the max was -inf), so a one-chunk split's figures
+            // are the chunk's own.
+            const bool last_chunk = c + 1 == items.chunk_end(item);
+            float* ml = part_ml + (((size_t)kv * max_splits + split) * group) * 2;
+            for (uint32_t h = warp; h < group; h += TEAM_WARPS) {
+                float m = -CUDART_INF_F;
+                for (uint32_t j = lane; j < len; j += WARP) m = fmaxf(m, ps[h * ps_row + j]);
+                const float old_m = sm.run_m[h];
+                m = fmaxf(old_m, warp_reduce(m, Max{}));
+                float l = 0.0f;
+                for (uint32_t j = lane; j < chunk; j += WARP) {
+                    const float e = j < len ? expf(__fsub_rn(ps[h * ps_row + j], m)) : 0.0f;
+                    ps[h * ps_row + j] = e;
+                    l += e;
+                }
+                const float alpha = expf(__fsub_rn(old_m, m));
+                l = fmaf(sm.run_l[h], alpha, warp_reduce(l, Add{}));
+                __syncwarp();  // every lane has read run_m and run_l before lane 0 replaces them
+                if (lane == 0) {
+                    sm.run_m[h] = m;
+                    sm.run_l[h] = l;
+                    sm.rescale[h] = alpha;
+                    if (last_chunk && splits > 1) {
+                        ml[h * 2] = m;
+                        ml[h * 2 + 1] = l;
+                    }
+                }
+            }
+            team.sync();  // the exponentials, the running statistics and the rescales are in shared memory
+
+            // Numerator O = O e^(old max - new max) + P V on the tensor cores in tf32 (P keeps 10
+            // mantissa bits; V's bf16 is exact in tf32): A = P (heads x slots), B = V (slots x 8
+            // columns per tile). Lane (g, quad) holds heads g's and g + 8's columns 2 quad + {0, 1}.
+            const float alpha_lo = lo_row ? sm.rescale[g] : 0.0f, alpha_hi = hi_row ? sm.rescale[g + 8] : 0.0f;
+#pragma unroll
+            for (uint32_t k = 0; k < PV_TILES; ++k) {
+                const uint32_t tile = warp + k * TEAM_WARPS;
+                if (tile >= hd / 8) break;
+                const bf16* vcol = vs + tile * 8 + g;  // B column n = g is head dimension tile * 8 + g
+                float* d = acc[k];
+                d[0] *= alpha_lo;
+                d[1] *= alpha_lo;
+                d[2] *= alpha_hi;
+                d[3] *= alpha_hi;
+                for (uint32_t s0 = 0; s0 < chunk; s0 += 8) {
+                    const uint32_t a[4] = {lo_row ? to_tf32(ps[g * ps_row + s0 + quad]) : 0u,
+                                           hi_row ? to_tf32(ps[(g + 8) * ps_row + s0 + quad]) : 0u,
+                                           lo_row ? to_tf32(ps[g * ps_row + s0 + quad + 4]) : 0u,
+                                           hi_row ? to_tf32(ps[(g + 8) * ps_row + s0 + quad + 4]) : 0u};
+                    const uint32_t b[2] = {__float_as_uint(__bfloat162float(vcol[(s0 + quad) * row])),
+                                           __float_as_uint(__bfloat162float(vcol[(s0 + quad + 4) * row]))};
+                    mma_tf32_m16n8k8(acc[k], a, b);
+                }
             }
         }
-        team.sync();  // every score is in ps
 
-        // Partial softmax of each query head over the chunk: warp h. Weights past len are zero.
-        float* ml = part_ml + (((size_t)kv * max_chunks + c) * group) * 2;
-        for (uint32_t h = warp; h < group; h += TEAM_WARPS) {
-            float m = -CUDART_INF_F;
-            for (uint32_t j = lane; j < len; j += WARP) m = fmaxf(m, ps[h * ps_row + j]);
-            m = warp_reduce(m, Max{});
-            float l = 0.0f;
-            for (uint32_t j = lane; j < ATTN_CHUNK; j += WARP) {
-                const float e = j < len ? expf(__fsub_rn(ps[h * ps_row + j], m)) : 0.0f;
-                ps[h * ps_row + j] = e;
-                l += e;
-            }
-            l = warp_reduce(l, Add{});
-            if (lane == 0) {
-                ml[h * 2] = m;
-                ml[h * 2 + 1] = l;
-            }
-        }
-        team.sync();  // the exponentials are in ps
-
-        // Partial numerator O = P V on the tensor cores in tf32 (P keeps 10 mantissa bits; V's bf16 is
-        // exact in tf32): A = P (heads x slots), B = V (slots x 8 columns per tile). Warp w takes
-        // column tiles w, w + TEAM_WARPS, ...; lane (g, quad) ends with head g's columns 2 quad + {0, 1}.
-        float* po = part_o + (((size_t)kv * max_chunks + c) * group) * hd;
-        for (uint32_t tile = warp; tile < hd / 8; tile += TEAM_WARPS) {
-            const bf16* vcol = vs + tile * 8 + g;  // B column n = g is head dimension tile * 8 + g
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (uint32_t s0 = 0; s0 < ATTN_CHUNK; s0 += 8) {
-                uint32_t a[4] = {0, 0, 0, 0};
-                if (g < group) {
-                    a[0] = to_tf32(ps[g * ps_row + s0 + quad]);
-                    a[2] = to_tf32(ps[g * ps_row + s0 + quad + 4]);
+        if (splits == 1) {
+            // The head is this item: a = O / l, rounded as the combine of one split rounds it.
+            const float inv_lo = lo_row ? __fdiv_rn(1.0f, sm.run_l[g]) : 0.0f, inv_hi = hi_row ? __fdiv_rn(1.0f, sm.run_l[g + 8]) : 0.0f;
+            bf16* a_head = a_out + (size_t)kv * per_head;
+#pragma unroll
+            for (uint32_t k = 0; k < PV_TILES; ++k) {
+                const uint32_t col = (warp + k * TEAM_WARPS) * 8 + 2 * quad;
+                if (col >= hd) break;
+                if (lo_row) {
+                    a_head[g * hd + col] = __float2bfloat16_rn(fmaf(acc[k][0], inv_lo, 0.0f));
+                    a_head[g * hd + col + 1] = __float2bfloat16_rn(fmaf(acc[k][1], inv_lo, 0.0f));
                 }
-                const uint32_t b[2] = {__float_as_uint(__bfloat162float(vcol[(s0 + quad) * row])),
-                                       __float_as_uint(__bfloat162float(vcol[(s0 + quad + 4) * row]))};
-                mma_tf32_m16n8k8(d, a, b);
+                if (hi_row) {
+                    a_head[(g + 8) * hd + col] = __float2bfloat16_rn(fmaf(acc[k][2], inv_hi, 0.0f));
+                    a_head[(g + 8) * hd + col + 1] = __float2bfloat16_rn(fmaf(acc[k][3], inv_hi, 0.0f));
+                }
             }
-            if (g < group) reinterpret_cast<float2*>(po + g * hd + tile * 8)[quad] = make_float2(d[0], d[1]);
+            team.sync();  // the team's shared memory is free for its next item
+            continue;
+        }
+
+        float* po = part_o + (((size_t)kv * max_splits + split) * group) * hd;
+#pragma unroll
+        for (uint32_t k = 0; k < PV_TILES; ++k) {
+            const uint32_t col = (warp + k * TEAM_WARPS) * 8 + 2 * quad;
+            if (col >= hd) break;
+            if (lo_row) reinterpret_cast<float2*>(po + g * hd + col)[0] = make_float2(acc[k][0], acc[k][1]);
+            if (hi_row) reinterpret_cast<float2*>(po + (g + 8) * hd + col)[0] = make_float2(acc[k][2], acc[k][3]);
         }
         team.sync();  // all of this team's partials are written (and its shared memory is free again)
 
-        unsigned departed = 0;  // thread 0, one round: teams of the head past their wait before this one
+        // Several splits: every team holds one item (AttnItems), so every split of the head arrives.
+        unsigned departed = 0;  // thread 0: teams of the head past their wait before this one
         if (t == 0) {
-            if (items.one_round) {
-                // Every chunk of the head is some team's only item, so all of them arrive: count this
-                // chunk in (release: its partials first) and wait for the rest (acquire: the head's
-                // partials are read only after every arrival was seen).
-                red_release_add(&arrivals[kv], 1);
-                while (ld_acquire(&arrivals[kv]) < n_chunks) __nanosleep(32);
-                // Counted out as soon as it is past the wait; the count is read only after the
-                // combine, so the atomic's round trip overlaps it.
-                departed = atomicAdd(&departures[kv], 1u);
-            } else {
-                // The last chunk to arrive combines the head: acquire and release, so it both
-                // publishes its own partials and sees every other chunk's.
-                last[team.id] = atom_acq_rel_add(&arrivals[kv], 1) == n_chunks - 1;
-            }
+            // Count this split in (release: its partials first) and wait for the rest (acquire: the
+            // head's partials are read only after every arrival was seen).
+            red_release_add(&arrivals[kv], 1);
+            while (ld_acquire(&arrivals[kv]) < splits) __nanosleep(32);
+            // Counted out as soon as it is past the wait; the count is read only after the combine,
+            // so the atomic's round trip overlaps it.
+            departed = atomicAdd(&departures[kv], 1u);
         }
-        team.sync();  // every thread of the team sees its `last` and, in one round, every arrival
-        if (items.one_round) {
-            // Chunk c's team combines outputs [c share, (c + 1) share) of the head.
-            const uint32_t share = ((per_head + n_chunks - 1) / n_chunks + 3) & ~3u;
-            const uint32_t lo = min(c * share, per_head), hi = min(lo + share, per_head);
-            if (lo < hi) combine(team, kv, n_chunks, max_chunks, group, hd, lo, hi, part_o, part_ml, a_out, ps, reinterpret_cast<float*>(ks));
-            if (t == 0 && departed == n_chunks - 1) {
-                // Every team of the head is past its wait: reset both for the next step (the launch
-                // boundary orders this before any later arrival: a step runs each attention phase once).
-                arrivals[kv] = 0;
-                departures[kv] = 0;
-            }
-        } else if (last[team.id]) {
-            combine(team, kv, n_chunks, max_chunks, group, hd, 0, per_head, part_o, part_ml, a_out, ps, reinterpret_cast<float*>(ks));
-            if (t == 0) arrivals[kv] = 0;  // reset for the next step, as above
+        team.sync();  // every thread of the team sees every arrival
+        // Split s's team combines outputs [s share, (s + 1) share) of the head.
+        const uint32_t share = ((per_head + splits - 1) / splits + 3) & ~3u;
+        const uint32_t lo = min(split * share, per_head), hi = min(lo + share, per_head);
+        if (lo < hi) combine(team, kv, splits, max_splits, group, hd, lo, hi, part_o, part_ml, a_out, reinterpret_cast<float*>(ks));
+        if (t == 0 && departed == splits - 1) {
+            // Every team of the head is past its wait: reset both for the next step (the launch
+            // boundary orders this before any later arrival: a step runs each attention phase once).
+            arrivals[kv] = 0;
+            departures[kv] = 0;
         }
         team.sync();  // the team's shared memory is free for its next item
     }
 }
 
 // dst = residual + W v over the columns the row names: all of them; or a first part, whose f32 products
-// go to part_out; or the rest, whose products are added to part_in's (the first part's) before
-// rounding. The O projection and Down are this GEMV.
+// go to part_out; or a middle part, whose products are added to part_in's and go to part_out (the same
+// rows of the same buffer, on the same block); or the last, whose products are added to part_in's
+// before rounding. The O projection and Down are this GEMV.
 __device__ void residual_gemv(const int64_t* op, const bf16* v, uint32_t cols, const bf16* residual, bf16* dst,
                               const float* part_in, float* part_out, Ring& ring, Partials part) {
     uint32_t r0, r1;
@@ -723,14 +813,14 @@ __device__ void residual_gemv(const int64_t* op, const bf16* v, uint32_t cols, c
     const Slice s = load_slice(v, cols);
     gemv_phase(op, s, ring, part, r0, r1);
     for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
+        const bool first = r == threadIdx.x;
         const float y = row_sum(part.red, r);
+        const float sum = part_in == nullptr ? y : __fadd_rn(first ? first_part : __ldcg(part_in + r0 + r), y);
         if (part_out != nullptr) {
-            part_out[r0 + r] = y;
+            part_out[r0 + r] = sum;
             continue;
         }
-        const bool first = r == threadIdx.x;
         const float res = first ? first_res : __bfloat162float(__ldcg(residual + r0 + r));
-        const float sum = part_in == nullptr ? y : __fadd_rn(first ? first_part : __ldcg(part_in + r0 + r), y);
         dst[r0 + r] = add_round(res, bf(sum));
     }
 }
@@ -758,9 +848,9 @@ __device__ void phase_gateup(const int64_t* op, Ring& ring, Partials part) {
     }
 }
 
-// out = x1 + Wd act over the columns of act the row names: all of them; or the first half (f32 products
-// to PartOut); or the second, added to PartIn's. Both halves run on the same blocks with the same rows,
-// so a block adds the partials it wrote itself: program order, no wait.
+// out = x1 + Wd act over the columns of act the row names: all of them; or a part of them (f32 products
+// to PartOut, added to PartIn's where the row names them; the last part rounds). Every part runs on the
+// same blocks with the same rows, so a block adds the partials it wrote itself: program order, no wait.
 __device__ void phase_down(const int64_t* op, bf16* out, Ring& ring, Partials part) {
     residual_gemv(op, reinterpret_cast<const bf16*>(op[down::Act]), (uint32_t)op[down::Cols],
                   reinterpret_cast<const bf16*>(op[down::X1]), out, reinterpret_cast<const float*>(op[down::PartIn]),

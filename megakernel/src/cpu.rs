@@ -65,9 +65,9 @@ pub struct CpuLayer {
     pub arena: Arena,
     pub buffers: Buffers,
     pub program: Vec<Row>,
-    /// The first part of a GEMV split by columns (its weights, input and columns), waiting for the
-    /// second: the O projection's, then Down's.
-    first_part: Option<(i64, i64, usize)>,
+    /// The parts so far of a GEMV split by columns (each one's weights, input and columns), waiting for
+    /// its last: the O projection's, then Down's.
+    parts_so_far: Vec<(i64, i64, usize)>,
 }
 
 /// The packed matrix `packing` describes, copied from the host weights.
@@ -81,18 +81,24 @@ fn copy_packed<F: Fn(usize) -> (Tensor, usize)>(w: &Weights, packing: Packing<F>
         .collect()
 }
 
-/// A matrix the program streams in two parts of columns (`parts`): both copied into the arena, their
-/// addresses; or, with `None`, the weight `whole` as it is (the GPU's `two_parts`).
-fn two_parts<F: Fn(usize) -> (Tensor, usize)>(
+/// A matrix the program streams in `N` parts of columns or fewer (`parts`): each copied into the
+/// arena, their addresses (0 past the last); or, with one part, the weight `whole` as it is (the GPU's
+/// `column_parts`).
+fn column_parts<const N: usize, F: Fn(usize) -> (Tensor, usize)>(
     a: &mut Arena,
     w: &Weights,
-    parts: Option<[Packing<F>; 2]>,
+    parts: Vec<Packing<F>>,
     whole: Tensor,
-) -> [u64; 2] {
-    match parts {
-        Some([p0, p1]) => [a.alloc_bf16(&copy_packed(w, p0)), a.alloc_bf16(&copy_packed(w, p1))],
-        None => [a.alloc_bf16(w.get(whole)), 0],
+) -> [u64; N] {
+    let mut at = [0u64; N];
+    if parts.len() == 1 {
+        at[0] = a.alloc_bf16(w.get(whole));
+    } else {
+        for (slot, p) in at.iter_mut().zip(parts) {
+            *slot = a.alloc_bf16(&copy_packed(w, p));
+        }
     }
+    at
 }
 
 /// The layer with only the query and KV heads a phase row names (its operands point at the first).
@@ -107,14 +113,12 @@ impl CpuLayer {
         let mut a = Arena::default();
         let rope = RopeTable::new(cfg);
         let zeros = |n: usize| vec![0u8; n];
-        let chunks = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
+        let chunks = program::max_splits(cfg) * cfg.n_kv * cfg.group();
         let groups = program::halves(cfg, grid);
-        let split = groups.len() == 2;
-        let mlp_split = program::mlp_parts(cfg, grid) == 2;
+        let parts = program::mlp_parts(cfg, grid);
         let mut qkv_of = |g: Groups| a.alloc_bf16(&copy_packed(w, pack::qkv(cfg, g)));
         let w_qkv = [qkv_of(groups[0]), groups.get(1).map_or(0, |&g| qkv_of(g))];
-        let w_o =
-            two_parts(&mut a, w, split.then(|| [pack::oproj(cfg, groups[0]), pack::oproj(cfg, groups[1])]), Tensor::Wo);
+        let w_o = column_parts(&mut a, w, groups.iter().map(|&g| pack::oproj(cfg, g)).collect(), Tensor::Wo);
         let buffers = Buffers {
             w_qkv,
             in_norm: a.alloc_bf16(&w.in_norm),
@@ -133,11 +137,11 @@ impl CpuLayer {
             w_gateup: a.alloc_bf16(&copy_packed(w, pack::gateup(cfg))),
             post_norm: a.alloc_bf16(&w.post_norm),
             act: a.alloc(&zeros(2 * cfg.ffn)),
-            w_down: two_parts(&mut a, w, mlp_split.then(|| [pack::down(cfg, 0), pack::down(cfg, 1)]), Tensor::Wdown),
+            w_down: column_parts(&mut a, w, (0..parts).map(|k| pack::down(cfg, parts, k)).collect(), Tensor::Wdown),
             down_part: a.alloc(&zeros(4 * cfg.d)),
         };
         let program = program::compile(cfg, &buffers, grid);
-        Self { cfg: cfg.clone(), arena: a, buffers, program, first_part: None }
+        Self { cfg: cfg.clone(), arena: a, buffers, program, parts_so_far: Vec::new() }
     }
 
     /// The cache as the program left it.
@@ -210,45 +214,40 @@ impl CpuLayer {
     fn attention(&mut self, r: &Row, pos: usize) {
         let w = |i: attn::Word| r[i as usize];
         let cfg = &sub_config(&self.cfg, w(attn::NQ) as usize, w(attn::NKv) as usize);
-        assert_eq!(w(attn::Chunk) as usize, program::ATTN_CHUNK);
+        assert_eq!(w(attn::Chunk) as usize, program::chunk(&self.cfg));
         let n = cfg.cache_elems();
         let cache = KvCache { k: self.arena.bf16(w(attn::KCache), n), v: self.arena.bf16(w(attn::VCache), n) };
         let a = golden::attention(cfg, &self.arena.bf16(w(attn::Q), cfg.q_dim()), &cache, pos);
         self.arena.write_bf16(w(attn::AOut), &a);
     }
 
-    /// `W v`, or one of its two parts of columns: the first names the partials it would write
-    /// (`part_out`), the second those it adds (`part_in`, which must be `parts`). The executor keeps the
-    /// first part's operands and computes the whole product when the second comes (`None` until then),
-    /// with the golden model's rounding, from the two parts' packed columns (which checks both packings).
+    /// `W v`, or one of its parts of columns: every part but the last names the partials it writes
+    /// (`part_out`), every part but the first those it adds (`part_in`); both must be `partials`. The
+    /// executor keeps each part's operands and computes the whole product when the last comes (`None`
+    /// until then), with the golden model's rounding, from the parts' packed columns (which checks every
+    /// packing).
     fn split_gemv(
         &mut self,
         (w, v, rows, cols): (i64, i64, usize, usize),
         part_in: i64,
         part_out: i64,
-        parts: u64,
+        partials: u64,
     ) -> Option<Vec<bf16>> {
+        assert!([0, partials as i64].contains(&part_in) && [0, partials as i64].contains(&part_out));
+        assert_eq!(part_in != 0, !self.parts_so_far.is_empty(), "a part adds partials exactly when parts came before");
+        self.parts_so_far.push((w, v, cols));
         if part_out != 0 {
-            assert_eq!((part_in, part_out), (0, parts as i64));
-            assert!(self.first_part.replace((w, v, cols)).is_none(), "a first part after a first part");
             return None;
         }
-        let mut weights = self.arena.bf16(w, rows * cols);
-        let mut v = self.arena.bf16(v, cols);
-        let mut all_cols = cols;
-        if part_in != 0 {
-            assert_eq!(part_in, parts as i64);
-            let (w0, v0, cols0) = self.first_part.take().expect("the second part of a GEMV before the first");
-            let first = self.arena.bf16(w0, rows * cols0);
-            weights = (0..rows)
-                .flat_map(|i| {
-                    first[i * cols0..(i + 1) * cols0].iter().chain(&weights[i * cols..(i + 1) * cols]).copied()
-                })
-                .collect();
-            v = [self.arena.bf16(v0, cols0), v].concat();
-            all_cols += cols0;
-        }
-        Some(golden::gemv(&weights, rows, all_cols, &v))
+        let parts = std::mem::take(&mut self.parts_so_far);
+        let matrices: Vec<Vec<bf16>> = parts.iter().map(|&(w, _, cols)| self.arena.bf16(w, rows * cols)).collect();
+        let weights: Vec<bf16> = (0..rows)
+            .flat_map(|i| {
+                parts.iter().zip(&matrices).flat_map(move |(&(_, _, c), m)| m[i * c..(i + 1) * c].iter().copied())
+            })
+            .collect();
+        let v: Vec<bf16> = parts.iter().flat_map(|&(_, v, cols)| self.arena.bf16(v, cols)).collect();
+        Some(golden::gemv(&weights, rows, v.len(), &v))
     }
 
     /// `x1 = x + Wo a`, in one or two parts of columns (`split_gemv`).

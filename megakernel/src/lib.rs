@@ -29,9 +29,12 @@ use program::{Blocks, Buffers};
 pub const THREADS: u32 = 512;
 const WARPS: u32 = THREADS / 32;
 const RING_BYTES: u32 = 3 * 64 * 1024;
-const MAX_VPT: usize = 7;
-const ATTN_MAX_HD: usize = 128;
-const ATTN_MAX_GROUP: usize = 8;
+const ATTN_MAX_HD: usize = 256;
+const ATTN_MAX_GROUP: usize = 16;
+/// Attention's teams per block, each with an equal share of the ring.
+const TEAMS: u32 = 2;
+const KS_PAD: usize = 8;
+const PS_PAD: usize = 4;
 /// The row gather of `kernels/megakernel.cu` that packs weights (the red team packs cache rows with it).
 pub const GATHER: &str = "gather_rows_u4";
 /// Threads per block of the packing gather.
@@ -149,6 +152,45 @@ impl Megakernel {
         self.built.as_ref().map(|b| b.plan.as_slice())
     }
 
+    /// The compiled plan in words (after `build_layer`): the grid, the roles, the MLP's parts and how
+    /// attention splits its work at position `pos`.
+    pub fn describe(&self, cfg: &Config, pos: usize) -> Option<String> {
+        let b = self.built.as_ref()?;
+        let halves = program::halves(cfg, b.grid);
+        let roles = match halves.as_slice() {
+            [h0, h1] => format!(
+                "two roles (KV heads {}-{} on the even blocks, {}-{} on the odd)",
+                h0.kv0,
+                h0.kv0 + h0.n_kv - 1,
+                h1.kv0,
+                h1.kv0 + h1.n_kv - 1
+            ),
+            _ => "one role (every phase on every block)".into(),
+        };
+        let parts = program::mlp_parts(cfg, b.grid);
+        let widths: Vec<String> = (0..parts).map(|k| program::mlp_part(cfg, parts, k).len().to_string()).collect();
+        let attention = b.plan.iter().find(|p| p.op == LayerOp::Attention).map(|p| {
+            let n_kv = (cfg.n_kv as f64 * p.share).round() as usize;
+            let s = program::AttentionSplit::at(cfg, n_kv, p.blocks.count as usize, pos);
+            format!(
+                "attention in chunks of {} slots; at position {pos}, {} chunks per KV head as {} splits of {} (of {n_kv} heads over {} teams)",
+                program::chunk(cfg),
+                s.chunks,
+                s.splits,
+                s.span,
+                2 * p.blocks.count
+            )
+        });
+        Some(format!(
+            "{} blocks x {THREADS} threads, {} bytes of shared memory; {} phases; {roles}; the MLP in {parts} part(s) of ffn ({}); {}",
+            b.grid,
+            b.smem,
+            b.phases,
+            widths.join(" + "),
+            attention.unwrap_or_default()
+        ))
+    }
+
     /// Launches phases `[begin, end)` of the current step once. A step's phases must be launched in
     /// order from phase 0 (whole, or in consecutive ranges); anything else is refused.
     pub fn launch_phases(
@@ -244,22 +286,25 @@ fn gather<F: Fn(usize) -> (Tensor, usize)>(
     Ok(out)
 }
 
-/// A matrix the program streams in two parts of columns (`parts`): both gathered, and their addresses; or,
-/// with `None`, the weight `whole` as it is (no copy).
-fn two_parts<F: Fn(usize) -> (Tensor, usize)>(
+/// A matrix the program streams in `N` parts of columns or fewer (`parts`, one per part): each
+/// gathered, and their addresses (0 past the last); or, with one part, the weight `whole` as it is (no
+/// copy).
+fn column_parts<const N: usize, F: Fn(usize) -> (Tensor, usize)>(
     dev: &Device,
     w: &DeviceWeights,
-    parts: Option<[Packing<F>; 2]>,
+    parts: Vec<Packing<F>>,
     whole: Tensor,
-) -> Result<(Vec<CudaSlice<bf16>>, [u64; 2]), CudaError> {
-    match parts {
-        Some([p0, p1]) => {
-            let packed = vec![gather(dev, w, p0)?, gather(dev, w, p1)?];
-            let at = [device_address(dev, &packed[0]), device_address(dev, &packed[1])];
-            Ok((packed, at))
-        }
-        None => Ok((Vec::new(), [device_address(dev, w.get(whole)), 0])),
+) -> Result<(Vec<CudaSlice<bf16>>, [u64; N]), CudaError> {
+    let mut at = [0u64; N];
+    if parts.len() == 1 {
+        at[0] = device_address(dev, w.get(whole));
+        return Ok((Vec::new(), at));
     }
+    let packed = parts.into_iter().map(|p| gather(dev, w, p)).collect::<Result<Vec<_>, _>>()?;
+    for (a, p) in at.iter_mut().zip(&packed) {
+        *a = device_address(dev, p);
+    }
+    Ok((packed, at))
 }
 
 /// The largest row share any block gets in a GEMV phase of `rows` rows over `grid` blocks.
@@ -267,27 +312,34 @@ fn max_block_rows(rows: usize, grid: usize) -> usize {
     2 * (rows / 2).div_ceil(grid)
 }
 
+/// A team's shared memory for attention chunks of `chunk` slots at head size `hd` (the kernel's
+/// `attn_smem_bytes`: K, V and Q rows, scores, running statistics).
+fn attention_smem_bytes(chunk: usize, hd: usize) -> usize {
+    (2 * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2 + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4 + 3 * ATTN_MAX_GROUP * 4
+}
+
 /// Declines configurations the kernel's fixed limits cannot hold, naming the limit
 /// ([`SubmissionError::Unsupported`]).
 fn check_fits(cfg: &Config) -> Result<(), SubmissionError> {
     let unsupported = |why: String| Err(SubmissionError::Unsupported(why));
-    let max_cols = MAX_VPT * THREADS as usize * 8;
-    for (name, cols) in [("d", cfg.d), ("ffn", cfg.ffn), ("n_q * hd", cfg.q_dim())] {
-        if cols > max_cols {
-            return unsupported(format!("{name} = {cols} is over the megakernel's {max_cols}"));
+    // Rows the GEMVs stream whole: QKV's and GateUp's (d), and the O projection's (the query heads of
+    // half the KV groups, or all of them with one KV head). Down's rows are split into parts of ffn.
+    let o_cols = program::halves(cfg, 2).iter().map(|g| g.n_q(cfg) * cfg.hd).max().unwrap_or(0);
+    for (name, cols) in [("d", cfg.d), ("the O projection's row (n_q * hd over the halves of the KV heads)", o_cols)] {
+        if cols > program::MAX_ROW {
+            return unsupported(format!("{name} = {cols} is over the megakernel's row of {}", program::MAX_ROW));
         }
     }
-    // The combine keeps one scale per (chunk, query head) where a chunk's scores were.
-    if program::max_chunks(cfg) > program::ATTN_CHUNK {
-        // As many chunks as a chunk has positions.
-        let (chunks, positions) = (program::ATTN_CHUNK, program::ATTN_CHUNK);
+    let most_ffn = program::MAX_MLP_PARTS * program::MAX_ROW;
+    if cfg.ffn > most_ffn {
         return unsupported(format!(
-            "max_seq_len = {} is over the megakernel's {} ({chunks} attention chunks of {positions} positions)",
-            cfg.max_seq_len,
-            chunks * positions,
+            "ffn = {} is over the megakernel's {most_ffn} ({} parts of {})",
+            cfg.ffn,
+            program::MAX_MLP_PARTS,
+            program::MAX_ROW
         ));
     }
-    // The tensor-core attention takes the head dimension 16 at a time and the group as 8 of 16 rows.
+    // The tensor-core attention takes the head dimension 16 at a time and the group as 16 rows.
     if cfg.hd > ATTN_MAX_HD {
         return unsupported(format!("hd = {} is over the megakernel's attention's {ATTN_MAX_HD}", cfg.hd));
     }
@@ -298,6 +350,14 @@ fn check_fits(cfg: &Config) -> Result<(), SubmissionError> {
         return unsupported(format!(
             "{} query heads per KV head is over the megakernel's attention's {ATTN_MAX_GROUP}",
             cfg.group()
+        ));
+    }
+    let team = attention_smem_bytes(program::chunk(cfg), cfg.hd);
+    if team > (RING_BYTES / TEAMS) as usize {
+        return unsupported(format!(
+            "hd = {}: an attention chunk takes {team} bytes of a team's {} of shared memory",
+            cfg.hd,
+            RING_BYTES / TEAMS
         ));
     }
     Ok(())
@@ -331,18 +391,22 @@ impl Submission for Megakernel {
         let split = halves.len() == 2;
         let w_qkv: Vec<CudaSlice<bf16>> =
             halves.iter().map(|&g| gather(dev, w, pack::qkv(cfg, g))).collect::<Result<_, _>>()?;
-        let (w_o, w_o_at) =
-            two_parts(dev, w, split.then(|| [pack::oproj(cfg, halves[0]), pack::oproj(cfg, halves[1])]), Tensor::Wo)?;
+        let o_parts = if split {
+            halves.iter().map(|&g| pack::oproj(cfg, g)).collect()
+        } else {
+            vec![pack::oproj(cfg, halves[0])]
+        };
+        let (w_o, w_o_at) = column_parts(dev, w, o_parts, Tensor::Wo)?;
         let w_gateup = gather(dev, w, pack::gateup(cfg))?;
-        let mlp_split = program::mlp_parts(cfg, grid) == 2;
+        let parts = program::mlp_parts(cfg, grid);
         let (w_down, w_down_at) =
-            two_parts(dev, w, mlp_split.then(|| [pack::down(cfg, 0), pack::down(cfg, 1)]), Tensor::Wdown)?;
+            column_parts(dev, w, (0..parts).map(|k| pack::down(cfg, parts, k)).collect(), Tensor::Wdown)?;
         let rope = RopeTable::new(cfg);
         let (cos, sin) =
             (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
         let zeros = |n: usize| s.alloc_zeros::<bf16>(n).context("allocating megakernel scratch");
         let (q, a, x1, act) = (zeros(cfg.q_dim())?, zeros(cfg.q_dim())?, zeros(cfg.d)?, zeros(cfg.ffn)?);
-        let partials = program::max_chunks(cfg) * cfg.n_kv * cfg.group();
+        let partials = program::max_splits(cfg) * cfg.n_kv * cfg.group();
         let part_o = s.alloc_zeros::<f32>(partials * cfg.hd).context("allocating attention partials")?;
         let part_ml = s.alloc_zeros::<f32>(partials * 2).context("allocating attention partials")?;
         // Arrivals and departures per KV head (see phase_attention).
@@ -461,10 +525,16 @@ mod tests {
             format!("constexpr uint32_t THREADS = {THREADS};"),
             format!("constexpr uint32_t STAGES = {};", RING_BYTES / (64 * 1024)),
             "constexpr uint32_t STAGE_BYTES = 64 * 1024;".to_string(),
-            format!("constexpr uint32_t MAX_VPT = {MAX_VPT};"),
+            format!("constexpr uint32_t MAX_VPT = {};", program::MAX_ROW / (THREADS as usize * 8)),
             format!("constexpr uint32_t ATTN_MAX_HD = {ATTN_MAX_HD};"),
             format!("constexpr uint32_t ATTN_MAX_GROUP = {ATTN_MAX_GROUP};"),
-            format!("constexpr uint32_t ATTN_CHUNK = {};", program::ATTN_CHUNK),
+            format!("constexpr uint32_t ATTN_MAX_CHUNK = {};", program::ATTN_MAX_CHUNK),
+            format!("constexpr uint32_t ATTN_CHUNK_ELEMS = {} * {};", program::ATTN_MAX_CHUNK, program::ATTN_CHUNK_ELEMS / program::ATTN_MAX_CHUNK),
+            format!("constexpr uint32_t ATTN_MAX_SPLITS = {};", program::ATTN_MAX_SPLITS),
+            format!("constexpr uint32_t TEAMS = {TEAMS};"),
+            format!("constexpr uint32_t KS_PAD = {KS_PAD};"),
+            format!("constexpr uint32_t PS_PAD = {PS_PAD};"),
+            "return (2 * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2 + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4 + 3 * ATTN_MAX_GROUP * 4;".to_string(),
             format!("__global__ void {GATHER}("),
         ] {
             assert!(CU.contains(&line), "kernels/megakernel.cu lacks `{line}`");
@@ -522,9 +592,15 @@ mod tests {
         assert_eq!(max_block_rows(57344, 132), 436);
         let smem = RING_BYTES + 436 * WARPS * 4;
         assert!(smem <= 232_448, "{smem} bytes of shared memory");
-        let mut bad = Config::graded();
-        bad.ffn = 32768;
-        assert!(check_fits(&bad).is_err());
+    }
+
+    /// Every member of the family fits: rows of any length the parts allow, head sizes 64 to 256, one
+    /// to 16 query heads per KV head, contexts to 128k.
+    #[test]
+    fn every_family_member_fits() {
+        for m in &spec::family::FAMILY {
+            check_fits(&m.config()).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+        }
     }
 
     /// A config over one of the kernel's limits is declined as unsupported, naming the limit.
@@ -541,27 +617,44 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         };
-        let why = over(|c| c.ffn = 53248, &["ffn = 53248", "28672"]);
-        assert_eq!(why, "ffn = 53248 is over the megakernel's 28672");
+        let why = over(|c| c.ffn = 86024, &["ffn = 86024", "86016", "3 parts of 28672"]);
         assert_eq!(
             SubmissionError::Unsupported(why).to_string(),
-            "the submission does not support this config: ffn = 53248 is over the megakernel's 28672"
+            "the submission does not support this config: ffn = 86024 is over the megakernel's 86016 (3 parts of 28672)"
         );
         over(|c| c.d = 32768, &["d = 32768", "28672"]);
-        over(|c| c.n_q = 256, &["n_q * hd = 32768", "28672"]);
+        over(|c| c.n_q = 512, &["O projection", "= 32768", "28672"]);
         over(
             |c| {
-                c.hd = 256;
-                c.n_q = 32;
+                c.hd = 512;
+                c.n_q = 16;
                 c.n_kv = 4;
             },
-            &["hd = 256", "128"],
+            &["hd = 512", "256"],
         );
         over(|c| c.hd = 120, &["hd = 120", "multiple of 16"]);
-        over(|c| c.n_kv = 4, &["16 query heads per KV head", "8"]);
-        over(|c| c.max_seq_len = 16384 + 1, &["max_seq_len = 16385", "16384"]);
-        let mut at_the_limit = Config::graded();
-        at_the_limit.max_seq_len = 16384;
-        check_fits(&at_the_limit).unwrap();
+        over(|c| c.n_kv = 2, &["32 query heads per KV head", "16"]);
+        for fits in [
+            Config { ffn: 86016, ..Config::graded() },
+            Config { n_kv: 4, ..Config::graded() },
+            Config { hd: 256, n_q: 32, n_kv: 8, ..Config::graded() },
+            Config { n_kv: 64, ..Config::graded() },
+            Config { max_seq_len: 131_200, ..Config::graded() },
+        ] {
+            check_fits(&fits).unwrap();
+        }
+    }
+
+    /// The attention chunk keeps a team's shared memory within its share of the ring at every head size
+    /// the kernel takes.
+    #[test]
+    fn the_attention_chunk_fits_a_teams_share_at_every_head_size() {
+        for hd in (16..=ATTN_MAX_HD).step_by(16) {
+            let chunk = program::chunk(&Config { hd, ..Config::graded() });
+            assert!(chunk % 8 == 0 && chunk >= 64, "hd {hd}: chunk {chunk}");
+            assert!(attention_smem_bytes(chunk, hd) <= (RING_BYTES / TEAMS) as usize, "hd {hd}");
+        }
+        assert_eq!(program::chunk(&Config::graded()), 128);
+        assert_eq!(program::chunk(&Config { hd: 256, ..Config::graded() }), 64);
     }
 }

@@ -5,7 +5,7 @@
 //! them itself. The program streams the groups in two halves (see `program::compile`).
 //! O projection: the columns of a range of KV groups' query heads, for every row.
 //! Gate/up: gate row r and up row r next to each other, so one block computes `silu(g) * u` itself.
-//! Down: one half of `ffn`'s columns, for every row (the program runs the MLP in two parts of `ffn`).
+//! Down: one part of `ffn`'s columns, for every row (the program runs the MLP in parts of `ffn`).
 
 use spec::{Config, Tensor};
 
@@ -94,10 +94,11 @@ pub fn gateup(cfg: &Config) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
     Packing { rows: 2 * cfg.ffn, cols: cfg.d, start }
 }
 
-/// Half `half` (0 or 1) of `Wdown`'s columns, for every row: the product with that half of act.
-pub fn down(cfg: &Config, half: usize) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
-    let cols = cfg.ffn / 2;
-    Packing { rows: cfg.d, cols, start: move |r| (Tensor::Wdown, r * cfg.ffn + half * cols) }
+/// Part `k` of `parts` of `Wdown`'s columns (`program::mlp_part`), for every row: the product with that
+/// part of act.
+pub fn down(cfg: &Config, parts: usize, k: usize) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
+    let f = crate::program::mlp_part(cfg, parts, k);
+    Packing { rows: cfg.d, cols: f.len(), start: move |r| (Tensor::Wdown, r * cfg.ffn + f.start) }
 }
 
 #[cfg(test)]
@@ -133,21 +134,26 @@ mod tests {
         assert_eq!(gateup_source(7), (Tensor::Wup, 3));
     }
 
-    /// Down's parts tile every row of `Wdown`: each element once, in column order within a part.
+    /// Down's parts tile every row of `Wdown`: each element once, in column order within a part, each
+    /// part whole 16-byte vectors, in two parts or three, even or not.
     #[test]
     fn down_parts_tile_every_row() {
-        let cfg = Config::tiny();
-        let mut seen = vec![0u8; cfg.d * cfg.ffn];
-        for part in 0..2 {
-            let Packing { rows, cols, start } = down(&cfg, part);
-            assert_eq!((rows, cols), (cfg.d, cfg.ffn / 2));
-            for r in 0..rows {
-                let (t, at) = start(r);
-                assert_eq!((t, at / cfg.ffn, at % cfg.ffn), (Tensor::Wdown, r, part * cols));
-                seen[at..at + cols].iter_mut().for_each(|s| *s += 1);
+        for (cfg, parts) in [(Config::tiny(), 2), (Config { ffn: 776, ..Config::tiny() }, 3)] {
+            let mut seen = vec![0u8; cfg.d * cfg.ffn];
+            let mut next = 0;
+            for part in 0..parts {
+                let Packing { rows, cols, start } = down(&cfg, parts, part);
+                assert_eq!(rows, cfg.d);
+                assert!(cols % 8 == 0 && cols.abs_diff(cfg.ffn / parts) <= 8, "{cols}");
+                for r in 0..rows {
+                    let (t, at) = start(r);
+                    assert_eq!((t, at / cfg.ffn, at % cfg.ffn), (Tensor::Wdown, r, next));
+                    seen[at..at + cols].iter_mut().for_each(|s| *s += 1);
+                }
+                next += cols;
             }
+            assert!(seen.iter().all(|&s| s == 1));
         }
-        assert!(seen.iter().all(|&s| s == 1));
     }
 
     #[test]

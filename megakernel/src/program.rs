@@ -22,8 +22,19 @@ pub const ROW_WORDS: usize = 16;
 /// Rows the kernel's by-value program parameter holds (the rows past a program's are no-ops that no
 /// block runs).
 pub const MAX_PHASES: usize = 12;
-/// Cached positions per attention work item.
-pub const ATTN_CHUNK: usize = 128;
+/// The longest row a GEMV phase streams, in bf16: `MAX_VPT` 16-byte vectors for each of the kernel's
+/// `THREADS` threads (both mirrored from `kernels/megakernel.cu` in lib.rs). Longer products are split
+/// into parts of columns (`mlp_parts`).
+pub const MAX_ROW: usize = 7 * 512 * 8;
+/// Cached positions of an attention chunk: at most `ATTN_MAX_CHUNK`, and `ATTN_CHUNK_ELEMS / hd` for
+/// wider heads, so that a chunk's K and V take the same shared memory at every head size.
+pub const ATTN_MAX_CHUNK: usize = 128;
+pub const ATTN_CHUNK_ELEMS: usize = 128 * 128;
+/// Splits of one KV head's chunks at most (the combine's lanes hold one split's statistics each).
+pub const ATTN_MAX_SPLITS: usize = 128;
+/// Parts of `ffn` the MLP runs in at most: the two-role plan's six attention phases and two per part
+/// fill the `MAX_PHASES` rows.
+pub const MAX_MLP_PARTS: usize = 3;
 
 /// One phase row.
 pub type Row = [i64; ROW_WORDS];
@@ -144,9 +155,9 @@ pub struct Buffers {
     /// `(max_seq_len, hd / 2)` f32 RoPE tables.
     pub cos: u64,
     pub sin: u64,
-    /// `(n_kv, max_chunks, group, hd)` f32 attention partial outputs.
+    /// `(n_kv, max_splits, group, hd)` f32 attention partial outputs.
     pub part_o: u64,
-    /// `(n_kv, max_chunks, group, 2)` f32 running max and sum of each partial.
+    /// `(n_kv, max_splits, group, 2)` f32 running max and sum of each partial.
     pub part_ml: u64,
     /// u32 counters of the attention combine, zero between steps: per half, `(2, its n_kv)`, its KV
     /// heads' arrivals, then their departures.
@@ -165,16 +176,22 @@ pub struct Buffers {
     pub post_norm: u64,
     /// `(ffn)` SwiGLU activation, bf16.
     pub act: u64,
-    /// Per half of the MLP (`mlp_parts`), `(d, ffn / 2)`: the columns of `Wdown` that read its half of
-    /// `act`. One: `Wdown` itself.
-    pub w_down: [u64; 2],
-    /// `(d)` f32: Down's first half, which its second half adds (two halves only).
+    /// Per part of the MLP (`mlp_parts`; 0 past the last), `(d, its columns)`: the columns of `Wdown`
+    /// that read its part of `act`. One part: `Wdown` itself.
+    pub w_down: [u64; MAX_MLP_PARTS],
+    /// `(d)` f32: Down's products so far, which each later part adds to (several parts only).
     pub down_part: u64,
 }
 
-/// Attention chunks needed for the deepest slot of the cache.
-pub fn max_chunks(cfg: &Config) -> usize {
-    cfg.max_seq_len.div_ceil(ATTN_CHUNK)
+/// Cached positions per attention chunk at this head size (a multiple of 8, the tensor-core tiles').
+pub fn chunk(cfg: &Config) -> usize {
+    ATTN_MAX_CHUNK.min(ATTN_CHUNK_ELEMS / cfg.hd / 8 * 8)
+}
+
+/// The most splits of a KV head any position can have: the partials' room per head (the kernel's
+/// `max_splits`).
+pub fn max_splits(cfg: &Config) -> usize {
+    cfg.max_seq_len.div_ceil(chunk(cfg)).min(ATTN_MAX_SPLITS)
 }
 
 /// A row with `op` in word 0 and `words` set.
@@ -203,10 +220,42 @@ pub fn halves(cfg: &Config, grid: u32) -> Vec<Groups> {
     vec![Groups { kv0: 0, n_kv: first }, Groups { kv0: first, n_kv: cfg.n_kv - first }]
 }
 
-/// Parts of `ffn` that GateUp and Down run in on a grid of `grid` blocks: two when the grid has two
-/// blocks or more and each half of `ffn` is a whole number of 16-byte vectors, else one.
+/// How an attention phase of `n_kv` KV heads run by `blocks` blocks splits its work at position `pos`
+/// (the kernel's `AttnItems`, mirrored for `grader profile`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionSplit {
+    /// Chunks of each head's cached slots `0..=pos`.
+    pub chunks: usize,
+    /// Consecutive chunks per work item, and items per head.
+    pub span: usize,
+    pub splits: usize,
+}
+
+impl AttentionSplit {
+    /// Two teams per block (the kernel's `TEAMS`); a head split over as many teams as it can have, at
+    /// most `ATTN_MAX_SPLITS`, when there are fewer heads than teams, else one item per head.
+    pub fn at(cfg: &Config, n_kv: usize, blocks: usize, pos: usize) -> AttentionSplit {
+        let chunks = pos / chunk(cfg) + 1;
+        let teams = 2 * blocks;
+        let most = if n_kv >= teams { 1 } else { (teams / n_kv).min(ATTN_MAX_SPLITS).min(chunks) };
+        let span = chunks.div_ceil(most);
+        AttentionSplit { chunks, span, splits: chunks.div_ceil(span) }
+    }
+}
+
+/// Parts of `ffn` that GateUp and Down run in on a grid of `grid` blocks: as many as keep Down's rows
+/// within `MAX_ROW`, and at least two when the grid has two blocks or more (see `compile`). The
+/// launcher refuses more than `MAX_MLP_PARTS`.
 pub fn mlp_parts(cfg: &Config, grid: u32) -> usize {
-    if grid >= 2 && cfg.ffn.is_multiple_of(16) { 2 } else { 1 }
+    let needed = cfg.ffn.div_ceil(MAX_ROW);
+    if grid >= 2 && cfg.ffn >= 16 { needed.max(2) } else { needed }
+}
+
+/// The columns of `ffn` (elements of `act`) part `k` of `parts` covers: whole 16-byte vectors, as even
+/// as they can be.
+pub fn mlp_part(cfg: &Config, parts: usize, k: usize) -> std::ops::Range<usize> {
+    let vecs = cfg.ffn / 8;
+    8 * (vecs * k / parts)..8 * (vecs * (k + 1) / parts)
 }
 
 /// The layer as a program for a grid of `grid` blocks.
@@ -226,19 +275,20 @@ pub fn mlp_parts(cfg: &Config, grid: u32) -> usize {
 /// | 4 attention, half 1 | B | 1 | |
 /// | 5 O projection, half 1's columns | all | 3, 4 | adds the partials: x1 |
 ///
-/// The MLP follows on every block. In one part (`mlp_parts`): GateUp, then Down. In two, with `o` the
-/// O projection's last phase:
+/// The MLP follows on every block, in P parts of `ffn` (`mlp_parts`), with `o` the O projection's
+/// last phase (P = 2 shown; one part is GateUp, then Down):
 ///
 /// | phase | waits for | |
 /// |---|---|---|
-/// | o + 1 GateUp, act's first half | o | |
-/// | o + 2 GateUp, act's second half | o | |
-/// | o + 3 Down, act's first half | o + 1 | f32 partials, one per row |
-/// | o + 4 Down, act's second half | o + 2 | adds the partials: out |
+/// | o + 1 GateUp, act's first part | o | |
+/// | o + 2 GateUp, act's second part | o | |
+/// | o + 3 Down, act's first part | o + 1 | f32 partials, one per row |
+/// | o + 4 Down, act's second part | o + 2 | adds the partials: out |
 ///
-/// Down's halves run on the same blocks with the same rows, so each block adds the partials it wrote
-/// itself and the second half waits for nothing else. A block that ends GateUp starts Down at once:
-/// the half it needs finished a whole GateUp half ago.
+/// Down's parts run on the same blocks with the same rows, so each block adds the partials it wrote
+/// itself and a later part waits only for its own GateUp part. A block that ends GateUp starts Down at
+/// once: the part it needs finished a whole GateUp part ago. Parts beyond two exist for `ffn` over
+/// `MAX_ROW`: a middle part adds its products to the partials and writes them back.
 pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
     let i = |v: usize| v as i64;
     let p = |v: u64| v as i64;
@@ -275,7 +325,7 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
     };
     let attn_row = |g: Groups| {
         let cache = 2 * (g.kv0 * max_seq * hd) as u64;
-        let partials = (g.kv0 * max_chunks(cfg) * group) as u64;
+        let partials = (g.kv0 * max_splits(cfg) * group) as u64;
         row(
             Op::Attention,
             &[
@@ -290,7 +340,7 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
                 (attn::NKv, i(g.n_kv)),
                 (attn::Hd, i(hd)),
                 (attn::MaxSeq, i(max_seq)),
-                (attn::Chunk, i(ATTN_CHUNK)),
+                (attn::Chunk, i(chunk(cfg))),
             ],
         )
     };
@@ -310,36 +360,37 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
             ],
         )
     };
-    // Part k of the MLP's parts (`mlp_parts`), f of `ffn` each: GateUp's rows of act's k-th part, and
-    // the product of Down's columns that read it; `part_in` / `part_out` as Down's operands say (0:
-    // none).
+    // Part k of the MLP's parts (`mlp_parts`, columns `mlp_part` of `ffn`): GateUp's rows of act's
+    // k-th part, and the product of Down's columns that read it. Down's first part writes its f32
+    // products to `down_part`, each later part adds its own to them, and the last rounds the sum.
     let parts = mlp_parts(cfg, grid);
-    let f = cfg.ffn / parts;
     let gateup_row = |k: usize| {
+        let f = mlp_part(cfg, parts, k);
         row(
             Op::GateUp,
             &[
-                (gateup::W, p(b.w_gateup + 2 * (2 * f * k * cfg.d) as u64)),
+                (gateup::W, p(b.w_gateup + 2 * (2 * f.start * cfg.d) as u64)),
                 (gateup::Norm, p(b.post_norm)),
                 (gateup::X1, p(b.x1)),
-                (gateup::ActOut, p(b.act + 2 * (f * k) as u64)),
+                (gateup::ActOut, p(b.act + 2 * f.start as u64)),
                 (gateup::D, i(cfg.d)),
-                (gateup::Ffn, i(f)),
+                (gateup::Ffn, i(f.len())),
                 (gateup::EpsBits, eps),
             ],
         )
     };
-    let down_row = |k: usize, part_in: u64, part_out: u64| {
+    let down_row = |k: usize| {
+        let f = mlp_part(cfg, parts, k);
         row(
             Op::Down,
             &[
                 (down::W, p(b.w_down[k])),
-                (down::Act, p(b.act + 2 * (f * k) as u64)),
+                (down::Act, p(b.act + 2 * f.start as u64)),
                 (down::X1, p(b.x1)),
                 (down::Rows, i(cfg.d)),
-                (down::Cols, i(f)),
-                (down::PartIn, p(part_in)),
-                (down::PartOut, p(part_out)),
+                (down::Cols, i(f.len())),
+                (down::PartIn, p(if k > 0 { b.down_part } else { 0 })),
+                (down::PartOut, p(if k + 1 < parts { b.down_part } else { 0 })),
             ],
         )
     };
@@ -358,14 +409,11 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
         ]
     };
     let o = plan.len() - 1;
-    if parts == 1 {
-        plan.push((gateup_row(0), all, vec![o]));
-        plan.push((down_row(0, 0, 0), all, vec![o + 1]));
-    } else {
-        plan.push((gateup_row(0), all, vec![o]));
-        plan.push((gateup_row(1), all, vec![o]));
-        plan.push((down_row(0, 0, b.down_part), all, vec![o + 1]));
-        plan.push((down_row(1, b.down_part, 0), all, vec![o + 2]));
+    for k in 0..parts {
+        plan.push((gateup_row(k), all, vec![o]));
+    }
+    for k in 0..parts {
+        plan.push((down_row(k), all, vec![o + 1 + k]));
     }
     plan.into_iter()
         .map(|(mut r, blocks, waits)| {
@@ -476,7 +524,7 @@ mod tests {
             w_gateup: 14,
             post_norm: 15,
             act: 16,
-            w_down: [17, 21],
+            w_down: [17, 21, 23],
             down_part: 22,
         }
     }
@@ -543,11 +591,30 @@ mod tests {
             assert_eq!(waits(d[0]), [index(g[0])]);
             assert_eq!(waits(d[1]), [index(g[1])]);
         }
-        // A part of ffn that is no whole number of 16-byte vectors: one part.
-        let cfg = Config { ffn: 776, ..Config::tiny() };
-        assert_eq!(mlp_parts(&cfg, 132), 1);
-        let ops: Vec<Op> = compile(&cfg, &buffers(), 132).iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
-        assert_eq!(&ops[ops.len() - 2..], [Op::GateUp, Op::Down]);
+        // One block: one part, whatever ffn's vectors.
+        assert_eq!(mlp_parts(&Config { ffn: 776, ..Config::tiny() }, 1), 1);
+    }
+
+    /// An ffn over two rows of `MAX_ROW` runs in three parts: the middle part of Down adds its products
+    /// to the first's partials and writes them back for the last, and every row stays within `MAX_ROW`.
+    #[test]
+    fn an_ffn_over_two_rows_runs_in_three_parts_chained_through_the_partials() {
+        for (ffn, parts) in [(28672, 2), (53248, 2), (2 * MAX_ROW, 2), (2 * MAX_ROW + 8, 3), (3 * MAX_ROW, 3)] {
+            let cfg = Config { ffn, ..Config::graded() };
+            assert_eq!(mlp_parts(&cfg, 132), parts, "ffn {ffn}");
+            let prog = compile(&cfg, &buffers(), 132);
+            assert!(prog.len() <= MAX_PHASES);
+            let downs: Vec<&Row> = prog.iter().filter(|r| r[0] == Op::Down as i64).collect();
+            assert_eq!(downs.len(), parts);
+            let cols: Vec<i64> = downs.iter().map(|r| r[down::Cols as usize]).collect();
+            assert!(cols.iter().all(|&c| c as usize <= MAX_ROW && c % 8 == 0), "{cols:?}");
+            assert_eq!(cols.iter().sum::<i64>(), ffn as i64);
+            for (k, r) in downs.iter().enumerate() {
+                let (pin, pout) = (r[down::PartIn as usize], r[down::PartOut as usize]);
+                assert_eq!((pin != 0, pout != 0), (k > 0, k + 1 < parts), "part {k}");
+                assert_eq!(r[down::W as usize], [17, 21, 23][k]);
+            }
+        }
     }
 
     #[test]
@@ -582,6 +649,21 @@ mod tests {
         // The first half's O projection writes the partials the second half's reads.
         assert_eq!((prog[3][oproj::PartIn as usize], prog[3][oproj::PartOut as usize]), (0, 20));
         assert_eq!((prog[5][oproj::PartIn as usize], prog[5][oproj::PartOut as usize]), (20, 0));
+    }
+
+    /// Each head's chunks are split over at most the teams there are for it, with one split of one
+    /// chunk per team at the graded layer's 4k, and runs of chunks at long contexts.
+    #[test]
+    fn attention_splits_cover_every_chunk_within_the_teams() {
+        let cfg = Config::graded();
+        assert_eq!(AttentionSplit::at(&cfg, 4, 66, 4096), AttentionSplit { chunks: 33, span: 1, splits: 33 });
+        assert_eq!(AttentionSplit::at(&cfg, 4, 66, 131_072), AttentionSplit { chunks: 1025, span: 32, splits: 33 });
+        assert_eq!(AttentionSplit::at(&cfg, 200, 66, 4096), AttentionSplit { chunks: 33, span: 33, splits: 1 });
+        for (n_kv, blocks, pos) in [(1, 132, 100_000), (4, 66, 5000), (20, 66, 4096), (1, 1, 300), (132, 66, 9000)] {
+            let s = AttentionSplit::at(&cfg, n_kv, blocks, pos);
+            assert!(s.span * s.splits >= s.chunks && s.span * (s.splits - 1) < s.chunks, "{s:?}");
+            assert!(s.splits <= ATTN_MAX_SPLITS && (s.splits == 1 || n_kv * s.splits <= 2 * blocks), "{s:?}");
+        }
     }
 
     /// Every row waits only for earlier phases, so no block can wait, directly or through others, for a

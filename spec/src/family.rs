@@ -20,18 +20,20 @@ pub struct Member {
 
 /// Shapes of published models (d / ffn / n_q / n_kv / hd) at 4k context, the graded layer, and the
 /// graded shape at longer contexts.
-pub const FAMILY: [Member; 12] = [
+pub const FAMILY: [Member; 14] = [
     member("llama-3.2-1b", "Llama-3.2-1B (hd 64)", 2048, 8192, 32, 8, 64, 4096),
     member("llama-3.2-3b", "Llama-3.2-3B", 3072, 8192, 24, 8, 128, 4096),
     member("llama-3-8b", "Llama-3-8B", 4096, 14336, 32, 8, 128, 4096),
     member("qwen-7b", "Qwen2-7B-like (7 query heads per KV head)", 3584, 18944, 28, 4, 128, 4096),
     member("llama-2-13b", "Llama-2-13B (multi-head: n_kv = n_q)", 5120, 13824, 40, 40, 128, 4096),
     member("qwen-32b", "Qwen-32B-like", 5120, 27648, 40, 8, 128, 4096),
+    member("glm-4-9b", "GLM-4-9B-like (16 query heads per KV head)", 4096, 13696, 32, 2, 128, 4096),
     member("gemma-hd256", "Gemma-2-9B-like (hd 256)", 3584, 14336, 16, 8, 256, 4096),
     member("graded", "the graded 70B layer", 8192, 28672, 64, 8, 128, 4096),
     member("70b-8k", "the 70B layer at 8k context", 8192, 28672, 64, 8, 128, 8192),
     member("70b-16k", "the 70B layer at 16k context", 8192, 28672, 64, 8, 128, 16384),
     member("70b-32k", "the 70B layer at 32k context", 8192, 28672, 64, 8, 128, 32768),
+    member("70b-128k", "the 70B layer at 128k context", 8192, 28672, 64, 8, 128, 131072),
     member("405b", "Llama-3.1-405B", 16384, 53248, 128, 8, 128, 4096),
 ];
 

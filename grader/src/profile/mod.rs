@@ -50,6 +50,8 @@ pub struct PhaseTime {
 #[derive(Debug, Clone, Serialize)]
 pub struct Profile {
     pub config: String,
+    /// The compiled plan in words (`Megakernel::describe`) at the deepest timed position.
+    pub plan: String,
     pub floor_tbps: f64,
     pub phases: Vec<PhaseTime>,
     pub phases_sum_us: f64,
@@ -167,6 +169,7 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
     let fused_us = Summary::of(&fused_us).expect("timed");
     Ok(Profile {
         config: cfg.name.clone(),
+        plan: fused.describe(cfg, cfg.deepest_timed_pos()).expect("built"),
         floor_tbps: floor_bytes_per_s / 1e12,
         phases,
         phases_sum_us,
@@ -259,6 +262,7 @@ fn audit_phases(
 
 pub fn table(p: &Profile) -> String {
     let mut s = format!("\nmegakernel phases ('{}' config, floor bandwidth {:.3} TB/s)\n", p.config, p.floor_tbps);
+    let _ = writeln!(s, "  plan: {}", p.plan);
     let _ = writeln!(
         s,
         "  {:<15} {:>14} {:>10} {:>10} {:>8} {:>7} {:>14} {:>8}",

@@ -18,15 +18,35 @@ pub fn checks() -> Vec<Check> {
         Check { name: "megakernel matches eager (tiny)", run: |c| matches(c, Config::tiny(), 3) },
         Check { name: "megakernel matches eager (small)", run: |c| matches(c, Config::small(), 3) },
         Check { name: "megakernel matches eager (graded)", run: |c| matches(c, Config::graded(), 3) },
-        Check { name: "megakernel matches eager (attention in rounds)", run: |c| matches(c, deep_cache(), 2) },
+        Check { name: "megakernel matches eager (long context in splits)", run: |c| matches(c, deep_cache(), 2) },
+        Check { name: "megakernel matches eager (hd 256)", run: |c| matches(c, shape("small-hd256", 8, 4, 256), 2) },
+        Check {
+            name: "megakernel matches eager (16 query heads per KV head)",
+            run: |c| matches(c, shape("small-g16", 32, 2, 128), 2),
+        },
+        Check {
+            name: "megakernel matches eager (more KV heads than teams)",
+            run: |c| matches(c, shape("small-mha", 288, 288, 16), 2),
+        },
+        Check {
+            name: "megakernel matches eager (ffn in three parts)",
+            run: |c| matches(c, Config { name: "small-ffn3".into(), ffn: 61_440, ..Config::small() }, 2),
+        },
     ]
 }
 
-/// `small` with 4 KV heads over 10,000 cached positions: 4 x 79 attention items, more than the teams of
-/// any grid up to 158 SMs, so teams take several items and the last to finish a head combines it
-/// (the graded layer's 8 x 33 items fit one round and are combined by all of a head's teams).
+/// `small` with 4 KV heads over 60,000 cached positions: 470 attention chunks per head, which the 132
+/// teams of each half of an H200's grid take as 59 splits of 8 chunks, their running max and sum kept
+/// across a split's chunks (the graded layer's splits are one chunk each).
 fn deep_cache() -> Config {
-    Config { name: "small-deep".into(), n_q: 32, n_kv: 4, prefill: 10_000, max_seq_len: 10_112, ..Config::small() }
+    Config { name: "small-deep".into(), n_q: 32, n_kv: 4, prefill: 60_000, max_seq_len: 60_128, ..Config::small() }
+}
+
+/// `small` with other heads: at hd 256 a chunk is 64 slots; 16 query heads fill the tensor-core tiles'
+/// rows; with more KV heads than a half's teams (288 over 2 halves against 132), a head is one team's
+/// item and its team writes the output without a combine.
+fn shape(name: &str, n_q: usize, n_kv: usize, hd: usize) -> Config {
+    Config { name: name.into(), n_q, n_kv, hd, ..Config::small() }
 }
 
 /// `steps` steps of the fused megakernel, the phase-per-launch mode and the eager reference on
