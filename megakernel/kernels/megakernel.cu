@@ -41,11 +41,14 @@ constexpr uint32_t RING_BYTES = STAGES * STAGE_BYTES;
 // Input vectors a thread holds: rows of up to MAX_VPT * THREADS * VEC = 28672 bf16.
 constexpr uint32_t MAX_VPT = 7;
 // Attention work items: a KV head's cached positions in chunks of ATTN_CHUNK_ELEMS / hd slots, at most
-// ATTN_MAX_CHUNK (128 slots at hd 128, 64 at hd 256; the program row's Chunk word), so that a chunk's K
+// ATTN_MAX_CHUNK (64 slots at hd 128, 32 at hd 256; the program row's Chunk word), so that a chunk's K
 // and V rows take the same shared memory at every head size. An item is a run of consecutive chunks of
-// one KV head (a split of it), loaded and scored a chunk at a time with a running max and sum.
+// one KV head (a split of it), scored a chunk at a time with a running max and sum while the next
+// chunk loads into the team's other buffer.
 constexpr uint32_t ATTN_MAX_CHUNK = 128;
-constexpr uint32_t ATTN_CHUNK_ELEMS = 128 * 128;
+constexpr uint32_t ATTN_CHUNK_ELEMS = 64 * 128;
+// Chunk buffers per team: one is scored while the copy engine fills the other.
+constexpr uint32_t ATTN_BUFFERS = 2;
 constexpr uint32_t ATTN_MAX_HD = 256;
 // Query heads per KV head: the 16 rows of the tensor-core tiles.
 constexpr uint32_t ATTN_MAX_GROUP = 16;
@@ -53,6 +56,8 @@ constexpr uint32_t ATTN_MAX_GROUP = 16;
 constexpr uint32_t ATTN_MAX_SPLITS = 128;
 // bf16 of padding after each K, V and Q row in shared memory: rows then start 4 banks apart, so the
 // tensor-core fragment loads of phase_attention (8 rows x 4 words per warp) hit 32 distinct banks.
+// Unpadded rows (which one bulk copy per chunk could fill) made those loads 4- and 8-way conflicts, and
+// attention at 128k three times slower (docs/perf.md); so the rows arrive by per-thread copies.
 constexpr uint32_t KS_PAD = 8;
 // Attention runs as TEAMS independent teams per block, each on its own work item, so one team's
 // latency chain (load, scores, softmax, sums) overlaps the other's.
@@ -63,11 +68,12 @@ constexpr uint32_t TEAM_WARPS = TEAM_THREADS / WARP;
 constexpr uint32_t PS_PAD = 4;
 // Each team owns an equal share of the ring (free outside GEMV phases).
 constexpr uint32_t TEAM_SMEM_BYTES = RING_BYTES / TEAMS;
-// A team's shared memory for chunks of `chunk` slots at head size hd: K, V and Q (bf16, rows padded by
-// KS_PAD), the scores (f32), and each query head's running max, sum and rescale (f32). The launcher
-// checks its chunk against the same sum (megakernel/src/lib.rs, attention_smem_bytes).
+// A team's shared memory for chunks of `chunk` slots at head size hd: K and V of each buffer and Q
+// (bf16, rows padded by KS_PAD), the scores (f32), and each query head's running max, sum and rescale
+// (f32). The launcher checks its chunk against the same sum (megakernel/src/lib.rs,
+// attention_smem_bytes).
 constexpr uint32_t attn_smem_bytes(uint32_t chunk, uint32_t hd) {
-    return (2 * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2 + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4 + 3 * ATTN_MAX_GROUP * 4;
+    return (2 * ATTN_BUFFERS * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2 + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4 + 3 * ATTN_MAX_GROUP * 4;
 }
 static_assert(attn_smem_bytes(ATTN_MAX_CHUNK, ATTN_CHUNK_ELEMS / ATTN_MAX_CHUNK) <= TEAM_SMEM_BYTES, "a team's chunk must fit its share of the ring");
 static_assert(attn_smem_bytes(ATTN_CHUNK_ELEMS / ATTN_MAX_HD, ATTN_MAX_HD) <= TEAM_SMEM_BYTES, "a team's chunk must fit its share of the ring");
@@ -219,6 +225,12 @@ struct Ring {
     uint64_t* full;  // (STAGES)
     uint32_t seq;
 };
+
+// Commits this thread's cp.async copies issued since the last commit as one group, and waits until at
+// most `pending` of its groups are in flight (groups complete in order).
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <uint32_t PENDING>
+__device__ inline void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
 
 // A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
 // thread; each stage is STAGE_ROWS consecutive rows, so one bulk copy.
@@ -542,60 +554,73 @@ struct AttnItems {
     __device__ uint32_t chunk_end(uint32_t i) const { return min(chunk_begin(i) + span, n_chunks); }
 };
 
-// A team's K, V and Q rows, scores and per-head running statistics in shared memory (its share of the
-// ring, laid out as attn_smem_bytes sums it).
+// A team's chunk buffers, Q rows, scores and per-head running statistics in shared memory (its share of
+// the ring, laid out as attn_smem_bytes sums it).
 struct AttnSmem {
-    bf16 *ks, *vs, *qs;        // (chunk, row), (chunk, row), (ATTN_MAX_GROUP, row); row = hd + KS_PAD
-    float* ps;                 // (ATTN_MAX_GROUP, chunk + PS_PAD)
+    bf16* base;                      // buffer b's K rows at base + b * 2 * rows, its V rows after them
+    uint32_t rows;                   // chunk * (hd + KS_PAD)
+    bf16* qs;                        // (ATTN_MAX_GROUP, hd + KS_PAD)
+    float* ps;                       // (ATTN_MAX_GROUP, chunk + PS_PAD)
     float *run_m, *run_l, *rescale;  // (ATTN_MAX_GROUP) each
     __device__ AttnSmem(uint4* smem, const Team& team, uint32_t chunk, uint32_t hd) {
-        const uint32_t row = hd + KS_PAD;
-        ks = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + team.id * TEAM_SMEM_BYTES);
-        vs = ks + chunk * row;
-        qs = vs + chunk * row;
-        ps = reinterpret_cast<float*>(qs + ATTN_MAX_GROUP * row);
+        base = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + team.id * TEAM_SMEM_BYTES);
+        rows = chunk * (hd + KS_PAD);
+        qs = base + ATTN_BUFFERS * 2 * rows;
+        ps = reinterpret_cast<float*>(qs + ATTN_MAX_GROUP * (hd + KS_PAD));
         run_m = ps + ATTN_MAX_GROUP * (chunk + PS_PAD);
         run_l = run_m + ATTN_MAX_GROUP;
         rescale = run_l + ATTN_MAX_GROUP;
     }
+    __device__ bf16* ks(uint32_t b) const { return base + b * 2 * rows; }
+    __device__ bf16* vs(uint32_t b) const { return base + b * 2 * rows + rows; }
 };
 
-// Rows [r0, r1) of a team's chunk (slots first + r of KV head kv): rows under len but `skip` are
-// copied asynchronously (cp_async_wait_all() waits), rows from len on are zeroed, so the P V product
-// may run over the whole chunk.
+// Starts loading chunk c of KV head kv (slots first + r for r < len) into buffer b: rows under len but
+// `skip` by asynchronous copies of every thread of the team, committed as one group per thread;
+// rows from len on zeroed, so the P V product may run over the whole chunk. The buffer's previous
+// contents must be dead: the callers reach this only after a team.sync that follows every read of them.
 constexpr uint32_t NO_ROW = UINT32_MAX;
-__device__ void load_cache_rows(const Team& team, const int64_t* op, const AttnSmem& sm, uint32_t kv, uint32_t first, uint32_t len,
-                                uint32_t r0, uint32_t r1, uint32_t skip) {
+__device__ void load_chunk(const Team& team, const int64_t* op, const AttnSmem& sm, uint32_t b, uint32_t kv, uint32_t first,
+                           uint32_t len, uint32_t chunk, uint32_t skip) {
     const bf16* k_cache = reinterpret_cast<const bf16*>(op[attn::KCache]);
     const bf16* v_cache = reinterpret_cast<const bf16*>(op[attn::VCache]);
     const uint32_t hd = (uint32_t)op[attn::Hd], row_vecs = hd / VEC, row = hd + KS_PAD;
-    const size_t base = ((size_t)kv * (uint32_t)op[attn::MaxSeq] + first) * hd;
-    for (uint32_t i = r0 * row_vecs + team.t; i < r1 * row_vecs; i += TEAM_THREADS) {
+    const size_t at = ((size_t)kv * (uint32_t)op[attn::MaxSeq] + first) * hd;
+    for (uint32_t i = team.t; i < chunk * row_vecs; i += TEAM_THREADS) {
         const uint32_t r = i / row_vecs, col = i % row_vecs;
-        uint4* kd = reinterpret_cast<uint4*>(sm.ks + r * row) + col;
-        uint4* vd = reinterpret_cast<uint4*>(sm.vs + r * row) + col;
+        uint4* kd = reinterpret_cast<uint4*>(sm.ks(b) + r * row) + col;
+        uint4* vd = reinterpret_cast<uint4*>(sm.vs(b) + r * row) + col;
         if (r >= len) {
             *kd = make_uint4(0, 0, 0, 0);
             *vd = make_uint4(0, 0, 0, 0);
         } else if (r != skip) {
-            cp_async16(kd, reinterpret_cast<const uint4*>(k_cache + base) + i);
-            cp_async16(vd, reinterpret_cast<const uint4*>(v_cache + base) + i);
+            cp_async16(kd, reinterpret_cast<const uint4*>(k_cache + at) + i);
+            cp_async16(vd, reinterpret_cast<const uint4*>(v_cache + at) + i);
         }
     }
+    cp_async_commit();
 }
 
-// Before the wait in front of attention: each team starts loading the cache rows of its first
-// item's first chunk that earlier steps wrote (every slot but pos, which this launch's Qkv phase
-// writes). They do not depend on this step, so HBM streams them while the block waits for the Qkv
-// phase it depends on; the phase then loads only the queries and the row at pos.
+// Loads of an item's first chunks issued before any is scored: one per buffer.
+__device__ inline uint32_t head_start(const AttnItems& items, uint32_t item) {
+    return min(items.chunk_end(item) - items.chunk_begin(item), ATTN_BUFFERS);
+}
+
+// Before the wait in front of attention: each team starts loading its first item's first chunks, all
+// but the slot at pos, which this launch's Qkv phase writes. They do not depend on this step, so HBM
+// streams them while the block waits for the Qkv phase it depends on; the phase then loads only the
+// queries and the row at pos.
 __device__ void prime_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const Team team;
     const AttnItems items(op, pos);
     const uint32_t item = items.first(team);
     if (item >= items.count) return;
-    const uint32_t kv = item / items.splits, first = items.chunk_begin(item) * items.chunk;
     const AttnSmem sm(smem, team, items.chunk, (uint32_t)op[attn::Hd]);
-    load_cache_rows(team, op, sm, kv, first, min(items.chunk, pos + 1 - first), 0, items.chunk, pos - first);
+    const uint32_t c0 = items.chunk_begin(item);
+    for (uint32_t c = c0; c < c0 + head_start(items, item); ++c) {
+        const uint32_t first = c * items.chunk;
+        load_chunk(team, op, sm, c - c0, item / items.splits, first, min(items.chunk, pos + 1 - first), items.chunk, pos - first);
+    }
 }
 
 // Starts loading what phase `op` reads that no phase of this step writes, before the block waits for
@@ -609,8 +634,9 @@ __device__ void prime_inputs(const int64_t* op, const Ring& ring, uint32_t pos) 
 // softmax numerator over the split's slots and its max and sum, kept running across the split's
 // chunks (flash-decoding); then, with one split per head, the output, and with several, the combine
 // of the head's partials into a (see AttnItems). Each KV chunk is loaded once for all of its query
-// heads. The block ran prime_attention for this phase (prime_inputs), so each team's first chunk
-// lacks only the row at pos.
+// heads, the next chunk's copies in flight while this one is scored (chunk c0 + i of an item in buffer
+// i % ATTN_BUFFERS). The block ran prime_attention for this phase (prime_inputs), so each team's first
+// item's first chunks lack only the row at pos.
 __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const bf16* q = reinterpret_cast<const bf16*>(op[attn::Q]);
     float* part_o = reinterpret_cast<float*>(op[attn::PartO]);
@@ -633,30 +659,48 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const uint32_t g = lane / 4, quad = lane % 4;
     const bool lo_row = g < group, hi_row = g + 8 < group;
     const AttnSmem sm(smem, team, chunk, hd);
-    bf16 *ks = sm.ks, *vs = sm.vs, *qs = sm.qs;
     float* ps = sm.ps;
 
     for (uint32_t item = items.first(team); item < items.count; item += items.stride()) {
         const uint32_t kv = item / splits, split = item % splits;
+        const uint32_t c0 = items.chunk_begin(item), c1 = items.chunk_end(item);
+        const bool primed = item == items.first(team);
+        // The queries (and, primed, the row at pos) join the chunk loads' groups: the first chunk's
+        // wait is for all of them.
         for (uint32_t i = t; i < group * row_vecs; i += TEAM_THREADS) {
-            cp_async16(reinterpret_cast<uint4*>(qs + (i / row_vecs) * row) + i % row_vecs, reinterpret_cast<const uint4*>(q + (size_t)kv * group * hd) + i);
+            cp_async16(reinterpret_cast<uint4*>(sm.qs + (i / row_vecs) * row) + i % row_vecs, reinterpret_cast<const uint4*>(q + (size_t)kv * group * hd) + i);
         }
         for (uint32_t h = t; h < group; h += TEAM_THREADS) {
             sm.run_m[h] = -CUDART_INF_F;
             sm.run_l[h] = 0.0f;
         }
+        if (primed) {
+            // The primed chunks lack the row this step's Qkv phase wrote (the block has waited for it).
+            for (uint32_t c = c0; c < c0 + head_start(items, item); ++c) {
+                const uint32_t first = c * chunk, r = pos - first;
+                if (r >= min(chunk, pos + 1 - first)) continue;
+                const size_t at = ((size_t)kv * max_seq + pos) * row_vecs;
+                for (uint32_t i = t; i < row_vecs; i += TEAM_THREADS) {
+                    cp_async16(reinterpret_cast<uint4*>(sm.ks(c - c0) + r * row) + i, reinterpret_cast<const uint4*>(op[attn::KCache]) + at + i);
+                    cp_async16(reinterpret_cast<uint4*>(sm.vs(c - c0) + r * row) + i, reinterpret_cast<const uint4*>(op[attn::VCache]) + at + i);
+                }
+            }
+            cp_async_commit();
+        } else {
+            for (uint32_t c = c0; c < c0 + head_start(items, item); ++c) {
+                load_chunk(team, op, sm, c - c0, kv, c * chunk, min(chunk, pos + 1 - c * chunk), chunk, NO_ROW);
+            }
+        }
         // The numerator's column tiles warp, warp + TEAM_WARPS, ... (rows g and g + 8), across chunks.
         float acc[PV_TILES][4] = {};
-        for (uint32_t c = items.chunk_begin(item); c < items.chunk_end(item); ++c) {
-            const uint32_t first = c * chunk, len = min(chunk, pos + 1 - first);
-            if (item == items.first(team) && c == items.chunk_begin(item)) {
-                // Primed: only the row this step's Qkv phase wrote is missing (when it is in this chunk).
-                if (pos - first < len) load_cache_rows(team, op, sm, kv, first, len, pos - first, pos - first + 1, NO_ROW);
-            } else {
-                if (c > items.chunk_begin(item)) team.sync();  // every thread is done with the previous chunk's rows
-                load_cache_rows(team, op, sm, kv, first, len, 0, chunk, NO_ROW);
-            }
-            cp_async_wait_all();
+        for (uint32_t c = c0; c < c1; ++c) {
+            const uint32_t first = c * chunk, len = min(chunk, pos + 1 - first), b = (c - c0) % ATTN_BUFFERS;
+            const bf16 *ks = sm.ks(b), *vs = sm.vs(b);
+            // This chunk's group has landed once at most the groups issued after it are in flight: the
+            // next chunk's, when it is issued and nothing but chunk loads came after this one (a first
+            // chunk waits for the queries' group, issued after the primed chunks).
+            if (c + 1 < c1 && !(primed && c == c0)) cp_async_wait_group<1>();
+            else cp_async_wait_group<0>();
             team.sync();  // the chunk, the queries and the running statistics are in shared memory
             // Scores S = Q K^T on the tensor cores: A = Q (query heads as rows 0..group-1 of 16, the
             // rest zero), B = K^T (8 slots per tile, k over the head dimension). Warp w takes slot
@@ -666,10 +710,10 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
                 const bf16* krow = ks + (tile * 8 + g) * row;  // B column n = g is slot tile * 8 + g
                 float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 for (uint32_t k0 = 0; k0 < hd; k0 += 16) {
-                    const uint32_t a[4] = {lo_row ? pair_at(qs + g * row + k0 + 2 * quad) : 0u,
-                                           hi_row ? pair_at(qs + (g + 8) * row + k0 + 2 * quad) : 0u,
-                                           lo_row ? pair_at(qs + g * row + k0 + 8 + 2 * quad) : 0u,
-                                           hi_row ? pair_at(qs + (g + 8) * row + k0 + 8 + 2 * quad) : 0u};
+                    const uint32_t a[4] = {lo_row ? pair_at(sm.qs + g * row + k0 + 2 * quad) : 0u,
+                                           hi_row ? pair_at(sm.qs + (g + 8) * row + k0 + 2 * quad) : 0u,
+                                           lo_row ? pair_at(sm.qs + g * row + k0 + 8 + 2 * quad) : 0u,
+                                           hi_row ? pair_at(sm.qs + (g + 8) * row + k0 + 8 + 2 * quad) : 0u};
                     const uint32_t b[2] = {pair_at(krow + k0 + 2 * quad), pair_at(krow + k0 + 8 + 2 * quad)};
                     mma_bf16_m16n8k16(d, a, b);
                 }
@@ -741,6 +785,12 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
                     mma_tf32_m16n8k8(acc[k], a, b);
                 }
             }
+            // The chunk's buffer is free once every thread is past its P V: it takes chunk c + ATTN_BUFFERS.
+            if (c + ATTN_BUFFERS < c1) {
+                team.sync();
+                const uint32_t next = (c + ATTN_BUFFERS) * chunk;
+                load_chunk(team, op, sm, b, kv, next, min(chunk, pos + 1 - next), chunk, NO_ROW);
+            }
         }
 
         if (splits == 1) {
@@ -789,7 +839,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
         // Split s's team combines outputs [s share, (s + 1) share) of the head.
         const uint32_t share = ((per_head + splits - 1) / splits + 3) & ~3u;
         const uint32_t lo = min(split * share, per_head), hi = min(lo + share, per_head);
-        if (lo < hi) combine(team, kv, splits, max_splits, group, hd, lo, hi, part_o, part_ml, a_out, reinterpret_cast<float*>(ks));
+        if (lo < hi) combine(team, kv, splits, max_splits, group, hd, lo, hi, part_o, part_ml, a_out, reinterpret_cast<float*>(sm.base));
         if (t == 0 && departed == splits - 1) {
             // Every team of the head is past its wait: reset both for the next step (the launch
             // boundary orders this before any later arrival: a step runs each attention phase once).

@@ -29,7 +29,7 @@ pub const MAX_ROW: usize = 7 * 512 * 8;
 /// Cached positions of an attention chunk: at most `ATTN_MAX_CHUNK`, and `ATTN_CHUNK_ELEMS / hd` for
 /// wider heads, so that a chunk's K and V take the same shared memory at every head size.
 pub const ATTN_MAX_CHUNK: usize = 128;
-pub const ATTN_CHUNK_ELEMS: usize = 128 * 128;
+pub const ATTN_CHUNK_ELEMS: usize = 64 * 128;
 /// Splits of one KV head's chunks at most (the combine's lanes hold one split's statistics each).
 pub const ATTN_MAX_SPLITS: usize = 128;
 /// Parts of `ffn` the MLP runs in at most: the two-role plan's six attention phases and two per part
@@ -651,14 +651,14 @@ mod tests {
         assert_eq!((prog[5][oproj::PartIn as usize], prog[5][oproj::PartOut as usize]), (20, 0));
     }
 
-    /// Each head's chunks are split over at most the teams there are for it, with one split of one
-    /// chunk per team at the graded layer's 4k, and runs of chunks at long contexts.
+    /// Each head's chunks are split over at most the teams there are for it: two chunks per team at the
+    /// graded layer's 4k (one per buffer, both in flight at once), long runs of chunks at long contexts.
     #[test]
     fn attention_splits_cover_every_chunk_within_the_teams() {
         let cfg = Config::graded();
-        assert_eq!(AttentionSplit::at(&cfg, 4, 66, 4096), AttentionSplit { chunks: 33, span: 1, splits: 33 });
-        assert_eq!(AttentionSplit::at(&cfg, 4, 66, 131_072), AttentionSplit { chunks: 1025, span: 32, splits: 33 });
-        assert_eq!(AttentionSplit::at(&cfg, 200, 66, 4096), AttentionSplit { chunks: 33, span: 33, splits: 1 });
+        assert_eq!(AttentionSplit::at(&cfg, 4, 66, 4096), AttentionSplit { chunks: 65, span: 2, splits: 33 });
+        assert_eq!(AttentionSplit::at(&cfg, 4, 66, 131_072), AttentionSplit { chunks: 2049, span: 63, splits: 33 });
+        assert_eq!(AttentionSplit::at(&cfg, 200, 66, 4096), AttentionSplit { chunks: 65, span: 65, splits: 1 });
         for (n_kv, blocks, pos) in [(1, 132, 100_000), (4, 66, 5000), (20, 66, 4096), (1, 1, 300), (132, 66, 9000)] {
             let s = AttentionSplit::at(&cfg, n_kv, blocks, pos);
             assert!(s.span * s.splits >= s.chunks && s.span * (s.splits - 1) < s.chunks, "{s:?}");

@@ -35,14 +35,14 @@ pub fn checks() -> Vec<Check> {
     ]
 }
 
-/// `small` with 4 KV heads over 60,000 cached positions: 470 attention chunks per head, which the 132
-/// teams of each half of an H200's grid take as 59 splits of 8 chunks, their running max and sum kept
-/// across a split's chunks (the graded layer's splits are one chunk each).
+/// `small` with 4 KV heads over 60,000 cached positions: 938 attention chunks per head, which the 132
+/// teams of each half of an H200's grid take as 63 splits of 15 chunks, their running max and sum kept
+/// across a split's chunks while the next chunk loads (the graded layer's splits are two chunks each).
 fn deep_cache() -> Config {
     Config { name: "small-deep".into(), n_q: 32, n_kv: 4, prefill: 60_000, max_seq_len: 60_128, ..Config::small() }
 }
 
-/// `small` with other heads: at hd 256 a chunk is 64 slots; 16 query heads fill the tensor-core tiles'
+/// `small` with other heads: at hd 256 a chunk is 32 slots; 16 query heads fill the tensor-core tiles'
 /// rows; with more KV heads than a half's teams (288 over 2 halves against 132), a head is one team's
 /// item and its team writes the output without a combine.
 fn shape(name: &str, n_q: usize, n_kv: usize, hd: usize) -> Config {
