@@ -54,31 +54,38 @@ constexpr uint32_t ATTN_MAX_HD = 256;
 constexpr uint32_t ATTN_MAX_GROUP = 16;
 // Splits of one KV head at most: the combine's lanes hold each split's max and sum in registers.
 constexpr uint32_t ATTN_MAX_SPLITS = 128;
-// bf16 of padding after each K, V and Q row in shared memory: rows then start 4 banks apart, so the
-// tensor-core fragment loads of phase_attention (8 rows x 4 words per warp) hit 32 distinct banks.
-// Unpadded rows (which one bulk copy per chunk could fill) made those loads 4- and 8-way conflicts, and
-// attention at 128k three times slower (docs/perf.md); so the rows arrive by per-thread copies.
+// bf16 of padding after each K, V and Q row in shared memory: rows then start 4 banks apart, so
+// ldmatrix's 8 rows of 16 bytes and the Q fragments' loads (8 rows x 4 words per warp) hit 32 distinct
+// banks. Unpadded rows (which one bulk copy per chunk could fill) made the fragment loads 4- and 8-way
+// conflicts, and attention at 128k three times slower (docs/perf.md); so the rows arrive by
+// per-thread copies.
 constexpr uint32_t KS_PAD = 8;
 // Attention runs as TEAMS independent teams per block, each on its own work item, so one team's
 // latency chain (load, scores, softmax, sums) overlaps the other's.
 constexpr uint32_t TEAMS = 2;
 constexpr uint32_t TEAM_THREADS = THREADS / TEAMS;
 constexpr uint32_t TEAM_WARPS = TEAM_THREADS / WARP;
+// bf16 of padding after each query head's row of softmax weights: rows start 4 banks apart, so the
+// B fragments' loads (8 heads x 4 words per warp) hit 32 distinct banks.
+constexpr uint32_t PB_PAD = 8;
 // f32 of padding after each query head's row of scores (see the P V product in phase_attention).
 constexpr uint32_t PS_PAD = 4;
 // Each team owns an equal share of the ring (free outside GEMV phases).
 constexpr uint32_t TEAM_SMEM_BYTES = RING_BYTES / TEAMS;
 // A team's shared memory for chunks of `chunk` slots at head size hd: K and V of each buffer and Q
 // (bf16, rows padded by KS_PAD), the scores (f32), and each query head's running max, sum and rescale
-// (f32). The launcher checks its chunk against the same sum (megakernel/src/lib.rs,
-// attention_smem_bytes).
+// (f32), then the softmax weights (bf16, rows padded by PB_PAD). The launcher checks its chunk against
+// the same sum (megakernel/src/lib.rs, attention_smem_bytes).
 constexpr uint32_t attn_smem_bytes(uint32_t chunk, uint32_t hd) {
-    return (2 * ATTN_BUFFERS * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2 + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4 + 3 * ATTN_MAX_GROUP * 4;
+    return (2 * ATTN_BUFFERS * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2 + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4 + 3 * ATTN_MAX_GROUP * 4 +
+           ATTN_MAX_GROUP * (chunk + PB_PAD) * 2;
 }
 static_assert(attn_smem_bytes(ATTN_MAX_CHUNK, ATTN_CHUNK_ELEMS / ATTN_MAX_CHUNK) <= TEAM_SMEM_BYTES, "a team's chunk must fit its share of the ring");
 static_assert(attn_smem_bytes(ATTN_CHUNK_ELEMS / ATTN_MAX_HD, ATTN_MAX_HD) <= TEAM_SMEM_BYTES, "a team's chunk must fit its share of the ring");
-// Column tiles of 8 of the P V product each warp accumulates across a split's chunks.
-constexpr uint32_t PV_TILES = ATTN_MAX_HD / 8 / TEAM_WARPS;
+// Tiles of the P V product each warp accumulates across a split's chunks: of 16 along the head
+// dimension, and of 8 query heads.
+constexpr uint32_t PV_M = ATTN_MAX_HD / 16 / TEAM_WARPS;
+constexpr uint32_t PV_N = ATTN_MAX_GROUP / 8;
 // The combine: outputs each thread of a team sums per window; the splits' scales, then the partials
 // of a pass, in the team's shared memory.
 constexpr uint32_t COMBINE_OUTPUTS = 4;
@@ -133,21 +140,23 @@ __device__ inline void mma_bf16_m16n8k16(float (&d)[4], const uint32_t (&a)[4], 
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-// A 16x8 tf32 (row), B 8x8 tf32 (col).
-__device__ inline void mma_tf32_m16n8k8(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// f32 rounded to the nearest tf32 (10-bit mantissa).
-__device__ inline uint32_t to_tf32(float f) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(f));
-    return r;
-}
 // Two consecutive bf16 in shared memory as one 32-bit fragment register.
 __device__ inline uint32_t pair_at(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// Four 8x8 bf16 matrices from shared memory, lane i giving the address of row i % 8 of matrix i / 8
+// (16 bytes); register j holds matrix j as an A fragment holds it (lane l: row l / 4, columns
+// 2 (l % 4) + {0, 1}), or, transposed, that of its transpose.
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const bf16* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row))
+                 : "memory");
+}
+__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row))
+                 : "memory");
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Blocks and dependencies
@@ -562,6 +571,7 @@ struct AttnSmem {
     bf16* qs;                        // (ATTN_MAX_GROUP, hd + KS_PAD)
     float* ps;                       // (ATTN_MAX_GROUP, chunk + PS_PAD)
     float *run_m, *run_l, *rescale;  // (ATTN_MAX_GROUP) each
+    bf16* pb;                        // (ATTN_MAX_GROUP, chunk + PB_PAD)
     __device__ AttnSmem(uint4* smem, const Team& team, uint32_t chunk, uint32_t hd) {
         base = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + team.id * TEAM_SMEM_BYTES);
         rows = chunk * (hd + KS_PAD);
@@ -570,6 +580,7 @@ struct AttnSmem {
         run_m = ps + ATTN_MAX_GROUP * (chunk + PS_PAD);
         run_l = run_m + ATTN_MAX_GROUP;
         rescale = run_l + ATTN_MAX_GROUP;
+        pb = reinterpret_cast<bf16*>(rescale + ATTN_MAX_GROUP);
     }
     __device__ bf16* ks(uint32_t b) const { return base + b * 2 * rows; }
     __device__ bf16* vs(uint32_t b) const { return base + b * 2 * rows + rows; }
@@ -655,9 +666,9 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
     const Team team;
     const uint32_t t = team.t, lane = team.lane, warp = team.warp;
     const uint32_t row_vecs = hd / VEC, row = hd + KS_PAD, ps_row = chunk + PS_PAD;  // strides
-    // Fragment coordinates of this lane: its rows of A and D (query heads g and g + 8), its quad position.
+    // Fragment coordinates of this lane: its group of the tiles' rows and columns, its quad position.
     const uint32_t g = lane / 4, quad = lane % 4;
-    const bool lo_row = g < group, hi_row = g + 8 < group;
+    const uint32_t n_tiles = (group + 7) / 8, pb_row = chunk + PB_PAD;  // head tiles of 8; weights' stride
     const AttnSmem sm(smem, team, chunk, hd);
     float* ps = sm.ps;
 
@@ -691,8 +702,9 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
                 load_chunk(team, op, sm, c - c0, kv, c * chunk, min(chunk, pos + 1 - c * chunk), chunk, NO_ROW);
             }
         }
-        // The numerator's column tiles warp, warp + TEAM_WARPS, ... (rows g and g + 8), across chunks.
-        float acc[PV_TILES][4] = {};
+        // The numerator O^T (head dimension x heads) of this lane's tiles, across the split's chunks:
+        // column tiles warp, warp + TEAM_WARPS, ... of 16, head tiles of 8 (see the P V product).
+        float acc[PV_M][PV_N][4] = {};
         for (uint32_t c = c0; c < c1; ++c) {
             const uint32_t first = c * chunk, len = min(chunk, pos + 1 - first), b = (c - c0) % ATTN_BUFFERS;
             const bf16 *ks = sm.ks(b), *vs = sm.vs(b);
@@ -702,37 +714,37 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
             if (c + 1 < c1 && !(primed && c == c0)) cp_async_wait_group<1>();
             else cp_async_wait_group<0>();
             team.sync();  // the chunk, the queries and the running statistics are in shared memory
-            // Scores S = Q K^T on the tensor cores: A = Q (query heads as rows 0..group-1 of 16, the
-            // rest zero), B = K^T (8 slots per tile, k over the head dimension). Warp w takes slot
-            // tiles w, w + TEAM_WARPS, ...; lane (g, quad) ends with heads g's and g + 8's scores of
-            // slots 2 quad + {0, 1}.
-            for (uint32_t tile = warp; tile < chunk / 8; tile += TEAM_WARPS) {
-                const bf16* krow = ks + (tile * 8 + g) * row;  // B column n = g is slot tile * 8 + g
-                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            // Scores S^T = K Q^T on the tensor cores: A = K (16 slots x 16 of the head dimension, by
+            // ldmatrix), B = Q^T (16 x 8 query heads; heads past the group zero). Warp w takes the
+            // (slot tile, head tile) units w, w + TEAM_WARPS, ...; the even and odd steps along the head
+            // accumulate apart, so two chains of products are in flight. Lane (g, quad) ends with slots
+            // g and g + 8's scores of heads 2 quad + {0, 1}.
+            for (uint32_t u = warp; u < chunk / 16 * n_tiles; u += TEAM_WARPS) {
+                const uint32_t st = u / n_tiles, head = u % n_tiles * 8 + g;
+                const bf16* a_row = ks + (st * 16 + lane % 8 + 8 * (lane / 8 % 2)) * row + 8 * (lane / 16);
+                const bf16* q_row = sm.qs + head * row + 2 * quad;
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f}, e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 for (uint32_t k0 = 0; k0 < hd; k0 += 16) {
-                    const uint32_t a[4] = {lo_row ? pair_at(sm.qs + g * row + k0 + 2 * quad) : 0u,
-                                           hi_row ? pair_at(sm.qs + (g + 8) * row + k0 + 2 * quad) : 0u,
-                                           lo_row ? pair_at(sm.qs + g * row + k0 + 8 + 2 * quad) : 0u,
-                                           hi_row ? pair_at(sm.qs + (g + 8) * row + k0 + 8 + 2 * quad) : 0u};
-                    const uint32_t b[2] = {pair_at(krow + k0 + 2 * quad), pair_at(krow + k0 + 8 + 2 * quad)};
-                    mma_bf16_m16n8k16(d, a, b);
+                    uint32_t a[4];
+                    ldmatrix_x4(a, a_row + k0);
+                    const uint32_t bq[2] = {head < group ? pair_at(q_row + k0) : 0u, head < group ? pair_at(q_row + k0 + 8) : 0u};
+                    if (k0 / 16 % 2) mma_bf16_m16n8k16(e, a, bq);
+                    else mma_bf16_m16n8k16(d, a, bq);
                 }
-                const uint32_t j = tile * 8 + 2 * quad;
-                if (lo_row) {
-                    if (j < len) ps[g * ps_row + j] = __fmul_rn(d[0], inv_sqrt_hd);
-                    if (j + 1 < len) ps[g * ps_row + j + 1] = __fmul_rn(d[1], inv_sqrt_hd);
-                }
-                if (hi_row) {
-                    if (j < len) ps[(g + 8) * ps_row + j] = __fmul_rn(d[2], inv_sqrt_hd);
-                    if (j + 1 < len) ps[(g + 8) * ps_row + j + 1] = __fmul_rn(d[3], inv_sqrt_hd);
+                const uint32_t s = st * 16 + g, h = u % n_tiles * 8 + 2 * quad;
+#pragma unroll
+                for (uint32_t i = 0; i < 4; ++i) {
+                    const uint32_t slot = s + 8 * (i / 2), hi = h + i % 2;
+                    if (hi < group && slot < len) ps[hi * ps_row + slot] = __fmul_rn(__fadd_rn(d[i], e[i]), inv_sqrt_hd);
                 }
             }
             team.sync();  // every score is in ps
 
             // Softmax of each query head over the chunk, against the running max: warp h. Weights past
-            // len are zero. The running sum and the numerator are rescaled by e^(old max - new max),
-            // which is 0 on a split's first chunk (the max was -inf), so a one-chunk split's figures
-            // are the chunk's own.
+            // len are zero; each is rounded to bf16 for the P V product, and the sum is of the rounded
+            // weights, so the output's weights sum to 1. The running sum and the numerator are
+            // rescaled by e^(old max - new max), which is 0 on a split's first chunk (the max was
+            // -inf), so a one-chunk split's figures are the chunk's own.
             const bool last_chunk = c + 1 == items.chunk_end(item);
             float* ml = part_ml + (((size_t)kv * max_splits + split) * group) * 2;
             for (uint32_t h = warp; h < group; h += TEAM_WARPS) {
@@ -742,9 +754,9 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
                 m = fmaxf(old_m, warp_reduce(m, Max{}));
                 float l = 0.0f;
                 for (uint32_t j = lane; j < chunk; j += WARP) {
-                    const float e = j < len ? expf(__fsub_rn(ps[h * ps_row + j], m)) : 0.0f;
-                    ps[h * ps_row + j] = e;
-                    l += e;
+                    const bf16 e = __float2bfloat16_rn(j < len ? expf(__fsub_rn(ps[h * ps_row + j], m)) : 0.0f);
+                    sm.pb[h * pb_row + j] = e;
+                    l += __bfloat162float(e);
                 }
                 const float alpha = expf(__fsub_rn(old_m, m));
                 l = fmaf(sm.run_l[h], alpha, warp_reduce(l, Add{}));
@@ -759,30 +771,42 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
                     }
                 }
             }
-            team.sync();  // the exponentials, the running statistics and the rescales are in shared memory
+            team.sync();  // the weights, the running statistics and the rescales are in shared memory
 
-            // Numerator O = O e^(old max - new max) + P V on the tensor cores in tf32 (P keeps 10
-            // mantissa bits; V's bf16 is exact in tf32): A = P (heads x slots), B = V (slots x 8
-            // columns per tile). Lane (g, quad) holds heads g's and g + 8's columns 2 quad + {0, 1}.
-            const float alpha_lo = lo_row ? sm.rescale[g] : 0.0f, alpha_hi = hi_row ? sm.rescale[g + 8] : 0.0f;
+            // Numerator O^T = O^T e^(old max - new max) + V^T P^T on the tensor cores: A = V^T (16 of the
+            // head dimension x 16 slots, by transposing ldmatrix), B = P^T (16 slots x 8 heads, the bf16
+            // weights). Lane (g, quad) holds dimensions g and g + 8 of its column tile for heads
+            // 2 quad + {0, 1} of its head tile.
 #pragma unroll
-            for (uint32_t k = 0; k < PV_TILES; ++k) {
-                const uint32_t tile = warp + k * TEAM_WARPS;
-                if (tile >= hd / 8) break;
-                const bf16* vcol = vs + tile * 8 + g;  // B column n = g is head dimension tile * 8 + g
-                float* d = acc[k];
-                d[0] *= alpha_lo;
-                d[1] *= alpha_lo;
-                d[2] *= alpha_hi;
-                d[3] *= alpha_hi;
-                for (uint32_t s0 = 0; s0 < chunk; s0 += 8) {
-                    const uint32_t a[4] = {lo_row ? to_tf32(ps[g * ps_row + s0 + quad]) : 0u,
-                                           hi_row ? to_tf32(ps[(g + 8) * ps_row + s0 + quad]) : 0u,
-                                           lo_row ? to_tf32(ps[g * ps_row + s0 + quad + 4]) : 0u,
-                                           hi_row ? to_tf32(ps[(g + 8) * ps_row + s0 + quad + 4]) : 0u};
-                    const uint32_t b[2] = {__float_as_uint(__bfloat162float(vcol[(s0 + quad) * row])),
-                                           __float_as_uint(__bfloat162float(vcol[(s0 + quad + 4) * row]))};
-                    mma_tf32_m16n8k8(acc[k], a, b);
+            for (uint32_t nt = 0; nt < PV_N; ++nt) {
+                const uint32_t h = nt * 8 + 2 * quad;
+                const float r0 = h < group ? sm.rescale[h] : 0.0f, r1 = h + 1 < group ? sm.rescale[h + 1] : 0.0f;
+#pragma unroll
+                for (uint32_t mi = 0; mi < PV_M; ++mi) {
+                    acc[mi][nt][0] *= r0;
+                    acc[mi][nt][1] *= r1;
+                    acc[mi][nt][2] *= r0;
+                    acc[mi][nt][3] *= r1;
+                }
+            }
+            for (uint32_t s0 = 0; s0 < chunk; s0 += 16) {
+                uint32_t bp[PV_N][2];
+#pragma unroll
+                for (uint32_t nt = 0; nt < PV_N; ++nt) {
+                    const uint32_t head = nt * 8 + g;
+                    bp[nt][0] = head < group ? pair_at(sm.pb + head * pb_row + s0 + 2 * quad) : 0u;
+                    bp[nt][1] = head < group ? pair_at(sm.pb + head * pb_row + s0 + 8 + 2 * quad) : 0u;
+                }
+#pragma unroll
+                for (uint32_t mi = 0; mi < PV_M; ++mi) {
+                    const uint32_t mt = warp + mi * TEAM_WARPS;
+                    if (mt >= hd / 16) break;
+                    uint32_t a[4];
+                    ldmatrix_x4_trans(a, vs + (s0 + lane % 8 + 8 * (lane / 16)) * row + mt * 16 + 8 * (lane / 8 % 2));
+#pragma unroll
+                    for (uint32_t nt = 0; nt < PV_N; ++nt) {
+                        if (nt < n_tiles) mma_bf16_m16n8k16(acc[mi][nt], a, bp[nt]);
+                    }
                 }
             }
             // The chunk's buffer is free once every thread is past its P V: it takes chunk c + ATTN_BUFFERS.
@@ -793,35 +817,34 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
             }
         }
 
-        if (splits == 1) {
-            // The head is this item: a = O / l, rounded as the combine of one split rounds it.
-            const float inv_lo = lo_row ? __fdiv_rn(1.0f, sm.run_l[g]) : 0.0f, inv_hi = hi_row ? __fdiv_rn(1.0f, sm.run_l[g + 8]) : 0.0f;
-            bf16* a_head = a_out + (size_t)kv * per_head;
+        // Calls f(head, dimension, value) for each element of the numerator this lane holds.
+        const auto each_output = [&](auto f) {
 #pragma unroll
-            for (uint32_t k = 0; k < PV_TILES; ++k) {
-                const uint32_t col = (warp + k * TEAM_WARPS) * 8 + 2 * quad;
-                if (col >= hd) break;
-                if (lo_row) {
-                    a_head[g * hd + col] = __float2bfloat16_rn(fmaf(acc[k][0], inv_lo, 0.0f));
-                    a_head[g * hd + col + 1] = __float2bfloat16_rn(fmaf(acc[k][1], inv_lo, 0.0f));
-                }
-                if (hi_row) {
-                    a_head[(g + 8) * hd + col] = __float2bfloat16_rn(fmaf(acc[k][2], inv_hi, 0.0f));
-                    a_head[(g + 8) * hd + col + 1] = __float2bfloat16_rn(fmaf(acc[k][3], inv_hi, 0.0f));
+            for (uint32_t mi = 0; mi < PV_M; ++mi) {
+                const uint32_t mt = warp + mi * TEAM_WARPS;
+                if (mt >= hd / 16) break;
+#pragma unroll
+                for (uint32_t nt = 0; nt < PV_N; ++nt) {
+#pragma unroll
+                    for (uint32_t i = 0; i < 4; ++i) {
+                        const uint32_t h = nt * 8 + 2 * quad + i % 2, dim = mt * 16 + g + 8 * (i / 2);
+                        if (h < group) f(h, dim, acc[mi][nt][i]);
+                    }
                 }
             }
+        };
+        if (splits == 1) {
+            // The head is this item: a = O / l, rounded as the combine of one split rounds it.
+            bf16* a_head = a_out + (size_t)kv * per_head;
+            each_output([&](uint32_t h, uint32_t dim, float o) {
+                a_head[h * hd + dim] = __float2bfloat16_rn(fmaf(o, __fdiv_rn(1.0f, sm.run_l[h]), 0.0f));
+            });
             team.sync();  // the team's shared memory is free for its next item
             continue;
         }
 
         float* po = part_o + (((size_t)kv * max_splits + split) * group) * hd;
-#pragma unroll
-        for (uint32_t k = 0; k < PV_TILES; ++k) {
-            const uint32_t col = (warp + k * TEAM_WARPS) * 8 + 2 * quad;
-            if (col >= hd) break;
-            if (lo_row) reinterpret_cast<float2*>(po + g * hd + col)[0] = make_float2(acc[k][0], acc[k][1]);
-            if (hi_row) reinterpret_cast<float2*>(po + (g + 8) * hd + col)[0] = make_float2(acc[k][2], acc[k][3]);
-        }
+        each_output([&](uint32_t h, uint32_t dim, float o) { po[h * hd + dim] = o; });
         team.sync();  // all of this team's partials are written (and its shared memory is free again)
 
         // Several splits: every team holds one item (AttnItems), so every split of the head arrives.

@@ -35,6 +35,7 @@ const ATTN_MAX_GROUP: usize = 16;
 const TEAMS: u32 = 2;
 const KS_PAD: usize = 8;
 const PS_PAD: usize = 4;
+const PB_PAD: usize = 8;
 /// Chunk buffers per attention team.
 const ATTN_BUFFERS: usize = 2;
 /// The row gather of `kernels/megakernel.cu` that packs weights (the red team packs cache rows with it).
@@ -315,11 +316,13 @@ fn max_block_rows(rows: usize, grid: usize) -> usize {
 }
 
 /// A team's shared memory for attention chunks of `chunk` slots at head size `hd` (the kernel's
-/// `attn_smem_bytes`: K and V rows of each buffer and Q rows, padded; scores; running statistics).
+/// `attn_smem_bytes`: K and V rows of each buffer and Q rows, padded; scores; running statistics;
+/// softmax weights).
 fn attention_smem_bytes(chunk: usize, hd: usize) -> usize {
     (2 * ATTN_BUFFERS * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2
         + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4
         + 3 * ATTN_MAX_GROUP * 4
+        + ATTN_MAX_GROUP * (chunk + PB_PAD) * 2
 }
 
 /// Declines configurations the kernel's fixed limits cannot hold, naming the limit
@@ -539,7 +542,9 @@ mod tests {
             format!("constexpr uint32_t KS_PAD = {KS_PAD};"),
             format!("constexpr uint32_t PS_PAD = {PS_PAD};"),
             format!("constexpr uint32_t ATTN_BUFFERS = {ATTN_BUFFERS};"),
-            "return (2 * ATTN_BUFFERS * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2 + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4 + 3 * ATTN_MAX_GROUP * 4;".to_string(),
+            format!("constexpr uint32_t PB_PAD = {PB_PAD};"),
+            "return (2 * ATTN_BUFFERS * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2 + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4 + 3 * ATTN_MAX_GROUP * 4 +".to_string(),
+            "ATTN_MAX_GROUP * (chunk + PB_PAD) * 2;".to_string(),
             format!("__global__ void {GATHER}("),
         ] {
             assert!(CU.contains(&line), "kernels/megakernel.cu lacks `{line}`");
@@ -656,7 +661,7 @@ mod tests {
     fn the_attention_chunk_fits_a_teams_share_at_every_head_size() {
         for hd in (16..=ATTN_MAX_HD).step_by(16) {
             let chunk = program::chunk(&Config { hd, ..Config::graded() });
-            assert!(chunk % 8 == 0 && chunk >= 16, "hd {hd}: chunk {chunk}");
+            assert!(chunk % 16 == 0 && chunk >= 32, "hd {hd}: chunk {chunk}");
             assert!(attention_smem_bytes(chunk, hd) <= (RING_BYTES / TEAMS) as usize, "hd {hd}");
         }
         assert_eq!(program::chunk(&Config::graded()), 64);

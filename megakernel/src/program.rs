@@ -183,9 +183,9 @@ pub struct Buffers {
     pub down_part: u64,
 }
 
-/// Cached positions per attention chunk at this head size (a multiple of 8, the tensor-core tiles').
+/// Cached positions per attention chunk at this head size (a multiple of 16, the tensor-core tiles').
 pub fn chunk(cfg: &Config) -> usize {
-    ATTN_MAX_CHUNK.min(ATTN_CHUNK_ELEMS / cfg.hd / 8 * 8)
+    ATTN_MAX_CHUNK.min(ATTN_CHUNK_ELEMS / cfg.hd / 16 * 16)
 }
 
 /// The most splits of a KV head any position can have: the partials' room per head (the kernel's
