@@ -3,9 +3,10 @@
 // the phases it waits for; every block of a grid sized to be co-resident walks the table, and for each
 // of its phases waits until every block of the phases it depends on has finished them, then does its
 // share. In the two-role plan the grid's halves take turns: one streams weights while the other runs
-// attention's latency-bound chain, so HBM keeps streaming; and the MLP runs in two parts of ffn, so that
-// Down's first part depends only on GateUp's first, finished long before, and no block waits between
-// GateUp and Down (program.rs, compile). The same code runs one phase per launch (phase_begin + 1 ==
+// attention's latency-bound chain, so HBM keeps streaming; and the MLP runs in parts of ffn (two, three
+// when ffn is over two of the stream's longest rows), so that Down's first part depends only on
+// GateUp's first, finished long before, and no block waits between GateUp and Down (program.rs,
+// compile). The same code runs one phase per launch (phase_begin + 1 ==
 // phase_end) for debugging and per-phase timing; the results are bitwise identical because nothing
 // else changes.
 //
@@ -17,12 +18,13 @@
 // with a shuffle butterfly and the warps' partials meet in shared memory once, at the end of the
 // phase, where they are added in warp order. A phase's first slots are filled before its input
 // exists (before the norm, while the block waits for the phases it depends on), so the stream does not
-// stop between phases; attention's cached rows are loaded the same way. Weights are not prefetched to L2:
+// stop between phases; attention's first cached rows are loaded before its wait too. Weights are not prefetched to L2:
 // bulk prefetches of rows the ring then copies made the phases slower (docs/perf.md); the ring's copies
 // mark them evict-first instead. No float atomics anywhere: outputs are bitwise reproducible.
 //
 // Rounding follows the eager reference: q, k, v, a, o, x1, h, h2, gate, up, act and down are rounded to
-// bf16 where the reference stores them; scores and softmax weights stay f32.
+// bf16 where the reference stores them; scores, maxima and sums stay f32, and the softmax weights are
+// rounded to bf16 only as the P V product's operand (the sum is of the rounded weights).
 #include <cuda_bf16.h>
 #include <math_constants.h>
 #include <stdint.h>
@@ -57,7 +59,7 @@ constexpr uint32_t ATTN_MAX_SPLITS = 128;
 // bf16 of padding after each K, V and Q row in shared memory: rows then start 4 banks apart, so
 // ldmatrix's 8 rows of 16 bytes and the Q fragments' loads (8 rows x 4 words per warp) hit 32 distinct
 // banks. Unpadded rows (which one bulk copy per chunk could fill) made the fragment loads 4- and 8-way
-// conflicts, and attention at 128k three times slower (docs/perf.md); so the rows arrive by
+// conflicts and attention at 128k compute-bound (docs/perf.md, v25c-v25d); so the rows arrive by
 // per-thread copies.
 constexpr uint32_t KS_PAD = 8;
 // Attention runs as TEAMS independent teams per block, each on its own work item, so one team's

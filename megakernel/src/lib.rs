@@ -661,7 +661,7 @@ mod tests {
     fn the_attention_chunk_fits_a_teams_share_at_every_head_size() {
         for hd in (16..=ATTN_MAX_HD).step_by(16) {
             let chunk = program::chunk(&Config { hd, ..Config::graded() });
-            assert!(chunk % 16 == 0 && chunk >= 32, "hd {hd}: chunk {chunk}");
+            assert!(chunk.is_multiple_of(16) && chunk >= 32, "hd {hd}: chunk {chunk}");
             assert!(attention_smem_bytes(chunk, hd) <= (RING_BYTES / TEAMS) as usize, "hd {hd}");
         }
         assert_eq!(program::chunk(&Config::graded()), 64);
