@@ -52,7 +52,7 @@ constexpr uint32_t ATTN_CHUNK_ELEMS = 64 * 128;
 // Chunk buffers per team: one is scored while the copy engine fills the other.
 constexpr uint32_t ATTN_BUFFERS = 2;
 constexpr uint32_t ATTN_MAX_HD = 256;
-// Query heads per KV head: the 16 rows of the tensor-core tiles.
+// Query heads per KV head: two tiles of the tensor-core products' 8 columns.
 constexpr uint32_t ATTN_MAX_GROUP = 16;
 // Splits of one KV head at most: the combine's lanes hold each split's max and sum in registers.
 constexpr uint32_t ATTN_MAX_SPLITS = 128;

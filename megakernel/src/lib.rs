@@ -346,7 +346,7 @@ fn check_fits(cfg: &Config) -> Result<(), SubmissionError> {
             program::MAX_ROW
         ));
     }
-    // The tensor-core attention takes the head dimension 16 at a time and the group as 16 rows.
+    // The tensor-core attention takes the head dimension 16 at a time and the group as two tiles of 8.
     if cfg.hd > ATTN_MAX_HD {
         return unsupported(format!("hd = {} is over the megakernel's attention's {ATTN_MAX_HD}", cfg.hd));
     }
