@@ -318,4 +318,18 @@ mod tests {
     fn executor_matches_golden_at_small() {
         matches_golden(Config::small(), 132, 7, 2);
     }
+
+    /// The family's other shapes pack and compile as the golden model computes them: hd 256, 16 and 1
+    /// query heads per KV head, and an `ffn` over two of the stream's rows, run in three parts whose
+    /// middle one adds to the first's partials.
+    #[test]
+    fn executor_matches_golden_at_the_familys_other_shapes() {
+        let tiny = Config::tiny();
+        matches_golden(Config { name: "tiny-hd256".into(), hd: 256, n_q: 4, n_kv: 2, ..tiny.clone() }, 132, 10, 2);
+        matches_golden(Config { name: "tiny-g16".into(), n_q: 32, n_kv: 2, ..tiny.clone() }, 132, 10, 2);
+        matches_golden(Config { name: "tiny-mha".into(), n_q: 6, n_kv: 6, ..tiny.clone() }, 132, 10, 2);
+        let wide = Config { name: "tiny-ffn3".into(), ffn: 2 * program::MAX_ROW + 64, ..tiny };
+        assert_eq!(program::mlp_parts(&wide, 132), 3);
+        matches_golden(wide, 132, 12, 2);
+    }
 }
