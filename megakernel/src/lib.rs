@@ -159,38 +159,18 @@ impl Megakernel {
     /// attention splits its work at position `pos`.
     pub fn describe(&self, cfg: &Config, pos: usize) -> Option<String> {
         let b = self.built.as_ref()?;
-        let halves = program::halves(cfg, b.grid);
-        let roles = match halves.as_slice() {
-            [h0, h1] => format!(
-                "two roles (KV heads {}-{} on the even blocks, {}-{} on the odd)",
-                h0.kv0,
-                h0.kv0 + h0.n_kv - 1,
-                h1.kv0,
-                h1.kv0 + h1.n_kv - 1
-            ),
-            _ => "one role (every phase on every block)".into(),
-        };
-        let parts = program::mlp_parts(cfg, b.grid);
-        let widths: Vec<String> = (0..parts).map(|k| program::mlp_part(cfg, parts, k).len().to_string()).collect();
-        let attention = b.plan.iter().find(|p| p.op == LayerOp::Attention).map(|p| {
-            let n_kv = (cfg.n_kv as f64 * p.share).round() as usize;
-            let s = program::AttentionSplit::at(cfg, n_kv, p.blocks.count as usize, pos);
-            format!(
-                "attention in chunks of {} slots; at position {pos}, {} chunks per KV head as {} splits of {} (of {n_kv} heads over {} teams)",
-                program::chunk(cfg),
-                s.chunks,
-                s.splits,
-                s.span,
-                2 * p.blocks.count
-            )
-        });
+        let rows: Vec<program::Row> = b
+            .program
+            .0
+            .chunks(program::ROW_WORDS)
+            .take(b.phases as usize)
+            .map(|r| r.try_into().expect("a row"))
+            .collect();
         Some(format!(
-            "{} blocks x {THREADS} threads, {} bytes of shared memory; {} phases; {roles}; the MLP in {parts} part(s) of ffn ({}); {}",
+            "{} blocks x {THREADS} threads, {} bytes of shared memory; {}",
             b.grid,
             b.smem,
-            b.phases,
-            widths.join(" + "),
-            attention.unwrap_or_default()
+            program::describe(cfg, b.grid, &rows, pos)
         ))
     }
 

@@ -424,6 +424,40 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
         .collect()
 }
 
+/// The program compiled for a grid of `grid` blocks in words: its phases, its roles, the MLP's parts and
+/// how its first attention phase splits the cache at position `pos` (`grader profile` prints it).
+pub fn describe(cfg: &Config, grid: u32, rows: &[Row], pos: usize) -> String {
+    let roles = match halves(cfg, grid).as_slice() {
+        [h0, h1] => format!(
+            "two roles (KV heads {}-{} on the even blocks, {}-{} on the odd)",
+            h0.kv0,
+            h0.kv0 + h0.n_kv - 1,
+            h1.kv0,
+            h1.kv0 + h1.n_kv - 1
+        ),
+        _ => "one role (every phase on every block)".into(),
+    };
+    let parts = mlp_parts(cfg, grid);
+    let widths: Vec<String> = (0..parts).map(|k| mlp_part(cfg, parts, k).len().to_string()).collect();
+    let attention = rows.iter().find(|r| r[0] == Op::Attention as i64).map(|r| {
+        let (n_kv, teams) = (r[attn::NKv as usize] as usize, 2 * Blocks::of(r).count as usize);
+        let s = AttentionSplit::at(cfg, n_kv, teams / 2, pos);
+        format!(
+            "; attention in chunks of {} slots, at position {pos} {} chunks per KV head as {} splits of {} ({n_kv} heads over {teams} teams)",
+            chunk(cfg),
+            s.chunks,
+            s.splits,
+            s.span
+        )
+    });
+    format!(
+        "{} phases; {roles}; the MLP in {parts} part(s) of ffn ({}){}",
+        rows.len(),
+        widths.join(" + "),
+        attention.unwrap_or_default()
+    )
+}
+
 /// Rows of the GEMV `row` streams (the kernel's `gemv_of`); `None` for a phase without one.
 pub fn gemv_rows(row: &Row) -> Option<usize> {
     let w = |i: usize| row[i] as usize;
@@ -664,6 +698,26 @@ mod tests {
             assert!(s.span * s.splits >= s.chunks && s.span * (s.splits - 1) < s.chunks, "{s:?}");
             assert!(s.splits <= ATTN_MAX_SPLITS && (s.splits == 1 || n_kv * s.splits <= 2 * blocks), "{s:?}");
         }
+    }
+
+    /// The plan in words names what the compiler chose: at the graded layer two roles, the MLP in two
+    /// halves, two chunks of 64 slots per team at 4k; on one block one role and one part.
+    #[test]
+    fn the_plan_is_described_as_compiled() {
+        let cfg = Config::graded();
+        let text = describe(&cfg, 132, &compile(&cfg, &buffers(), 132), 4127);
+        assert_eq!(
+            text,
+            "10 phases; two roles (KV heads 0-3 on the even blocks, 4-7 on the odd); the MLP in 2 part(s) of ffn \
+             (14336 + 14336); attention in chunks of 64 slots, at position 4127 65 chunks per KV head as 33 splits of 2 \
+             (4 heads over 132 teams)"
+        );
+        let one = describe(&cfg, 1, &compile(&cfg, &buffers(), 1), 4127);
+        assert!(
+            one.starts_with("5 phases; one role (every phase on every block); the MLP in 1 part(s) of ffn (28672)"),
+            "{one}"
+        );
+        assert!(one.ends_with("65 chunks per KV head as 1 splits of 65 (8 heads over 2 teams)"), "{one}");
     }
 
     /// Every row waits only for earlier phases, so no block can wait, directly or through others, for a
