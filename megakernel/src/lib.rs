@@ -31,13 +31,6 @@ const WARPS: u32 = THREADS / 32;
 const RING_BYTES: u32 = 3 * 64 * 1024;
 const ATTN_MAX_HD: usize = 256;
 const ATTN_MAX_GROUP: usize = 16;
-/// Attention's teams per block, each with an equal share of the ring.
-const TEAMS: u32 = 2;
-const KS_PAD: usize = 8;
-const PS_PAD: usize = 4;
-const PB_PAD: usize = 8;
-/// Chunk buffers per attention team.
-const ATTN_BUFFERS: usize = 2;
 /// The row gather of `kernels/megakernel.cu` that packs weights (the red team packs cache rows with it).
 pub const GATHER: &str = "gather_rows_u4";
 /// Threads per block of the packing gather.
@@ -295,23 +288,14 @@ fn max_block_rows(rows: usize, grid: usize) -> usize {
     2 * (rows / 2).div_ceil(grid)
 }
 
-/// A team's shared memory for attention chunks of `chunk` slots at head size `hd` (the kernel's
-/// `attn_smem_bytes`: K and V rows of each buffer and Q rows, padded; scores; running statistics;
-/// softmax weights).
-fn attention_smem_bytes(chunk: usize, hd: usize) -> usize {
-    (2 * ATTN_BUFFERS * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2
-        + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4
-        + 3 * ATTN_MAX_GROUP * 4
-        + ATTN_MAX_GROUP * (chunk + PB_PAD) * 2
-}
-
-/// Declines configurations the kernel's fixed limits cannot hold, naming the limit
-/// ([`SubmissionError::Unsupported`]).
-fn check_fits(cfg: &Config) -> Result<(), SubmissionError> {
+/// Declines configurations the kernel's fixed limits cannot hold on a grid of `grid` blocks, naming
+/// the limit ([`SubmissionError::Unsupported`]). (Every head size these checks admit fits its attention
+/// chunk in a team's shared memory: a test checks them all.)
+fn check_fits(cfg: &Config, grid: u32) -> Result<(), SubmissionError> {
     let unsupported = |why: String| Err(SubmissionError::Unsupported(why));
     // Rows the GEMVs stream whole: QKV's and GateUp's (d), and the O projection's (the query heads of
-    // half the KV groups, or all of them with one KV head). Down's rows are split into parts of ffn.
-    let o_cols = program::halves(cfg, 2).iter().map(|g| g.n_q(cfg) * cfg.hd).max().unwrap_or(0);
+    // each half of the KV groups, or of all of them with one half). Down's rows are split into parts.
+    let o_cols = program::halves(cfg, grid).iter().map(|g| g.n_q(cfg) * cfg.hd).max().unwrap_or(0);
     for (name, cols) in [("d", cfg.d), ("the O projection's row (n_q * hd over the halves of the KV heads)", o_cols)] {
         if cols > program::MAX_ROW {
             return unsupported(format!("{name} = {cols} is over the megakernel's row of {}", program::MAX_ROW));
@@ -339,14 +323,6 @@ fn check_fits(cfg: &Config) -> Result<(), SubmissionError> {
             cfg.group()
         ));
     }
-    let team = attention_smem_bytes(program::chunk(cfg), cfg.hd);
-    if team > (RING_BYTES / TEAMS) as usize {
-        return unsupported(format!(
-            "hd = {}: an attention chunk takes {team} bytes of a team's {} of shared memory",
-            cfg.hd,
-            RING_BYTES / TEAMS
-        ));
-    }
     Ok(())
 }
 
@@ -369,11 +345,11 @@ impl Submission for Megakernel {
             }
             .into());
         }
-        check_fits(cfg)?;
-        let s = dev.stream();
-        let w = layer.weights;
         // One grid per SM (red_rows is sized for it below).
         let grid = dev.facts().sms as u32;
+        check_fits(cfg, grid)?;
+        let s = dev.stream();
+        let w = layer.weights;
         let halves = program::halves(cfg, grid);
         let split = halves.len() == 2;
         let w_qkv: Vec<CudaSlice<bf16>> =
@@ -505,6 +481,12 @@ mod tests {
     use super::*;
 
     const CU: &str = include_str!("../kernels/megakernel.cu");
+    // The attention's shared-memory layout, mirrored to check that every head size fits.
+    const KS_PAD: usize = 8;
+    const PS_PAD: usize = 4;
+    const PB_PAD: usize = 8;
+    /// Chunk buffers per attention team.
+    const ATTN_BUFFERS: usize = 2;
 
     #[test]
     fn constants_mirror_the_kernel() {
@@ -518,7 +500,7 @@ mod tests {
             format!("constexpr uint32_t ATTN_MAX_CHUNK = {};", program::ATTN_MAX_CHUNK),
             format!("constexpr uint32_t ATTN_CHUNK_ELEMS = {} * 128;", program::ATTN_CHUNK_ELEMS / 128),
             format!("constexpr uint32_t ATTN_MAX_SPLITS = {};", program::ATTN_MAX_SPLITS),
-            format!("constexpr uint32_t TEAMS = {TEAMS};"),
+            format!("constexpr uint32_t TEAMS = {};", program::ATTN_TEAMS),
             format!("constexpr uint32_t KS_PAD = {KS_PAD};"),
             format!("constexpr uint32_t PS_PAD = {PS_PAD};"),
             format!("constexpr uint32_t ATTN_BUFFERS = {ATTN_BUFFERS};"),
@@ -577,7 +559,7 @@ mod tests {
 
     #[test]
     fn graded_config_fits_and_block_rows_cover_every_row() {
-        check_fits(&Config::graded()).unwrap();
+        check_fits(&Config::graded(), 132).unwrap();
         assert_eq!(max_block_rows(8192, 132), 64);
         assert_eq!(max_block_rows(57344, 132), 436);
         let smem = RING_BYTES + 436 * WARPS * 4;
@@ -589,7 +571,7 @@ mod tests {
     #[test]
     fn every_family_member_fits() {
         for m in &spec::family::FAMILY {
-            check_fits(&m.config()).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+            check_fits(&m.config(), 132).unwrap_or_else(|e| panic!("{}: {e}", m.name));
         }
     }
 
@@ -599,7 +581,7 @@ mod tests {
         let over = |change: fn(&mut Config), words: &[&str]| {
             let mut cfg = Config::graded();
             change(&mut cfg);
-            match check_fits(&cfg) {
+            match check_fits(&cfg, 132) {
                 Err(SubmissionError::Unsupported(why)) => {
                     assert!(words.iter().all(|w| why.contains(w)), "{why}");
                     why
@@ -631,8 +613,18 @@ mod tests {
             Config { n_kv: 64, ..Config::graded() },
             Config { max_seq_len: 131_200, ..Config::graded() },
         ] {
-            check_fits(&fits).unwrap();
+            check_fits(&fits, 132).unwrap();
         }
+    }
+
+    /// A team's shared memory for attention chunks of `chunk` slots at head size `hd` (the kernel's
+    /// `attn_smem_bytes`: K and V rows of each buffer and Q rows, padded; scores; running statistics;
+    /// softmax weights).
+    fn attention_smem_bytes(chunk: usize, hd: usize) -> usize {
+        (2 * ATTN_BUFFERS * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2
+            + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4
+            + 3 * ATTN_MAX_GROUP * 4
+            + ATTN_MAX_GROUP * (chunk + PB_PAD) * 2
     }
 
     /// The attention chunk keeps a team's shared memory within its share of the ring at every head size
@@ -642,7 +634,7 @@ mod tests {
         for hd in (16..=ATTN_MAX_HD).step_by(16) {
             let chunk = program::chunk(&Config { hd, ..Config::graded() });
             assert!(chunk.is_multiple_of(16) && chunk >= 32, "hd {hd}: chunk {chunk}");
-            assert!(attention_smem_bytes(chunk, hd) <= (RING_BYTES / TEAMS) as usize, "hd {hd}");
+            assert!(attention_smem_bytes(chunk, hd) <= RING_BYTES as usize / program::ATTN_TEAMS, "hd {hd}");
         }
         assert_eq!(program::chunk(&Config::graded()), 64);
         assert_eq!(program::chunk(&Config { hd: 64, ..Config::graded() }), 128);

@@ -32,6 +32,8 @@ pub const ATTN_MAX_CHUNK: usize = 128;
 pub const ATTN_CHUNK_ELEMS: usize = 64 * 128;
 /// Splits of one KV head's chunks at most (the combine's lanes hold one split's statistics each).
 pub const ATTN_MAX_SPLITS: usize = 128;
+/// Attention's teams per block (the kernel's `TEAMS`), each taking its own work items.
+pub const ATTN_TEAMS: usize = 2;
 /// Parts of `ffn` the MLP runs in at most: the two-role plan's six attention phases and two per part
 /// fill the `MAX_PHASES` rows.
 pub const MAX_MLP_PARTS: usize = 3;
@@ -232,11 +234,11 @@ pub struct AttentionSplit {
 }
 
 impl AttentionSplit {
-    /// Two teams per block (the kernel's `TEAMS`); a head split over as many teams as it can have, at
-    /// most `ATTN_MAX_SPLITS`, when there are fewer heads than teams, else one item per head.
+    /// `ATTN_TEAMS` teams per block; a head split over as many teams as it can have, at most
+    /// `ATTN_MAX_SPLITS`, when there are fewer heads than teams, else one item per head.
     pub fn at(cfg: &Config, n_kv: usize, blocks: usize, pos: usize) -> AttentionSplit {
         let chunks = pos / chunk(cfg) + 1;
-        let teams = 2 * blocks;
+        let teams = ATTN_TEAMS * blocks;
         let most = if n_kv >= teams { 1 } else { (teams / n_kv).min(ATTN_MAX_SPLITS).min(chunks) };
         let span = chunks.div_ceil(most);
         AttentionSplit { chunks, span, splits: chunks.div_ceil(span) }
@@ -440,8 +442,8 @@ pub fn describe(cfg: &Config, grid: u32, rows: &[Row], pos: usize) -> String {
     let parts = mlp_parts(cfg, grid);
     let widths: Vec<String> = (0..parts).map(|k| mlp_part(cfg, parts, k).len().to_string()).collect();
     let attention = rows.iter().find(|r| r[0] == Op::Attention as i64).map(|r| {
-        let (n_kv, teams) = (r[attn::NKv as usize] as usize, 2 * Blocks::of(r).count as usize);
-        let s = AttentionSplit::at(cfg, n_kv, teams / 2, pos);
+        let (n_kv, blocks) = (r[attn::NKv as usize] as usize, Blocks::of(r).count as usize);
+        let (s, teams) = (AttentionSplit::at(cfg, n_kv, blocks, pos), ATTN_TEAMS * blocks);
         format!(
             "; attention in chunks of {} slots, at position {pos} {} chunks per KV head as {} splits of {} ({n_kv} heads over {teams} teams)",
             chunk(cfg),
