@@ -84,8 +84,9 @@ pub struct DeviceArg {
 
 #[derive(Debug, Args)]
 pub struct ConfigArg {
-    /// Configuration: graded, small, tiny, or the path of a JSON file with every field (`grader spec
-    /// --config tiny --json` prints one).
+    /// Configuration: graded, small, tiny, a member of the family `grader sweep` judges (llama-3.2-1b,
+    /// llama-3-8b, 70b-128k, ...: `grader sweep --help` lists them), or the path of a JSON file with
+    /// every field (`grader spec --config tiny --json` prints one).
     #[arg(long, default_value = "graded", value_name = "NAME|FILE")]
     pub config: String,
 }
@@ -157,6 +158,15 @@ pub struct ProfileArgs {
     /// are drawn together.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
+    /// Lay the layer out in this many roles instead of the compiler's choice (the plan line says
+    /// which it chose): 2, the grid's halves taking turns between streaming weights and attention; 1,
+    /// every phase on every block.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=2))]
+    pub roles: Option<u32>,
+    /// Run the MLP in this many parts of ffn instead of the compiler's choice (1 to 3; a layer whose
+    /// ffn is over the stream's row of 28672 needs at least 2).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=3))]
+    pub mlp_parts: Option<u32>,
     /// Print no progress lines, only the table.
     #[arg(long)]
     pub quiet: bool,

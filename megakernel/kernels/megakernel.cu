@@ -2,11 +2,11 @@
 // (megakernel/src/program.rs) into a table of phases, each naming the blocks that run it and
 // the phases it waits for; every block of a grid sized to be co-resident walks the table, and for each
 // of its phases waits until every block of the phases it depends on has finished them, then does its
-// share. In the two-role plan the grid's halves take turns: one streams weights while the other runs
-// attention's latency-bound chain, so HBM keeps streaming; and the MLP runs in parts of ffn (two, three
-// when ffn is over two of the stream's longest rows), so that Down's first part depends only on
-// GateUp's first, finished long before, and no block waits between GateUp and Down (program.rs,
-// compile). The same code runs one phase per launch (phase_begin + 1 ==
+// share. In the two-role plan (wide layers) the grid's halves take turns: one streams weights while the
+// other runs attention's latency-bound chain, so HBM keeps streaming; and the MLP runs in parts of ffn
+// (two, three when ffn is over two of the stream's longest rows), so that Down's first part depends
+// only on GateUp's first, finished long before, and no block waits between GateUp and Down (program.rs,
+// Plan and compile). The same code runs one phase per launch (phase_begin + 1 ==
 // phase_end) for debugging and per-phase timing; the results are bitwise identical because nothing
 // else changes.
 //
@@ -203,6 +203,32 @@ __device__ inline void count_done(unsigned* phase_done, uint32_t p) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The phase trace (`grader profile`)
+// ---------------------------------------------------------------------------------------------------
+
+// The stamps of a phase: when the block starts its work (its dependencies met); for a GEMV phase, when
+// its input is in registers (norm or load done) and when its stream's last stage is reduced; and when
+// the whole block has finished the phase. The gap to the block's next phase's start is waiting.
+constexpr uint32_t TRACE_START = 0;
+constexpr uint32_t TRACE_INPUT = 1;
+constexpr uint32_t TRACE_STREAMED = 2;
+constexpr uint32_t TRACE_END = 3;
+constexpr uint32_t TRACE_STAMPS = 4;
+
+// Where this block's stamps of the current phase go (null in every graded launch). In shared memory,
+// not a parameter of every phase function, so that tracing costs the stream no register.
+__shared__ uint64_t* trace_row;
+
+// Thread 0 writes the global timer (ns) into the current phase's stamp `which`; nothing when not
+// tracing. A plain store: the host reads the trace after the launch has finished.
+__device__ inline void stamp(uint32_t which) {
+    if (threadIdx.x != 0 || trace_row == nullptr) return;
+    uint64_t ns;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
+    trace_row[which] = ns;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // The streamed GEMV
 // ---------------------------------------------------------------------------------------------------
 
@@ -365,7 +391,9 @@ __device__ inline void gemv_rows(const int64_t* op, uint32_t& r0, uint32_t& r1) 
 __device__ void gemv_phase(const int64_t* op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
+    stamp(TRACE_INPUT);
     with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.run(s, ring, part); });
+    stamp(TRACE_STREAMED);
 }
 
 // The sum of row r's warp partials, in warp order.
@@ -933,24 +961,6 @@ __device__ void phase_down(const int64_t* op, bf16* out, Ring& ring, Partials pa
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The phase trace (`grader profile`)
-// ---------------------------------------------------------------------------------------------------
-
-// Which stamp of a phase: when the block starts its work (its dependencies met), and when the whole
-// block has finished it. The gap to the block's next phase's start is time spent waiting.
-constexpr uint32_t TRACE_START = 0;
-constexpr uint32_t TRACE_END = 1;
-
-// Thread 0 writes the global timer (ns) into trace[block][phase][which]; nothing when trace is null,
-// as in every graded launch. A plain store: the host reads the trace after the launch has finished.
-__device__ inline void stamp(uint64_t* trace, uint32_t phases, uint32_t phase, uint32_t which) {
-    if (trace == nullptr || threadIdx.x != 0) return;
-    uint64_t ns;
-    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
-    trace[((size_t)blockIdx.x * phases + phase) * 2 + which] = ns;
-}
-
-// ---------------------------------------------------------------------------------------------------
 // Kernels
 // ---------------------------------------------------------------------------------------------------
 
@@ -960,7 +970,7 @@ __device__ inline void stamp(uint64_t* trace, uint32_t phases, uint32_t phase, u
 // phase 0, in one launch or several (the launcher enforces it), so that the counts a phase waits for
 // are this step's. Dynamic shared memory: RING_BYTES of ring, then red_rows * WARPS floats of row
 // partials. `trace`, when not null, receives each block's phase stamps (zero for the phases it does not
-// run).
+// run, and for the stamps a phase does not take).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     const __grid_constant__ Program program,  // by value: see program.cuh
     uint32_t phase_begin, uint32_t phase_end,
@@ -970,7 +980,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     uint32_t step,                      // steps launched before this one
     unsigned* __restrict__ phase_done,  // (PROGRAM_MAX_PHASES): see wait_for
     uint32_t red_rows,
-    uint64_t* __restrict__ trace) {  // (gridDim.x, phases, 2) or null: see stamp()
+    uint64_t* __restrict__ trace) {  // (gridDim.x, phases, TRACE_STAMPS) or null: see stamp()
     // 128-byte aligned: where dynamic shared memory starts depends on the static variables before it,
     // and ring slots 16 bytes off a 32-byte boundary made every bulk copy, so every GEMV phase, about
     // 25% slower (measured in docs/perf.md).
@@ -999,7 +1009,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     while (p < phase_end) {
         const int64_t* op = row(p);
         wait_for(program.words, op, phase_done, step);
-        stamp(trace, phases, p - phase_begin, TRACE_START);
+        // Thread 0 alone sets and reads the trace row: no synchronisation needed.
+        if (threadIdx.x == 0) trace_row = trace == nullptr ? nullptr : trace + ((size_t)blockIdx.x * phases + (p - phase_begin)) * TRACE_STAMPS;
+        stamp(TRACE_START);
         switch (op[0]) {
             case OP_NOP: break;
             case OP_QKV: phase_qkv(op, x, pos, ring, part); break;
@@ -1016,7 +1028,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
         // before it counts the phase done: every write of the phase precedes the count).
         fence_proxy_async();
         __syncthreads();
-        stamp(trace, phases, p - phase_begin, TRACE_END);
+        stamp(TRACE_END);
         count_done(phase_done, p);
         p = next_own(p + 1);
         if (p < phase_end) prime_inputs(row(p), ring, pos);

@@ -8,7 +8,7 @@ use reference::golden::{self, KvCache, RopeTable, Weights};
 use spec::{Config, Tensor};
 
 use super::pack::{self, Groups, Packing, qkv_source};
-use super::program::{self, Buffers, Op, Row, attn, down, gateup, oproj, qkv};
+use super::program::{self, Buffers, Op, Plan, Row, attn, down, gateup, oproj, qkv};
 
 /// Host buffers addressed like device memory: region `i` starts at `(i + 1) << REGION_SHIFT`.
 #[derive(Default)]
@@ -107,15 +107,15 @@ fn sub_config(cfg: &Config, n_q: usize, n_kv: usize) -> Config {
 }
 
 impl CpuLayer {
-    /// Packs and compiles exactly as the GPU `build_layer` does for a grid of `grid` blocks, over host
-    /// buffers.
-    pub fn build(cfg: &Config, w: &Weights, cache: &KvCache, grid: u32) -> Self {
+    /// Packs and compiles exactly as the GPU `build_layer` does for a grid of `grid` blocks laid out
+    /// as `plan` says, over host buffers.
+    pub fn build(cfg: &Config, w: &Weights, cache: &KvCache, grid: u32, plan: Plan) -> Self {
         let mut a = Arena::default();
         let rope = RopeTable::new(cfg);
         let zeros = |n: usize| vec![0u8; n];
         let chunks = program::max_splits(cfg) * cfg.n_kv * cfg.group();
-        let groups = program::halves(cfg, grid);
-        let parts = program::mlp_parts(cfg, grid);
+        let groups = plan.halves(cfg);
+        let parts = plan.mlp_parts;
         let mut qkv_of = |g: Groups| a.alloc_bf16(&copy_packed(w, pack::qkv(cfg, g)));
         let w_qkv = [qkv_of(groups[0]), groups.get(1).map_or(0, |&g| qkv_of(g))];
         let w_o = column_parts(&mut a, w, groups.iter().map(|&g| pack::oproj(cfg, g)).collect(), Tensor::Wo);
@@ -140,7 +140,7 @@ impl CpuLayer {
             w_down: column_parts(&mut a, w, (0..parts).map(|k| pack::down(cfg, parts, k)).collect(), Tensor::Wdown),
             down_part: a.alloc(&zeros(4 * cfg.d)),
         };
-        let program = program::compile(cfg, &buffers, grid);
+        let program = program::compile(cfg, &buffers, grid, plan);
         Self { cfg: cfg.clone(), arena: a, buffers, program, parts_so_far: Vec::new() }
     }
 
@@ -284,12 +284,18 @@ impl CpuLayer {
 mod tests {
     use super::*;
 
-    /// The program for a grid of `grid` blocks (`phases` of them), run by the executor, is the golden
-    /// model's step bit for bit, cache included.
+    /// The compiler's program for a grid of `grid` blocks (`phases` of them), run by the executor, is
+    /// the golden model's step bit for bit, cache included.
     fn matches_golden(cfg: Config, grid: u32, phases: usize, steps: usize) {
+        let plan = Plan::choose(&cfg, grid);
+        matches_golden_with(cfg, grid, plan, phases, steps);
+    }
+
+    /// The same for the program laid out as `plan` says.
+    fn matches_golden_with(cfg: Config, grid: u32, plan: Plan, phases: usize, steps: usize) {
         let seed: u64 = 0x5EED ^ cfg.d as u64;
         let (w, cache) = (golden::generate_weights(&cfg, seed), KvCache::generate(&cfg, seed));
-        let mut layer = CpuLayer::build(&cfg, &w, &cache, grid);
+        let mut layer = CpuLayer::build(&cfg, &w, &cache, grid, plan);
         assert_eq!(layer.program.len(), phases, "{} on {grid} blocks", cfg.name);
         let (mut golden_cache, table) = (cache.clone(), RopeTable::new(&cfg));
         let input_seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
@@ -306,7 +312,8 @@ mod tests {
 
     #[test]
     fn executor_matches_golden_at_tiny_in_two_roles() {
-        matches_golden(Config::tiny(), 132, 10, 3);
+        let two = Plan::with(&Config::tiny(), 132, program::Forced { roles: Some(2), mlp_parts: Some(2) }).unwrap();
+        matches_golden_with(Config::tiny(), 132, two, 10, 3);
     }
 
     #[test]
@@ -316,20 +323,42 @@ mod tests {
 
     #[test]
     fn executor_matches_golden_at_small() {
-        matches_golden(Config::small(), 132, 7, 2);
+        matches_golden(Config::small(), 132, 5, 2);
     }
 
-    /// The family's other shapes pack and compile as the golden model computes them: hd 256, 16 and 1
-    /// query heads per KV head, and an `ffn` over two of the stream's rows, run in three parts whose
-    /// middle one adds to the first's partials.
+    /// The family's other shapes pack and compile as the golden model computes them, in two roles
+    /// (the compiler's one-role plan for these narrow layers is checked in every plan below): hd 256,
+    /// 16 and 1 query heads per KV head, and an `ffn` over two of the stream's rows, run in three parts
+    /// whose middle one adds to the first's partials.
     #[test]
     fn executor_matches_golden_at_the_familys_other_shapes() {
         let tiny = Config::tiny();
-        matches_golden(Config { name: "tiny-hd256".into(), hd: 256, n_q: 4, n_kv: 2, ..tiny.clone() }, 132, 10, 2);
-        matches_golden(Config { name: "tiny-g16".into(), n_q: 32, n_kv: 2, ..tiny.clone() }, 132, 10, 2);
-        matches_golden(Config { name: "tiny-mha".into(), n_q: 6, n_kv: 6, ..tiny.clone() }, 132, 10, 2);
+        let two_roles = |cfg: Config, phases: usize| {
+            let plan = Plan::with(&cfg, 132, program::Forced { roles: Some(2), mlp_parts: None }).unwrap();
+            matches_golden_with(cfg, 132, plan, phases, 2);
+        };
+        two_roles(Config { name: "tiny-hd256".into(), hd: 256, n_q: 4, n_kv: 2, ..tiny.clone() }, 8);
+        two_roles(Config { name: "tiny-g16".into(), n_q: 32, n_kv: 2, ..tiny.clone() }, 8);
+        two_roles(Config { name: "tiny-mha".into(), n_q: 6, n_kv: 6, ..tiny.clone() }, 8);
         let wide = Config { name: "tiny-ffn3".into(), ffn: 2 * program::MAX_ROW + 64, ..tiny };
-        assert_eq!(program::mlp_parts(&wide, 132), 3);
-        matches_golden(wide, 132, 12, 2);
+        assert_eq!(Plan::choose(&wide, 132).mlp_parts, 3);
+        matches_golden(wide.clone(), 132, 9, 2);
+        two_roles(wide, 12);
+    }
+
+    /// Every plan `Plan::with` admits computes the golden step: one role or two, the MLP in one to
+    /// three parts, on a layer of several KV heads.
+    #[test]
+    fn executor_matches_golden_in_every_plan() {
+        let cfg = Config::tiny();
+        assert!(cfg.n_kv >= 2);
+        for roles in 1..=2 {
+            for mlp_parts in 1..=program::MAX_MLP_PARTS {
+                let plan = Plan::with(&cfg, 132, program::Forced { roles: Some(roles), mlp_parts: Some(mlp_parts) })
+                    .unwrap_or_else(|e| panic!("{roles} roles, {mlp_parts} parts: {e}"));
+                let phases = if roles == 2 { 6 } else { 3 } + 2 * mlp_parts;
+                matches_golden_with(cfg.clone(), 132, plan, phases, 2);
+            }
+        }
     }
 }

@@ -23,7 +23,7 @@ use submission::{Layer, Submission, SubmissionError, device_address};
 
 use kernels::MEGAKERNEL;
 use pack::Packing;
-use program::{Blocks, Buffers};
+use program::{Blocks, Buffers, Forced, Plan};
 
 /// Mirrors of `kernels/megakernel.cu` (a test checks them against the file).
 pub const THREADS: u32 = 512;
@@ -31,6 +31,8 @@ const WARPS: u32 = THREADS / 32;
 const RING_BYTES: u32 = 3 * 64 * 1024;
 const ATTN_MAX_HD: usize = 256;
 const ATTN_MAX_GROUP: usize = 16;
+/// Stamps per block and phase in a trace (`trace_step`): start, input ready, stream done, end.
+pub const TRACE_STAMPS: usize = 4;
 /// The row gather of `kernels/megakernel.cu` that packs weights (the red team packs cache rows with it).
 pub const GATHER: &str = "gather_rows_u4";
 /// Threads per block of the packing gather.
@@ -112,6 +114,7 @@ pub struct PhasePlan {
 /// Everything `build_layer` made; dropped by `teardown`.
 struct Built {
     program: ProgramParam,
+    layout: Plan,
     phases: u32,
     plan: Vec<PhasePlan>,
     func: CudaFunction,
@@ -129,12 +132,21 @@ struct Built {
 
 pub struct Megakernel {
     mode: Mode,
+    forced: Forced,
     built: Option<Built>,
 }
 
 impl Megakernel {
     pub fn new(mode: Mode) -> Self {
-        Self { mode, built: None }
+        Self { mode, forced: Forced::default(), built: None }
+    }
+
+    /// The same, with the parts of the plan `forced` names in place of the compiler's choice (for
+    /// studying plans: `grader profile --roles / --mlp-parts`); `build_layer` refuses a forced plan
+    /// the layer cannot take, saying why.
+    pub fn forcing(mut self, forced: Forced) -> Self {
+        self.forced = forced;
+        self
     }
 
     /// Phases of the compiled program (after `build_layer`).
@@ -146,6 +158,11 @@ impl Megakernel {
     /// `build_layer`).
     pub fn plan(&self) -> Option<&[PhasePlan]> {
         self.built.as_ref().map(|b| b.plan.as_slice())
+    }
+
+    /// The launch's grid and dynamic shared memory per block, in bytes (after `build_layer`).
+    pub fn launch_shape(&self) -> Option<(u32, u32)> {
+        self.built.as_ref().map(|b| (b.grid, b.smem))
     }
 
     /// The compiled plan in words (after `build_layer`): the grid, the roles, the MLP's parts and how
@@ -163,7 +180,7 @@ impl Megakernel {
             "{} blocks x {THREADS} threads, {} bytes of shared memory; {}",
             b.grid,
             b.smem,
-            program::describe(cfg, b.grid, &rows, pos)
+            program::describe(cfg, b.layout, &rows, pos)
         ))
     }
 
@@ -182,8 +199,10 @@ impl Megakernel {
     }
 
     /// Runs the whole program in one launch, as `layer_step` does in [`Mode::Fused`], with every
-    /// block stamping the GPU's global timer at the start and end of each phase it runs (zero for the
-    /// others). `Ok` holds the stamps in ns, `(block, phase, [start, end])` flattened, and the grid.
+    /// block stamping the GPU's global timer at the start and end of each phase it runs, and in a GEMV
+    /// phase also when its input is ready and when its stream is done (zero for the phases and stamps
+    /// a block does not take). `Ok` holds the stamps in ns, `(block, phase, [start, input, streamed,
+    /// end])` flattened, and the grid.
     pub fn trace_step(
         &mut self,
         dev: &Device,
@@ -195,8 +214,10 @@ impl Megakernel {
             Some(b) => (b.phases, b.grid),
             None => return Err(SubmissionError::Refused("trace_step before build_layer".into())),
         };
-        let mut trace =
-            dev.stream().alloc_zeros::<u64>((grid * phases * 2) as usize).context("allocating the trace")?;
+        let mut trace = dev
+            .stream()
+            .alloc_zeros::<u64>(grid as usize * phases as usize * TRACE_STAMPS)
+            .context("allocating the trace")?;
         self.launch(dev, x, pos, out, 0..phases, Some(&mut trace))?;
         Ok((dev.stream().clone_dtoh(&trace).context("reading the trace")?, grid))
     }
@@ -226,7 +247,7 @@ impl Megakernel {
             None => args.arg(&no_trace),
         };
         // SAFETY: megakernel_bf16(program: Program by value, phase_begin: u32, phase_end: u32, x, out, pos: u32,
-        // step: u32, phase_done (MAX_PHASES), red_rows: u32, trace (null or grid * phases * 2 u64));
+        // step: u32, phase_done (MAX_PHASES), red_rows: u32, trace (null or grid * phases * TRACE_STAMPS u64));
         // the grid is co-resident (occupancy-sized, and the cooperative launch fails rather than run
         // it otherwise), smem as build_layer sized it; the phases continue the step (checked above).
         unsafe { args.launch_cooperative(cfg) }.context("launching megakernel_bf16")?;
@@ -288,18 +309,15 @@ fn max_block_rows(rows: usize, grid: usize) -> usize {
     2 * (rows / 2).div_ceil(grid)
 }
 
-/// Declines configurations the kernel's fixed limits cannot hold on a grid of `grid` blocks, naming
-/// the limit ([`SubmissionError::Unsupported`]). (Every head size these checks admit fits its attention
-/// chunk in a team's shared memory: a test checks them all.)
-fn check_fits(cfg: &Config, grid: u32) -> Result<(), SubmissionError> {
+/// The plan for a grid of `grid` blocks (the compiler's, with what `forced` names in its place), or
+/// why not: the layer is over one of the kernel's fixed limits, named
+/// ([`SubmissionError::Unsupported`]), or the forced plan does not fit it
+/// ([`SubmissionError::Refused`]). (Every head size these checks admit fits its attention chunk in a
+/// team's shared memory: a test checks them all.)
+fn check_fits(cfg: &Config, grid: u32, forced: Forced) -> Result<Plan, SubmissionError> {
     let unsupported = |why: String| Err(SubmissionError::Unsupported(why));
-    // Rows the GEMVs stream whole: QKV's and GateUp's (d), and the O projection's (the query heads of
-    // each half of the KV groups, or of all of them with one half). Down's rows are split into parts.
-    let o_cols = program::halves(cfg, grid).iter().map(|g| g.n_q(cfg) * cfg.hd).max().unwrap_or(0);
-    for (name, cols) in [("d", cfg.d), ("the O projection's row (n_q * hd over the halves of the KV heads)", o_cols)] {
-        if cols > program::MAX_ROW {
-            return unsupported(format!("{name} = {cols} is over the megakernel's row of {}", program::MAX_ROW));
-        }
+    if cfg.d > program::MAX_ROW {
+        return unsupported(format!("d = {} is over the megakernel's row of {}", cfg.d, program::MAX_ROW));
     }
     let most_ffn = program::MAX_MLP_PARTS * program::MAX_ROW;
     if cfg.ffn > most_ffn {
@@ -323,7 +341,18 @@ fn check_fits(cfg: &Config, grid: u32) -> Result<(), SubmissionError> {
             cfg.group()
         ));
     }
-    Ok(())
+    let plan =
+        Plan::with(cfg, grid, forced).map_err(|why| SubmissionError::Refused(format!("the forced plan: {why}")))?;
+    // The O projection streams whole rows of the query heads of each role's KV groups (Down's rows are
+    // split into the MLP's parts).
+    let o_cols = plan.halves(cfg).iter().map(|g| g.n_q(cfg) * cfg.hd).max().unwrap_or(0);
+    if o_cols > program::MAX_ROW {
+        return unsupported(format!(
+            "the O projection's row (n_q * hd over the KV heads of a role) = {o_cols} is over the megakernel's row of {}",
+            program::MAX_ROW
+        ));
+    }
+    Ok(plan)
 }
 
 impl Submission for Megakernel {
@@ -347,10 +376,10 @@ impl Submission for Megakernel {
         }
         // One grid per SM (red_rows is sized for it below).
         let grid = dev.facts().sms as u32;
-        check_fits(cfg, grid)?;
+        let layout = check_fits(cfg, grid, self.forced)?;
         let s = dev.stream();
         let w = layer.weights;
-        let halves = program::halves(cfg, grid);
+        let halves = layout.halves(cfg);
         let split = halves.len() == 2;
         let w_qkv: Vec<CudaSlice<bf16>> =
             halves.iter().map(|&g| gather(dev, w, pack::qkv(cfg, g))).collect::<Result<_, _>>()?;
@@ -361,7 +390,7 @@ impl Submission for Megakernel {
         };
         let (w_o, w_o_at) = column_parts(dev, w, o_parts, Tensor::Wo)?;
         let w_gateup = gather(dev, w, pack::gateup(cfg))?;
-        let parts = program::mlp_parts(cfg, grid);
+        let parts = layout.mlp_parts;
         let (w_down, w_down_at) =
             column_parts(dev, w, (0..parts).map(|k| pack::down(cfg, parts, k)).collect(), Tensor::Wdown)?;
         let rope = RopeTable::new(cfg);
@@ -398,7 +427,7 @@ impl Submission for Megakernel {
             w_down: w_down_at,
             down_part: device_address(dev, &down_part),
         };
-        let rows = program::compile(cfg, &buffers, grid);
+        let rows = program::compile(cfg, &buffers, grid, layout);
         let param = ProgramParam::new(&rows).ok_or_else(|| {
             SubmissionError::Unsupported(format!(
                 "the layer compiled to {} phases; the kernel's program holds {}",
@@ -441,6 +470,7 @@ impl Submission for Megakernel {
             .collect();
         self.built = Some(Built {
             program: param,
+            layout,
             phases: rows.len() as u32,
             plan,
             func,
@@ -492,6 +522,7 @@ mod tests {
     fn constants_mirror_the_kernel() {
         for line in [
             format!("constexpr uint32_t THREADS = {THREADS};"),
+            format!("constexpr uint32_t TRACE_STAMPS = {TRACE_STAMPS};"),
             format!("constexpr uint32_t STAGES = {};", RING_BYTES / (64 * 1024)),
             "constexpr uint32_t STAGE_BYTES = 64 * 1024;".to_string(),
             format!("constexpr uint32_t MAX_VPT = {};", program::MAX_ROW / (THREADS as usize * 8)),
@@ -559,7 +590,7 @@ mod tests {
 
     #[test]
     fn graded_config_fits_and_block_rows_cover_every_row() {
-        check_fits(&Config::graded(), 132).unwrap();
+        check_fits(&Config::graded(), 132, Forced::default()).unwrap();
         assert_eq!(max_block_rows(8192, 132), 64);
         assert_eq!(max_block_rows(57344, 132), 436);
         let smem = RING_BYTES + 436 * WARPS * 4;
@@ -571,7 +602,7 @@ mod tests {
     #[test]
     fn every_family_member_fits() {
         for m in &spec::family::FAMILY {
-            check_fits(&m.config(), 132).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+            check_fits(&m.config(), 132, Forced::default()).unwrap_or_else(|e| panic!("{}: {e}", m.name));
         }
     }
 
@@ -581,7 +612,7 @@ mod tests {
         let over = |change: fn(&mut Config), words: &[&str]| {
             let mut cfg = Config::graded();
             change(&mut cfg);
-            match check_fits(&cfg, 132) {
+            match check_fits(&cfg, 132, Forced::default()) {
                 Err(SubmissionError::Unsupported(why)) => {
                     assert!(words.iter().all(|w| why.contains(w)), "{why}");
                     why
@@ -595,7 +626,13 @@ mod tests {
             "the submission does not support this config: ffn = 86024 is over the megakernel's 86016 (3 parts of 28672)"
         );
         over(|c| c.d = 32768, &["d = 32768", "28672"]);
-        over(|c| c.n_q = 512, &["O projection", "= 32768", "28672"]);
+        over(
+            |c| {
+                c.n_q = 512;
+                c.n_kv = 32;
+            },
+            &["O projection", "= 32768", "28672"],
+        );
         over(
             |c| {
                 c.hd = 512;
@@ -613,8 +650,30 @@ mod tests {
             Config { n_kv: 64, ..Config::graded() },
             Config { max_seq_len: 131_200, ..Config::graded() },
         ] {
-            check_fits(&fits, 132).unwrap();
+            check_fits(&fits, 132, Forced::default()).unwrap();
         }
+    }
+
+    /// A forced plan replaces the compiler's choice where the layer takes it, and is refused, saying
+    /// why, where it does not.
+    #[test]
+    fn forced_plans_are_taken_where_they_fit_and_refused_naming_why() {
+        let graded = Config::graded();
+        let force = |roles, mlp_parts| Forced { roles, mlp_parts };
+        assert_eq!(check_fits(&graded, 132, force(Some(1), Some(1))).unwrap(), Plan { roles: 1, mlp_parts: 1 });
+        assert_eq!(check_fits(&graded, 132, force(None, Some(3))).unwrap(), Plan { roles: 2, mlp_parts: 3 });
+        let refused = |cfg: &Config, forced: Forced, words: &[&str]| match check_fits(cfg, 132, forced) {
+            Err(SubmissionError::Refused(why)) => assert!(words.iter().all(|w| why.contains(w)), "{why}"),
+            other => panic!("{other:?}"),
+        };
+        refused(&Config::small(), force(Some(2), None), &["two roles", "n_kv = 1"]);
+        refused(&graded, force(Some(3), None), &["3 roles"]);
+        refused(&Config { ffn: 57344 + 8, ..graded.clone() }, force(None, Some(2)), &["2 part(s)", "3 to 3"]);
+        refused(&graded, force(None, Some(4)), &["4 part(s)", "1 to 3"]);
+        // One role puts every query head's columns in one O projection row: over MAX_ROW at n_q * hd = 32768.
+        let wide = Config { n_q: 256, n_kv: 16, ..graded };
+        check_fits(&wide, 132, Forced::default()).unwrap();
+        assert!(matches!(check_fits(&wide, 132, force(Some(1), None)), Err(SubmissionError::Unsupported(_))));
     }
 
     /// A team's shared memory for attention chunks of `chunk` slots at head size `hd` (the kernel's

@@ -111,7 +111,7 @@ mod tests {
     fn packings_are_permutations() {
         for cfg in [Config::small(), Config::graded()] {
             let mut seen = std::collections::HashSet::new();
-            for g in crate::program::halves(&cfg, 132) {
+            for g in crate::program::Plan::choose(&cfg, 132).halves(&cfg) {
                 for p in 0..qkv_rows(&cfg, g) {
                     let (t, r) = qkv_source(&cfg, g, p);
                     assert!(seen.insert((t, r)), "{}: row {p} repeats", cfg.name);

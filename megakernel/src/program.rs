@@ -8,10 +8,11 @@
 //! Every row also names the blocks that run it and the phases it waits for (its last two words): a
 //! block walks the table, skips the rows that are not its own, and before each of its rows waits until
 //! every block of each phase it depends on has finished that phase. The layer compiles to one of two
-//! plans (`compile`): every phase on every block, or the two-role plan, in which the two halves of the
-//! grid take turns streaming and running attention so that HBM keeps streaming while attention runs.
-//! On a grid of more than one block the MLP runs in two parts of `ffn` (`mlp_parts`), so that Down's
-//! first part waits only for GateUp's first, long finished, and no block waits at the end of GateUp.
+//! layouts (`compile`, as `Plan` chooses by the layer's width): every phase on every block, or the
+//! two-role plan, in which the two halves of the grid take turns streaming and running attention so
+//! that HBM keeps streaming while attention runs. On wide layers the MLP also runs in two parts of
+//! `ffn`, so that Down's first part waits only for GateUp's first, long finished, and no block waits
+//! at the end of GateUp; on narrow ones both cost more hand-offs than they save.
 
 use spec::{Config, LayerOp};
 
@@ -24,7 +25,7 @@ pub const ROW_WORDS: usize = 16;
 pub const MAX_PHASES: usize = 12;
 /// The longest row a GEMV phase streams, in bf16: `MAX_VPT` 16-byte vectors for each of the kernel's
 /// `THREADS` threads (both mirrored from `kernels/megakernel.cu` in lib.rs). Longer products are split
-/// into parts of columns (`mlp_parts`).
+/// into parts of columns (`Plan::mlp_parts`).
 pub const MAX_ROW: usize = 7 * 512 * 8;
 /// Cached positions of an attention chunk: at most `ATTN_MAX_CHUNK`, and `ATTN_CHUNK_ELEMS / hd` for
 /// wider heads, so that a chunk's K and V take the same shared memory at every head size.
@@ -146,7 +147,7 @@ operands!(down { W, Act, X1, Rows, Cols, PartIn, PartOut });
 /// The addresses of every buffer the program names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Buffers {
-    /// Per half of the KV groups (`halves`; the second 0 when there is one): its q, k and v rows with
+    /// Per half of the KV groups (`Plan::halves`; the second 0 when there is one): its q, k and v rows with
     /// RoPE pairs adjacent (`pack::qkv_source`).
     pub w_qkv: [u64; 2],
     pub in_norm: u64,
@@ -178,7 +179,7 @@ pub struct Buffers {
     pub post_norm: u64,
     /// `(ffn)` SwiGLU activation, bf16.
     pub act: u64,
-    /// Per part of the MLP (`mlp_parts`; 0 past the last), `(d, its columns)`: the columns of `Wdown`
+    /// Per part of the MLP (`Plan::mlp_parts`; 0 past the last), `(d, its columns)`: the columns of `Wdown`
     /// that read its part of `act`. One part: `Wdown` itself.
     pub w_down: [u64; MAX_MLP_PARTS],
     /// `(d)` f32: Down's products so far, which each later part adds to (several parts only).
@@ -211,15 +212,84 @@ macro_rules! word_into_usize {
 }
 word_into_usize!(qkv, attn, oproj, gateup, down);
 
-/// The KV groups of each half of the plan `compile` makes for a grid of `grid` blocks: two halves (the
-/// two-role plan) when the layer has two KV heads or more and the grid two blocks or more, else one
-/// range of every group.
-pub fn halves(cfg: &Config, grid: u32) -> Vec<Groups> {
-    if cfg.n_kv < 2 || grid < 2 {
-        return vec![Groups::all(cfg)];
+/// How the layer is laid out on a grid: in one role or two (`compile`), and the MLP in how many parts
+/// of `ffn`. [`Plan::choose`] is the compiler's choice; `grader profile --roles / --mlp-parts` force
+/// others to study them ([`Forced`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    /// 2: the two-role plan, the grid's halves taking turns over the two halves of the KV heads;
+    /// 1: every phase on every block.
+    pub roles: usize,
+    /// Parts of `ffn` that GateUp and Down run in.
+    pub mlp_parts: usize,
+}
+
+/// The parts of a plan a user forces (`None`: the compiler's choice).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Forced {
+    pub roles: Option<usize>,
+    pub mlp_parts: Option<usize>,
+}
+
+/// Layers at least this wide (`d`) take the two-role plan and the MLP in two parts or more; narrower
+/// ones run in one role with as few parts as Down's rows allow. Measured on an H200 (docs/perf.md,
+/// "Plans by width"), traced after an L2 eviction as a timed call finds it: each of the family's eight
+/// members under 8192 wide ran 2-11 us faster in one role with one part, where the two roles' overlap
+/// of attention saves less than their extra hand-offs cost; each one 8192 wide or more ran 5-7 us
+/// slower that way.
+pub const WIDE_D: usize = 8192;
+
+impl Plan {
+    /// The compiler's plan for a grid of `grid` blocks: on a layer `WIDE_D` wide or more and a grid of
+    /// two blocks or more, two roles (with two KV heads or more) and the MLP in two parts or more; else
+    /// one role and one part. Always as many parts as keep Down's rows within `MAX_ROW`.
+    pub fn choose(cfg: &Config, grid: u32) -> Plan {
+        let wide = cfg.d >= WIDE_D && grid >= 2;
+        let roles = if wide && cfg.n_kv >= 2 { 2 } else { 1 };
+        let needed = cfg.ffn.div_ceil(MAX_ROW).max(1);
+        let mlp_parts = if wide && cfg.ffn >= 16 { needed.max(2) } else { needed };
+        Plan { roles, mlp_parts }
     }
-    let first = cfg.n_kv / 2;
-    vec![Groups { kv0: 0, n_kv: first }, Groups { kv0: first, n_kv: cfg.n_kv - first }]
+
+    /// The compiler's plan with what `forced` names put in its place; `Err` says what the layer or
+    /// the grid cannot take.
+    pub fn with(cfg: &Config, grid: u32, forced: Forced) -> Result<Plan, String> {
+        let chosen = Plan::choose(cfg, grid);
+        let plan = Plan {
+            roles: forced.roles.unwrap_or(chosen.roles),
+            mlp_parts: forced.mlp_parts.unwrap_or(chosen.mlp_parts),
+        };
+        match plan.roles {
+            1 => {}
+            2 if cfg.n_kv >= 2 && grid >= 2 => {}
+            2 => {
+                return Err(format!(
+                    "two roles need two KV heads and two blocks or more (n_kv = {}, {grid} blocks)",
+                    cfg.n_kv
+                ));
+            }
+            r => return Err(format!("{r} roles: a plan has one or two")),
+        }
+        let least = cfg.ffn.div_ceil(MAX_ROW).max(1);
+        let most = MAX_MLP_PARTS.min(cfg.ffn / 8);
+        if !(least..=most).contains(&plan.mlp_parts) {
+            return Err(format!(
+                "the MLP in {} part(s): ffn = {} runs in {least} to {most} (Down's rows at most {MAX_ROW}, at most \
+                 {MAX_MLP_PARTS} parts, each of whole 16-byte vectors)",
+                plan.mlp_parts, cfg.ffn
+            ));
+        }
+        Ok(plan)
+    }
+
+    /// The KV groups each role's phases cover: two halves, or one range of every group.
+    pub fn halves(self, cfg: &Config) -> Vec<Groups> {
+        if self.roles == 1 {
+            return vec![Groups::all(cfg)];
+        }
+        let first = cfg.n_kv / 2;
+        vec![Groups { kv0: 0, n_kv: first }, Groups { kv0: first, n_kv: cfg.n_kv - first }]
+    }
 }
 
 /// How an attention phase of `n_kv` KV heads run by `blocks` blocks splits its work at position `pos`
@@ -245,14 +315,6 @@ impl AttentionSplit {
     }
 }
 
-/// Parts of `ffn` that GateUp and Down run in on a grid of `grid` blocks: as many as keep Down's rows
-/// within `MAX_ROW`, and at least two when the grid has two blocks or more (see `compile`). The
-/// launcher refuses more than `MAX_MLP_PARTS`.
-pub fn mlp_parts(cfg: &Config, grid: u32) -> usize {
-    let needed = cfg.ffn.div_ceil(MAX_ROW);
-    if grid >= 2 && cfg.ffn >= 16 { needed.max(2) } else { needed }
-}
-
 /// The columns of `ffn` (elements of `act`) part `k` of `parts` covers: whole 16-byte vectors, as even
 /// as they can be.
 pub fn mlp_part(cfg: &Config, parts: usize, k: usize) -> std::ops::Range<usize> {
@@ -260,9 +322,9 @@ pub fn mlp_part(cfg: &Config, parts: usize, k: usize) -> std::ops::Range<usize> 
     8 * (vecs * k / parts)..8 * (vecs * (k + 1) / parts)
 }
 
-/// The layer as a program for a grid of `grid` blocks.
+/// The layer as a program for a grid of `grid` blocks laid out as `plan` says.
 ///
-/// With one half (`halves`) or one block: Qkv, attention, the O projection, each on every block and
+/// With one role: Qkv, attention, the O projection, each on every block and
 /// waiting for the one before; then the MLP.
 ///
 /// With two halves, A (the grid's even blocks) and B (the odd ones) take turns (the weights' bytes
@@ -277,7 +339,7 @@ pub fn mlp_part(cfg: &Config, parts: usize, k: usize) -> std::ops::Range<usize> 
 /// | 4 attention, half 1 | B | 1 | |
 /// | 5 O projection, half 1's columns | all | 3, 4 | adds the partials: x1 |
 ///
-/// The MLP follows on every block, in P parts of `ffn` (`mlp_parts`), with `o` the O projection's
+/// The MLP follows on every block, in P parts of `ffn` (`Plan::mlp_parts`), with `o` the O projection's
 /// last phase (P = 2 shown; one part is GateUp, then Down):
 ///
 /// | phase | waits for | |
@@ -291,12 +353,12 @@ pub fn mlp_part(cfg: &Config, parts: usize, k: usize) -> std::ops::Range<usize> 
 /// itself and a later part waits only for its own GateUp part. A block that ends GateUp starts Down at
 /// once: the part it needs finished a whole GateUp part ago. Parts beyond two exist for `ffn` over
 /// `MAX_ROW`: a middle part adds its products to the partials and writes them back.
-pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
+pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
     let i = |v: usize| v as i64;
     let p = |v: u64| v as i64;
     let eps = cfg.eps.to_bits() as i64;
     let (hd, max_seq, group) = (cfg.hd, cfg.max_seq_len, cfg.group());
-    let halves = halves(cfg, grid);
+    let halves = plan.halves(cfg);
     let all = Blocks::first(grid);
     // The halves interleave (A the even blocks, B the odd): the launch places blocks 2i and 2i + 1 on
     // neighbouring SMs, so each half has one SM of every such pair and reads at the whole grid's rate,
@@ -362,10 +424,10 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
             ],
         )
     };
-    // Part k of the MLP's parts (`mlp_parts`, columns `mlp_part` of `ffn`): GateUp's rows of act's
+    // Part k of the MLP's parts (`Plan::mlp_parts`, columns `mlp_part` of `ffn`): GateUp's rows of act's
     // k-th part, and the product of Down's columns that read it. Down's first part writes its f32
     // products to `down_part`, each later part adds its own to them, and the last rounds the sum.
-    let parts = mlp_parts(cfg, grid);
+    let parts = plan.mlp_parts;
     let gateup_row = |k: usize| {
         let f = mlp_part(cfg, parts, k);
         row(
@@ -396,7 +458,7 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
             ],
         )
     };
-    let mut plan: Vec<(Row, Blocks, Vec<usize>)> = if halves.len() == 1 {
+    let mut phases: Vec<(Row, Blocks, Vec<usize>)> = if halves.len() == 1 {
         let g = Groups::all(cfg);
         vec![(qkv_row(0, g), all, vec![]), (attn_row(g), all, vec![0]), (oproj_row(b.w_o[0], g, 0, 0), all, vec![1])]
     } else {
@@ -410,14 +472,15 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
             (oproj_row(b.w_o[1], h1, b.x1_part, 0), all, vec![3, 4]),
         ]
     };
-    let o = plan.len() - 1;
+    let o = phases.len() - 1;
     for k in 0..parts {
-        plan.push((gateup_row(k), all, vec![o]));
+        phases.push((gateup_row(k), all, vec![o]));
     }
     for k in 0..parts {
-        plan.push((down_row(k), all, vec![o + 1 + k]));
+        phases.push((down_row(k), all, vec![o + 1 + k]));
     }
-    plan.into_iter()
+    phases
+        .into_iter()
         .map(|(mut r, blocks, waits)| {
             r[BLOCKS_WORD] = blocks.word();
             r[WAITS_WORD] = waits.iter().map(|w| 1i64 << w).sum();
@@ -426,10 +489,10 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32) -> Vec<Row> {
         .collect()
 }
 
-/// The program compiled for a grid of `grid` blocks in words: its phases, its roles, the MLP's parts and
-/// how its first attention phase splits the cache at position `pos` (`grader profile` prints it).
-pub fn describe(cfg: &Config, grid: u32, rows: &[Row], pos: usize) -> String {
-    let roles = match halves(cfg, grid).as_slice() {
+/// The program compiled with `plan` in words: its phases, its roles, the MLP's parts and how its first
+/// attention phase splits the cache at position `pos` (`grader profile` prints it).
+pub fn describe(cfg: &Config, plan: Plan, rows: &[Row], pos: usize) -> String {
+    let roles = match plan.halves(cfg).as_slice() {
         [h0, h1] => format!(
             "two roles (KV heads {}-{} on the even blocks, {}-{} on the odd)",
             h0.kv0,
@@ -439,7 +502,7 @@ pub fn describe(cfg: &Config, grid: u32, rows: &[Row], pos: usize) -> String {
         ),
         _ => "one role (every phase on every block)".into(),
     };
-    let parts = mlp_parts(cfg, grid);
+    let parts = plan.mlp_parts;
     let widths: Vec<String> = (0..parts).map(|k| mlp_part(cfg, parts, k).len().to_string()).collect();
     let attention = rows.iter().find(|r| r[0] == Op::Attention as i64).map(|r| {
         let (n_kv, blocks) = (r[attn::NKv as usize] as usize, Blocks::of(r).count as usize);
@@ -577,11 +640,30 @@ mod tests {
         }
     }
 
+    /// The compiler's choice: wide layers in two roles and two MLP parts or more, narrow ones in one
+    /// role and as few parts as Down's rows allow, whatever the grid; one block in one role.
+    #[test]
+    fn wide_layers_take_two_roles_and_narrow_ones_one() {
+        for m in &spec::family::FAMILY {
+            let cfg = m.config();
+            let plan = Plan::choose(&cfg, 132);
+            let least = cfg.ffn.div_ceil(MAX_ROW);
+            if cfg.d >= WIDE_D {
+                assert_eq!(plan, Plan { roles: 2, mlp_parts: least.max(2) }, "{}", m.name);
+            } else {
+                assert_eq!(plan, Plan { roles: 1, mlp_parts: least }, "{}", m.name);
+            }
+            assert_eq!(Plan::with(&cfg, 132, Forced::default()), Ok(plan));
+            assert_eq!(Plan::choose(&cfg, 1).roles, 1);
+        }
+        assert_eq!(Plan::choose(&Config::small(), 132), Plan { roles: 1, mlp_parts: 1 });
+    }
+
     #[test]
     fn the_one_half_plan_runs_every_phase_on_every_block() {
         let mut cfg = Config::small();
         assert_eq!(cfg.n_kv, 1);
-        let prog = compile(&cfg, &buffers(), 132);
+        let prog = compile(&cfg, &buffers(), 132, Plan { roles: 1, mlp_parts: 2 });
         let ops: Vec<Op> = prog.iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
         use Op::*;
         assert_eq!(ops, [Qkv, Attention, OProj, GateUp, GateUp, Down, Down]);
@@ -591,7 +673,7 @@ mod tests {
         // One block: five phases, each the byte model's operation of its index, whatever the layer.
         for c in [Config::small(), Config::graded()] {
             cfg = c;
-            let prog = compile(&cfg, &buffers(), 1);
+            let prog = compile(&cfg, &buffers(), 1, Plan::choose(&cfg, 1));
             let ops: Vec<LayerOp> = prog.iter().map(|r| Op::from_word(r[0]).unwrap().layer_op().unwrap()).collect();
             assert_eq!(ops, LayerOp::ALL);
             assert!(prog.iter().all(|r| share(r, &cfg) == 1.0 && Blocks::of(r) == Blocks::first(1)));
@@ -605,7 +687,8 @@ mod tests {
     #[test]
     fn the_mlp_parts_split_act_and_share_downs_rows() {
         for (cfg, grid) in [(Config::graded(), 132), (Config::small(), 132), (Config::tiny(), 2)] {
-            let prog = compile(&cfg, &buffers(), grid);
+            let plan = Plan::with(&cfg, grid, Forced { roles: None, mlp_parts: Some(2) }).unwrap();
+            let prog = compile(&cfg, &buffers(), grid, plan);
             let of = |op: Op| prog.iter().filter(move |r| r[0] == op as i64).collect::<Vec<_>>();
             let (g, d) = (of(Op::GateUp), of(Op::Down));
             assert_eq!((g.len(), d.len()), (2, 2), "{}", cfg.name);
@@ -628,7 +711,7 @@ mod tests {
             assert_eq!(waits(d[1]), [index(g[1])]);
         }
         // One block: one part, whatever ffn's vectors.
-        assert_eq!(mlp_parts(&Config { ffn: 776, ..Config::tiny() }, 1), 1);
+        assert_eq!(Plan::choose(&Config { ffn: 776, ..Config::tiny() }, 1).mlp_parts, 1);
     }
 
     /// An ffn over two rows of `MAX_ROW` runs in three parts: the middle part of Down adds its products
@@ -637,8 +720,8 @@ mod tests {
     fn an_ffn_over_two_rows_runs_in_three_parts_chained_through_the_partials() {
         for (ffn, parts) in [(28672, 2), (53248, 2), (2 * MAX_ROW, 2), (2 * MAX_ROW + 8, 3), (3 * MAX_ROW, 3)] {
             let cfg = Config { ffn, ..Config::graded() };
-            assert_eq!(mlp_parts(&cfg, 132), parts, "ffn {ffn}");
-            let prog = compile(&cfg, &buffers(), 132);
+            assert_eq!(Plan::choose(&cfg, 132).mlp_parts, parts, "ffn {ffn}");
+            let prog = compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132));
             assert!(prog.len() <= MAX_PHASES);
             let downs: Vec<&Row> = prog.iter().filter(|r| r[0] == Op::Down as i64).collect();
             assert_eq!(downs.len(), parts);
@@ -656,7 +739,7 @@ mod tests {
     #[test]
     fn the_two_role_plan_splits_qkv_attention_and_oproj_by_halves_of_the_groups() {
         let cfg = Config::graded();
-        let prog = compile(&cfg, &buffers(), 132);
+        let prog = compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132));
         let ops: Vec<Op> = prog.iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
         use Op::*;
         assert_eq!(ops, [Qkv, Qkv, Attention, OProj, Attention, OProj, GateUp, GateUp, Down, Down]);
@@ -707,14 +790,15 @@ mod tests {
     #[test]
     fn the_plan_is_described_as_compiled() {
         let cfg = Config::graded();
-        let text = describe(&cfg, 132, &compile(&cfg, &buffers(), 132), 4127);
+        let text =
+            describe(&cfg, Plan::choose(&cfg, 132), &compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132)), 4127);
         assert_eq!(
             text,
             "10 phases; two roles (KV heads 0-3 on the even blocks, 4-7 on the odd); the MLP in 2 part(s) of ffn \
              (14336 + 14336); attention in chunks of 64 slots, at position 4127 65 chunks per KV head as 33 splits of 2 \
              (4 heads over 132 teams)"
         );
-        let one = describe(&cfg, 1, &compile(&cfg, &buffers(), 1), 4127);
+        let one = describe(&cfg, Plan::choose(&cfg, 1), &compile(&cfg, &buffers(), 1, Plan::choose(&cfg, 1)), 4127);
         assert!(
             one.starts_with("5 phases; one role (every phase on every block); the MLP in 1 part(s) of ffn (28672)"),
             "{one}"
@@ -726,9 +810,17 @@ mod tests {
     /// phase it has yet to run itself: the program cannot deadlock.
     #[test]
     fn every_plan_waits_only_for_earlier_phases() {
-        for (cfg, grid) in [(Config::tiny(), 2), (Config::tiny(), 132), (Config::small(), 132), (Config::graded(), 132)]
-        {
-            let prog = compile(&cfg, &buffers(), grid);
+        let configs = [(Config::tiny(), 2), (Config::tiny(), 132), (Config::small(), 132), (Config::graded(), 132)];
+        let plans = configs.iter().flat_map(|(cfg, grid)| {
+            (1..=2).flat_map(move |roles| {
+                (1..=MAX_MLP_PARTS).filter_map(move |mlp_parts| {
+                    let forced = Forced { roles: Some(roles), mlp_parts: Some(mlp_parts) };
+                    Some((cfg, *grid, Plan::with(cfg, *grid, forced).ok()?))
+                })
+            })
+        });
+        for (cfg, grid, plan) in plans {
+            let prog = compile(cfg, &buffers(), grid, plan);
             assert!(prog.len() <= MAX_PHASES);
             for (k, r) in prog.iter().enumerate() {
                 assert!(waits(r).iter().all(|&w| w < k), "{}: phase {k} waits for {:?}", cfg.name, waits(r));

@@ -6,12 +6,13 @@
 //! figures `grader run` judges: its operation's, or the share of them it reads when the program splits
 //! the operation into parts (the two-role plan).
 
+mod launch;
 mod timeline;
 
 use std::fmt::Write as _;
 
 use cuda::{Context, CudaError, Device};
-use megakernel::program::Blocks;
+use megakernel::program::{Blocks, Forced};
 use megakernel::{Megakernel, Mode, PhasePlan};
 use reference::gpu::DeviceCache;
 use reference::gpu::data::generate_input;
@@ -32,6 +33,7 @@ const TIMED_STEPS: usize = 16;
 /// Traced fused launches, L2 evicted before each as in a run; the one of median length is shown.
 const TRACED_STEPS: usize = 5;
 
+pub use launch::LaunchPart;
 pub use timeline::{Timeline, TracedPhase};
 
 #[derive(Debug, Clone, Serialize)]
@@ -58,6 +60,16 @@ pub struct Profile {
     /// The fused launch (the submission itself) on the same steps.
     pub fused_us: Summary,
     pub fused_x_floor: f64,
+    /// The launch path in parts: launches of kernels that do nothing, adding the megakernel's launch
+    /// one respect at a time, and the fused step itself (`launch`).
+    pub launch: Vec<LaunchPart>,
+    /// Why a row of the launch path could not be measured here (the recording or the audit
+    /// unavailable).
+    pub launch_unmeasured: Vec<String>,
+    /// The fused step's kernel time by events, launched back to back as its round trip in `launch`
+    /// was: the round trip less this is what a call pays beyond the kernel on this host, before any
+    /// recording or signalling.
+    pub step_kernel_us: f64,
     /// Why the DRAM bytes per phase are missing, when they are.
     pub unaudited: Option<String>,
     /// The fused launch traced block by block; `None` when its stamps were incomplete.
@@ -76,7 +88,8 @@ pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError
     progress.say("measuring the copy bandwidth");
     let bw = bandwidth::measure(&dev, 2 << 30, 20)?;
     progress.say(&format!("generating the '{}' layer and building both modes", cfg.name));
-    let profile = measure(&dev, &cfg, args.seed, bw.floor_bytes_per_s())?;
+    let forced = Forced { roles: args.roles.map(|r| r as usize), mlp_parts: args.mlp_parts.map(|p| p as usize) };
+    let profile = measure(&dev, &cfg, args.seed, bw.floor_bytes_per_s(), forced)?;
     eprint!("{}", table(&profile));
     match &profile.timeline {
         Some(t) => eprint!("{}", t.table()),
@@ -100,11 +113,17 @@ pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError
     Ok(Outcome::Pass)
 }
 
-fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Result<Profile, GraderError> {
+fn measure(
+    dev: &Device,
+    cfg: &Config,
+    seed: u64,
+    floor_bytes_per_s: f64,
+    forced: Forced,
+) -> Result<Profile, GraderError> {
     let w = reference::gpu::generate_weights(dev, cfg, seed)?;
     let mut cache = DeviceCache::generate(dev, cfg, seed)?;
-    let mut phased = Megakernel::new(Mode::PerPhase);
-    let mut fused = Megakernel::new(Mode::Fused);
+    let mut phased = Megakernel::new(Mode::PerPhase).forcing(forced);
+    let mut fused = Megakernel::new(Mode::Fused).forcing(forced);
     phased.build_layer(dev, Layer { weights: &w, cache: &mut cache }, cfg)?;
     fused.build_layer(dev, Layer { weights: &w, cache: &mut cache }, cfg)?;
     let phases = phased.phases().expect("built");
@@ -167,7 +186,26 @@ fn measure(dev: &Device, cfg: &Config, seed: u64, floor_bytes_per_s: f64) -> Res
     let blocks: Vec<Blocks> = plan.iter().map(|p| p.blocks).collect();
     let timeline = trace(dev, cfg, &mut fused, &mut evict, input_seed, &names, &floors, &blocks)?;
     let fused_us = Summary::of(&fused_us).expect("timed");
+    let (grid, smem) = fused.launch_shape().expect("built");
+    let mut launch = launch::probes(dev, grid, megakernel::THREADS, smem)?;
+    let x = generate_input(dev, cfg, input_seed, 0)?;
+    let all = fused.phases().expect("built");
+    let mut step =
+        || -> Result<(), GraderError> { Ok(fused.launch_phases(dev, &x, cfg.deepest_timed_pos(), &mut out, 0, all)?) };
+    let (api_us, round_trip_us) = launch::time(dev, &mut step)?;
+    let step_kernel_us = launch::kernel_us(dev, &mut step)?;
+    launch.push(LaunchPart { what: launch::STEP.into(), api_us, round_trip_us });
+    let mut launch_unmeasured = Vec::new();
+    for row in launch::observed(dev, &mut step) {
+        match row {
+            Ok(part) => launch.push(part),
+            Err(why) => launch_unmeasured.push(why),
+        }
+    }
     Ok(Profile {
+        launch,
+        launch_unmeasured,
+        step_kernel_us,
         config: cfg.name.clone(),
         plan: fused.describe(cfg, cfg.deepest_timed_pos()).expect("built"),
         floor_tbps: floor_bytes_per_s / 1e12,
@@ -284,6 +322,22 @@ pub fn table(p: &Profile) -> String {
     }
     let _ = writeln!(s, "  phases, one launch each: {:.1} us", p.phases_sum_us);
     let _ = writeln!(s, "  fused, one launch:       {:.1} us = {:.3}x floor", p.fused_us.median, p.fused_x_floor);
+    let _ = writeln!(s, "\nthe launch path (host clock, medians; no recording, no signalling)");
+    let _ = writeln!(s, "  {:<60} {:>12} {:>20}", "launch", "call us", "call + sync us");
+    for l in &p.launch {
+        let _ = writeln!(s, "  {:<60} {:>12.1} {:>20.1}", l.what, l.api_us, l.round_trip_us);
+    }
+    for why in &p.launch_unmeasured {
+        let _ = writeln!(s, "  not measured: {why}");
+    }
+    if let Some(step) = p.launch.iter().find(|l| l.what == launch::STEP) {
+        let _ = writeln!(
+            s,
+            "  the step's kernel by events, back to back: {:.1} us; its plain round trip beyond it: {:.1} us",
+            p.step_kernel_us,
+            step.round_trip_us - p.step_kernel_us
+        );
+    }
     s
 }
 

@@ -1,10 +1,13 @@
 //! The fused launch as its blocks lived it: every block stamps the GPU's global timer when it starts
-//! and finishes each phase it runs (`Megakernel::trace_step`), so the time a phase holds the critical
-//! path, the spread of its blocks and the time they wait for the phases they depend on are visible, as
-//! a table and as an SVG timeline (one row per block, a colour per phase, white where a block waits).
+//! and finishes each phase it runs, and a GEMV phase also when its input is ready and when its stream
+//! is done (`Megakernel::trace_step`), so the time a phase holds the critical path, the spread of its
+//! blocks, where a block's time inside a phase goes and the time they wait for the phases they depend
+//! on are visible, as a table and as an SVG timeline (one row per block, a colour per phase, white
+//! where a block waits).
 
 use std::fmt::Write as _;
 
+use megakernel::TRACE_STAMPS;
 use megakernel::program::Blocks;
 use serde::Serialize;
 
@@ -25,6 +28,18 @@ pub struct TracedPhase {
     pub busy_max_us: f64,
     /// Mean time a block of the phase waited after finishing it until it started its next phase.
     pub wait_mean_us: f64,
+    /// A GEMV phase's block time in parts (medians over its blocks); `None` for attention.
+    pub parts: Option<BusyParts>,
+}
+
+/// Where a GEMV phase's block spends its time: from its start to its input in registers (the norm, or
+/// the load of the vector it multiplies), then its weight stream, then the rest (the epilogue that
+/// writes its outputs, the block's synchronisation).
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct BusyParts {
+    pub input_us: f64,
+    pub stream_us: f64,
+    pub tail_us: f64,
 }
 
 /// The traced launch: per-phase figures and each block's stamps.
@@ -39,10 +54,12 @@ pub struct Timeline {
 }
 
 impl Timeline {
-    /// Reads the stamps of `trace_step` (`(block, phase, [start, end])` in ns) for phases named
-    /// `names`, run by the blocks `blocks_of[phase]`, whose floors (us at the floor bandwidth) are
-    /// `floors_us`. `None` when a stamp is missing (zero) for a block that runs the phase, present for
-    /// one that does not, or out of order: a trace that cannot be trusted is not drawn.
+    /// Reads the stamps of `trace_step` (`(block, phase, TRACE_STAMPS)` in ns: start, input, streamed,
+    /// end) for phases named `names`, run by the blocks `blocks_of[phase]`, whose floors (us at the
+    /// floor bandwidth) are `floors_us`. `None` when a start or end stamp is missing (zero) for a block
+    /// that runs the phase, any stamp is present for one that does not, the inner stamps are present
+    /// for some of a phase's blocks and not others, or stamps are out of order: a trace that cannot be
+    /// trusted is not drawn.
     pub fn of(
         stamps: &[u64],
         blocks: usize,
@@ -51,15 +68,20 @@ impl Timeline {
         blocks_of: &[Blocks],
     ) -> Option<Timeline> {
         let phases = names.len();
-        if phases == 0 || blocks == 0 || stamps.len() != blocks * phases * 2 || blocks_of.len() != phases {
+        if phases == 0 || blocks == 0 || stamps.len() != blocks * phases * TRACE_STAMPS || blocks_of.len() != phases {
             return None;
         }
-        let pair = |b: usize, p: usize| (stamps[(b * phases + p) * 2], stamps[(b * phases + p) * 2 + 1]);
-        let whole = (0..blocks).all(|b| {
-            (0..phases).all(|p| {
-                let (s, e) = pair(b, p);
-                if blocks_of[p].contains(b) { s != 0 && e != 0 } else { s == 0 && e == 0 }
-            })
+        let at = |b: usize, p: usize| &stamps[(b * phases + p) * TRACE_STAMPS..][..TRACE_STAMPS];
+        let inner = |b: usize, p: usize| at(b, p)[1] != 0 && at(b, p)[2] != 0;
+        let whole = (0..phases).all(|p| {
+            let runs: Vec<usize> = (0..blocks).filter(|&b| blocks_of[p].contains(b)).collect();
+            let consistent =
+                runs.iter().all(|&b| inner(b, p)) || runs.iter().all(|&b| at(b, p)[1] == 0 && at(b, p)[2] == 0);
+            consistent
+                && (0..blocks).all(|b| {
+                    let s = at(b, p);
+                    if blocks_of[p].contains(b) { s[0] != 0 && s[3] != 0 } else { s.iter().all(|&v| v == 0) }
+                })
         });
         if !whole {
             return None;
@@ -68,16 +90,26 @@ impl Timeline {
         let us = |ns: u64| (ns - origin) as f64 / 1e3;
         let spans: Vec<Vec<Option<(f64, f64)>>> = (0..blocks)
             .map(|b| {
-                (0..phases).map(|p| blocks_of[p].contains(b).then(|| (us(pair(b, p).0), us(pair(b, p).1)))).collect()
+                (0..phases).map(|p| blocks_of[p].contains(b).then(|| (us(at(b, p)[0]), us(at(b, p)[3])))).collect()
             })
             .collect();
         let ordered = spans.iter().all(|row| {
             let own: Vec<(f64, f64)> = row.iter().flatten().copied().collect();
             own.iter().all(|&(s, e)| s <= e) && own.windows(2).all(|w| w[0].1 <= w[1].0)
-        });
+        }) && (0..blocks).all(|b| (0..phases).all(|p| !inner(b, p) || at(b, p).is_sorted()));
         if !ordered {
             return None;
         }
+        // Each GEMV phase's parts: medians over its blocks of input, stream and tail.
+        let parts = |p: usize| -> Option<BusyParts> {
+            let runs: Vec<&[u64]> = (0..blocks).filter(|&b| inner(b, p)).map(|b| at(b, p)).collect();
+            let median = |i: usize| {
+                let mut d: Vec<f64> = runs.iter().map(|s| (s[i + 1] - s[i]) as f64 / 1e3).collect();
+                d.sort_by(f64::total_cmp);
+                d.get(d.len() / 2).copied()
+            };
+            Some(BusyParts { input_us: median(0)?, stream_us: median(1)?, tail_us: median(2)? })
+        };
         let mut ended = 0.0f64;
         let mut out = Vec::with_capacity(phases);
         for p in 0..phases {
@@ -102,6 +134,7 @@ impl Timeline {
                 busy_median_us: busy[busy.len() / 2],
                 busy_max_us: busy[busy.len() - 1],
                 wait_mean_us: if waits.is_empty() { 0.0 } else { waits.iter().sum::<f64>() / waits.len() as f64 },
+                parts: parts(p),
             });
             ended = ended.max(last_end);
         }
@@ -113,8 +146,16 @@ impl Timeline {
             format!("\nfused launch, traced ({} blocks, {:.1} us stamp to stamp)\n", self.blocks, self.total_us);
         let _ = writeln!(
             s,
-            "  {:<15} {:>9} {:>9} {:>11} {:>8} {:>12} {:>9} {:>10}",
-            "phase", "start us", "end us", "critical us", "x floor", "busy med us", "busy max", "wait after"
+            "  {:<15} {:>9} {:>9} {:>11} {:>8} {:>12} {:>9} {:>10} {:>22}",
+            "phase",
+            "start us",
+            "end us",
+            "critical us",
+            "x floor",
+            "busy med us",
+            "busy max",
+            "wait after",
+            "input / stream / tail"
         );
         for p in &self.phases {
             // A phase that ended before one listed above it added nothing to the launch's length.
@@ -123,14 +164,18 @@ impl Timeline {
             } else {
                 ("-".to_string(), "-".to_string())
             };
+            let parts = p
+                .parts
+                .map_or("-".to_string(), |b| format!("{:.1} / {:.1} / {:.1}", b.input_us, b.stream_us, b.tail_us));
             let _ = writeln!(
                 s,
-                "  {:<15} {:>9.1} {:>9.1} {critical:>11} {x_floor:>8} {:>12.1} {:>9.1} {:>10.1}",
+                "  {:<15} {:>9.1} {:>9.1} {critical:>11} {x_floor:>8} {:>12.1} {:>9.1} {:>10.1} {parts:>22}",
                 p.phase, p.first_start_us, p.last_end_us, p.busy_median_us, p.busy_max_us, p.wait_mean_us
             );
         }
         s + "  critical: how far the phase moved the launch's end past the phases above it ('-': it ended\n  \
-             under one of them, beside whose work it ran)\n"
+             under one of them, beside whose work it ran). input / stream / tail: a GEMV block's median time\n  \
+             to its input in registers (norm or load), in its weight stream, and after it (epilogue)\n"
     }
 
     /// One row per block, a coloured bar per phase from its start to its end; white is waiting. Blocks
@@ -212,10 +257,15 @@ mod tests {
         1_000_000 + us * 1000
     }
 
+    /// `[start, end]` pairs as traced stamps with no inner ones (attention's, or none at all).
+    fn outer(pairs: &[u64]) -> Vec<u64> {
+        pairs.chunks(2).flat_map(|p| [p[0], 0, 0, p[1]]).collect()
+    }
+
     #[test]
     fn critical_times_add_up_and_waits_are_measured() {
         // Two blocks, two phases; block 1 finishes phase 0 late, block 0 waits 3 us for it.
-        let stamps = [ns(0), ns(10), ns(13), ns(20), ns(1), ns(13), ns(13), ns(25)];
+        let stamps = outer(&[ns(0), ns(10), ns(13), ns(20), ns(1), ns(13), ns(13), ns(25)]);
         let t = Timeline::of(&stamps, 2, &names(2), &[5.0, 6.0], &[span(0, 2), span(0, 2)]).expect("a complete trace");
         assert_eq!(t.total_us, 25.0);
         assert_eq!(t.phases[0].critical_us, 13.0);
@@ -234,7 +284,7 @@ mod tests {
     fn phases_of_part_of_the_grid() {
         // Phase 0 on both blocks, phase 1 on block 1 (10..30), phase 2 on block 0 (12..20), phase 3 on
         // both.
-        let stamps = [
+        let stamps = outer(&[
             ns(0),
             ns(10),
             0,
@@ -251,7 +301,7 @@ mod tests {
             0,
             ns(32),
             ns(41),
-        ];
+        ]);
         let sets = [span(0, 2), span(1, 1), span(0, 1), span(0, 2)];
         let t = Timeline::of(&stamps, 2, &names(4), &[1.0; 4], &sets).expect("a complete trace");
         let critical: Vec<f64> = t.phases.iter().map(|p| p.critical_us).collect();
@@ -270,8 +320,8 @@ mod tests {
             |fill: &str| svg.lines().find(|l| l.contains("height=\"3\"") && l.contains(fill)).unwrap().to_string();
         assert!(bar("#d9534f").contains("y=\"40.0\"") && bar("#f0ad4e").contains("y=\"43.0\""), "{svg}");
         // A stamp where the block does not run the phase, or none where it does: not drawn.
-        let mut stray = stamps;
-        stray[2] = ns(11);
+        let mut stray = stamps.clone();
+        stray[4] = ns(11); // block 0, phase 1 (which block 0 does not run), start
         assert!(Timeline::of(&stray, 2, &names(4), &[1.0; 4], &sets).is_none());
         assert!(
             Timeline::of(&stamps, 2, &names(4), &[1.0; 4], &[span(0, 2), span(0, 2), span(0, 1), span(0, 2)]).is_none()
@@ -281,12 +331,49 @@ mod tests {
     #[test]
     fn a_missing_or_disordered_stamp_is_not_drawn() {
         let one = [span(0, 1)];
-        assert!(Timeline::of(&[5, 0], 1, &names(1), &[1.0], &one).is_none(), "a zero stamp: the block never wrote it");
-        assert!(Timeline::of(&[9, 5], 1, &names(1), &[1.0], &one).is_none(), "an end before its start");
+        let of =
+            |stamps: &[u64], blocks, sets: &[Blocks]| Timeline::of(stamps, blocks, &names(sets.len()), &[1.0; 2], sets);
+        assert!(of(&outer(&[5, 0]), 1, &one).is_none(), "a zero stamp: the block never wrote it");
+        assert!(of(&outer(&[9, 5]), 1, &one).is_none(), "an end before its start");
         assert!(
-            Timeline::of(&[1, 5, 4, 9], 1, &names(2), &[1.0, 1.0], &[span(0, 1), span(0, 1)]).is_none(),
+            of(&outer(&[1, 5, 4, 9]), 1, &[span(0, 1), span(0, 1)]).is_none(),
             "a phase starting before the last ended"
         );
-        assert!(Timeline::of(&[1, 5], 2, &names(1), &[1.0], &[span(0, 2)]).is_none(), "too few stamps for the grid");
+        assert!(of(&outer(&[1, 5]), 2, &[span(0, 2)]).is_none(), "too few stamps for the grid");
+        assert!(of(&[1, 6, 3, 9], 1, &one).is_none(), "an input stamp after the stream's");
+        assert!(of(&[1, 3, 0, 9], 1, &one).is_none(), "an input stamp without the stream's");
+        assert!(
+            of(&[1, 2, 3, 9, 1, 0, 0, 9], 2, &[span(0, 2)]).is_none(),
+            "inner stamps from one block of the phase and not the other"
+        );
+    }
+
+    /// A GEMV phase's inner stamps split each block's time into input, stream and tail (medians over
+    /// its blocks); a phase without them has no parts.
+    #[test]
+    fn inner_stamps_split_a_gemv_blocks_time() {
+        let stamps = [
+            ns(0),
+            ns(2),
+            ns(10),
+            ns(11),
+            ns(12),
+            0,
+            0,
+            ns(20), // block 0: GEMV 2 / 8 / 1, then attention
+            ns(0),
+            ns(4),
+            ns(10),
+            ns(13),
+            ns(13),
+            0,
+            0,
+            ns(21), // block 1: GEMV 4 / 6 / 3
+        ];
+        let t = Timeline::of(&stamps, 2, &names(2), &[1.0; 2], &[span(0, 2), span(0, 2)]).expect("a complete trace");
+        // Medians of two: the larger (index len / 2).
+        assert_eq!(t.phases[0].parts, Some(BusyParts { input_us: 4.0, stream_us: 8.0, tail_us: 3.0 }));
+        assert_eq!(t.phases[1].parts, None);
+        assert!(t.table().contains("4.0 / 8.0 / 3.0"), "{}", t.table());
     }
 }

@@ -1,9 +1,12 @@
 //! Checks of the megakernel on the GPU: its output against the eager reference's, the fused launch
-//! against the phase-per-launch mode bit for bit, and a repeated step bit for bit.
+//! against the phase-per-launch mode bit for bit, and a repeated step bit for bit, in each of the
+//! plans a shape admits (one role, and two where the layer has two KV heads or more), whichever the
+//! compiler would choose for it.
 
 use cuda::Context;
 use cuda::cudarc::driver::CudaSlice;
 use half::bf16;
+use megakernel::program::Forced;
 use megakernel::{Megakernel, Mode};
 use reference::gpu::{DeviceCache, Eager};
 use spec::data::input;
@@ -49,34 +52,54 @@ fn shape(name: &str, n_q: usize, n_kv: usize, hd: usize) -> Config {
     Config { name: name.into(), n_q, n_kv, hd, ..Config::small() }
 }
 
-/// `steps` steps of the fused megakernel, the phase-per-launch mode and the eager reference on
-/// fresh inputs, each on its own cache: fused and per-phase outputs and caches bitwise equal, within
-/// the gate of the eager reference, and the last step bitwise equal when repeated.
+/// [`matches_in`] in one role, and in two where the layer has two KV heads or more.
 fn matches(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
     let dev = &ctx.dev;
     if !dev.is_hopper() {
         return Err(Failure("the megakernel needs an sm_90 (Hopper) card".into()));
     }
     let w = reference::gpu::generate_weights(dev, &cfg, ctx.seed)?;
-    let mut fused_cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;
-    let mut phases_cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;
-    let mut eager_cache = DeviceCache::generate(dev, &cfg, ctx.seed)?;
-    let mut fused = Megakernel::new(Mode::Fused);
-    let mut phases = Megakernel::new(Mode::PerPhase);
-    fused.build_layer(dev, Layer { weights: &w, cache: &mut fused_cache }, &cfg)?;
-    phases.build_layer(dev, Layer { weights: &w, cache: &mut phases_cache }, &cfg)?;
-    let mut eager = Eager::new(dev, &cfg)?;
+    let roles = if cfg.n_kv >= 2 { 1..=2 } else { 1..=1 };
+    let said: Vec<String> = roles
+        .map(|r| {
+            let said = matches_in(ctx, &cfg, &w, Forced { roles: Some(r), mlp_parts: None }, steps);
+            said.map(|s| format!("{r} role(s): {s}")).map_err(|Failure(f)| Failure(format!("{r} role(s): {f}")))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(said.join("; "))
+}
+
+/// `steps` steps of the fused megakernel laid out as `forced` says, the phase-per-launch mode and the
+/// eager reference on fresh inputs, each on its own cache: fused and per-phase outputs and caches
+/// bitwise equal, within the gate of the eager reference, and the last step bitwise equal when
+/// repeated.
+fn matches_in(
+    ctx: &Ctx,
+    cfg: &Config,
+    w: &reference::gpu::DeviceWeights,
+    forced: Forced,
+    steps: usize,
+) -> Result<String, Failure> {
+    let dev = &ctx.dev;
+    let mut fused_cache = DeviceCache::generate(dev, cfg, ctx.seed)?;
+    let mut phases_cache = DeviceCache::generate(dev, cfg, ctx.seed)?;
+    let mut eager_cache = DeviceCache::generate(dev, cfg, ctx.seed)?;
+    let mut fused = Megakernel::new(Mode::Fused).forcing(forced);
+    let mut phases = Megakernel::new(Mode::PerPhase).forcing(forced);
+    fused.build_layer(dev, Layer { weights: w, cache: &mut fused_cache }, cfg)?;
+    phases.build_layer(dev, Layer { weights: w, cache: &mut phases_cache }, cfg)?;
+    let mut eager = Eager::new(dev, cfg)?;
     let seed: u64 = rand::random();
     let poisoned = || dev.stream().clone_htod(&vec![bf16::NAN; cfg.d]).context("allocating an output");
     let read = |v: &CudaSlice<bf16>| dev.stream().clone_dtoh(v).context("reading an output");
     let mut worst = 0f64;
     for s in 0..steps {
         let pos = cfg.prefill + s;
-        let x = dev.stream().clone_htod(&input(&cfg, seed, s)).context("uploading x")?;
+        let x = dev.stream().clone_htod(&input(cfg, seed, s)).context("uploading x")?;
         let (mut of, mut op, mut oe) = (poisoned()?, poisoned()?, poisoned()?);
-        fused.layer_step(dev, Layer { weights: &w, cache: &mut fused_cache }, &x, pos, &mut of)?;
-        phases.layer_step(dev, Layer { weights: &w, cache: &mut phases_cache }, &x, pos, &mut op)?;
-        eager.step(dev, &w, &mut eager_cache, &x, pos, &mut oe)?;
+        fused.layer_step(dev, Layer { weights: w, cache: &mut fused_cache }, &x, pos, &mut of)?;
+        phases.layer_step(dev, Layer { weights: w, cache: &mut phases_cache }, &x, pos, &mut op)?;
+        eager.step(dev, w, &mut eager_cache, &x, pos, &mut oe)?;
         let (f, p, e) = (read(&of)?, read(&op)?, read(&oe)?);
         ensure(bits(&f) == bits(&p), || {
             format!("pos {pos}: fused and per-phase outputs differ: {}", Diff::of(&f, &p))
@@ -89,7 +112,7 @@ fn matches(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
         if s + 1 == steps {
             // The same step again: same input, same position, same bits.
             let mut again = poisoned()?;
-            fused.layer_step(dev, Layer { weights: &w, cache: &mut fused_cache }, &x, pos, &mut again)?;
+            fused.layer_step(dev, Layer { weights: w, cache: &mut fused_cache }, &x, pos, &mut again)?;
             let again = read(&again)?;
             ensure(bits(&again) == bits(&f), || {
                 format!("pos {pos}: a repeated step differs: {}", Diff::of(&again, &f))
