@@ -1,8 +1,8 @@
 //! `grader profile`: the megakernel's phase-per-launch mode timed phase by phase with events, each
 //! phase against its own floor, beside the fused launch; then the fused launch traced block by block
-//! (`timeline`), as a table and an SVG timeline. Where the GPU's counters can be read, a second pass
-//! measures the DRAM bytes each phase reads (one audit range per phase launch; the ranges' own cost
-//! stays out of the timed pass). Every phase's bytes are the byte model's (`ByteModel::by_op`), the
+//! (`timeline`), as a table and an SVG timeline; then the launch path in parts (`launch`). Where the
+//! GPU's counters can be read, a second pass measures the DRAM bytes each phase reads (one audit range
+//! per phase launch; the ranges' own cost stays out of the timed pass). Every phase's bytes are the byte model's (`ByteModel::by_op`), the
 //! figures `grader run` judges: its operation's, or the share of them it reads when the program splits
 //! the operation into parts (the two-role plan).
 
@@ -322,10 +322,10 @@ pub fn table(p: &Profile) -> String {
     }
     let _ = writeln!(s, "  phases, one launch each: {:.1} us", p.phases_sum_us);
     let _ = writeln!(s, "  fused, one launch:       {:.1} us = {:.3}x floor", p.fused_us.median, p.fused_x_floor);
-    let _ = writeln!(s, "\nthe launch path (host clock, medians; no recording, no signalling)");
-    let _ = writeln!(s, "  {:<60} {:>12} {:>20}", "launch", "call us", "call + sync us");
+    let _ = writeln!(s, "\nthe launch path (host clock, medians; without the judge's signalling)");
+    let _ = writeln!(s, "  {:<74} {:>8} {:>15}", "launch", "call us", "call + sync us");
     for l in &p.launch {
-        let _ = writeln!(s, "  {:<60} {:>12.1} {:>20.1}", l.what, l.api_us, l.round_trip_us);
+        let _ = writeln!(s, "  {:<74} {:>8.1} {:>15.1}", l.what, l.api_us, l.round_trip_us);
     }
     for why in &p.launch_unmeasured {
         let _ = writeln!(s, "  not measured: {why}");
