@@ -20,7 +20,9 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use cuda::cudarc::driver::sys::{self, CUdeviceptr, CUmemAccess_flags, CUmemAllocationHandleType, CUmemGenericAllocationHandle};
+use cuda::cudarc::driver::sys::{
+    self, CUdeviceptr, CUmemAccess_flags, CUmemAllocationHandleType, CUmemGenericAllocationHandle,
+};
 use cuda::cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 use cuda::ipc::{RegionHandle, SharedRegion};
 use cuda::{Context, CudaError, Device};
@@ -53,7 +55,12 @@ fn vmm_props(ordinal: i32) -> sys::CUmemAllocationProp {
 }
 
 /// Reserves an address range for `handle`'s `bytes`, maps it and grants this device `flags` access.
-fn map(handle: CUmemGenericAllocationHandle, bytes: usize, ordinal: i32, flags: CUmemAccess_flags) -> Result<CUdeviceptr, CudaError> {
+fn map(
+    handle: CUmemGenericAllocationHandle,
+    bytes: usize,
+    ordinal: i32,
+    flags: CUmemAccess_flags,
+) -> Result<CUdeviceptr, CudaError> {
     let mut ptr: CUdeviceptr = 0;
     let access = sys::CUmemAccessDesc {
         location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
@@ -126,7 +133,9 @@ fn parent(gib: usize) -> Result<(), CudaError> {
 /// Writes a pattern over `buf` so that nothing reads never-touched pages.
 fn fill(dev: &Device, buf: &CudaSlice<u8>) -> Result<(), CudaError> {
     // SAFETY: memset over the slice's own bytes.
-    unsafe { sys::cuMemsetD8_v2(buf.device_ptr(dev.stream()).0, 0x5A, buf.len()) }.result().context("filling a buffer")?;
+    unsafe { sys::cuMemsetD8_v2(buf.device_ptr(dev.stream()).0, 0x5A, buf.len()) }
+        .result()
+        .context("filling a buffer")?;
     dev.synchronize()
 }
 
@@ -148,7 +157,8 @@ fn child(args: &[String]) -> Result<(), CudaError> {
     let (func, cfg) = cuda::kernels::read_bulk(&dev)?.ok_or_else(|| CudaError::WrongResult("needs Hopper".into()))?;
     let mut sink = dev.stream().alloc_zeros::<u32>(cfg.grid_dim.0 as usize).context("allocating the sink")?;
     let kernels = StreamKernels::load(&dev)?;
-    let mut wave_sink = dev.stream().alloc_zeros::<u32>(kernels.wave.grid_dim.0 as usize).context("allocating the sink")?;
+    let mut wave_sink =
+        dev.stream().alloc_zeros::<u32>(kernels.wave.grid_dim.0 as usize).context("allocating the sink")?;
     let mut stream = |name: &str, ptr: CUdeviceptr, len: usize| -> Result<(), CudaError> {
         let n = (len / 16) as u64;
         // SAFETY: ptr maps len readable bytes for the life of this call; the slice is leaked below,
