@@ -111,16 +111,17 @@ impl ByteModel {
     }
 }
 
-/// Device bytes of one copy of the data of a run of `calls` calls: the weights, the whole KV cache
-/// (K and V at capacity) and every call's input and output. Each side of a run (the judge, the
-/// runner) holds one such copy; `None` when the figure overflows 64 bits.
+/// Device bytes of one copy of the data of a run of `calls` calls: every layer's weights and whole
+/// KV cache (K and V at capacity), and every call's input and output. Each side of a run (the judge,
+/// the runner) holds one such copy; `None` when the figure overflows 64 bits.
 pub fn data_bytes(cfg: &Config, calls: usize) -> Option<u64> {
     let deepest = (cfg.prefill as u64).checked_add(cfg.timed_steps as u64)?.checked_sub(1)? as usize;
     let b = ByteModel::checked(cfg, deepest)?;
     let cache_elems = mul(&[cfg.batch as u64, cfg.n_kv as u64, cfg.max_seq_len as u64, cfg.hd as u64])?;
     let cache = mul(&[2, cache_elems, BF16_BYTES])?;
+    let layer = sum(&[b.matrices, b.norms, cache])?;
     let io = mul(&[2, calls as u64, cfg.d as u64, cfg.batch as u64, BF16_BYTES])?;
-    sum(&[b.matrices, b.norms, cache, io])
+    sum(&[mul(&[layer, cfg.layers as u64])?, io])
 }
 
 /// The product of `factors`, `None` on overflow.
@@ -166,6 +167,18 @@ mod tests {
         assert_eq!(g.by_op[2].bytes, 2 * 8192 * 8192);
         assert_eq!(g.by_op[3].bytes, 2 * (2 * 28672 * 8192 + 8192));
         assert_eq!(g.by_op[4].bytes, 2 * (28672 * 8192 + 8192));
+    }
+
+    /// A stack holds every layer's weights and cache once; the calls' inputs and outputs once.
+    #[test]
+    fn a_stacks_data_is_its_layers_data_times_its_depth() {
+        let one = Config::graded();
+        let stack = Config { layers: 80, ..one.clone() };
+        let io = 2 * 72 * 8192 * 2;
+        let layer = data_bytes(&one, 72).unwrap() - io;
+        assert_eq!(data_bytes(&stack, 72).unwrap(), 80 * layer + io);
+        // docs/stack.md: 80 x (1.711 GB of weights + 17.3 MB of cache) = 138.3 GB.
+        assert!((80 * layer) as f64 > 138.2e9 && ((80 * layer) as f64) < 138.4e9, "{}", 80 * layer);
     }
 
     #[test]

@@ -12,7 +12,9 @@ use crate::SpecError;
 pub struct Config {
     /// Name shown in reports (`graded`, `tiny`, `small`, or the file a config came from).
     pub name: String,
-    /// Layers in the model; the task grades exactly one.
+    /// Layers in the stack: 1 for the task's layer and every member of the family; the named stacks
+    /// (`crate::family::STACKS`) have 16 to 80, which `grader spec` describes and the judge does not
+    /// grade yet ([`Config::require_one_layer`]).
     pub layers: usize,
     /// Hidden size.
     pub d: usize,
@@ -42,6 +44,9 @@ pub struct Config {
 
 /// Names accepted by [`Config::named`], in the order `--help` lists them.
 pub const CONFIG_NAMES: [&str; 3] = ["graded", "small", "tiny"];
+
+/// The most layers a stack may have: the deepest Llama-family models have 126.
+pub const MAX_LAYERS: usize = 128;
 
 /// The largest value of any size field, and of `n_q * hd`: the C ABI passes sizes as int32
 /// (`submission/include/persistent_layer.h`) and the kernels index rows with 32-bit integers.
@@ -150,8 +155,8 @@ impl Config {
         })
     }
 
-    /// A name from [`CONFIG_NAMES`], a member of the family (`crate::family`), or the path of a
-    /// JSON file, validated.
+    /// A name from [`CONFIG_NAMES`], a member of the family or a named stack (`crate::family`), or
+    /// the path of a JSON file, validated.
     pub fn load(name_or_path: &str) -> Result<Self, SpecError> {
         if CONFIG_NAMES.contains(&name_or_path) {
             return Self::named(name_or_path);
@@ -159,9 +164,13 @@ impl Config {
         if let Some(member) = crate::family::find(name_or_path) {
             return Ok(member.config());
         }
+        if let Some(stack) = crate::family::find_stack(name_or_path) {
+            return Ok(stack.config());
+        }
         if !std::path::Path::new(name_or_path).exists() {
             let family = crate::family::FAMILY.iter().map(|m| m.name).filter(|n| !CONFIG_NAMES.contains(n));
-            let known: Vec<&str> = CONFIG_NAMES.iter().copied().chain(family).collect();
+            let stacks = crate::family::STACKS.iter().map(|s| s.name);
+            let known: Vec<&str> = CONFIG_NAMES.iter().copied().chain(family).chain(stacks).collect();
             return Err(SpecError::UnknownConfig { name: name_or_path.into(), known: known.join(", ") });
         }
         let text = std::fs::read_to_string(name_or_path)
@@ -196,8 +205,11 @@ impl Config {
                 return bad(field, format!("{value} is over {MAX_SIZE}, the largest size the C ABI's int32 carries"));
             }
         }
-        if self.layers != 1 {
-            return bad("layers", format!("the task grades exactly one layer, not {}", self.layers));
+        if self.layers > MAX_LAYERS {
+            return bad(
+                "layers",
+                format!("{} is over {MAX_LAYERS}, more than any model of the family has", self.layers),
+            );
         }
         if self.batch != 1 {
             return bad("batch", format!("the task is batch 1, not {}", self.batch));
@@ -240,6 +252,22 @@ impl Config {
             Some(bytes) if bytes <= MAX_DEVICE_BYTES => Ok(()),
             too_many => Err(SpecError::TooLarge { bytes: too_many, limit: MAX_DEVICE_BYTES }),
         }
+    }
+
+    /// Refuses a stack of more than one layer, for what grades one layer per call (the judge, the
+    /// contract, the megakernel): `grader spec` describes stacks, nothing judges them yet.
+    pub fn require_one_layer(&self) -> Result<(), SpecError> {
+        if self.layers == 1 {
+            return Ok(());
+        }
+        Err(SpecError::InvalidConfig {
+            field: "layers",
+            reason: format!(
+                "'{}' is a stack of {} layers; the judge and the contract grade one layer per call, and judging \
+                 stacks is not built yet (`grader spec --config` describes it)",
+                self.name, self.layers
+            ),
+        })
     }
 
     /// Query heads per KV head.

@@ -326,6 +326,20 @@ fn outlier_flags(side: Option<(Axis, f64)>, n: usize) -> Vec<bool> {
     (0..n).map(|c| side.is_some_and(|(axis, _)| axis.is_outlier(c))).collect()
 }
 
+/// The weight seed of layer `l` of a stack whose run has weight seed `seed`: the seed itself for the
+/// first layer (so layer 0 of `stack-70b` is the graded layer of the same seed), and for the others a
+/// mix of both, so that the stacks of two neighbouring seeds share no layer.
+pub fn layer_seed(seed: u64, l: usize) -> u64 {
+    if l == 0 {
+        return seed;
+    }
+    // splitmix64's finaliser over the seed mixed with the layer's multiple of the golden ratio.
+    let mut z = seed ^ (l as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// The RNG key of the anchor layout of `seed`.
 pub fn anchor_key(seed: u64) -> u64 {
     stream_key(seed, ANCHOR_STREAM)
@@ -428,6 +442,21 @@ pub fn input(cfg: &Config, input_seed: u64, call: usize) -> Vec<bf16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Layer 0 keeps the run's seed; every layer of a stack gets its own, and the stacks of
+    /// neighbouring seeds share none.
+    #[test]
+    fn layer_seeds_are_the_seed_then_distinct() {
+        for seed in [0u64, 1, 0x5EED, crate::DEFAULT_SEED, u64::MAX] {
+            assert_eq!(layer_seed(seed, 0), seed);
+            let mine: std::collections::HashSet<u64> =
+                (0..crate::config::MAX_LAYERS).map(|l| layer_seed(seed, l)).collect();
+            assert_eq!(mine.len(), crate::config::MAX_LAYERS, "seed {seed}");
+            let next: std::collections::HashSet<u64> =
+                (0..crate::config::MAX_LAYERS).map(|l| layer_seed(seed.wrapping_add(1), l)).collect();
+            assert!(mine.is_disjoint(&next), "seed {seed}");
+        }
+    }
 
     #[test]
     fn streams_are_pinned_and_distinct() {

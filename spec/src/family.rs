@@ -1,6 +1,8 @@
 //! The Llama family around the graded layer: the shapes a user of `--config` will judge, each one
 //! layer at the task's schedule, named as `grader sweep` and `--config` accept them. The graded
-//! layer is the task; these are the neighbourhood its verdict must hold in.
+//! layer is the task; these are the neighbourhood its verdict must hold in. Also the named stacks
+//! ([`STACKS`]): whole models' depths of one member's layer, which `grader spec` describes and the
+//! judge does not grade yet (docs/stack.md).
 
 use crate::Config;
 
@@ -76,6 +78,38 @@ pub fn find(name: &str) -> Option<&'static Member> {
     FAMILY.iter().find(|m| m.name == name)
 }
 
+/// A named stack: `layers` layers of one member's shape, each with its own weights and cache
+/// (`crate::data::layer_seed`), at the member's context and the task's schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stack {
+    pub name: &'static str,
+    /// The model whose depth it has.
+    pub what: &'static str,
+    /// The member whose layer it repeats.
+    pub member: &'static str,
+    pub layers: usize,
+}
+
+/// The whole-model depths the task statement names (16 to 80 layers).
+pub const STACKS: [Stack; 3] = [
+    Stack { name: "stack-70b", what: "a 70B model: 80 layers of the graded shape", member: "graded", layers: 80 },
+    Stack { name: "stack-8b", what: "Llama-3-8B: 32 layers", member: "llama-3-8b", layers: 32 },
+    Stack { name: "stack-1b", what: "Llama-3.2-1B: 16 layers", member: "llama-3.2-1b", layers: 16 },
+];
+
+impl Stack {
+    /// The stack as a configuration: its member's, with `layers` layers.
+    pub fn config(&self) -> Config {
+        let member = find(self.member).expect("a stack names a member of the family");
+        Config { name: self.name.into(), layers: self.layers, ..member.config() }
+    }
+}
+
+/// The stack named `name`.
+pub fn find_stack(name: &str) -> Option<&'static Stack> {
+    STACKS.iter().find(|s| s.name == name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,7 +121,22 @@ mod tests {
             assert_eq!(Config::load(m.name).unwrap(), m.config(), "--config {} names the member", m.name);
         }
         assert_eq!(find("graded").unwrap().config(), Config::graded());
-        let names: std::collections::HashSet<_> = FAMILY.iter().map(|m| m.name).collect();
-        assert_eq!(names.len(), FAMILY.len(), "names are unique");
+        let names: std::collections::HashSet<_> =
+            FAMILY.iter().map(|m| m.name).chain(STACKS.iter().map(|s| s.name)).collect();
+        assert_eq!(names.len(), FAMILY.len() + STACKS.len(), "names are unique");
+    }
+
+    /// Each named stack is its member's layer repeated, valid, found by `--config`, and refused by
+    /// what grades one layer.
+    #[test]
+    fn stacks_repeat_their_members_layer() {
+        for s in &STACKS {
+            let cfg = s.config();
+            cfg.validate().unwrap_or_else(|e| panic!("{}: {e}", s.name));
+            assert_eq!(Config::load(s.name).unwrap(), cfg);
+            assert_eq!(Config { name: s.member.into(), layers: 1, ..cfg.clone() }, find(s.member).unwrap().config());
+            assert!(cfg.require_one_layer().is_err(), "{}", s.name);
+        }
+        assert_eq!(find_stack("stack-70b").unwrap().config().layers, 80);
     }
 }

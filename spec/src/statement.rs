@@ -39,8 +39,12 @@ contract (Python: a .py module, torch tensors; submission/examples/python/):
   weights and x are read-only; the cache is written only at slot pos; the judge process owns the
   inputs, the outputs and the clock, the submission runs in a child 'runner' process";
 
-/// The statement of the task at `cfg`, with its schedule, gates and byte model.
+/// The statement of the task at `cfg`, with its schedule, gates and byte model; for a stack of layers,
+/// what it would move and that nothing judges it yet.
 pub fn statement(cfg: &Config) -> String {
+    if cfg.layers > 1 {
+        return stack_statement(cfg);
+    }
     let mut s = String::new();
     let _ = writeln!(s, "persistent-layer: one Llama-style decoder layer at batch 1, one decode position per call");
     let _ = writeln!(s, "(the task statement in full: docs/task.md)\n");
@@ -61,6 +65,51 @@ pub fn statement(cfg: &Config) -> String {
     schedule(&mut s, cfg);
     gates(&mut s);
     byte_model(&mut s, cfg);
+    s
+}
+
+/// A stack: its layers, the bytes a token moves through all of them and the floor they give; the
+/// contract and the judge grade one layer per call, so no schedule or gate applies yet.
+fn stack_statement(cfg: &Config) -> String {
+    let mut s = String::new();
+    let b = ByteModel::of(cfg);
+    let layers = cfg.layers as u64;
+    let _ = writeln!(
+        s,
+        "persistent-layer: a stack of {} Llama-style decoder layers at batch 1, one decode position per call",
+        cfg.layers
+    );
+    let _ = writeln!(
+        s,
+        "(not judged yet: the judge and the contract grade one layer per call; docs/stack.md is the plan)\n"
+    );
+    let _ = writeln!(s, "each layer:\n{COMPUTATION}\n");
+    let _ = writeln!(s, "config '{}': {} layers, each of", cfg.name, cfg.layers);
+    let _ = writeln!(
+        s,
+        "  d {}  ffn {}  n_q {}  n_kv {}  hd {}  eps {:e}  theta {}",
+        cfg.d, cfg.ffn, cfg.n_q, cfg.n_kv, cfg.hd, cfg.eps, cfg.theta
+    );
+    let _ = writeln!(
+        s,
+        "  KV cache per layer: {} slots, 0..{} prefilled; layer l's weights and cache from the weight seed's\n  \
+         layer seed (spec::data::layer_seed: layer 0 is the one-layer config's own)\n",
+        cfg.max_seq_len,
+        cfg.prefill - 1
+    );
+    let _ = writeln!(s, "byte model (one step at the deepest timed position):");
+    for (name, v) in [
+        ("weight matrices", b.matrices),
+        ("KV read to deepest timed pos", b.kv_read),
+        ("total (floor numerator)", b.total),
+    ] {
+        let _ = writeln!(s, "  {name:<30} {v:>15} bytes per layer {:>18} bytes the stack", v * layers);
+    }
+    let _ = writeln!(
+        s,
+        "  device memory for one copy of the weights and caches: {:.1} GB",
+        crate::bytes::data_bytes(cfg, 0).unwrap_or(u64::MAX) as f64 / 1e9
+    );
     s
 }
 
@@ -169,6 +218,21 @@ mod tests {
             assert!(text.contains(form), "no Python form '{form}' in\n{text}");
         }
         assert!(text.contains("the layer:\n  h  = rmsnorm(x, in_norm)"), "the layer's first line is indented: {text}");
+    }
+
+    /// A stack's statement says it is not judged, and gives the stack's bytes as the layer's times its
+    /// depth.
+    #[test]
+    fn a_stacks_statement_multiplies_the_layer_and_says_it_is_not_judged() {
+        let stack = crate::family::find_stack("stack-70b").unwrap().config();
+        let text = statement(&stack);
+        assert!(text.starts_with("persistent-layer: a stack of 80 Llama-style decoder layers"), "{text}");
+        assert!(text.contains("not judged yet"), "{text}");
+        let total = ByteModel::of(&stack).total;
+        assert_eq!(total, ByteModel::of(&Config::graded()).total);
+        assert!(text.contains(&format!("{total:>15} bytes per layer {:>18} bytes the stack", 80 * total)), "{text}");
+        assert!(text.contains("device memory for one copy of the weights and caches: 138.3 GB"), "{text}");
+        assert!(!text.contains("gates (each must pass)"), "no gate applies to a stack yet: {text}");
     }
 
     /// The Python contract's calls, as the statement prints them and `docs/task.md` states them.

@@ -86,6 +86,7 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     // Every argument is checked before the device opens: a typo costs a second and one sentence,
     // not a GPU start-up, and no judgement is lost to an output path that cannot be written.
     let cfg = Config::load(&args.config.config)?;
+    cfg.require_one_layer()?;
     let submission = crate::preflight::submission(&args.submission.name, args.submission.python.as_deref())?;
     if let Some(dir) = &args.dump {
         crate::preflight::output_dir("--dump", dir)?;
