@@ -14,6 +14,9 @@
 //!
 //!   cargo run --release -p reference --example depth -- [CONFIG=tiny] [LAYERS=80] [SEED=1] [UPDATE=1]
 //!       [CHEAT_LAYER=LAYERS/2+1]
+//!
+//! CONFIG is any name `--config` takes (a family member such as llama-3.2-1b, or a named stack, whose
+//! depth LAYERS then defaults to).
 
 use std::thread;
 
@@ -45,8 +48,10 @@ fn max2(a: [f64; 2], b: [f64; 2]) -> [f64; 2] {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let cfg = Config::named(args.first().map_or("tiny", String::as_str)).expect("a named config: tiny, small, graded");
-    let layers: u64 = args.get(1).map_or(80, |a| a.parse().expect("LAYERS: a whole number"));
+    let cfg = Config::load(args.first().map_or("tiny", String::as_str)).unwrap_or_else(|e| panic!("CONFIG: {e}"));
+    let default_layers = if cfg.layers > 1 { cfg.layers as u64 } else { 80 };
+    let cfg = Config { layers: 1, ..cfg };
+    let layers: u64 = args.get(1).map_or(default_layers, |a| a.parse().expect("LAYERS: a whole number"));
     let seed: u64 = args.get(2).map_or(1, |a| a.parse().expect("SEED: a whole number"));
     let update: f32 = args.get(3).map_or(1.0, |a| a.parse().expect("UPDATE: a number"));
     let cheat_at: u64 = args.get(4).map_or(layers / 2 + 1, |a| a.parse().expect("CHEAT_LAYER: a layer, from 1"));
