@@ -18,17 +18,16 @@
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::process::{Command, Stdio};
-use std::time::Instant;
 
 use cuda::cudarc::driver::sys::{
     self, CUdeviceptr, CUmemAccess_flags, CUmemAllocationHandleType, CUmemGenericAllocationHandle,
 };
-use cuda::cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+use cuda::cudarc::driver::{CudaSlice, DevicePtr};
 use cuda::ipc::{RegionHandle, SharedRegion};
 use cuda::{Context, CudaError, Device};
-use grader::bandwidth::StreamKernels;
+use grader::bandwidth::{self, StreamKernels};
 
-/// Timed passes over each buffer, after one untimed pass.
+/// Timed passes over each buffer (events), after `bandwidth::timed`'s untimed ones.
 const PASSES: usize = 20;
 const GIB: usize = 1 << 30;
 
@@ -160,32 +159,20 @@ fn child(args: &[String]) -> Result<(), CudaError> {
     let mut wave_sink =
         dev.stream().alloc_zeros::<u32>(kernels.wave.grid_dim.0 as usize).context("allocating the sink")?;
     let mut stream = |name: &str, ptr: CUdeviceptr, len: usize| -> Result<(), CudaError> {
-        let n = (len / 16) as u64;
         // SAFETY: ptr maps len readable bytes for the life of this call; the slice is leaked below,
         // never freed through it.
         let buf = unsafe { dev.stream().upgrade_device_ptr::<u8>(ptr, len) };
-        let time = |launch: &mut dyn FnMut() -> Result<(), CudaError>| -> Result<f64, CudaError> {
-            let mut times = Vec::with_capacity(PASSES);
-            for pass in 0..=PASSES {
-                let t = Instant::now();
-                launch()?;
-                dev.synchronize()?;
-                if pass > 0 {
-                    times.push(t.elapsed().as_secs_f64());
-                }
-            }
-            times.sort_by(f64::total_cmp);
-            Ok(len as f64 / times[times.len() / 2] / 1e12)
-        };
-        let bulk = time(&mut || {
-            let mut launch = dev.stream().launch_builder(&func);
-            launch.arg(&mut sink).arg(&ptr).arg(&n);
-            // SAFETY: read_bulk(sink (grid), src (n uint4), n): ptr maps at least 16 n bytes readable.
-            unsafe { launch.launch(cfg) }.map(drop).context("launching read_bulk")
+        let bytes = len as u64;
+        let bulk = bandwidth::timed(&dev, PASSES, bytes, || {
+            bandwidth::read_bulk(&dev, &func, cfg, &mut sink, &buf.as_view())
         })?;
-        let loads = time(&mut || kernels.read(&dev, &mut wave_sink, &buf.as_view(), kernels.wave))?;
+        let loads =
+            bandwidth::timed(&dev, PASSES, bytes, || kernels.read(&dev, &mut wave_sink, &buf.as_view(), kernels.wave))?;
         buf.leak();
-        println!("{name:<60} bulk copies {bulk:5.2} TB/s, 16-byte loads {loads:5.2} TB/s (medians of {PASSES})");
+        println!(
+            "{name:<60} bulk copies {:5.2} TB/s, 16-byte loads {:5.2} TB/s (medians of {PASSES})",
+            bulk.median, loads.median
+        );
         Ok(())
     };
     let own = dev.stream().alloc_zeros::<u8>(bytes).context("allocating the local buffer")?;

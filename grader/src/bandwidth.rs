@@ -94,7 +94,7 @@ pub fn measure(dev: &Device, buffer_bytes: u64, reps: usize) -> Result<Bandwidth
 
 /// Enqueues `read_bulk` (`func`, launched as `cfg`, both from `cuda::kernels::read_bulk`) over all of
 /// `src` (a whole number of 16-byte vectors), one word per block of `sink`.
-fn read_bulk<T>(
+pub fn read_bulk<T>(
     dev: &Device,
     func: &CudaFunction,
     cfg: LaunchConfig,
@@ -224,7 +224,7 @@ fn vector_count(bytes: usize) -> u64 {
 }
 
 /// TB/s of `reps` timed runs of `f` after [`WARMUP`] untimed ones, each moving `bytes`.
-fn timed(
+pub fn timed(
     dev: &Device,
     reps: usize,
     bytes: u64,

@@ -246,9 +246,14 @@ impl Plan {
     pub fn choose(cfg: &Config, grid: u32) -> Plan {
         let wide = cfg.d >= WIDE_D && grid >= 2;
         let roles = if wide && cfg.n_kv >= 2 { 2 } else { 1 };
-        let needed = cfg.ffn.div_ceil(MAX_ROW).max(1);
+        let needed = Plan::least_mlp_parts(cfg);
         let mlp_parts = if wide && cfg.ffn >= 16 { needed.max(2) } else { needed };
         Plan { roles, mlp_parts }
+    }
+
+    /// The fewest parts of `ffn` that keep Down's rows within `MAX_ROW`.
+    fn least_mlp_parts(cfg: &Config) -> usize {
+        cfg.ffn.div_ceil(MAX_ROW).max(1)
     }
 
     /// The compiler's plan with what `forced` names put in its place; `Err` says what the layer or
@@ -270,7 +275,7 @@ impl Plan {
             }
             r => return Err(format!("{r} roles: a plan has one or two")),
         }
-        let least = cfg.ffn.div_ceil(MAX_ROW).max(1);
+        let least = Plan::least_mlp_parts(cfg);
         let most = MAX_MLP_PARTS.min(cfg.ffn / 8);
         if !(least..=most).contains(&plan.mlp_parts) {
             return Err(format!(

@@ -50,11 +50,7 @@ pub fn statement(cfg: &Config) -> String {
     let _ = writeln!(s, "(the task statement in full: docs/task.md)\n");
     let _ = writeln!(s, "the layer:\n{COMPUTATION}\n");
     let _ = writeln!(s, "config '{}':", cfg.name);
-    let _ = writeln!(
-        s,
-        "  d {}  ffn {}  n_q {}  n_kv {}  hd {}  eps {:e}  theta {}",
-        cfg.d, cfg.ffn, cfg.n_q, cfg.n_kv, cfg.hd, cfg.eps, cfg.theta
-    );
+    let _ = writeln!(s, "{}", shape(cfg));
     let _ = writeln!(
         s,
         "  KV cache: {} slots, 0..{} prefilled; weights and cache bf16\n",
@@ -85,11 +81,7 @@ fn stack_statement(cfg: &Config) -> String {
     );
     let _ = writeln!(s, "each layer:\n{COMPUTATION}\n");
     let _ = writeln!(s, "config '{}': {} layers, each of", cfg.name, cfg.layers);
-    let _ = writeln!(
-        s,
-        "  d {}  ffn {}  n_q {}  n_kv {}  hd {}  eps {:e}  theta {}",
-        cfg.d, cfg.ffn, cfg.n_q, cfg.n_kv, cfg.hd, cfg.eps, cfg.theta
-    );
+    let _ = writeln!(s, "{}", shape(cfg));
     let _ = writeln!(
         s,
         "  KV cache per layer: {} slots, 0..{} prefilled; layer l's weights and cache from the weight seed's\n  \
@@ -111,6 +103,14 @@ fn stack_statement(cfg: &Config) -> String {
         crate::bytes::data_bytes(cfg, 0).unwrap_or(u64::MAX) as f64 / 1e9
     );
     s
+}
+
+/// A layer's shape on one line.
+fn shape(cfg: &Config) -> String {
+    format!(
+        "  d {}  ffn {}  n_q {}  n_kv {}  hd {}  eps {:e}  theta {}",
+        cfg.d, cfg.ffn, cfg.n_q, cfg.n_kv, cfg.hd, cfg.eps, cfg.theta
+    )
 }
 
 /// Every phase of the run: which calls, at which positions, and what the judge does around them.

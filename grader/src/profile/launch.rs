@@ -137,36 +137,36 @@ pub fn observed(dev: &Device, mut step: impl FnMut() -> Result<(), GraderError>)
     vec![recorded(false), recorded(true)]
 }
 
-/// Median host times of `launch` alone and of `launch` then a stream synchronisation, in us, over
-/// [`TIMED`] launches after [`WARMUP`].
+/// Median host times of `launch` alone and of `launch` then a stream synchronisation, in us.
 pub fn time<E: From<CudaError>>(dev: &Device, mut launch: impl FnMut() -> Result<(), E>) -> Result<(f64, f64), E> {
-    let (mut api, mut round) = (Vec::with_capacity(TIMED), Vec::with_capacity(TIMED));
-    for i in 0..WARMUP + TIMED {
+    let [api, round] = medians(|| -> Result<[f64; 2], E> {
         let t = Instant::now();
         launch()?;
         let launched = t.elapsed();
         dev.stream().synchronize().context("synchronising after a timed launch")?;
-        if i >= WARMUP {
-            api.push(launched.as_secs_f64() * 1e6);
-            round.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-    }
-    let median = |v: &[f64]| Summary::of(v).expect("timed").median;
-    Ok((median(&api), median(&round)))
+        Ok([launched.as_secs_f64() * 1e6, t.elapsed().as_secs_f64() * 1e6])
+    })?;
+    Ok((api, round))
 }
 
 /// Median GPU time of `launch` in us by events, launched as [`time`] launches it (back to back, no
 /// eviction between), so that its round trip less this is what the launch path adds.
 pub fn kernel_us<E: From<CudaError>>(dev: &Device, mut launch: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
-    let mut us = Vec::with_capacity(TIMED);
-    for i in 0..WARMUP + TIMED {
+    let [us] = medians(|| -> Result<[f64; 1], E> {
         let ms = dev.time_ms(&mut launch)?;
         dev.stream().synchronize().context("synchronising after a timed launch")?;
-        if i >= WARMUP {
-            us.push(ms as f64 * 1e3);
-        }
+        Ok([ms as f64 * 1e3])
+    })?;
+    Ok(us)
+}
+
+/// Each figure's median over [`TIMED`] samples taken after [`WARMUP`] untimed ones.
+fn medians<const N: usize, E>(mut sample: impl FnMut() -> Result<[f64; N], E>) -> Result<[f64; N], E> {
+    for _ in 0..WARMUP {
+        sample()?;
     }
-    Ok(Summary::of(&us).expect("timed").median)
+    let samples: Vec<[f64; N]> = (0..TIMED).map(|_| sample()).collect::<Result<_, _>>()?;
+    Ok(std::array::from_fn(|i| Summary::of(&samples.iter().map(|s| s[i]).collect::<Vec<_>>()).expect("timed").median))
 }
 
 #[cfg(test)]

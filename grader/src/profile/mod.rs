@@ -2,9 +2,9 @@
 //! phase against its own floor, beside the fused launch; then the fused launch traced block by block
 //! (`timeline`), as a table and an SVG timeline; then the launch path in parts (`launch`). Where the
 //! GPU's counters can be read, a second pass measures the DRAM bytes each phase reads (one audit range
-//! per phase launch; the ranges' own cost stays out of the timed pass). Every phase's bytes are the byte model's (`ByteModel::by_op`), the
-//! figures `grader run` judges: its operation's, or the share of them it reads when the program splits
-//! the operation into parts (the two-role plan).
+//! per phase launch; the ranges' own cost stays out of the timed pass). Every phase's bytes are the
+//! byte model's (`ByteModel::by_op`), the figures `grader run` judges: its operation's, or the share of
+//! them it reads when the program splits the operation into parts (the two-role plan).
 
 mod launch;
 mod timeline;
