@@ -178,16 +178,23 @@ __device__ inline uint32_t rank(const BlockSet& b) { return (blockIdx.x - b.firs
 // Whether this block runs the phase.
 __device__ inline bool runs(const BlockSet& b) { return (blockIdx.x - b.first) % b.stride == 0 && rank(b) < b.count; }
 
-// phase_done[p] counts the blocks that have finished phase p, over every step so far: phase p has
-// finished step `step` (the steps launched before this one) once it reaches count * (step + 1). The
-// counters are never reset; the comparison is on the signed difference, so they may wrap.
+// phase_done[p] counts the blocks that have finished phase p, over every layer of every step so far:
+// phase p has finished layer l of step `step` (the steps launched before this one) once it reaches
+// count * (step * layers + l + 1). The counters are never reset; the comparison is on the signed
+// difference, so they may wrap.
 
-// Waits until every phase in `op`'s wait mask has finished this step. Call with the block converged.
-__device__ inline void wait_for(const int64_t* program, const int64_t* op, const unsigned* phase_done, uint32_t step) {
+// Waits until every phase in `op`'s wait mask has finished: its own layer's phases for layer l, the
+// layer before's for layer l - 1 (none for layer 0: the launch boundary orders the step before). Call
+// with the block converged.
+__device__ inline void wait_for(const int64_t* program, const int64_t* op, const unsigned* phase_done, uint32_t step,
+                                uint32_t layers, uint32_t l) {
     if (threadIdx.x == 0) {
+        const uint64_t waits = (uint64_t)op[ROW_WAITS];
         for (uint32_t w = 0; w < PROGRAM_MAX_PHASES; ++w) {
-            if (!((op[ROW_WAITS] >> w) & 1)) continue;
-            const unsigned target = blocks_of(program + (size_t)w * PROGRAM_ROW_WORDS).count * (step + 1);
+            const bool own = (waits >> w) & 1, before = l > 0 && ((waits >> (PREV_LAYER_WAITS + w)) & 1);
+            if (!own && !before) continue;
+            // The layer before's count, then this layer's (which implies it).
+            const unsigned target = blocks_of(program + (size_t)w * PROGRAM_ROW_WORDS).count * (step * layers + l + (own ? 1 : 0));
             // Acquire: no read of this phase moves above the observation of the last block's count.
             while ((int)(ld_acquire(&phase_done[w]) - target) < 0) __nanosleep(64);
         }
@@ -218,6 +225,26 @@ constexpr uint32_t TRACE_STAMPS = 4;
 // Where this block's stamps of the current phase go (null in every graded launch). In shared memory,
 // not a parameter of every phase function, so that tracing costs the stream no register.
 __shared__ uint64_t* trace_row;
+
+// The address tables of the layer a block runs and of the next one (by layer parity): thread 0 keeps
+// them between phases (enter_layer), every thread reads them through layer_address. In shared memory,
+// like trace_row, so that the phases' operands stay in the launch's constant bank and no register
+// carries the layer.
+struct LayerState {
+    int64_t slots[2][LAYER_WORDS];  // the tables of layers with even and odd index
+    uint64_t full[2];               // each completes when a bulk copy has filled its table
+    uint32_t fills[2];              // completions of each so far: the parity of the next
+    uint32_t layer;                 // the layer whose table is in slots[layer % 2]
+    uint32_t fetching;              // the layer whose table a copy is filling (or none)
+};
+__shared__ __align__(16) LayerState layer_state;
+constexpr uint32_t NO_LAYER = 0xFFFFFFFFu;
+constexpr uint32_t LAYER_TABLE_BYTES = LAYER_WORDS * 8;
+
+// Operand `word` of row `op` for the layer being run: a reference to the layer's table resolved.
+__device__ inline int64_t layer_address(const int64_t* op, int word) {
+    return resolve(op[word], layer_state.slots[layer_state.layer % 2]);
+}
 
 // Thread 0 writes the global timer (ns) into the current phase's stamp `which`; nothing when not
 // tracing. A plain store: the host reads the trace after the launch has finished.
@@ -361,10 +388,10 @@ struct Gemv {
 // Where each GEMV phase's matrix is; attention has none.
 __device__ inline bool gemv_of(const int64_t* op, Gemv& g) {
     switch (op[0]) {
-        case OP_QKV: g = {reinterpret_cast<const bf16*>(op[qkv::W]), (uint32_t)op[qkv::D], (uint32_t)((op[qkv::NQ] + 2 * op[qkv::NKv]) * op[qkv::Hd])}; return true;
-        case OP_O_PROJ: g = {reinterpret_cast<const bf16*>(op[oproj::W]), (uint32_t)op[oproj::Cols], (uint32_t)op[oproj::Rows]}; return true;
-        case OP_GATE_UP: g = {reinterpret_cast<const bf16*>(op[gateup::W]), (uint32_t)op[gateup::D], (uint32_t)(2 * op[gateup::Ffn])}; return true;
-        case OP_DOWN: g = {reinterpret_cast<const bf16*>(op[down::W]), (uint32_t)op[down::Cols], (uint32_t)op[down::Rows]}; return true;
+        case OP_QKV: g = {reinterpret_cast<const bf16*>(layer_address(op, qkv::W)), (uint32_t)op[qkv::D], (uint32_t)((op[qkv::NQ] + 2 * op[qkv::NKv]) * op[qkv::Hd])}; return true;
+        case OP_O_PROJ: g = {reinterpret_cast<const bf16*>(layer_address(op, oproj::W)), (uint32_t)op[oproj::Cols], (uint32_t)op[oproj::Rows]}; return true;
+        case OP_GATE_UP: g = {reinterpret_cast<const bf16*>(layer_address(op, gateup::W)), (uint32_t)op[gateup::D], (uint32_t)(2 * op[gateup::Ffn])}; return true;
+        case OP_DOWN: g = {reinterpret_cast<const bf16*>(layer_address(op, down::W)), (uint32_t)op[down::Cols], (uint32_t)op[down::Rows]}; return true;
         default: return false;
     }
 }
@@ -444,8 +471,8 @@ __device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, Ring& 
     const uint32_t hd = (uint32_t)op[qkv::Hd], max_seq = (uint32_t)op[qkv::MaxSeq], half = hd / 2;
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
     bf16* q_out = reinterpret_cast<bf16*>(op[qkv::QOut]);
-    bf16* k_cache = reinterpret_cast<bf16*>(op[qkv::KCache]);
-    bf16* v_cache = reinterpret_cast<bf16*>(op[qkv::VCache]);
+    bf16* k_cache = reinterpret_cast<bf16*>(layer_address(op, qkv::KCache));
+    bf16* v_cache = reinterpret_cast<bf16*>(layer_address(op, qkv::VCache));
     const float* cos_row = reinterpret_cast<const float*>(op[qkv::Cos]) + (size_t)pos * half;
     const float* sin_row = reinterpret_cast<const float*>(op[qkv::Sin]) + (size_t)pos * half;
 
@@ -460,7 +487,7 @@ __device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, Ring& 
         first_cos = cos_row[rope_index(r0 / 2 + threadIdx.x)];
         first_sin = sin_row[rope_index(r0 / 2 + threadIdx.x)];
     }
-    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(op[qkv::Norm]), d, eps);
+    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), d, eps);
     gemv_phase(op, s, ring, part, r0, r1);
 
     for (uint32_t p = threadIdx.x; p < (r1 - r0) / 2; p += THREADS) {
@@ -623,8 +650,8 @@ struct AttnSmem {
 constexpr uint32_t NO_ROW = UINT32_MAX;
 __device__ void load_chunk(const Team& team, const int64_t* op, const AttnSmem& sm, uint32_t b, uint32_t kv, uint32_t first,
                            uint32_t len, uint32_t chunk, uint32_t skip) {
-    const bf16* k_cache = reinterpret_cast<const bf16*>(op[attn::KCache]);
-    const bf16* v_cache = reinterpret_cast<const bf16*>(op[attn::VCache]);
+    const bf16* k_cache = reinterpret_cast<const bf16*>(layer_address(op, attn::KCache));
+    const bf16* v_cache = reinterpret_cast<const bf16*>(layer_address(op, attn::VCache));
     const uint32_t hd = (uint32_t)op[attn::Hd], row_vecs = hd / VEC, row = hd + KS_PAD;
     const size_t at = ((size_t)kv * (uint32_t)op[attn::MaxSeq] + first) * hd;
     for (uint32_t i = team.t; i < chunk * row_vecs; i += TEAM_THREADS) {
@@ -722,8 +749,8 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
                 if (r >= min(chunk, pos + 1 - first)) continue;
                 const size_t at = ((size_t)kv * max_seq + pos) * row_vecs;
                 for (uint32_t i = t; i < row_vecs; i += TEAM_THREADS) {
-                    cp_async16(reinterpret_cast<uint4*>(sm.ks(c - c0) + r * row) + i, reinterpret_cast<const uint4*>(op[attn::KCache]) + at + i);
-                    cp_async16(reinterpret_cast<uint4*>(sm.vs(c - c0) + r * row) + i, reinterpret_cast<const uint4*>(op[attn::VCache]) + at + i);
+                    cp_async16(reinterpret_cast<uint4*>(sm.ks(c - c0) + r * row) + i, reinterpret_cast<const uint4*>(layer_address(op, attn::KCache)) + at + i);
+                    cp_async16(reinterpret_cast<uint4*>(sm.vs(c - c0) + r * row) + i, reinterpret_cast<const uint4*>(layer_address(op, attn::VCache)) + at + i);
                 }
             }
             cp_async_commit();
@@ -942,7 +969,7 @@ __device__ void phase_gateup(const int64_t* op, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[gateup::D];
     const float eps = __int_as_float((int)op[gateup::EpsBits]);
     bf16* act = reinterpret_cast<bf16*>(op[gateup::ActOut]);
-    const Slice s = rmsnorm_slice(reinterpret_cast<const bf16*>(op[gateup::X1]), reinterpret_cast<const bf16*>(op[gateup::Norm]), d, eps);
+    const Slice s = rmsnorm_slice(reinterpret_cast<const bf16*>(op[gateup::X1]), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, eps);
     uint32_t r0, r1;
     gemv_rows(op, r0, r1);
     gemv_phase(op, s, ring, part, r0, r1);
@@ -964,23 +991,53 @@ __device__ void phase_down(const int64_t* op, bf16* out, Ring& ring, Partials pa
 // Kernels
 // ---------------------------------------------------------------------------------------------------
 
-// Runs phases [phase_begin, phase_end) of step `step` of the program: each block runs the phases that
-// name it, each after the phases it waits for. The grid must be co-resident, or a block could wait for
-// one not yet running (the launcher uses a cooperative launch). A step's phases run in order from
+// Thread 0, before the block's phases of layer l: makes layer l's table current. It takes it from the
+// copy started one layer ahead (waiting for it), or, without one (the launch's first layer), loads it;
+// then it starts the copy of the next layer's table if the block runs a phase of it (`next_layer_runs`),
+// so that the table is there when that layer starts. The copy overwrites the table of layer l - 1, whose
+// last reads precede the main loop's proxy fence and __syncthreads at the end of every phase.
+__device__ __noinline__ void enter_layer(const Program& program, const int64_t* layer_table, uint32_t l, bool next_layer_runs) {
+    LayerState& ls = layer_state;
+    const uint32_t b = l % 2;
+    if (l == ls.fetching) {
+        mbar_wait(&ls.full[b], ls.fills[b] & 1);
+        ls.fills[b] += 1;
+    } else {
+        for (uint32_t i = 0; i < LAYER_WORDS; ++i) ls.slots[b][i] = l == 0 ? program.layer0[i] : layer_table[(size_t)l * LAYER_WORDS + i];
+    }
+    ls.layer = l;
+    ls.fetching = NO_LAYER;
+    if (next_layer_runs) {
+        mbar_expect_tx(&ls.full[1 - b], LAYER_TABLE_BYTES);
+        bulk_copy(ls.slots[1 - b], layer_table + (size_t)(l + 1) * LAYER_WORDS, LAYER_TABLE_BYTES, &ls.full[1 - b]);
+        ls.fetching = l + 1;
+    }
+}
+
+// Runs phases [phase_begin, phase_end) of step `step` of the program over a stack of `layers` layers,
+// the phases numbered flat (phase f is row f % phases of layer f / phases): each block runs the phases
+// that name it, each after the phases it waits for. The grid must be co-resident, or a block could wait
+// for one not yet running (the launcher uses a cooperative launch). A step's phases run in order from
 // phase 0, in one launch or several (the launcher enforces it), so that the counts a phase waits for
-// are this step's. Dynamic shared memory: RING_BYTES of ring, then red_rows * WARPS floats of row
+// are this step's. Layer l reads x (l = 0) or row l - 1 of hidden, and writes row l of hidden, or out
+// (the last layer). Dynamic shared memory: RING_BYTES of ring, then red_rows * WARPS floats of row
 // partials. `trace`, when not null, receives each block's phase stamps (zero for the phases it does not
 // run, and for the stamps a phase does not take).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     const __grid_constant__ Program program,  // by value: see program.cuh
+    uint32_t phases,                          // rows of the program: one layer's phases
+    uint32_t layers,
+    const int64_t* __restrict__ layer_table,  // (layers, LAYER_WORDS): each layer's addresses
     uint32_t phase_begin, uint32_t phase_end,
     const bf16* __restrict__ x,  // (d)
     bf16* __restrict__ out,      // (d)
+    bf16* __restrict__ hidden,   // (layers - 1, d); null for one layer
+    uint32_t d,
     uint32_t pos,
     uint32_t step,                      // steps launched before this one
     unsigned* __restrict__ phase_done,  // (PROGRAM_MAX_PHASES): see wait_for
     uint32_t red_rows,
-    uint64_t* __restrict__ trace) {  // (gridDim.x, phases, TRACE_STAMPS) or null: see stamp()
+    uint64_t* __restrict__ trace) {  // (gridDim.x, phase_end - phase_begin, TRACE_STAMPS) or null: see stamp()
     // 128-byte aligned: where dynamic shared memory starts depends on the static variables before it,
     // and ring slots 16 bytes off a 32-byte boundary made every bulk copy, so every GEMV phase, about
     // 25% slower (measured in docs/perf.md).
@@ -989,49 +1046,69 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     Ring ring{smem, full, 0};                                                          // (RING_BYTES / 16)
     const Partials part{reinterpret_cast<float*>(smem + RING_BYTES / 16), red_rows};  // (red_rows, WARPS)
     if (blockDim.x != THREADS) __trap();
+    // The launcher checks these; a bigger range reads past the tables.
+    if (phases > PROGRAM_MAX_PHASES || phase_end > phases * layers) __trap();
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < STAGES; ++s) mbar_init(&full[s], 1);  // one arrival: thread 0's expect_tx
+        for (uint32_t s = 0; s < 2; ++s) {
+            mbar_init(&layer_state.full[s], 1);
+            layer_state.fills[s] = 0;
+        }
+        layer_state.layer = layer_state.fetching = NO_LAYER;
         // Make the initialised barriers visible to the copy engine before any copy names them.
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();  // every thread sees initialised barriers before waiting on them
 
-    if (phase_end > PROGRAM_MAX_PHASES) __trap();  // the launcher checks this; a bigger range reads past the table
-    const auto row = [&](uint32_t p) { return program.words + (size_t)p * PROGRAM_ROW_WORDS; };
-    // The first phase at or after p that this block runs (phase_end if none).
-    const auto next_own = [&](uint32_t p) {
-        while (p < phase_end && !runs(blocks_of(row(p)))) ++p;
-        return p;
+    const auto row = [&](uint32_t f) { return program.words + (size_t)(f % phases) * PROGRAM_ROW_WORDS; };
+    // The first phase at or after f that this block runs (phase_end if none).
+    const auto next_own = [&](uint32_t f) {
+        while (f < phase_end && !runs(blocks_of(row(f)))) ++f;
+        return f;
     };
-    const uint32_t phases = phase_end - phase_begin;
-    uint32_t p = next_own(phase_begin);
-    if (p < phase_end) prime_inputs(row(p), ring, pos);
-    while (p < phase_end) {
-        const int64_t* op = row(p);
-        wait_for(program.words, op, phase_done, step);
+    // Before phase f: its layer's table current (a layer's first phase of the block), then the loads of
+    // what it reads that no phase of this step writes (its first weights, or attention's cached rows).
+    const auto enter = [&](uint32_t f) {
+        const uint32_t l = f / phases;
+        if (threadIdx.x == 0 && l != layer_state.layer) {
+            enter_layer(program, layer_table, l, next_own((l + 1) * phases) / phases == l + 1);
+        }
+        __syncthreads();  // the table is current before any thread reads it
+        prime_inputs(row(f), ring, pos);
+    };
+    const uint32_t traced = phase_end - phase_begin;
+    uint32_t f = next_own(phase_begin);
+    if (f < phase_end) enter(f);
+    while (f < phase_end) {
+        const int64_t* op = row(f);
+        const uint32_t l = f / phases;
+        wait_for(program.words, op, phase_done, step, layers, l);
         // Thread 0 alone sets and reads the trace row: no synchronisation needed.
-        if (threadIdx.x == 0) trace_row = trace == nullptr ? nullptr : trace + ((size_t)blockIdx.x * phases + (p - phase_begin)) * TRACE_STAMPS;
+        if (threadIdx.x == 0) trace_row = trace == nullptr ? nullptr : trace + ((size_t)blockIdx.x * traced + (f - phase_begin)) * TRACE_STAMPS;
         stamp(TRACE_START);
+        const bf16* x_l = l == 0 ? x : hidden + (size_t)(l - 1) * d;
+        bf16* out_l = l + 1 == layers ? out : hidden + (size_t)l * d;
         switch (op[0]) {
             case OP_NOP: break;
-            case OP_QKV: phase_qkv(op, x, pos, ring, part); break;
+            case OP_QKV: phase_qkv(op, x_l, pos, ring, part); break;
             case OP_ATTENTION: phase_attention(op, pos, ring.data); break;
-            case OP_O_PROJ: phase_oproj(op, x, ring, part); break;
+            case OP_O_PROJ: phase_oproj(op, x_l, ring, part); break;
             case OP_GATE_UP: phase_gateup(op, ring, part); break;
-            case OP_DOWN: phase_down(op, out, ring, part); break;
+            case OP_DOWN: phase_down(op, out_l, ring, part); break;
             default: __trap();  // an unknown opcode is a broken program
         }
         // The next phase of this block's first weights (or attention's cached rows) stream in while it
-        // waits for that phase's dependencies. The ring is free once every thread is past this phase;
-        // attention wrote it with ordinary stores, so each thread orders those before the copy
+        // waits for that phase's dependencies; across layers too, so the next layer's first weights
+        // stream while this layer's last phase drains. The ring is free once every thread is past this
+        // phase; attention wrote it with ordinary stores, so each thread orders those before the copy
         // engine's writes (proxy fence), then the block synchronises before thread 0 issues (and
         // before it counts the phase done: every write of the phase precedes the count).
         fence_proxy_async();
         __syncthreads();
         stamp(TRACE_END);
-        count_done(phase_done, p);
-        p = next_own(p + 1);
-        if (p < phase_end) prime_inputs(row(p), ring, pos);
+        count_done(phase_done, f % phases);
+        f = next_own(f + 1);
+        if (f < phase_end) enter(f);
     }
 }
 

@@ -2,8 +2,9 @@
 // source of truth; a test there checks every constant below against this file). A program is an
 // int64 table of PROGRAM_ROW_WORDS words per phase: word 0 the opcode, then the op's operands, and
 // the last two words the blocks that run the phase and the phases it waits for (ROW_BLOCKS, ROW_WAITS).
-// The step's own arguments (x, out, pos) are kernel parameters, not table entries: QKV and OPROJ read
-// x, DOWN writes out.
+// The step's own arguments (x, out, hidden, pos) are kernel parameters, not table entries: QKV and
+// OPROJ read the layer's input (x, or the layer before's row of hidden), DOWN writes its output (its
+// row of hidden, or out for the last layer).
 #pragma once
 #include <stdint.h>
 
@@ -14,9 +15,24 @@ constexpr int PROGRAM_ROW_WORDS = 16;
 // and the first weight copies and x's load waited on it; by value they are issued within about 1 us
 // (measured in docs/perf.md), though x's own latency keeps the first dot product about where it was.
 constexpr int PROGRAM_MAX_PHASES = 12;
+// A stack runs the same rows for every layer. The addresses that differ between layers (weights,
+// cache) are named in a row by reference: an operand word w < 0 stands for slot (~w) & LAYER_SLOT_MASK
+// of the running layer's address table plus (~w) >> LAYER_SLOT_BITS bytes (resolve()). Each table has
+// LAYER_WORDS words; layer 0's travels with the rows, the others' are in device memory.
+constexpr int LAYER_WORDS = 16;
+constexpr int LAYER_SLOT_BITS = 4;
+constexpr int64_t LAYER_SLOT_MASK = (1 << LAYER_SLOT_BITS) - 1;
 struct Program {
     int64_t words[PROGRAM_MAX_PHASES * PROGRAM_ROW_WORDS];
+    int64_t layer0[LAYER_WORDS];
 };
+
+// A row word as it reads for the layer whose address table is `table`.
+__device__ inline int64_t resolve(int64_t w, const int64_t* table) {
+    if (w >= 0) return w;
+    const uint64_t v = ~(uint64_t)w;
+    return table[v & LAYER_SLOT_MASK] + (int64_t)(v >> LAYER_SLOT_BITS);
+}
 
 // Opcodes: 0 is a no-op; an unknown opcode traps.
 constexpr int64_t OP_NOP = 0;
@@ -28,9 +44,10 @@ constexpr int64_t OP_DOWN = 5;      // out = x1 + Wd act
 
 // The last two words of every row: the blocks that run it (first + i * stride for i < count: the count in
 // bits 0-31, the first in bits 32-47, the stride in bits 48-62) and the phases it waits for (one bit per
-// phase).
+// phase: of its own layer from bit 0, of the layer before from bit PREV_LAYER_WAITS).
 constexpr int ROW_BLOCKS = PROGRAM_ROW_WORDS - 2;
 constexpr int ROW_WAITS = PROGRAM_ROW_WORDS - 1;
+constexpr int PREV_LAYER_WAITS = 16;
 
 // Operand words of each opcode (word 0 is the opcode); the names are those of the Rust enums.
 namespace qkv { enum : int { W = 1, Norm, QOut, KCache, VCache, Cos, Sin, D, NQ, NKv, Hd, MaxSeq, EpsBits }; }

@@ -1,14 +1,14 @@
 //! The CPU executor of a megakernel program: the same table, interpreted on the host over an arena
 //! whose addresses stand in for device pointers, each op done by the golden model's functions. It
 //! checks the compiler and the packing (every pointer, size and layout the table names) without a
-//! GPU: its output must equal the golden model's step bit for bit.
+//! GPU: its output must equal the golden model's step bit for bit, layer after layer in a stack.
 
 use half::bf16;
 use reference::golden::{self, KvCache, RopeTable, Weights};
 use spec::{Config, Tensor};
 
 use super::pack::{self, Groups, Packing, qkv_source};
-use super::program::{self, Buffers, Op, Plan, Row, attn, down, gateup, oproj, qkv};
+use super::program::{self, Buffers, LayerBuffers, Op, Plan, Row, attn, down, gateup, oproj, qkv};
 
 /// Host buffers addressed like device memory: region `i` starts at `(i + 1) << REGION_SHIFT`.
 #[derive(Default)]
@@ -59,11 +59,13 @@ impl Arena {
     }
 }
 
-/// A layer built for the CPU executor: packed weights, tables and scratch in an arena, and the program.
-pub struct CpuLayer {
+/// A stack built for the CPU executor: each layer's packed weights and cache, the tables and the
+/// scratch in an arena, and the program.
+pub struct CpuStack {
     pub cfg: Config,
     pub arena: Arena,
     pub buffers: Buffers,
+    pub layers: Vec<LayerBuffers>,
     pub program: Vec<Row>,
     /// The parts so far of a GEMV split by columns (each one's weights, input and columns), waiting for
     /// its last: the O projection's, then Down's.
@@ -106,71 +108,86 @@ fn sub_config(cfg: &Config, n_q: usize, n_kv: usize) -> Config {
     Config { n_q, n_kv, ..cfg.clone() }
 }
 
-impl CpuLayer {
-    /// Packs and compiles exactly as the GPU `build_layer` does for a grid of `grid` blocks laid out
-    /// as `plan` says, over host buffers.
-    pub fn build(cfg: &Config, w: &Weights, cache: &KvCache, grid: u32, plan: Plan) -> Self {
+/// One layer's weights packed and its cache copied into the arena, as the GPU's `build_stack` does.
+fn layer_buffers(a: &mut Arena, cfg: &Config, w: &Weights, cache: &KvCache, plan: Plan) -> LayerBuffers {
+    let groups = plan.halves(cfg);
+    let parts = plan.mlp_parts;
+    let mut qkv_of = |g: Groups| a.alloc_bf16(&copy_packed(w, pack::qkv(cfg, g)));
+    let w_qkv = [qkv_of(groups[0]), groups.get(1).map_or(0, |&g| qkv_of(g))];
+    let w_o = column_parts(a, w, groups.iter().map(|&g| pack::oproj(cfg, g)).collect(), Tensor::Wo);
+    LayerBuffers {
+        w_qkv,
+        in_norm: a.alloc_bf16(&w.in_norm),
+        k_cache: a.alloc_bf16(&cache.k),
+        v_cache: a.alloc_bf16(&cache.v),
+        w_o,
+        w_gateup: a.alloc_bf16(&copy_packed(w, pack::gateup(cfg))),
+        post_norm: a.alloc_bf16(&w.post_norm),
+        w_down: column_parts(a, w, (0..parts).map(|k| pack::down(cfg, parts, k)).collect(), Tensor::Wdown),
+    }
+}
+
+impl CpuStack {
+    /// Packs and compiles exactly as the GPU `build_stack` does for a grid of `grid` blocks laid out
+    /// as `plan` says, over host buffers: one layer per `(weights, cache)`.
+    pub fn build(cfg: &Config, layers: &[(Weights, KvCache)], grid: u32, plan: Plan) -> Self {
         let mut a = Arena::default();
         let rope = RopeTable::new(cfg);
         let zeros = |n: usize| vec![0u8; n];
         let chunks = program::max_splits(cfg) * cfg.n_kv * cfg.group();
-        let groups = plan.halves(cfg);
-        let parts = plan.mlp_parts;
-        let mut qkv_of = |g: Groups| a.alloc_bf16(&copy_packed(w, pack::qkv(cfg, g)));
-        let w_qkv = [qkv_of(groups[0]), groups.get(1).map_or(0, |&g| qkv_of(g))];
-        let w_o = column_parts(&mut a, w, groups.iter().map(|&g| pack::oproj(cfg, g)).collect(), Tensor::Wo);
+        let tables: Vec<LayerBuffers> = layers.iter().map(|(w, c)| layer_buffers(&mut a, cfg, w, c, plan)).collect();
         let buffers = Buffers {
-            w_qkv,
-            in_norm: a.alloc_bf16(&w.in_norm),
             q: a.alloc(&zeros(2 * cfg.q_dim())),
-            k_cache: a.alloc_bf16(&cache.k),
-            v_cache: a.alloc_bf16(&cache.v),
             cos: a.alloc_f32(&rope.cos),
             sin: a.alloc_f32(&rope.sin),
             part_o: a.alloc(&zeros(4 * chunks * cfg.hd)),
             part_ml: a.alloc(&zeros(4 * chunks * 2)),
             counters: a.alloc(&zeros(4 * 2 * cfg.n_kv)),
             a: a.alloc(&zeros(2 * cfg.q_dim())),
-            w_o,
             x1_part: a.alloc(&zeros(4 * cfg.d)),
             x1: a.alloc(&zeros(2 * cfg.d)),
-            w_gateup: a.alloc_bf16(&copy_packed(w, pack::gateup(cfg))),
-            post_norm: a.alloc_bf16(&w.post_norm),
             act: a.alloc(&zeros(2 * cfg.ffn)),
-            w_down: column_parts(&mut a, w, (0..parts).map(|k| pack::down(cfg, parts, k)).collect(), Tensor::Wdown),
             down_part: a.alloc(&zeros(4 * cfg.d)),
         };
         let program = program::compile(cfg, &buffers, grid, plan);
-        Self { cfg: cfg.clone(), arena: a, buffers, program, parts_so_far: Vec::new() }
+        Self { cfg: cfg.clone(), arena: a, buffers, layers: tables, program, parts_so_far: Vec::new() }
     }
 
-    /// The cache as the program left it.
-    pub fn cache(&self) -> KvCache {
+    /// Layer `l`'s cache as the program left it.
+    pub fn cache(&self, l: usize) -> KvCache {
         let n = self.cfg.cache_elems();
         KvCache {
-            k: self.arena.bf16(self.buffers.k_cache as i64, n),
-            v: self.arena.bf16(self.buffers.v_cache as i64, n),
+            k: self.arena.bf16(self.layers[l].k_cache as i64, n),
+            v: self.arena.bf16(self.layers[l].v_cache as i64, n),
         }
     }
 
-    /// One step: every row of the program in order; returns `out`.
-    pub fn step(&mut self, x: &[bf16], pos: usize) -> Vec<bf16> {
-        let mut out = Vec::new();
-        for row in self.program.clone() {
-            match Op::from_word(row[0]).unwrap_or_else(|| panic!("unknown opcode {}", row[0])) {
-                Op::Nop => {}
-                Op::Qkv => self.qkv(&row, x, pos),
-                Op::Attention => self.attention(&row, pos),
-                Op::OProj => self.oproj(&row, x),
-                Op::GateUp => self.gateup(&row),
-                Op::Down => {
-                    if let Some(o) = self.down(&row) {
-                        out = o;
+    /// One step: every row of the program in order, for each layer in turn, each row resolved for its
+    /// layer; returns each layer's output (the last one is the step's).
+    pub fn step(&mut self, x: &[bf16], pos: usize) -> Vec<Vec<bf16>> {
+        let mut outs: Vec<Vec<bf16>> = Vec::with_capacity(self.layers.len());
+        for l in 0..self.layers.len() {
+            let table = self.layers[l].table();
+            let x_l = if l == 0 { x.to_vec() } else { outs[l - 1].clone() };
+            let mut out = Vec::new();
+            for row in self.program.clone() {
+                let row = program::resolve_row(&row, &table);
+                match Op::from_word(row[0]).unwrap_or_else(|| panic!("unknown opcode {}", row[0])) {
+                    Op::Nop => {}
+                    Op::Qkv => self.qkv(&row, &x_l, pos),
+                    Op::Attention => self.attention(&row, pos),
+                    Op::OProj => self.oproj(&row, &x_l),
+                    Op::GateUp => self.gateup(&row),
+                    Op::Down => {
+                        if let Some(o) = self.down(&row) {
+                            out = o;
+                        }
                     }
                 }
             }
+            outs.push(out);
         }
-        out
+        outs
     }
 
     fn qkv(&mut self, r: &Row, x: &[bf16], pos: usize) {
@@ -291,23 +308,46 @@ mod tests {
         matches_golden_with(cfg, grid, plan, phases, steps);
     }
 
-    /// The same for the program laid out as `plan` says.
+    /// The same for the program laid out as `plan` says, over `cfg.layers` layers, each with its own
+    /// weights and cache: every layer's output is the golden model's step on the layer before's.
     fn matches_golden_with(cfg: Config, grid: u32, plan: Plan, phases: usize, steps: usize) {
         let seed: u64 = 0x5EED ^ cfg.d as u64;
-        let (w, cache) = (golden::generate_weights(&cfg, seed), KvCache::generate(&cfg, seed));
-        let mut layer = CpuLayer::build(&cfg, &w, &cache, grid, plan);
-        assert_eq!(layer.program.len(), phases, "{} on {grid} blocks", cfg.name);
-        let (mut golden_cache, table) = (cache.clone(), RopeTable::new(&cfg));
+        let layers: Vec<(Weights, KvCache)> = (0..cfg.layers)
+            .map(|l| {
+                let s = spec::data::layer_seed(seed, l);
+                (golden::generate_weights(&cfg, s), KvCache::generate(&cfg, s))
+            })
+            .collect();
+        let mut stack = CpuStack::build(&cfg, &layers, grid, plan);
+        assert_eq!(stack.program.len(), phases, "{} on {grid} blocks", cfg.name);
+        let mut golden_caches: Vec<KvCache> = layers.iter().map(|(_, c)| c.clone()).collect();
+        let table = RopeTable::new(&cfg);
         let input_seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
         for s in 0..steps {
             let x = spec::data::input(&cfg, input_seed, s);
             let pos = cfg.prefill + s;
-            let got = layer.step(&x, pos);
-            let want = golden::step(&cfg, &w, &mut golden_cache, &table, &x, pos);
-            assert!(want.iter().any(|v| v.to_f32() != 0.0));
-            assert_eq!(got, want, "{} step {s} (input seed {input_seed:#x})", cfg.name);
+            let got = stack.step(&x, pos);
+            assert_eq!(got.len(), cfg.layers);
+            let mut state = x;
+            for (l, ((w, _), cache)) in layers.iter().zip(&mut golden_caches).enumerate() {
+                state = golden::step(&cfg, w, cache, &table, &state, pos);
+                assert!(state.iter().any(|v| v.to_f32() != 0.0));
+                assert_eq!(got[l], state, "{} step {s} layer {l} (input seed {input_seed:#x})", cfg.name);
+            }
         }
-        assert_eq!(layer.cache(), golden_cache, "{}: caches differ", cfg.name);
+        for (l, cache) in golden_caches.iter().enumerate() {
+            assert_eq!(&stack.cache(l), cache, "{}: layer {l}'s caches differ", cfg.name);
+        }
+    }
+
+    /// A stack of three layers, in both roles: each layer reads its own weights and cache, and the
+    /// layer before's output.
+    #[test]
+    fn executor_matches_golden_over_a_stack() {
+        let cfg = Config { layers: 3, ..Config::tiny() };
+        matches_golden(cfg.clone(), 132, 5, 2);
+        let two = Plan::with(&cfg, 132, program::Forced { roles: Some(2), mlp_parts: Some(2) }).unwrap();
+        matches_golden_with(cfg, 132, two, 10, 2);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The reference submission: the layer compiled into a program (`program`) that one persistent kernel
-//! (`kernels/megakernel.cu`) interprets, one cooperative launch per token. `build_layer` packs the
-//! weights (`pack`), uploads the RoPE tables, allocates the scratch the phases share and compiles the
-//! program; `layer_step` only launches.
+//! (`kernels/megakernel.cu`) interprets, one cooperative launch per token, for one layer or a whole
+//! stack of them. `build_stack` (and `build_layer`, a stack of one) packs each layer's weights
+//! (`pack`), uploads the RoPE tables, allocates the scratch the phases and layers share and compiles the
+//! program and each layer's address table; `stack_step` (and `layer_step`) only launches.
 //!
 //! [`Mode::PerPhase`] runs the same device code one phase per launch, for debugging and per-phase
 //! timing; its results are bitwise those of [`Mode::Fused`].
@@ -81,24 +82,30 @@ impl StepCursor {
     }
 }
 
-/// The program as the kernel receives it: by value, `program::MAX_PHASES` rows (see
-/// `kernels/program.cuh`, `struct Program`).
+/// The program as the kernel receives it: by value, `program::MAX_PHASES` rows and layer 0's address
+/// table (see `kernels/program.cuh`, `struct Program`).
 #[derive(Clone, Copy)]
 #[repr(C)]
-struct ProgramParam([i64; program::MAX_PHASES * program::ROW_WORDS]);
+struct ProgramParam([i64; program::MAX_PHASES * program::ROW_WORDS + program::LAYER_WORDS]);
 
 // SAFETY: plain old data of the layout `struct Program` declares (int64 words, no padding).
 unsafe impl DeviceRepr for ProgramParam {}
 
 impl ProgramParam {
-    /// The rows, then no-op rows (opcode 0) that no block runs, up to `MAX_PHASES`; `None` when there
-    /// are more rows.
-    fn new(rows: &[program::Row]) -> Option<ProgramParam> {
+    /// The rows, then no-op rows (opcode 0) that no block runs, up to `MAX_PHASES`, then layer 0's
+    /// table; `None` when there are more rows.
+    fn new(rows: &[program::Row], layer0: &[i64; program::LAYER_WORDS]) -> Option<ProgramParam> {
         let mut nop = [0i64; program::ROW_WORDS];
         nop[program::BLOCKS_WORD] = Blocks { first: 0, count: 0, stride: 1 }.word();
-        let flat: Vec<i64> =
-            rows.iter().chain(std::iter::repeat(&nop)).take(program::MAX_PHASES).flatten().copied().collect();
-        (rows.len() <= program::MAX_PHASES).then(|| ProgramParam(flat.try_into().expect("MAX_PHASES rows")))
+        let flat: Vec<i64> = rows
+            .iter()
+            .chain(std::iter::repeat(&nop))
+            .take(program::MAX_PHASES)
+            .flatten()
+            .chain(layer0)
+            .copied()
+            .collect();
+        (rows.len() <= program::MAX_PHASES).then(|| ProgramParam(flat.try_into().expect("MAX_PHASES rows and a table")))
     }
 }
 
@@ -111,11 +118,16 @@ pub struct PhasePlan {
     pub blocks: Blocks,
 }
 
-/// Everything `build_layer` made; dropped by `teardown`.
+/// Everything `build_stack` made; dropped by `teardown`.
 struct Built {
     program: ProgramParam,
     layout: Plan,
+    /// Rows of the program: one layer's phases.
     phases: u32,
+    layers: u32,
+    /// `(layers, LAYER_WORDS)`: each layer's address table.
+    layer_table: CudaSlice<i64>,
+    d: u32,
     plan: Vec<PhasePlan>,
     func: CudaFunction,
     grid: u32,
@@ -149,9 +161,9 @@ impl Megakernel {
         self
     }
 
-    /// Phases of the compiled program (after `build_layer`).
+    /// Phases of the compiled program, over every layer (after `build_stack`).
     pub fn phases(&self) -> Option<u32> {
-        self.built.as_ref().map(|b| b.phases)
+        self.built.as_ref().map(|b| b.phases * b.layers)
     }
 
     /// What each phase of the compiled program computes and which blocks run it (after
@@ -184,18 +196,19 @@ impl Megakernel {
         ))
     }
 
-    /// Launches phases `[begin, end)` of the current step once. A step's phases must be launched in
-    /// order from phase 0 (whole, or in consecutive ranges); anything else is refused.
+    /// Launches phases `[begin, end)` of the current step once, numbered over every layer (`phases()`).
+    /// A step's phases must be launched in order from phase 0 (whole, or in consecutive ranges);
+    /// anything else is refused. `hidden` as `stack_step` takes it.
     pub fn launch_phases(
         &mut self,
         dev: &Device,
         x: &CudaSlice<bf16>,
         pos: usize,
+        hidden: Option<&mut CudaSlice<bf16>>,
         out: &mut CudaSlice<bf16>,
-        begin: u32,
-        end: u32,
+        phases: std::ops::Range<u32>,
     ) -> Result<(), SubmissionError> {
-        self.launch(dev, x, pos, out, begin..end, None)
+        self.launch(dev, x, pos, hidden, out, phases, None)
     }
 
     /// Runs the whole program in one launch, as `layer_step` does in [`Mode::Fused`], with every
@@ -211,47 +224,69 @@ impl Megakernel {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(Vec<u64>, u32), SubmissionError> {
         let (phases, grid) = match &self.built {
-            Some(b) => (b.phases, b.grid),
+            Some(b) if b.layers == 1 => (b.phases, b.grid),
+            Some(_) => return Err(SubmissionError::Refused("trace_step traces one layer".into())),
             None => return Err(SubmissionError::Refused("trace_step before build_layer".into())),
         };
         let mut trace = dev
             .stream()
             .alloc_zeros::<u64>(grid as usize * phases as usize * TRACE_STAMPS)
             .context("allocating the trace")?;
-        self.launch(dev, x, pos, out, 0..phases, Some(&mut trace))?;
+        self.launch(dev, x, pos, None, out, 0..phases, Some(&mut trace))?;
         Ok((dev.stream().clone_dtoh(&trace).context("reading the trace")?, grid))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn launch(
         &mut self,
         dev: &Device,
         x: &CudaSlice<bf16>,
         pos: usize,
+        hidden: Option<&mut CudaSlice<bf16>>,
         out: &mut CudaSlice<bf16>,
         phases: std::ops::Range<u32>,
         trace: Option<&mut CudaSlice<u64>>,
     ) -> Result<(), SubmissionError> {
         let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
-        if phases.is_empty() || phases.end > b.phases {
-            return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {} phases", b.phases)));
+        let total = b.phases * b.layers;
+        if phases.is_empty() || phases.end > total {
+            return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {total} phases")));
+        }
+        let row = b.d as usize;
+        let hidden_rows = (b.layers as usize - 1) * row;
+        let hidden = match hidden {
+            None if b.layers == 1 => 0u64,
+            Some(h) if h.len() >= hidden_rows && b.layers > 1 => device_address(dev, h),
+            _ => {
+                return Err(SubmissionError::Refused(format!(
+                    "a stack of {} layers needs hidden states of {hidden_rows} elements (none for one layer)",
+                    b.layers
+                )));
+            }
+        };
+        if x.len() < row || out.len() < row {
+            return Err(SubmissionError::Refused(format!("x and out need {row} elements")));
         }
         b.cursor.check(&phases)?;
         let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
         let (pos, begin, end) = (pos as u32, phases.start, phases.end);
         let no_trace = 0u64;
         let mut args = dev.stream().launch_builder(&b.func);
-        args.arg(&b.program).arg(&begin).arg(&end).arg(x).arg(out).arg(&pos);
+        args.arg(&b.program).arg(&b.phases).arg(&b.layers).arg(&b.layer_table).arg(&begin).arg(&end);
+        args.arg(x).arg(out).arg(&hidden).arg(&b.d).arg(&pos);
         args.arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
         match trace {
             Some(t) => args.arg(t),
             None => args.arg(&no_trace),
         };
-        // SAFETY: megakernel_bf16(program: Program by value, phase_begin: u32, phase_end: u32, x, out, pos: u32,
-        // step: u32, phase_done (MAX_PHASES), red_rows: u32, trace (null or grid * phases * TRACE_STAMPS u64));
-        // the grid is co-resident (occupancy-sized, and the cooperative launch fails rather than run
-        // it otherwise), smem as build_layer sized it; the phases continue the step (checked above).
+        // SAFETY: megakernel_bf16(program: Program by value, phases: u32, layers: u32, layer_table (layers,
+        // LAYER_WORDS), phase_begin: u32, phase_end: u32, x (d), out (d), hidden (null, or (layers - 1, d),
+        // checked above), d: u32, pos: u32, step: u32, phase_done (MAX_PHASES), red_rows: u32, trace (null
+        // or grid * (end - begin) * TRACE_STAMPS u64)); the grid is co-resident (occupancy-sized, and the
+        // cooperative launch fails rather than run it otherwise), smem as build_stack sized it; the phases
+        // continue the step (checked above).
         unsafe { args.launch_cooperative(cfg) }.context("launching megakernel_bf16")?;
-        b.cursor.advance(end, b.phases);
+        b.cursor.advance(end, total);
         Ok(())
     }
 }
@@ -355,6 +390,95 @@ fn check_fits(cfg: &Config, grid: u32, forced: Forced) -> Result<Plan, Submissio
     Ok(plan)
 }
 
+impl Megakernel {
+    /// One token through the whole program: in one launch ([`Mode::Fused`]) or one per phase.
+    fn step(
+        &mut self,
+        dev: &Device,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        mut hidden: Option<&mut CudaSlice<bf16>>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), SubmissionError> {
+        let phases = self.phases().ok_or_else(|| SubmissionError::Refused("a step before build_stack".into()))?;
+        match self.mode {
+            Mode::Fused => self.launch_phases(dev, x, pos, hidden, out, 0..phases),
+            Mode::PerPhase => {
+                (0..phases).try_for_each(|p| self.launch_phases(dev, x, pos, hidden.as_deref_mut(), out, p..p + 1))
+            }
+        }
+    }
+}
+
+/// Bytes of one layer's packed copies under `plan`: QKV and GateUp always; the O projection's and
+/// Down's column parts when there are two or more (one part streams the weight as it is).
+fn packed_bytes(cfg: &Config, plan: Plan) -> u64 {
+    let bf16 = |elems: usize| 2 * elems as u64;
+    let mut bytes = bf16((cfg.q_dim() + 2 * cfg.kv_dim()) * cfg.d) + bf16(2 * cfg.ffn * cfg.d);
+    if plan.roles == 2 {
+        bytes += bf16(cfg.q_dim() * cfg.d);
+    }
+    if plan.mlp_parts > 1 {
+        bytes += bf16(cfg.ffn * cfg.d);
+    }
+    bytes
+}
+
+/// Device memory left after the packed copies of every layer, for the contexts' and the run's own
+/// needs.
+const PACKING_HEADROOM_BYTES: u64 = 1 << 30;
+
+/// Declines, as unsupported, a stack whose packed copies do not fit beside what is allocated already.
+fn check_packed_fit(dev: &Device, cfg: &Config, plan: Plan, layers: usize) -> Result<(), SubmissionError> {
+    let need = packed_bytes(cfg, plan) * layers as u64;
+    let (free, _) = dev.ctx().mem_get_info().context("reading free memory")?;
+    if need + PACKING_HEADROOM_BYTES > free as u64 {
+        return Err(SubmissionError::Unsupported(format!(
+            "the megakernel's packed copies of {layers} layer(s) need {:.1} GB and {:.1} GB is free",
+            need as f64 / 1e9,
+            free as f64 / 1e9
+        )));
+    }
+    Ok(())
+}
+
+/// One layer's packed weights (kept alive in `packed`) and its addresses.
+fn layer_buffers(
+    dev: &Device,
+    layer: &Layer<'_>,
+    cfg: &Config,
+    plan: Plan,
+    packed: &mut Vec<CudaSlice<bf16>>,
+) -> Result<program::LayerBuffers, CudaError> {
+    let w = layer.weights;
+    let halves = plan.halves(cfg);
+    let w_qkv: Vec<CudaSlice<bf16>> =
+        halves.iter().map(|&g| gather(dev, w, pack::qkv(cfg, g))).collect::<Result<_, _>>()?;
+    let o_parts = if halves.len() == 2 {
+        halves.iter().map(|&g| pack::oproj(cfg, g)).collect()
+    } else {
+        vec![pack::oproj(cfg, halves[0])]
+    };
+    let (w_o, w_o_at) = column_parts(dev, w, o_parts, Tensor::Wo)?;
+    let w_gateup = gather(dev, w, pack::gateup(cfg))?;
+    let parts = plan.mlp_parts;
+    let (w_down, w_down_at) =
+        column_parts(dev, w, (0..parts).map(|k| pack::down(cfg, parts, k)).collect(), Tensor::Wdown)?;
+    let address = |v: Option<&CudaSlice<bf16>>| v.map_or(0, |v| device_address(dev, v));
+    let buffers = program::LayerBuffers {
+        w_qkv: [address(w_qkv.first()), address(w_qkv.get(1))],
+        in_norm: device_address(dev, &w.in_norm),
+        k_cache: device_address(dev, &layer.cache.k),
+        v_cache: device_address(dev, &layer.cache.v),
+        w_o: w_o_at,
+        w_gateup: device_address(dev, &w_gateup),
+        post_norm: device_address(dev, &w.post_norm),
+        w_down: w_down_at,
+    };
+    packed.extend(w_qkv.into_iter().chain(w_o).chain(w_down).chain([w_gateup]));
+    Ok(buffers)
+}
+
 impl Submission for Megakernel {
     fn name(&self) -> &str {
         match self.mode {
@@ -363,7 +487,22 @@ impl Submission for Megakernel {
         }
     }
 
-    fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
+    fn build_layer(&mut self, dev: &Device, mut layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
+        self.build_stack(dev, &mut [layer.reborrow()], cfg)
+    }
+
+    fn layer_step(
+        &mut self,
+        dev: &Device,
+        _layer: Layer<'_>,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), SubmissionError> {
+        self.step(dev, x, pos, None, out)
+    }
+
+    fn build_stack(&mut self, dev: &Device, layers: &mut [Layer<'_>], cfg: &Config) -> Result<(), SubmissionError> {
         let (major, minor) = dev.facts().compute_capability;
         if !dev.is_hopper() {
             return Err(CudaError::NeedsHopper {
@@ -374,25 +513,21 @@ impl Submission for Megakernel {
             }
             .into());
         }
+        if layers.is_empty() {
+            return Err(SubmissionError::Refused("a stack of no layers".into()));
+        }
         // One grid per SM (red_rows is sized for it below).
         let grid = dev.facts().sms as u32;
         let layout = check_fits(cfg, grid, self.forced)?;
+        check_packed_fit(dev, cfg, layout, layers.len())?;
         let s = dev.stream();
-        let w = layer.weights;
-        let halves = layout.halves(cfg);
-        let split = halves.len() == 2;
-        let w_qkv: Vec<CudaSlice<bf16>> =
-            halves.iter().map(|&g| gather(dev, w, pack::qkv(cfg, g))).collect::<Result<_, _>>()?;
-        let o_parts = if split {
-            halves.iter().map(|&g| pack::oproj(cfg, g)).collect()
-        } else {
-            vec![pack::oproj(cfg, halves[0])]
-        };
-        let (w_o, w_o_at) = column_parts(dev, w, o_parts, Tensor::Wo)?;
-        let w_gateup = gather(dev, w, pack::gateup(cfg))?;
-        let parts = layout.mlp_parts;
-        let (w_down, w_down_at) =
-            column_parts(dev, w, (0..parts).map(|k| pack::down(cfg, parts, k)).collect(), Tensor::Wdown)?;
+        let mut packed = Vec::new();
+        let tables = layers
+            .iter()
+            .map(|layer| layer_buffers(dev, layer, cfg, layout, &mut packed))
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let table: Vec<i64> = tables.iter().flat_map(|t| t.table()).collect();
+        let layer_table = s.clone_htod(&table).context("uploading the layers' address tables")?;
         let rope = RopeTable::new(cfg);
         let (cos, sin) =
             (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
@@ -405,30 +540,21 @@ impl Submission for Megakernel {
         let counters = s.alloc_zeros::<u32>(2 * cfg.n_kv).context("allocating attention counters")?;
         let x1_part = s.alloc_zeros::<f32>(cfg.d).context("allocating the O projection's partials")?;
         let down_part = s.alloc_zeros::<f32>(cfg.d).context("allocating Down's partials")?;
-        let address = |v: Option<&CudaSlice<bf16>>| v.map_or(0, |v| device_address(dev, v));
         let buffers = Buffers {
-            w_qkv: [address(w_qkv.first()), address(w_qkv.get(1))],
-            in_norm: device_address(dev, &w.in_norm),
             q: device_address(dev, &q),
-            k_cache: device_address(dev, &layer.cache.k),
-            v_cache: device_address(dev, &layer.cache.v),
             cos: device_address(dev, &cos),
             sin: device_address(dev, &sin),
             part_o: device_address(dev, &part_o),
             part_ml: device_address(dev, &part_ml),
             counters: device_address(dev, &counters),
             a: device_address(dev, &a),
-            w_o: w_o_at,
             x1_part: device_address(dev, &x1_part),
             x1: device_address(dev, &x1),
-            w_gateup: device_address(dev, &w_gateup),
-            post_norm: device_address(dev, &w.post_norm),
             act: device_address(dev, &act),
-            w_down: w_down_at,
             down_part: device_address(dev, &down_part),
         };
         let rows = program::compile(cfg, &buffers, grid, layout);
-        let param = ProgramParam::new(&rows).ok_or_else(|| {
+        let param = ProgramParam::new(&rows, &tables[0].table()).ok_or_else(|| {
             SubmissionError::Unsupported(format!(
                 "the layer compiled to {} phases; the kernel's program holds {}",
                 rows.len(),
@@ -472,6 +598,9 @@ impl Submission for Megakernel {
             program: param,
             layout,
             phases: rows.len() as u32,
+            layers: layers.len() as u32,
+            layer_table,
+            d: cfg.d as u32,
             plan,
             func,
             grid,
@@ -479,26 +608,23 @@ impl Submission for Megakernel {
             red_rows: red_rows as u32,
             phase_done: s.alloc_zeros::<u32>(program::MAX_PHASES).context("allocating the phase counters")?,
             cursor: StepCursor::default(),
-            _buffers: w_qkv.into_iter().chain(w_o).chain(w_down).chain([w_gateup, q, a, x1, act]).collect(),
+            _buffers: packed.into_iter().chain([q, a, x1, act]).collect(),
             _tables: vec![cos, sin, part_o, part_ml, x1_part, down_part],
             _counters: counters,
         });
         Ok(())
     }
 
-    fn layer_step(
+    fn stack_step(
         &mut self,
         dev: &Device,
-        _layer: Layer<'_>,
+        _layers: &mut [Layer<'_>],
         x: &CudaSlice<bf16>,
         pos: usize,
+        hidden: Option<&mut CudaSlice<bf16>>,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError> {
-        let phases = self.phases().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
-        match self.mode {
-            Mode::Fused => self.launch_phases(dev, x, pos, out, 0, phases),
-            Mode::PerPhase => (0..phases).try_for_each(|p| self.launch_phases(dev, x, pos, out, p, p + 1)),
-        }
+        self.step(dev, x, pos, hidden, out)
     }
 
     fn teardown(&mut self) {
@@ -573,19 +699,22 @@ mod tests {
         let mut row = [0i64; program::ROW_WORDS];
         row[0] = program::Op::Down as i64;
         row[program::ROW_WORDS - 1] = 7;
-        let param = ProgramParam::new(&[row, row]).unwrap();
+        let table = [9i64; program::LAYER_WORDS];
+        let param = ProgramParam::new(&[row, row], &table).unwrap();
         assert_eq!(&param.0[..program::ROW_WORDS], &row);
         assert_eq!(&param.0[program::ROW_WORDS..2 * program::ROW_WORDS], &row);
+        let rows_end = program::MAX_PHASES * program::ROW_WORDS;
         // The padding: no-ops that wait for nothing and that no block runs (a stride of 1, not 0, which
-        // the kernel divides by).
-        for pad in param.0[2 * program::ROW_WORDS..].chunks(program::ROW_WORDS) {
+        // the kernel divides by); then layer 0's table.
+        for pad in param.0[2 * program::ROW_WORDS..rows_end].chunks(program::ROW_WORDS) {
             let pad: &program::Row = pad.try_into().unwrap();
             assert_eq!(pad[0], program::Op::Nop as i64);
             assert_eq!(Blocks::of(pad), Blocks { first: 0, count: 0, stride: 1 });
             assert_eq!(pad[program::WAITS_WORD], 0);
         }
-        assert!(ProgramParam::new(&vec![row; program::MAX_PHASES]).is_some());
-        assert!(ProgramParam::new(&vec![row; program::MAX_PHASES + 1]).is_none());
+        assert_eq!(&param.0[rows_end..], &table);
+        assert!(ProgramParam::new(&vec![row; program::MAX_PHASES], &table).is_some());
+        assert!(ProgramParam::new(&vec![row; program::MAX_PHASES + 1], &table).is_none());
     }
 
     #[test]

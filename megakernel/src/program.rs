@@ -44,8 +44,57 @@ pub type Row = [i64; ROW_WORDS];
 
 /// The word of every row that names its blocks (see [`Blocks::word`]).
 pub const BLOCKS_WORD: usize = ROW_WORDS - 2;
-/// The word of every row that names the phases it waits for, one bit per phase.
+/// The word of every row that names the phases it waits for, one bit per phase: of its own layer from
+/// bit 0, of the layer before from bit `PREV_LAYER_WAITS` (in a stack, for every layer but the first).
 pub const WAITS_WORD: usize = ROW_WORDS - 1;
+/// The first bit of the waits word that names a phase of the layer before.
+pub const PREV_LAYER_WAITS: usize = 16;
+
+/// Words of a layer's address table. A stack runs the same rows for every layer; each row names the
+/// addresses that differ between layers (weights, cache) by reference to its layer's table (see
+/// [`layer_ref`]), which the kernel resolves for the layer it runs. Layer 0's table travels with the
+/// rows, by value; the others' are in device memory, one bulk copy each.
+pub const LAYER_WORDS: usize = 16;
+/// Low bits of a reference that name the slot; the rest is a byte offset.
+const SLOT_BITS: u32 = 4;
+
+/// The slots of a layer's address table ([`LayerBuffers::table`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    WQkv0,
+    WQkv1,
+    InNorm,
+    KCache,
+    VCache,
+    WO0,
+    WO1,
+    WGateUp,
+    PostNorm,
+    WDown0,
+    WDown1,
+    WDown2,
+}
+
+/// A row word standing for `slot`'s address plus `offset` bytes in the layer being run: negative, so
+/// that no address, size or flag (all non-negative) reads as one.
+pub fn layer_ref(slot: Slot, offset: u64) -> i64 {
+    assert!(offset < 1 << (62 - SLOT_BITS), "an offset within one layer's buffers");
+    !(((offset << SLOT_BITS) | slot as u64) as i64)
+}
+
+/// `word` as the kernel reads it while running the layer whose table is `table` (its `resolve`).
+pub fn resolve(word: i64, table: &[i64; LAYER_WORDS]) -> i64 {
+    if word >= 0 {
+        return word;
+    }
+    let v = !word as u64;
+    table[(v & ((1 << SLOT_BITS) - 1)) as usize] + (v >> SLOT_BITS) as i64
+}
+
+/// Row `row` as it runs for the layer whose table is `table`.
+pub fn resolve_row(row: &Row, table: &[i64; LAYER_WORDS]) -> Row {
+    row.map(|w| resolve(w, table))
+}
 
 /// The blocks `first + i * stride` of the grid, `i < count`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,17 +193,58 @@ operands!(oproj { W, A, X1Out, Rows, Cols, PartIn, PartOut });
 operands!(gateup { W, Norm, X1, ActOut, D, Ffn, EpsBits });
 operands!(down { W, Act, X1, Rows, Cols, PartIn, PartOut });
 
-/// The addresses of every buffer the program names.
+/// The addresses of one layer's weights and cache, which the rows name by [`Slot`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Buffers {
+pub struct LayerBuffers {
     /// Per half of the KV groups (`Plan::halves`; the second 0 when there is one): its q, k and v rows with
     /// RoPE pairs adjacent (`pack::qkv_source`).
     pub w_qkv: [u64; 2],
     pub in_norm: u64,
-    /// `(n_q, hd)` roped queries, bf16.
-    pub q: u64,
     pub k_cache: u64,
     pub v_cache: u64,
+    /// Two halves: per half, `(d, its query heads * hd)`, the O projection's columns of its heads.
+    /// One: `Wo` itself.
+    pub w_o: [u64; 2],
+    /// `(2 ffn, d)`: gate and up rows interleaved (see `pack::gateup_source`).
+    pub w_gateup: u64,
+    pub post_norm: u64,
+    /// Per part of the MLP (`Plan::mlp_parts`; 0 past the last), `(d, its columns)`: the columns of `Wdown`
+    /// that read its part of `act`. One part: `Wdown` itself.
+    pub w_down: [u64; MAX_MLP_PARTS],
+}
+
+impl LayerBuffers {
+    /// The layer's address table, by [`Slot`].
+    pub fn table(&self) -> [i64; LAYER_WORDS] {
+        let mut t = [0i64; LAYER_WORDS];
+        let [q0, q1] = self.w_qkv;
+        let [o0, o1] = self.w_o;
+        let [d0, d1, d2] = self.w_down;
+        for (slot, a) in [
+            (Slot::WQkv0, q0),
+            (Slot::WQkv1, q1),
+            (Slot::InNorm, self.in_norm),
+            (Slot::KCache, self.k_cache),
+            (Slot::VCache, self.v_cache),
+            (Slot::WO0, o0),
+            (Slot::WO1, o1),
+            (Slot::WGateUp, self.w_gateup),
+            (Slot::PostNorm, self.post_norm),
+            (Slot::WDown0, d0),
+            (Slot::WDown1, d1),
+            (Slot::WDown2, d2),
+        ] {
+            t[slot as usize] = a as i64;
+        }
+        t
+    }
+}
+
+/// The addresses of the buffers every layer shares: the scratch between phases and the RoPE tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buffers {
+    /// `(n_q, hd)` roped queries, bf16.
+    pub q: u64,
     /// `(max_seq_len, hd / 2)` f32 RoPE tables.
     pub cos: u64,
     pub sin: u64,
@@ -167,21 +257,12 @@ pub struct Buffers {
     pub counters: u64,
     /// `(n_q * hd)` attention output, bf16.
     pub a: u64,
-    /// Two halves: per half, `(d, its query heads * hd)`, the O projection's columns of its heads.
-    /// One: `Wo` itself.
-    pub w_o: [u64; 2],
     /// `(d)` f32: the first half's O projection, which the second half's adds (two halves only).
     pub x1_part: u64,
     /// `(d)` residual after attention, bf16.
     pub x1: u64,
-    /// `(2 ffn, d)`: gate and up rows interleaved (see `pack::gateup_source`).
-    pub w_gateup: u64,
-    pub post_norm: u64,
     /// `(ffn)` SwiGLU activation, bf16.
     pub act: u64,
-    /// Per part of the MLP (`Plan::mlp_parts`; 0 past the last), `(d, its columns)`: the columns of `Wdown`
-    /// that read its part of `act`. One part: `Wdown` itself.
-    pub w_down: [u64; MAX_MLP_PARTS],
     /// `(d)` f32: Down's products so far, which each later part adds to (several parts only).
     pub down_part: u64,
 }
@@ -376,11 +457,11 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
         row(
             Op::Qkv,
             &[
-                (qkv::W, p(b.w_qkv[h])),
-                (qkv::Norm, p(b.in_norm)),
+                (qkv::W, layer_ref([Slot::WQkv0, Slot::WQkv1][h], 0)),
+                (qkv::Norm, layer_ref(Slot::InNorm, 0)),
                 (qkv::QOut, p(b.q + 2 * (g.q0(cfg) * hd) as u64)),
-                (qkv::KCache, p(b.k_cache + cache)),
-                (qkv::VCache, p(b.v_cache + cache)),
+                (qkv::KCache, layer_ref(Slot::KCache, cache)),
+                (qkv::VCache, layer_ref(Slot::VCache, cache)),
                 (qkv::Cos, p(b.cos)),
                 (qkv::Sin, p(b.sin)),
                 (qkv::D, i(cfg.d)),
@@ -399,8 +480,8 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
             Op::Attention,
             &[
                 (attn::Q, p(b.q + 2 * (g.q0(cfg) * hd) as u64)),
-                (attn::KCache, p(b.k_cache + cache)),
-                (attn::VCache, p(b.v_cache + cache)),
+                (attn::KCache, layer_ref(Slot::KCache, cache)),
+                (attn::VCache, layer_ref(Slot::VCache, cache)),
                 (attn::PartO, p(b.part_o + 4 * partials * hd as u64)),
                 (attn::PartMl, p(b.part_ml + 4 * partials * 2)),
                 (attn::Counters, p(b.counters + 4 * 2 * g.kv0 as u64)),
@@ -415,11 +496,11 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
     };
     // The O projection of the columns of `g`'s query heads from `w`; `part_in` / `part_out` as the
     // operands say (0: none).
-    let oproj_row = |w: u64, g: Groups, part_in: u64, part_out: u64| {
+    let oproj_row = |w: Slot, g: Groups, part_in: u64, part_out: u64| {
         row(
             Op::OProj,
             &[
-                (oproj::W, p(w)),
+                (oproj::W, layer_ref(w, 0)),
                 (oproj::A, p(b.a + 2 * (g.q0(cfg) * hd) as u64)),
                 (oproj::X1Out, p(b.x1)),
                 (oproj::Rows, i(cfg.d)),
@@ -438,8 +519,8 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
         row(
             Op::GateUp,
             &[
-                (gateup::W, p(b.w_gateup + 2 * (2 * f.start * cfg.d) as u64)),
-                (gateup::Norm, p(b.post_norm)),
+                (gateup::W, layer_ref(Slot::WGateUp, 2 * (2 * f.start * cfg.d) as u64)),
+                (gateup::Norm, layer_ref(Slot::PostNorm, 0)),
                 (gateup::X1, p(b.x1)),
                 (gateup::ActOut, p(b.act + 2 * f.start as u64)),
                 (gateup::D, i(cfg.d)),
@@ -453,7 +534,7 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
         row(
             Op::Down,
             &[
-                (down::W, p(b.w_down[k])),
+                (down::W, layer_ref([Slot::WDown0, Slot::WDown1, Slot::WDown2][k], 0)),
                 (down::Act, p(b.act + 2 * f.start as u64)),
                 (down::X1, p(b.x1)),
                 (down::Rows, i(cfg.d)),
@@ -465,16 +546,16 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
     };
     let mut phases: Vec<(Row, Blocks, Vec<usize>)> = if halves.len() == 1 {
         let g = Groups::all(cfg);
-        vec![(qkv_row(0, g), all, vec![]), (attn_row(g), all, vec![0]), (oproj_row(b.w_o[0], g, 0, 0), all, vec![1])]
+        vec![(qkv_row(0, g), all, vec![]), (attn_row(g), all, vec![0]), (oproj_row(Slot::WO0, g, 0, 0), all, vec![1])]
     } else {
         let (h0, h1) = (halves[0], halves[1]);
         vec![
             (qkv_row(0, h0), all, vec![]),
             (qkv_row(1, h1), bb, vec![]),
             (attn_row(h0), a, vec![0]),
-            (oproj_row(b.w_o[0], h0, 0, b.x1_part), a, vec![2]),
+            (oproj_row(Slot::WO0, h0, 0, b.x1_part), a, vec![2]),
             (attn_row(h1), bb, vec![1]),
-            (oproj_row(b.w_o[1], h1, b.x1_part, 0), all, vec![3, 4]),
+            (oproj_row(Slot::WO1, h1, b.x1_part, 0), all, vec![3, 4]),
         ]
     };
     let o = phases.len() - 1;
@@ -484,11 +565,17 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
     for k in 0..parts {
         phases.push((down_row(k), all, vec![o + 1 + k]));
     }
+    // In a stack, a layer's Qkv phases read the layer before's output, which its Down phases write.
+    // Every other phase reads it only after its own layer's Qkv (through the waits above).
+    let downs = phases.len() - parts..phases.len();
     phases
         .into_iter()
         .map(|(mut r, blocks, waits)| {
             r[BLOCKS_WORD] = blocks.word();
             r[WAITS_WORD] = waits.iter().map(|w| 1i64 << w).sum();
+            if r[0] == Op::Qkv as i64 {
+                r[WAITS_WORD] |= downs.clone().map(|w| 1i64 << (PREV_LAYER_WAITS + w)).sum::<i64>();
+            }
             r
         })
         .collect()
@@ -576,6 +663,9 @@ mod tests {
         // BLOCKS_WORD and WAITS_WORD are defined the same way.
         assert!(CUH.contains("ROW_BLOCKS = PROGRAM_ROW_WORDS - 2;"));
         assert!(CUH.contains("ROW_WAITS = PROGRAM_ROW_WORDS - 1;"));
+        assert!(CUH.contains(&format!("PREV_LAYER_WAITS = {PREV_LAYER_WAITS};")));
+        assert!(CUH.contains(&format!("LAYER_WORDS = {LAYER_WORDS};")));
+        assert!(CUH.contains(&format!("LAYER_SLOT_BITS = {SLOT_BITS};")));
         let upper = |op: Op| {
             let name = format!("{op:?}");
             let mut s = String::new();
@@ -611,25 +701,54 @@ mod tests {
 
     fn buffers() -> Buffers {
         Buffers {
-            w_qkv: [1, 18],
-            in_norm: 2,
             q: 3,
-            k_cache: 4,
-            v_cache: 5,
             cos: 6,
             sin: 7,
             part_o: 8,
             part_ml: 9,
             counters: 10,
             a: 11,
-            w_o: [12, 19],
             x1_part: 20,
             x1: 13,
+            act: 16,
+            down_part: 22,
+        }
+    }
+
+    fn layer() -> LayerBuffers {
+        LayerBuffers {
+            w_qkv: [1, 18],
+            in_norm: 2,
+            k_cache: 4,
+            v_cache: 5,
+            w_o: [12, 19],
             w_gateup: 14,
             post_norm: 15,
-            act: 16,
             w_down: [17, 21, 23],
-            down_part: 22,
+        }
+    }
+
+    /// The program as it runs for `layer()`.
+    fn compiled(cfg: &Config, grid: u32, plan: Plan) -> Vec<Row> {
+        compile(cfg, &buffers(), grid, plan).iter().map(|r| resolve_row(r, &layer().table())).collect()
+    }
+
+    /// A layer's table resolves every reference to its slot's address plus the offset; other words
+    /// stay as they are; Qkv waits for the layer before's Down phases, and nothing else does.
+    #[test]
+    fn references_resolve_per_layer() {
+        let t = layer().table();
+        assert_eq!(resolve(layer_ref(Slot::KCache, 0), &t), 4);
+        assert_eq!(resolve(layer_ref(Slot::WDown2, 1 << 40), &t), 23 + (1 << 40));
+        assert_eq!(resolve(7, &t), 7);
+        let cfg = Config::graded();
+        let prog = compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132));
+        let other = LayerBuffers { k_cache: 1000, ..layer() };
+        assert_eq!(resolve_row(&prog[0], &other.table())[qkv::KCache as usize], 1000);
+        for r in &prog {
+            let prev = (r[WAITS_WORD] >> PREV_LAYER_WAITS) as usize;
+            let want = if r[0] == Op::Qkv as i64 { 0b11 << 8 } else { 0 };
+            assert_eq!(prev, want, "{r:?}");
         }
     }
 
@@ -668,7 +787,7 @@ mod tests {
     fn the_one_half_plan_runs_every_phase_on_every_block() {
         let mut cfg = Config::small();
         assert_eq!(cfg.n_kv, 1);
-        let prog = compile(&cfg, &buffers(), 132, Plan { roles: 1, mlp_parts: 2 });
+        let prog = compiled(&cfg, 132, Plan { roles: 1, mlp_parts: 2 });
         let ops: Vec<Op> = prog.iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
         use Op::*;
         assert_eq!(ops, [Qkv, Attention, OProj, GateUp, GateUp, Down, Down]);
@@ -678,7 +797,7 @@ mod tests {
         // One block: five phases, each the byte model's operation of its index, whatever the layer.
         for c in [Config::small(), Config::graded()] {
             cfg = c;
-            let prog = compile(&cfg, &buffers(), 1, Plan::choose(&cfg, 1));
+            let prog = compiled(&cfg, 1, Plan::choose(&cfg, 1));
             let ops: Vec<LayerOp> = prog.iter().map(|r| Op::from_word(r[0]).unwrap().layer_op().unwrap()).collect();
             assert_eq!(ops, LayerOp::ALL);
             assert!(prog.iter().all(|r| share(r, &cfg) == 1.0 && Blocks::of(r) == Blocks::first(1)));
@@ -693,7 +812,7 @@ mod tests {
     fn the_mlp_parts_split_act_and_share_downs_rows() {
         for (cfg, grid) in [(Config::graded(), 132), (Config::small(), 132), (Config::tiny(), 2)] {
             let plan = Plan::with(&cfg, grid, Forced { roles: None, mlp_parts: Some(2) }).unwrap();
-            let prog = compile(&cfg, &buffers(), grid, plan);
+            let prog = compiled(&cfg, grid, plan);
             let of = |op: Op| prog.iter().filter(move |r| r[0] == op as i64).collect::<Vec<_>>();
             let (g, d) = (of(Op::GateUp), of(Op::Down));
             assert_eq!((g.len(), d.len()), (2, 2), "{}", cfg.name);
@@ -726,7 +845,7 @@ mod tests {
         for (ffn, parts) in [(28672, 2), (53248, 2), (2 * MAX_ROW, 2), (2 * MAX_ROW + 8, 3), (3 * MAX_ROW, 3)] {
             let cfg = Config { ffn, ..Config::graded() };
             assert_eq!(Plan::choose(&cfg, 132).mlp_parts, parts, "ffn {ffn}");
-            let prog = compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132));
+            let prog = compiled(&cfg, 132, Plan::choose(&cfg, 132));
             assert!(prog.len() <= MAX_PHASES);
             let downs: Vec<&Row> = prog.iter().filter(|r| r[0] == Op::Down as i64).collect();
             assert_eq!(downs.len(), parts);
@@ -744,7 +863,7 @@ mod tests {
     #[test]
     fn the_two_role_plan_splits_qkv_attention_and_oproj_by_halves_of_the_groups() {
         let cfg = Config::graded();
-        let prog = compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132));
+        let prog = compiled(&cfg, 132, Plan::choose(&cfg, 132));
         let ops: Vec<Op> = prog.iter().map(|r| Op::from_word(r[0]).unwrap()).collect();
         use Op::*;
         assert_eq!(ops, [Qkv, Qkv, Attention, OProj, Attention, OProj, GateUp, GateUp, Down, Down]);
@@ -796,14 +915,14 @@ mod tests {
     fn the_plan_is_described_as_compiled() {
         let cfg = Config::graded();
         let text =
-            describe(&cfg, Plan::choose(&cfg, 132), &compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132)), 4127);
+            describe(&cfg, Plan::choose(&cfg, 132), &compiled(&cfg, 132, Plan::choose(&cfg, 132)), 4127);
         assert_eq!(
             text,
             "10 phases; two roles (KV heads 0-3 on the even blocks, 4-7 on the odd); the MLP in 2 part(s) of ffn \
              (14336 + 14336); attention in chunks of 64 slots, at position 4127 65 chunks per KV head as 33 splits of 2 \
              (4 heads over 132 teams)"
         );
-        let one = describe(&cfg, Plan::choose(&cfg, 1), &compile(&cfg, &buffers(), 1, Plan::choose(&cfg, 1)), 4127);
+        let one = describe(&cfg, Plan::choose(&cfg, 1), &compiled(&cfg, 1, Plan::choose(&cfg, 1)), 4127);
         assert!(
             one.starts_with("5 phases; one role (every phase on every block); the MLP in 1 part(s) of ffn (28672)"),
             "{one}"
@@ -825,7 +944,7 @@ mod tests {
             })
         });
         for (cfg, grid, plan) in plans {
-            let prog = compile(cfg, &buffers(), grid, plan);
+            let prog = compiled(cfg, grid, plan);
             assert!(prog.len() <= MAX_PHASES);
             for (k, r) in prog.iter().enumerate() {
                 assert!(waits(r).iter().all(|&w| w < k), "{}: phase {k} waits for {:?}", cfg.name, waits(r));

@@ -77,7 +77,42 @@ pub trait Submission {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError>;
 
-    /// Frees what `build_layer` allocated; dropping the submission does the same.
+    /// Untimed, for a stack of `layers.len()` layers of `cfg`'s shape (`cfg.layers` of them), each
+    /// with its own weights and cache, in order. A stack of one is `build_layer`'s layer; a submission
+    /// that implements one layer declines deeper stacks as unsupported.
+    fn build_stack(&mut self, dev: &Device, layers: &mut [Layer<'_>], cfg: &Config) -> Result<(), SubmissionError> {
+        match layers {
+            [one] => self.build_layer(dev, one.reborrow(), cfg),
+            _ => Err(SubmissionError::Unsupported(format!(
+                "a stack of {} layers: this submission implements one layer (build_layer and layer_step)",
+                layers.len()
+            ))),
+        }
+    }
+
+    /// One decoded token at `pos` through every layer of the stack: `out` (`d` elements) from `x`, and
+    /// row `l` of `hidden` (`(layers - 1, d)`; `None` for one layer) the output of layer `l`, which is
+    /// layer `l + 1`'s input; K and V for `pos` appended to every layer's cache. A stack of one is
+    /// `layer_step`.
+    fn stack_step(
+        &mut self,
+        dev: &Device,
+        layers: &mut [Layer<'_>],
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        hidden: Option<&mut CudaSlice<bf16>>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), SubmissionError> {
+        match (layers, hidden) {
+            ([one], None) => self.layer_step(dev, one.reborrow(), x, pos, out),
+            (layers, _) => Err(SubmissionError::Refused(format!(
+                "stack_step over {} layers: this submission implements one layer",
+                layers.len()
+            ))),
+        }
+    }
+
+    /// Frees what `build_layer` or `build_stack` allocated; dropping the submission does the same.
     fn teardown(&mut self) {}
 }
 

@@ -137,12 +137,12 @@ fn measure(
         let x = generate_input(dev, cfg, input_seed, s)?;
         for (p, times) in per_phase.iter_mut().enumerate() {
             let p = p as u32;
-            let ms = dev.time_ms(|| phased.launch_phases(dev, &x, pos, &mut out, p, p + 1))?;
+            let ms = dev.time_ms(|| phased.launch_phases(dev, &x, pos, None, &mut out, p..p + 1))?;
             if s >= WARMUP_STEPS {
                 times.push(ms as f64 * 1e3);
             }
         }
-        let ms = dev.time_ms(|| fused.launch_phases(dev, &x, pos, &mut out, 0, phases))?;
+        let ms = dev.time_ms(|| fused.launch_phases(dev, &x, pos, None, &mut out, 0..phases))?;
         if s >= WARMUP_STEPS {
             fused_us.push(ms as f64 * 1e3);
         }
@@ -192,7 +192,7 @@ fn measure(
     let x = generate_input(dev, cfg, input_seed, 0)?;
     let all = fused.phases().expect("built");
     let mut step =
-        || -> Result<(), GraderError> { Ok(fused.launch_phases(dev, &x, cfg.deepest_timed_pos(), &mut out, 0, all)?) };
+        || -> Result<(), GraderError> { Ok(fused.launch_phases(dev, &x, cfg.deepest_timed_pos(), None, &mut out, 0..all)?) };
     let (api_us, round_trip_us) = launch::time(dev, &mut step)?;
     let step_kernel_us = launch::kernel_us(dev, &mut step)?;
     launch.push(LaunchPart { what: launch::STEP.into(), api_us, round_trip_us });
@@ -286,7 +286,7 @@ fn audit_phases(
             evict.enqueue(dev).map_err(cuda)?;
             dev.synchronize().map_err(cuda)?;
             audit.push(&format!("step {s} phase {p}")).map_err(|e| e.to_string())?;
-            phased.launch_phases(dev, &x, cfg.prefill + s, &mut out, p, p + 1).map_err(|e| e.to_string())?;
+            phased.launch_phases(dev, &x, cfg.prefill + s, None, &mut out, p..p + 1).map_err(|e| e.to_string())?;
             audit.pop().map_err(|e| e.to_string())?;
         }
     }
