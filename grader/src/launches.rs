@@ -19,7 +19,7 @@ const WARMUP_STEPS: usize = 2;
 pub fn command(device: usize, args: &LaunchesArgs) -> Result<Outcome, GraderError> {
     // Every argument is checked before the device opens, as `grader run` does.
     let cfg = Config::load(&args.config.config)?;
-    cfg.require_one_layer()?;
+    cfg.require_one_layer("`grader launches`")?;
     let chosen = crate::preflight::submission(&args.submission.name, args.submission.python.as_deref())?;
     let dev = Device::open(device)?;
     // A Python module is imported only now, with the device open, as the runner does.

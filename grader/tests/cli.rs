@@ -122,18 +122,19 @@ fn spec_shows_the_whole_schedule() {
 /// A named stack is described by `grader spec` and refused, with the reason, by every command that
 /// judges or runs one layer per call; a file may not ask for more layers than a model has.
 #[test]
-fn stacks_are_described_and_not_judged() {
+fn stacks_are_described_and_refused_where_one_layer_is_studied() {
     let out = grader(&["spec", "--config", "stack-1b"]);
     assert!(out.status.success(), "{}", text(&out).1);
     let (stdout, _) = text(&out);
     assert!(stdout.starts_with("persistent-layer: a stack of 16 Llama-style decoder layers"), "{stdout}");
-    for cmd in ["run", "launches", "profile"] {
-        let mut args = vec![cmd, "--config", "stack-1b"];
-        if cmd != "profile" {
-            args.extend(["--submission", "megakernel"]);
-        }
+    let dump = scratch("stack-dump");
+    for args in [
+        vec!["launches", "--config", "stack-1b", "--submission", "megakernel"],
+        vec!["profile", "--config", "stack-1b"],
+        vec!["run", "--config", "stack-1b", "--submission", "megakernel", "--dump", dump.to_str().unwrap()],
+    ] {
         let line = refused(&args);
-        assert!(line.contains("a stack of 16 layers") && line.contains("one layer per call"), "{cmd}: {line}");
+        assert!(line.contains("a stack of 16 layers") && line.contains("works on one layer"), "{args:?}: {line}");
     }
     let path = config_file("deep", &tiny_with("layers", 129.into()));
     let line = refused(&["spec", "--config", path.to_str().unwrap()]);

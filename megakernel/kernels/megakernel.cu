@@ -169,10 +169,27 @@ struct BlockSet {
     uint32_t first, count, stride;
 };
 
-__device__ inline BlockSet blocks_of(const int64_t* op) {
-    const uint64_t w = (uint64_t)op[ROW_BLOCKS];
+__device__ inline BlockSet blocks_of(const int64_t* row) {
+    const uint64_t w = (uint64_t)row[ROW_BLOCKS];
     return {(uint32_t)(w >> 32) & 0xFFFFu, (uint32_t)w, (uint32_t)(w >> 48) & 0x7FFFu};
 }
+// A phase row as a phase reads it: its words, in the launch's constant bank, and the address table of
+// the layer it runs for, in the same bank (null for one layer, whose rows carry its addresses
+// themselves). A reference resolved through the table is a constant-bank load the compiler can hoist
+// and reuse; the same table read from shared memory cost about half a microsecond per phase at the
+// graded layer (re-read after every shared-memory store; docs/perf.md).
+struct OpRow {
+    const int64_t* words;
+    const int64_t* table;
+    __device__ int64_t operator[](int i) const { return words[i]; }
+};
+__device__ inline BlockSet blocks_of(const OpRow& op) { return blocks_of(op.words); }
+
+// Operand `word` of `op` for the layer it runs for.
+__device__ inline int64_t layer_address(const OpRow& op, int word) {
+    return op.table == nullptr ? op[word] : resolve(op[word], op.table);
+}
+
 // This block's place among the phase's blocks (blocks before `first` wrap to large ranks).
 __device__ inline uint32_t rank(const BlockSet& b) { return (blockIdx.x - b.first) / b.stride; }
 // Whether this block runs the phase.
@@ -186,7 +203,7 @@ __device__ inline bool runs(const BlockSet& b) { return (blockIdx.x - b.first) %
 // Waits until every phase in `op`'s wait mask has finished: its own layer's phases for layer l, the
 // layer before's for layer l - 1 (none for layer 0: the launch boundary orders the step before). Call
 // with the block converged.
-__device__ inline void wait_for(const int64_t* program, const int64_t* op, const unsigned* phase_done, uint32_t step,
+__device__ inline void wait_for(const int64_t* program, const OpRow& op, const unsigned* phase_done, uint32_t step,
                                 uint32_t layers, uint32_t l) {
     if (threadIdx.x == 0) {
         const uint64_t waits = (uint64_t)op[ROW_WAITS];
@@ -225,26 +242,6 @@ constexpr uint32_t TRACE_STAMPS = 4;
 // Where this block's stamps of the current phase go (null in every graded launch). In shared memory,
 // not a parameter of every phase function, so that tracing costs the stream no register.
 __shared__ uint64_t* trace_row;
-
-// The address tables of the layer a block runs and of the next one (by layer parity): thread 0 keeps
-// them between phases (enter_layer), every thread reads them through layer_address. In shared memory,
-// like trace_row, so that the phases' operands stay in the launch's constant bank and no register
-// carries the layer.
-struct LayerState {
-    int64_t slots[2][LAYER_WORDS];  // the tables of layers with even and odd index
-    uint64_t full[2];               // each completes when a bulk copy has filled its table
-    uint32_t fills[2];              // completions of each so far: the parity of the next
-    uint32_t layer;                 // the layer whose table is in slots[layer % 2]
-    uint32_t fetching;              // the layer whose table a copy is filling (or none)
-};
-__shared__ __align__(16) LayerState layer_state;
-constexpr uint32_t NO_LAYER = 0xFFFFFFFFu;
-constexpr uint32_t LAYER_TABLE_BYTES = LAYER_WORDS * 8;
-
-// Operand `word` of row `op` for the layer being run: a reference to the layer's table resolved.
-__device__ inline int64_t layer_address(const int64_t* op, int word) {
-    return resolve(op[word], layer_state.slots[layer_state.layer % 2]);
-}
 
 // Thread 0 writes the global timer (ns) into the current phase's stamp `which`; nothing when not
 // tracing. A plain store: the host reads the trace after the launch has finished.
@@ -386,7 +383,7 @@ struct Gemv {
 };
 
 // Where each GEMV phase's matrix is; attention has none.
-__device__ inline bool gemv_of(const int64_t* op, Gemv& g) {
+__device__ inline bool gemv_of(const OpRow& op, Gemv& g) {
     switch (op[0]) {
         case OP_QKV: g = {reinterpret_cast<const bf16*>(layer_address(op, qkv::W)), (uint32_t)op[qkv::D], (uint32_t)((op[qkv::NQ] + 2 * op[qkv::NKv]) * op[qkv::Hd])}; return true;
         case OP_O_PROJ: g = {reinterpret_cast<const bf16*>(layer_address(op, oproj::W)), (uint32_t)op[oproj::Cols], (uint32_t)op[oproj::Rows]}; return true;
@@ -398,7 +395,7 @@ __device__ inline bool gemv_of(const int64_t* op, Gemv& g) {
 
 // Starts streaming this block's weights of phase `op` into the ring (nothing for a phase without a
 // GEMV).
-__device__ void prime_phase(const int64_t* op, const Ring& ring) {
+__device__ void prime_phase(const OpRow& op, const Ring& ring) {
     Gemv g;
     if (!gemv_of(op, g)) return;
     uint32_t r0, r1;
@@ -407,7 +404,7 @@ __device__ void prime_phase(const int64_t* op, const Ring& ring) {
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV.
-__device__ inline void gemv_rows(const int64_t* op, uint32_t& r0, uint32_t& r1) {
+__device__ inline void gemv_rows(const OpRow& op, uint32_t& r0, uint32_t& r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     block_rows(g.rows, blocks_of(op), r0, r1);
@@ -415,7 +412,7 @@ __device__ inline void gemv_rows(const int64_t* op, uint32_t& r0, uint32_t& r1) 
 
 // This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
 // primed).
-__device__ void gemv_phase(const int64_t* op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
+__device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     stamp(TRACE_INPUT);
@@ -466,7 +463,7 @@ __device__ inline float preload(const bf16* v, uint32_t n) { return threadIdx.x 
 // ---------------------------------------------------------------------------------------------------
 
 // h = rmsnorm(x); [q|k|v] = W h over pair-interleaved rows; rope q and k; append k and v at pos.
-__device__ void phase_qkv(const int64_t* op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
+__device__ void phase_qkv(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[qkv::D], n_q = (uint32_t)op[qkv::NQ], n_kv = (uint32_t)op[qkv::NKv];
     const uint32_t hd = (uint32_t)op[qkv::Hd], max_seq = (uint32_t)op[qkv::MaxSeq], half = hd / 2;
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
@@ -606,7 +603,7 @@ __device__ void combine(const Team& team, uint32_t kv, uint32_t n_splits, uint32
 struct AttnItems {
     BlockSet set;
     uint32_t chunk, n_chunks, span, splits, count;
-    __device__ AttnItems(const int64_t* op, uint32_t pos) : set(blocks_of(op)), chunk((uint32_t)op[attn::Chunk]), n_chunks(pos / chunk + 1) {
+    __device__ AttnItems(const OpRow& op, uint32_t pos) : set(blocks_of(op)), chunk((uint32_t)op[attn::Chunk]), n_chunks(pos / chunk + 1) {
         const uint32_t n_kv = (uint32_t)op[attn::NKv], teams = set.count * TEAMS;
         const uint32_t most = n_kv >= teams ? 1 : min(min(teams / n_kv, ATTN_MAX_SPLITS), n_chunks);
         span = (n_chunks + most - 1) / most;
@@ -648,7 +645,7 @@ struct AttnSmem {
 // rows from len on zeroed, so the P V product may run over the whole chunk. The buffer's previous
 // contents must be dead: the callers reach this only after a team.sync that follows every read of them.
 constexpr uint32_t NO_ROW = UINT32_MAX;
-__device__ void load_chunk(const Team& team, const int64_t* op, const AttnSmem& sm, uint32_t b, uint32_t kv, uint32_t first,
+__device__ void load_chunk(const Team& team, const OpRow& op, const AttnSmem& sm, uint32_t b, uint32_t kv, uint32_t first,
                            uint32_t len, uint32_t chunk, uint32_t skip) {
     const bf16* k_cache = reinterpret_cast<const bf16*>(layer_address(op, attn::KCache));
     const bf16* v_cache = reinterpret_cast<const bf16*>(layer_address(op, attn::VCache));
@@ -678,7 +675,7 @@ __device__ inline uint32_t head_start(const AttnItems& items, uint32_t item) {
 // but the slot at pos, which this launch's Qkv phase writes. They do not depend on this step, so HBM
 // streams them while the block waits for the Qkv phase it depends on; the phase then loads only the
 // queries and the row at pos.
-__device__ void prime_attention(const int64_t* op, uint32_t pos, uint4* smem) {
+__device__ void prime_attention(const OpRow& op, uint32_t pos, uint4* smem) {
     const Team team;
     const AttnItems items(op, pos);
     const uint32_t item = items.first(team);
@@ -693,7 +690,7 @@ __device__ void prime_attention(const int64_t* op, uint32_t pos, uint4* smem) {
 
 // Starts loading what phase `op` reads that no phase of this step writes, before the block waits for
 // the phases it depends on: a GEMV phase's first weights, or an attention phase's cached rows.
-__device__ void prime_inputs(const int64_t* op, const Ring& ring, uint32_t pos) {
+__device__ void prime_inputs(const OpRow& op, const Ring& ring, uint32_t pos) {
     if (op[0] == OP_ATTENTION) prime_attention(op, pos, ring.data);
     else prime_phase(op, ring);
 }
@@ -705,7 +702,7 @@ __device__ void prime_inputs(const int64_t* op, const Ring& ring, uint32_t pos) 
 // heads, the next chunk's copies in flight while this one is scored (chunk c0 + i of an item in buffer
 // i % ATTN_BUFFERS). The block ran prime_attention for this phase (prime_inputs), so each team's first
 // item's first chunks lack only the row at pos.
-__device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
+__device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem) {
     const bf16* q = reinterpret_cast<const bf16*>(op[attn::Q]);
     float* part_o = reinterpret_cast<float*>(op[attn::PartO]);
     float* part_ml = reinterpret_cast<float*>(op[attn::PartMl]);
@@ -934,7 +931,7 @@ __device__ void phase_attention(const int64_t* op, uint32_t pos, uint4* smem) {
 // go to part_out; or a middle part, whose products are added to part_in's and go to part_out (the same
 // rows of the same buffer, on the same block); or the last, whose products are added to part_in's
 // before rounding. The O projection and Down are this GEMV.
-__device__ void residual_gemv(const int64_t* op, const bf16* v, uint32_t cols, const bf16* residual, bf16* dst,
+__device__ void residual_gemv(const OpRow& op, const bf16* v, uint32_t cols, const bf16* residual, bf16* dst,
                               const float* part_in, float* part_out, Ring& ring, Partials part) {
     uint32_t r0, r1;
     gemv_rows(op, r0, r1);
@@ -958,14 +955,14 @@ __device__ void residual_gemv(const int64_t* op, const bf16* v, uint32_t cols, c
 // x1 = x + Wo a over the columns the row names: all of them; or those of the first half of the KV
 // groups (f32 products to PartOut); or those of the second half, added to PartIn's, which the first
 // half's blocks wrote (this phase waits for theirs).
-__device__ void phase_oproj(const int64_t* op, const bf16* x, Ring& ring, Partials part) {
+__device__ void phase_oproj(const OpRow& op, const bf16* x, Ring& ring, Partials part) {
     residual_gemv(op, reinterpret_cast<const bf16*>(op[oproj::A]), (uint32_t)op[oproj::Cols], x,
                   reinterpret_cast<bf16*>(op[oproj::X1Out]), reinterpret_cast<const float*>(op[oproj::PartIn]),
                   reinterpret_cast<float*>(op[oproj::PartOut]), ring, part);
 }
 
 // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2) over gate/up-interleaved rows.
-__device__ void phase_gateup(const int64_t* op, Ring& ring, Partials part) {
+__device__ void phase_gateup(const OpRow& op, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[gateup::D];
     const float eps = __int_as_float((int)op[gateup::EpsBits]);
     bf16* act = reinterpret_cast<bf16*>(op[gateup::ActOut]);
@@ -981,7 +978,7 @@ __device__ void phase_gateup(const int64_t* op, Ring& ring, Partials part) {
 // out = x1 + Wd act over the columns of act the row names: all of them; or a part of them (f32 products
 // to PartOut, added to PartIn's where the row names them; the last part rounds). Every part runs on the
 // same blocks with the same rows, so a block adds the partials it wrote itself: program order, no wait.
-__device__ void phase_down(const int64_t* op, bf16* out, Ring& ring, Partials part) {
+__device__ void phase_down(const OpRow& op, bf16* out, Ring& ring, Partials part) {
     residual_gemv(op, reinterpret_cast<const bf16*>(op[down::Act]), (uint32_t)op[down::Cols],
                   reinterpret_cast<const bf16*>(op[down::X1]), out, reinterpret_cast<const float*>(op[down::PartIn]),
                   reinterpret_cast<float*>(op[down::PartOut]), ring, part);
@@ -990,29 +987,6 @@ __device__ void phase_down(const int64_t* op, bf16* out, Ring& ring, Partials pa
 // ---------------------------------------------------------------------------------------------------
 // Kernels
 // ---------------------------------------------------------------------------------------------------
-
-// Thread 0, before the block's phases of layer l: makes layer l's table current. It takes it from the
-// copy started one layer ahead (waiting for it), or, without one (the launch's first layer), loads it;
-// then it starts the copy of the next layer's table if the block runs a phase of it (`next_layer_runs`),
-// so that the table is there when that layer starts. The copy overwrites the table of layer l - 1, whose
-// last reads precede the main loop's proxy fence and __syncthreads at the end of every phase.
-__device__ __noinline__ void enter_layer(const Program& program, const int64_t* layer_table, uint32_t l, bool next_layer_runs) {
-    LayerState& ls = layer_state;
-    const uint32_t b = l % 2;
-    if (l == ls.fetching) {
-        mbar_wait(&ls.full[b], ls.fills[b] & 1);
-        ls.fills[b] += 1;
-    } else {
-        for (uint32_t i = 0; i < LAYER_WORDS; ++i) ls.slots[b][i] = l == 0 ? program.layer0[i] : layer_table[(size_t)l * LAYER_WORDS + i];
-    }
-    ls.layer = l;
-    ls.fetching = NO_LAYER;
-    if (next_layer_runs) {
-        mbar_expect_tx(&ls.full[1 - b], LAYER_TABLE_BYTES);
-        bulk_copy(ls.slots[1 - b], layer_table + (size_t)(l + 1) * LAYER_WORDS, LAYER_TABLE_BYTES, &ls.full[1 - b]);
-        ls.fetching = l + 1;
-    }
-}
 
 // Runs phases [phase_begin, phase_end) of step `step` of the program over a stack of `layers` layers,
 // the phases numbered flat (phase f is row f % phases of layer f / phases): each block runs the phases
@@ -1023,21 +997,10 @@ __device__ __noinline__ void enter_layer(const Program& program, const int64_t* 
 // (the last layer). Dynamic shared memory: RING_BYTES of ring, then red_rows * WARPS floats of row
 // partials. `trace`, when not null, receives each block's phase stamps (zero for the phases it does not
 // run, and for the stamps a phase does not take).
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
-    const __grid_constant__ Program program,  // by value: see program.cuh
-    uint32_t phases,                          // rows of the program: one layer's phases
-    uint32_t layers,
-    const int64_t* __restrict__ layer_table,  // (layers, LAYER_WORDS): each layer's addresses
-    uint32_t phase_begin, uint32_t phase_end,
-    const bf16* __restrict__ x,  // (d)
-    bf16* __restrict__ out,      // (d)
-    bf16* __restrict__ hidden,   // (layers - 1, d); null for one layer
-    uint32_t d,
-    uint32_t pos,
-    uint32_t step,                      // steps launched before this one
-    unsigned* __restrict__ phase_done,  // (PROGRAM_MAX_PHASES): see wait_for
-    uint32_t red_rows,
-    uint64_t* __restrict__ trace) {  // (gridDim.x, phase_end - phase_begin, TRACE_STAMPS) or null: see stamp()
+template <uint32_t TABLES>
+__device__ __forceinline__ void run_program(const Program<TABLES>& program, uint32_t phases, uint32_t layers, uint32_t phase_begin,
+                                            uint32_t phase_end, const bf16* x, bf16* out, bf16* hidden, uint32_t d, uint32_t pos,
+                                            uint32_t step, unsigned* phase_done, uint32_t red_rows, uint64_t* trace) {
     // 128-byte aligned: where dynamic shared memory starts depends on the static variables before it,
     // and ring slots 16 bytes off a 32-byte boundary made every bulk copy, so every GEMV phase, about
     // 25% slower (measured in docs/perf.md).
@@ -1047,40 +1010,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
     const Partials part{reinterpret_cast<float*>(smem + RING_BYTES / 16), red_rows};  // (red_rows, WARPS)
     if (blockDim.x != THREADS) __trap();
     // The launcher checks these; a bigger range reads past the tables.
-    if (phases > PROGRAM_MAX_PHASES || phase_end > phases * layers) __trap();
+    if (phases > PROGRAM_MAX_PHASES || layers > TABLES || phase_end > phases * layers) __trap();
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < STAGES; ++s) mbar_init(&full[s], 1);  // one arrival: thread 0's expect_tx
-        for (uint32_t s = 0; s < 2; ++s) {
-            mbar_init(&layer_state.full[s], 1);
-            layer_state.fills[s] = 0;
-        }
-        layer_state.layer = layer_state.fetching = NO_LAYER;
         // Make the initialised barriers visible to the copy engine before any copy names them.
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();  // every thread sees initialised barriers before waiting on them
 
     const auto row = [&](uint32_t f) { return program.words + (size_t)(f % phases) * PROGRAM_ROW_WORDS; };
+    // Phase f's row for its layer (one layer: the rows hold its addresses, no table).
+    const auto op_of = [&](uint32_t f) { return OpRow{row(f), TABLES == 1 ? nullptr : program.tables[f / phases]}; };
     // The first phase at or after f that this block runs (phase_end if none).
     const auto next_own = [&](uint32_t f) {
         while (f < phase_end && !runs(blocks_of(row(f)))) ++f;
         return f;
     };
-    // Before phase f: its layer's table current (a layer's first phase of the block), then the loads of
-    // what it reads that no phase of this step writes (its first weights, or attention's cached rows).
-    const auto enter = [&](uint32_t f) {
-        const uint32_t l = f / phases;
-        if (threadIdx.x == 0 && l != layer_state.layer) {
-            enter_layer(program, layer_table, l, next_own((l + 1) * phases) / phases == l + 1);
-        }
-        __syncthreads();  // the table is current before any thread reads it
-        prime_inputs(row(f), ring, pos);
-    };
     const uint32_t traced = phase_end - phase_begin;
     uint32_t f = next_own(phase_begin);
-    if (f < phase_end) enter(f);
+    if (f < phase_end) prime_inputs(op_of(f), ring, pos);
     while (f < phase_end) {
-        const int64_t* op = row(f);
+        const OpRow op = op_of(f);
         const uint32_t l = f / phases;
         wait_for(program.words, op, phase_done, step, layers, l);
         // Thread 0 alone sets and reads the trace row: no synchronisation needed.
@@ -1108,8 +1058,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(
         stamp(TRACE_END);
         count_done(phase_done, f % phases);
         f = next_own(f + 1);
-        if (f < phase_end) enter(f);
+        if (f < phase_end) prime_inputs(op_of(f), ring, pos);
     }
+}
+
+// The kernels: one layer (the rows carry its addresses), and a stack of up to PROGRAM_MAX_LAYERS
+// layers (the rows name each layer's addresses through its table). Two instances of one program
+// runner, so that a one-layer launch carries no tables in its parameter block.
+#define MEGAKERNEL_PARAMS(TABLES)                                                                                             \
+    const __grid_constant__ Program<TABLES> program, /* by value: see program.cuh */                                        \
+        uint32_t phases,                             /* rows of the program: one layer's phases */                          \
+        uint32_t layers, uint32_t phase_begin, uint32_t phase_end, const bf16* __restrict__ x, /* (d) */                    \
+        bf16* __restrict__ out,                      /* (d) */                                                              \
+        bf16* __restrict__ hidden,                   /* (layers - 1, d); null for one layer */                              \
+        uint32_t d, uint32_t pos, uint32_t step,     /* steps launched before this one */                                   \
+        unsigned* __restrict__ phase_done,           /* (PROGRAM_MAX_PHASES): see wait_for */                               \
+        uint32_t red_rows, uint64_t* __restrict__ trace /* (gridDim.x, phase_end - phase_begin, TRACE_STAMPS) or null */
+#define MEGAKERNEL_ARGS program, phases, layers, phase_begin, phase_end, x, out, hidden, d, pos, step, phase_done, red_rows, trace
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(MEGAKERNEL_PARAMS(1)) { run_program<1>(MEGAKERNEL_ARGS); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_stack_bf16(MEGAKERNEL_PARAMS(PROGRAM_MAX_LAYERS)) {
+    run_program<PROGRAM_MAX_LAYERS>(MEGAKERNEL_ARGS);
 }
 
 // dst row r = the row at src_rows[r]: packs weights into the layouts the phases stream.

@@ -18,13 +18,17 @@ constexpr int PROGRAM_MAX_PHASES = 12;
 // A stack runs the same rows for every layer. The addresses that differ between layers (weights,
 // cache) are named in a row by reference: an operand word w < 0 stands for slot (~w) & LAYER_SLOT_MASK
 // of the running layer's address table plus (~w) >> LAYER_SLOT_BITS bytes (resolve()). Each table has
-// LAYER_WORDS words; layer 0's travels with the rows, the others' are in device memory.
-constexpr int LAYER_WORDS = 16;
+// LAYER_WORDS words; the tables travel by value with the rows, one per layer (none for one layer, whose
+// rows hold its addresses themselves).
+constexpr int LAYER_WORDS = 12;
 constexpr int LAYER_SLOT_BITS = 4;
 constexpr int64_t LAYER_SLOT_MASK = (1 << LAYER_SLOT_BITS) - 1;
+// The most layers a stack kernel's parameter block holds tables for (spec's MAX_LAYERS).
+constexpr int PROGRAM_MAX_LAYERS = 128;
+template <uint32_t TABLES>
 struct Program {
     int64_t words[PROGRAM_MAX_PHASES * PROGRAM_ROW_WORDS];
-    int64_t layer0[LAYER_WORDS];
+    int64_t tables[TABLES][LAYER_WORDS];
 };
 
 // A row word as it reads for the layer whose address table is `table`.

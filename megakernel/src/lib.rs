@@ -82,30 +82,55 @@ impl StepCursor {
     }
 }
 
-/// The program as the kernel receives it: by value, `program::MAX_PHASES` rows and layer 0's address
-/// table (see `kernels/program.cuh`, `struct Program`).
+/// The program as a kernel receives it: by value, `program::MAX_PHASES` rows and `L` layers' address
+/// tables (see `kernels/program.cuh`, `struct Program`): one for the one-layer kernel, whose rows carry
+/// the layer's addresses themselves, `program::MAX_STACK_LAYERS` for the stack kernel.
 #[derive(Clone, Copy)]
 #[repr(C)]
-struct ProgramParam([i64; program::MAX_PHASES * program::ROW_WORDS + program::LAYER_WORDS]);
+struct ProgramParam<const L: usize> {
+    rows: [program::Row; program::MAX_PHASES],
+    tables: [[i64; program::LAYER_WORDS]; L],
+}
 
-// SAFETY: plain old data of the layout `struct Program` declares (int64 words, no padding).
-unsafe impl DeviceRepr for ProgramParam {}
+// SAFETY: plain old data of the layout `struct Program<L>` declares (int64 words, no padding).
+unsafe impl<const L: usize> DeviceRepr for ProgramParam<L> {}
 
-impl ProgramParam {
-    /// The rows, then no-op rows (opcode 0) that no block runs, up to `MAX_PHASES`, then layer 0's
-    /// table; `None` when there are more rows.
-    fn new(rows: &[program::Row], layer0: &[i64; program::LAYER_WORDS]) -> Option<ProgramParam> {
+impl<const L: usize> ProgramParam<L> {
+    /// The rows, then no-op rows (opcode 0) that no block runs, up to `MAX_PHASES`, then the tables
+    /// (zero past the last); `None` when there are more rows or tables than it holds.
+    fn new(rows: &[program::Row], tables: &[[i64; program::LAYER_WORDS]]) -> Option<Box<Self>> {
+        if rows.len() > program::MAX_PHASES || tables.len() > L {
+            return None;
+        }
         let mut nop = [0i64; program::ROW_WORDS];
         nop[program::BLOCKS_WORD] = Blocks { first: 0, count: 0, stride: 1 }.word();
-        let flat: Vec<i64> = rows
-            .iter()
-            .chain(std::iter::repeat(&nop))
-            .take(program::MAX_PHASES)
-            .flatten()
-            .chain(layer0)
-            .copied()
-            .collect();
-        (rows.len() <= program::MAX_PHASES).then(|| ProgramParam(flat.try_into().expect("MAX_PHASES rows and a table")))
+        let mut param = Box::new(ProgramParam { rows: [nop; program::MAX_PHASES], tables: [[0; program::LAYER_WORDS]; L] });
+        param.rows[..rows.len()].copy_from_slice(rows);
+        param.tables[..tables.len()].copy_from_slice(tables);
+        Some(param)
+    }
+}
+
+/// The compiled program and the kernel that runs it.
+enum Param {
+    One(Box<ProgramParam<1>>),
+    Stack(Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>),
+}
+
+impl Param {
+    fn rows(&self) -> &[program::Row; program::MAX_PHASES] {
+        match self {
+            Param::One(p) => &p.rows,
+            Param::Stack(p) => &p.rows,
+        }
+    }
+
+    /// The kernel of `kernels/megakernel.cu` that takes this parameter block.
+    fn kernel(&self) -> &'static str {
+        match self {
+            Param::One(_) => "megakernel_bf16",
+            Param::Stack(_) => "megakernel_stack_bf16",
+        }
     }
 }
 
@@ -120,13 +145,11 @@ pub struct PhasePlan {
 
 /// Everything `build_stack` made; dropped by `teardown`.
 struct Built {
-    program: ProgramParam,
+    program: Param,
     layout: Plan,
     /// Rows of the program: one layer's phases.
     phases: u32,
     layers: u32,
-    /// `(layers, LAYER_WORDS)`: each layer's address table.
-    layer_table: CudaSlice<i64>,
     d: u32,
     plan: Vec<PhasePlan>,
     func: CudaFunction,
@@ -181,18 +204,12 @@ impl Megakernel {
     /// attention splits its work at position `pos`.
     pub fn describe(&self, cfg: &Config, pos: usize) -> Option<String> {
         let b = self.built.as_ref()?;
-        let rows: Vec<program::Row> = b
-            .program
-            .0
-            .chunks(program::ROW_WORDS)
-            .take(b.phases as usize)
-            .map(|r| r.try_into().expect("a row"))
-            .collect();
+        let rows = &b.program.rows()[..b.phases as usize];
         Some(format!(
             "{} blocks x {THREADS} threads, {} bytes of shared memory; {}",
             b.grid,
             b.smem,
-            program::describe(cfg, b.layout, &rows, pos)
+            program::describe(cfg, b.layout, rows, pos)
         ))
     }
 
@@ -272,20 +289,24 @@ impl Megakernel {
         let (pos, begin, end) = (pos as u32, phases.start, phases.end);
         let no_trace = 0u64;
         let mut args = dev.stream().launch_builder(&b.func);
-        args.arg(&b.program).arg(&b.phases).arg(&b.layers).arg(&b.layer_table).arg(&begin).arg(&end);
+        match &b.program {
+            Param::One(p) => args.arg(&**p),
+            Param::Stack(p) => args.arg(&**p),
+        };
+        args.arg(&b.phases).arg(&b.layers).arg(&begin).arg(&end);
         args.arg(x).arg(out).arg(&hidden).arg(&b.d).arg(&pos);
         args.arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
         match trace {
             Some(t) => args.arg(t),
             None => args.arg(&no_trace),
         };
-        // SAFETY: megakernel_bf16(program: Program by value, phases: u32, layers: u32, layer_table (layers,
-        // LAYER_WORDS), phase_begin: u32, phase_end: u32, x (d), out (d), hidden (null, or (layers - 1, d),
+        // SAFETY: megakernel_bf16 / megakernel_stack_bf16(program: Program<1 or MAX_STACK_LAYERS> by value, as
+        // `Param::kernel` pairs them, phases: u32, layers: u32 (at most its tables), phase_begin: u32, phase_end: u32, x (d), out (d), hidden (null, or (layers - 1, d),
         // checked above), d: u32, pos: u32, step: u32, phase_done (MAX_PHASES), red_rows: u32, trace (null
         // or grid * (end - begin) * TRACE_STAMPS u64)); the grid is co-resident (occupancy-sized, and the
         // cooperative launch fails rather than run it otherwise), smem as build_stack sized it; the phases
         // continue the step (checked above).
-        unsafe { args.launch_cooperative(cfg) }.context("launching megakernel_bf16")?;
+        unsafe { args.launch_cooperative(cfg) }.context("launching the megakernel")?;
         b.cursor.advance(end, total);
         Ok(())
     }
@@ -516,6 +537,13 @@ impl Submission for Megakernel {
         if layers.is_empty() {
             return Err(SubmissionError::Refused("a stack of no layers".into()));
         }
+        if layers.len() > program::MAX_STACK_LAYERS {
+            return Err(SubmissionError::Unsupported(format!(
+                "a stack of {} layers is over the megakernel's {}",
+                layers.len(),
+                program::MAX_STACK_LAYERS
+            )));
+        }
         // One grid per SM (red_rows is sized for it below).
         let grid = dev.facts().sms as u32;
         let layout = check_fits(cfg, grid, self.forced)?;
@@ -526,8 +554,6 @@ impl Submission for Megakernel {
             .iter()
             .map(|layer| layer_buffers(dev, layer, cfg, layout, &mut packed))
             .collect::<Result<Vec<_>, CudaError>>()?;
-        let table: Vec<i64> = tables.iter().flat_map(|t| t.table()).collect();
-        let layer_table = s.clone_htod(&table).context("uploading the layers' address tables")?;
         let rope = RopeTable::new(cfg);
         let (cos, sin) =
             (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
@@ -554,15 +580,24 @@ impl Submission for Megakernel {
             down_part: device_address(dev, &down_part),
         };
         let rows = program::compile(cfg, &buffers, grid, layout);
-        let param = ProgramParam::new(&rows, &tables[0].table()).ok_or_else(|| {
-            SubmissionError::Unsupported(format!(
+        if rows.len() > program::MAX_PHASES {
+            return Err(SubmissionError::Unsupported(format!(
                 "the layer compiled to {} phases; the kernel's program holds {}",
                 rows.len(),
                 program::MAX_PHASES
-            ))
-        })?;
-
-        let func = dev.function(&MEGAKERNEL, "megakernel_bf16")?;
+            )));
+        }
+        let tables: Vec<[i64; program::LAYER_WORDS]> = tables.iter().map(program::LayerBuffers::table).collect();
+        let param = match tables.as_slice() {
+            // One layer: its rows carry its addresses themselves, so no operand is read through a table.
+            [one] => {
+                let resolved: Vec<program::Row> = rows.iter().map(|r| program::resolve_row(r, one)).collect();
+                ProgramParam::new(&resolved, &[]).map(Param::One)
+            }
+            _ => ProgramParam::new(&rows, &tables).map(Param::Stack),
+        }
+        .expect("rows and tables within the parameter block (checked above)");
+        let func = dev.function(&MEGAKERNEL, param.kernel())?;
         // The most rows any block gets in any GEMV phase (over the phase's own blocks).
         let red_rows = rows
             .iter()
@@ -599,7 +634,6 @@ impl Submission for Megakernel {
             layout,
             phases: rows.len() as u32,
             layers: layers.len() as u32,
-            layer_table,
             d: cfg.d as u32,
             plan,
             func,
@@ -700,21 +734,20 @@ mod tests {
         row[0] = program::Op::Down as i64;
         row[program::ROW_WORDS - 1] = 7;
         let table = [9i64; program::LAYER_WORDS];
-        let param = ProgramParam::new(&[row, row], &table).unwrap();
-        assert_eq!(&param.0[..program::ROW_WORDS], &row);
-        assert_eq!(&param.0[program::ROW_WORDS..2 * program::ROW_WORDS], &row);
-        let rows_end = program::MAX_PHASES * program::ROW_WORDS;
+        let param = ProgramParam::<3>::new(&[row, row], &[table, table]).unwrap();
+        assert_eq!(&param.rows[..2], &[row, row]);
         // The padding: no-ops that wait for nothing and that no block runs (a stride of 1, not 0, which
-        // the kernel divides by); then layer 0's table.
-        for pad in param.0[2 * program::ROW_WORDS..rows_end].chunks(program::ROW_WORDS) {
-            let pad: &program::Row = pad.try_into().unwrap();
+        // the kernel divides by); the tables, zero past the last.
+        for pad in &param.rows[2..] {
             assert_eq!(pad[0], program::Op::Nop as i64);
             assert_eq!(Blocks::of(pad), Blocks { first: 0, count: 0, stride: 1 });
             assert_eq!(pad[program::WAITS_WORD], 0);
         }
-        assert_eq!(&param.0[rows_end..], &table);
-        assert!(ProgramParam::new(&vec![row; program::MAX_PHASES], &table).is_some());
-        assert!(ProgramParam::new(&vec![row; program::MAX_PHASES + 1], &table).is_none());
+        assert_eq!(param.tables, [table, table, [0; program::LAYER_WORDS]]);
+        assert_eq!(size_of::<ProgramParam<3>>(), 8 * (program::MAX_PHASES * program::ROW_WORDS + 3 * program::LAYER_WORDS));
+        assert!(ProgramParam::<1>::new(&vec![row; program::MAX_PHASES], &[]).is_some());
+        assert!(ProgramParam::<1>::new(&vec![row; program::MAX_PHASES + 1], &[]).is_none());
+        assert!(ProgramParam::<1>::new(&[row], &[table, table]).is_none());
     }
 
     #[test]

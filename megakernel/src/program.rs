@@ -50,11 +50,13 @@ pub const WAITS_WORD: usize = ROW_WORDS - 1;
 /// The first bit of the waits word that names a phase of the layer before.
 pub const PREV_LAYER_WAITS: usize = 16;
 
-/// Words of a layer's address table. A stack runs the same rows for every layer; each row names the
-/// addresses that differ between layers (weights, cache) by reference to its layer's table (see
-/// [`layer_ref`]), which the kernel resolves for the layer it runs. Layer 0's table travels with the
-/// rows, by value; the others' are in device memory, one bulk copy each.
-pub const LAYER_WORDS: usize = 16;
+/// Words of a layer's address table, one per [`Slot`]. A stack runs the same rows for every layer; each
+/// row names the addresses that differ between layers (weights, cache) by reference to its layer's
+/// table (see [`layer_ref`]), which the kernel resolves for the layer it runs. The tables travel by
+/// value with the rows; a one-layer program has its rows resolved instead.
+pub const LAYER_WORDS: usize = 12;
+/// The most layers the stack kernel's parameter block holds tables for: the spec's deepest stack.
+pub const MAX_STACK_LAYERS: usize = spec::config::MAX_LAYERS;
 /// Low bits of a reference that name the slot; the rest is a byte offset.
 const SLOT_BITS: u32 = 4;
 
@@ -666,6 +668,7 @@ mod tests {
         assert!(CUH.contains(&format!("PREV_LAYER_WAITS = {PREV_LAYER_WAITS};")));
         assert!(CUH.contains(&format!("LAYER_WORDS = {LAYER_WORDS};")));
         assert!(CUH.contains(&format!("LAYER_SLOT_BITS = {SLOT_BITS};")));
+        assert!(CUH.contains(&format!("PROGRAM_MAX_LAYERS = {MAX_STACK_LAYERS};")));
         let upper = |op: Op| {
             let name = format!("{op:?}");
             let mut s = String::new();

@@ -105,6 +105,32 @@ impl ByteModel {
         })
     }
 
+    /// The byte model of `cfg`'s whole stack at position `pos`: every layer moves one layer's bytes
+    /// (its weights, its cache, its input read and its output written), so each figure is `cfg.layers`
+    /// times one layer's.
+    pub fn stack_at(cfg: &Config, pos: usize) -> Self {
+        let one = Self::at(cfg, pos);
+        let l = cfg.layers as u64;
+        // A validated config's data (every layer's weights and cache) fits 64-bit byte counts, and so
+        // does any multiple of one layer's reads up to its depth.
+        let times = |v: u64| v.checked_mul(l).expect("a validated stack's bytes fit in 64 bits");
+        Self {
+            matrices: times(one.matrices),
+            norms: times(one.norms),
+            kv_read: times(one.kv_read),
+            kv_append: times(one.kv_append),
+            activations: times(one.activations),
+            weights_plus_kv: times(one.weights_plus_kv),
+            total: times(one.total),
+            by_op: one.by_op.map(|o| OpBytes { op: o.op, bytes: times(o.bytes) }),
+        }
+    }
+
+    /// The floor's byte model of `cfg`'s whole stack (`stack_at` the deepest timed position).
+    pub fn stack(cfg: &Config) -> Self {
+        Self::stack_at(cfg, cfg.deepest_timed_pos())
+    }
+
     /// The roofline floor in microseconds at a measured bandwidth in bytes per second.
     pub fn floor_us(&self, bandwidth_bytes_per_s: f64) -> f64 {
         self.total as f64 / bandwidth_bytes_per_s * 1e6
@@ -170,6 +196,17 @@ mod tests {
     }
 
     /// A stack holds every layer's weights and cache once; the calls' inputs and outputs once.
+    #[test]
+    fn a_stacks_bytes_are_its_layers_bytes_times_its_depth() {
+        let one = Config::graded();
+        let stack = Config { layers: 80, ..one.clone() };
+        assert_eq!(ByteModel::stack(&one), ByteModel::of(&one));
+        let (b1, b80) = (ByteModel::of(&one), ByteModel::stack(&stack));
+        assert_eq!(b80.total, 80 * b1.total);
+        assert_eq!(b80.by_op.iter().map(|o| o.bytes).sum::<u64>(), b80.total);
+        assert_eq!(b80.matrices + b80.norms + b80.kv_read + b80.kv_append + b80.activations, b80.total);
+    }
+
     #[test]
     fn a_stacks_data_is_its_layers_data_times_its_depth() {
         let one = Config::graded();

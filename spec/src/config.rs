@@ -14,7 +14,7 @@ pub struct Config {
     pub name: String,
     /// Layers in the stack: 1 for the task's layer and every member of the family; the named stacks
     /// (`crate::family::STACKS`) have 16 to 80, which `grader spec` describes and the judge does not
-    /// grade yet ([`Config::require_one_layer`]).
+    /// grade one layer at a time ([`Config::require_one_layer`]).
     pub layers: usize,
     /// Hidden size.
     pub d: usize,
@@ -254,17 +254,17 @@ impl Config {
         }
     }
 
-    /// Refuses a stack of more than one layer, for what grades one layer per call (the judge, the
-    /// contract, the megakernel): `grader spec` describes stacks, nothing judges them yet.
-    pub fn require_one_layer(&self) -> Result<(), SpecError> {
+    /// Refuses a stack of more than one layer, for what works on one layer (`what`, said in the
+    /// sentence): `grader launches`, `grader profile`, `grader run --dump`. `grader run` judges stacks.
+    pub fn require_one_layer(&self, what: &str) -> Result<(), SpecError> {
         if self.layers == 1 {
             return Ok(());
         }
         Err(SpecError::InvalidConfig {
             field: "layers",
             reason: format!(
-                "'{}' is a stack of {} layers; the judge and the contract grade one layer per call, and judging \
-                 stacks is not built yet (`grader spec --config` describes it)",
+                "'{}' is a stack of {} layers; {what} works on one layer (`grader run` judges a stack, and \
+                 `grader spec --config` describes it)",
                 self.name, self.layers
             ),
         })

@@ -135,7 +135,7 @@ mod tests {
             cfg.validate().unwrap_or_else(|e| panic!("{}: {e}", s.name));
             assert_eq!(Config::load(s.name).unwrap(), cfg);
             assert_eq!(Config { name: s.member.into(), layers: 1, ..cfg.clone() }, find(s.member).unwrap().config());
-            assert!(cfg.require_one_layer().is_err(), "{}", s.name);
+            assert!(cfg.require_one_layer("this").is_err(), "{}", s.name);
         }
         assert_eq!(find_stack("stack-70b").unwrap().config().layers, 80);
     }

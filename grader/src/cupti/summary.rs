@@ -39,6 +39,29 @@ pub struct StepLaunches {
 }
 
 impl StepLaunches {
+    /// This window's launches followed by `next`'s (a call's layers, replayed one at a time): counts,
+    /// times and blocks summed, the largest kernel the larger, spans added.
+    pub fn then(&self, next: &StepLaunches) -> StepLaunches {
+        let largest = if next.largest_kernel_ns > self.largest_kernel_ns { next } else { self };
+        let kernel_ns = self.kernel_ns.saturating_add(next.kernel_ns);
+        StepLaunches {
+            kernels: self.kernels + next.kernels,
+            kernel_ns,
+            largest_kernel_ns: largest.largest_kernel_ns,
+            largest_kernel: largest.largest_kernel.clone(),
+            dominant_share: if kernel_ns > 0 { largest.largest_kernel_ns as f64 / kernel_ns as f64 } else { 0.0 },
+            span_ns: self.span_ns.saturating_add(next.span_ns),
+            memcpys: self.memcpys + next.memcpys,
+            memsets: self.memsets + next.memsets,
+            graph_kernels: self.graph_kernels + next.graph_kernels,
+            device_launched: self.device_launched + next.device_launched,
+            other: self.other + next.other,
+            ctas: self.ctas.saturating_add(next.ctas),
+            copy_blocks: self.copy_blocks.saturating_add(next.copy_blocks),
+            busy_ns: self.busy_ns.saturating_add(next.busy_ns),
+        }
+    }
+
     pub fn of(activities: &[Activity]) -> StepLaunches {
         let mut s = StepLaunches { busy_ns: busy_ns(activities), ..StepLaunches::default() };
         for a in activities {

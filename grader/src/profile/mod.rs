@@ -78,7 +78,7 @@ pub struct Profile {
 
 pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError> {
     let cfg = Config::load(&args.config.config)?;
-    cfg.require_one_layer()?;
+    cfg.require_one_layer("`grader profile`")?;
     for (flag, path) in [("--json", &args.json), ("--svg", &args.svg)] {
         if let Some(path) = path {
             crate::preflight::output_file(flag, path)?;

@@ -2,14 +2,16 @@
 //!
 //! 1. **measure**: device facts and the bandwidths (copy for the floor, read-only for the timing
 //!    bound), before anything else touches the GPU;
-//! 2. **prepare**: the weights and the prefilled cache from the public seed, in a region of device
-//!    memory the judge owns and shares with the runner (`shared`);
+//! 2. **prepare**: every layer's weights and prefilled cache from the public seed, in a region of
+//!    device memory the judge owns and shares with the runner (`shared`);
 //! 3. **pace**: the runner (a child process, under a watchdog, watched on the device) builds the
 //!    submission; the judge hands each input over just in time, times each call on its own clock
 //!    and reads each output itself (`pace`); the runner reports what only it can record;
-//! 4. **replay**: the eager reference over the very same calls on the judge's private copies;
-//! 5. **compare and decide**: every output, the cache and the read-only buffers, then every gate
-//!    (`gates`), labelled with who measured what it rests on.
+//! 4. **replay and compare**: layer by layer, the weights and cache regenerated into the judge's
+//!    scratch and checked against the shared ones, and the eager reference over the very same calls,
+//!    each layer on the submission's own input to it (`replay`);
+//! 5. **decide**: every output, the caches and the read-only buffers, then every gate (`gates`),
+//!    labelled with who measured what it rests on.
 //!
 //! The input seed never leaves the judge; the runner's word (CUPTI counts, hardware counters, the
 //! L2 state) is cross-checked against the judge's clock and the hardware, and said to be its word.
@@ -32,7 +34,7 @@ pub mod watch;
 
 use std::time::Instant;
 
-use cuda::{Context, Device, DeviceFacts};
+use cuda::{Device, DeviceFacts};
 use reference::gpu::{DeviceCache, generate_weights};
 use spec::{ByteModel, Call, Config, Gates, Phase};
 
@@ -42,9 +44,8 @@ use crate::bandwidth::{self, Bandwidth};
 use crate::builtins::Chosen;
 use crate::cli::RunArgs;
 use crate::error::{GraderError, Outcome};
-use crate::metrics::to_f32;
 use crate::stats::Summary;
-use gates::{StepCheck, correctness_gate};
+use gates::{Integrity, correctness_gate};
 use isolate::Runner;
 use pace::Paced;
 use protocol::{Finished, Job};
@@ -86,9 +87,9 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     // Every argument is checked before the device opens: a typo costs a second and one sentence,
     // not a GPU start-up, and no judgement is lost to an output path that cannot be written.
     let cfg = Config::load(&args.config.config)?;
-    cfg.require_one_layer()?;
     let submission = crate::preflight::submission(&args.submission.name, args.submission.python.as_deref())?;
     if let Some(dir) = &args.dump {
+        cfg.require_one_layer("`--dump`")?;
         crate::preflight::output_dir("--dump", dir)?;
     }
     if let Some(path) = &args.json {
@@ -123,11 +124,17 @@ pub fn judge(
     let bw = bandwidth::measure(dev, RUN_BANDWIDTH_BYTES, RUN_BANDWIDTH_REPS)?;
     let calls = spec::schedule(cfg);
 
-    progress.say("generating the weights and the prefilled cache");
-    dev.require_free(reference::gpu::data::bytes_needed(cfg, calls.len()), "the judge's copy of the data")?;
-    let pristine = generate_weights(dev, cfg, seeds.weights)?;
-    let mut shared =
-        SharedData::create(dev, cfg, calls.len(), &pristine, &DeviceCache::generate(dev, cfg, seeds.weights)?)?;
+    progress.say(&match cfg.layers {
+        1 => "generating the weights and the prefilled cache".to_string(),
+        l => format!("generating the weights and the prefilled caches of {l} layers"),
+    });
+    let mut shared = SharedData::create(dev, cfg, calls.len(), |l| {
+        if l > 0 && l % 10 == 0 {
+            progress.say(&format!("generated {l} of {} layers", cfg.layers));
+        }
+        let seed = spec::data::layer_seed(seeds.weights, l);
+        Ok((generate_weights(dev, cfg, seed)?, DeviceCache::generate(dev, cfg, seed)?))
+    })?;
 
     progress.say("starting the submission in its own process");
     let job = Job { device: facts.ordinal, submission: chosen.clone(), config: cfg.clone(), region: shared.handle()? };
@@ -146,29 +153,19 @@ pub fn judge(
             },
         };
 
-    let replayed = replay::replay(dev, cfg, &pristine, seeds.weights, &calls, &paced.inputs, progress)?;
-    progress.say("comparing every call, the cache and the read-only buffers");
-    let steps: Vec<StepCheck> = calls
-        .iter()
-        .map(|c| {
-            StepCheck::of(
-                *c,
-                &to_f32(&paced.outputs[c.index]),
-                &to_f32(&replayed.outputs[c.index]),
-                &to_f32(&paced.inputs[c.index]),
-            )
-        })
-        .collect();
-    let read = |v| dev.stream().clone_dtoh(v).context("reading the shared cache");
-    let cache_check =
-        check::cache(cfg, (&read(&shared.cache.k)?, &read(&shared.cache.v)?), (&replayed.cache_k, &replayed.cache_v));
-    let mut integrity = check::integrity(dev, &shared, &pristine, &calls, &paced.inputs)?;
-    // The submission read the runner's own copy of the weights; the runner compared it with the
-    // shared ones after teardown (its word).
-    integrity.weight_vectors_changed += finished.weight_vectors_changed;
+    let replayed = replay::replay(dev, cfg, seeds.weights, &calls, &paced, &shared, progress)?;
+    progress.say("comparing the inputs and deciding");
+    let steps = replayed.steps.clone();
+    let cache_check = replayed.cache;
+    let integrity = Integrity {
+        // The shared weights against the regenerated ones (the replay's), and for one layer the
+        // runner's own copy against the shared one after teardown (its word).
+        weight_vectors_changed: replayed.weight_vectors_changed + finished.weight_vectors_changed,
+        inputs_changed: check::inputs_changed(dev, &shared, &calls, &paced.inputs)?,
+    };
 
     let gates = Gates::TASK;
-    let model: Vec<u64> = calls.iter().map(|c| ByteModel::at(cfg, c.pos).total).collect();
+    let model: Vec<u64> = calls.iter().map(|c| ByteModel::stack_at(cfg, c.pos).total).collect();
     let l2_bytes = facts.l2_bytes as u64;
     let required = gates::physics::required_bytes(&calls, &model, l2_bytes);
     let f = &finished;
@@ -211,6 +208,7 @@ pub fn judge(
     });
     if let Some(dir) = dump_dir {
         progress.say(&format!("dumping weights, prefix, inputs and outputs to {}", dir.display()));
+        let pristine = generate_weights(dev, cfg, seeds.weights)?;
         let data = dump::DumpData {
             pristine: &pristine,
             inputs: &paced.inputs,
@@ -241,7 +239,7 @@ fn performance(
         .filter(|(first, count, _)| *count == 1 && calls[*first].phase == Phase::Timed)
         .filter_map(|&(first, _, us)| Some(paced.call_us[first]? - us))
         .collect();
-    let bytes = ByteModel::of(cfg);
+    let bytes = ByteModel::stack(cfg);
     let floor_us = bytes.floor_us(bw.floor_bytes_per_s());
     let reference_timed: Vec<f64> =
         calls.iter().filter(|c| c.phase == Phase::Timed).map(|c| replayed.call_us[c.index]).collect();

@@ -47,6 +47,9 @@ pub struct Paced {
     pub inputs: Vec<Vec<bf16>>,
     /// Each call's output, as the judge read it right after the call.
     pub outputs: Vec<Vec<bf16>>,
+    /// Each call's hidden states (a stack's layers' outputs but the last), read with its output; empty
+    /// for one layer.
+    pub hidden: Vec<Vec<bf16>>,
 }
 
 /// Drives every call of `calls` through `runner`. `Ok(Err(_))`: the runner failed (a verdict);
@@ -89,6 +92,7 @@ pub fn pace(
             ping_us: Summary::of(&pings).expect("finite round trips"),
             inputs: vec![Vec::new(); calls.len()],
             outputs: vec![vec![bf16::NAN; row]; calls.len()],
+            hidden: vec![Vec::new(); calls.len()],
         };
         for phase in calls.chunk_by(|a, b| a.phase == b.phase) {
             progress.say(&format!("{} {:?} calls", phase.len(), phase[0].phase));
@@ -101,6 +105,7 @@ pub fn pace(
                 (p.batch_us, p.batch_calls) = (stamps.us(), phase.len());
                 for c in phase {
                     p.outputs[c.index] = shared.read_output(dev, c.index)?;
+                    p.hidden[c.index] = shared.read_hidden(dev, c.index)?;
                     if let Input::OutputOf(j) = c.input {
                         p.inputs[c.index] = p.outputs[j].clone();
                     }
@@ -112,6 +117,7 @@ pub fn pace(
                     let stamps = obey!(runner.command(Command::Calls, c.index as u64, 1, CALL_TIMEOUT));
                     p.call_us[c.index] = Some(stamps.us());
                     p.outputs[c.index] = shared.read_output(dev, c.index)?;
+                    p.hidden[c.index] = shared.read_hidden(dev, c.index)?;
                 }
             }
         }

@@ -28,7 +28,7 @@ use cuda::cudarc::driver::sys::{self as driver, CUlimit};
 use cuda::{Context, Device};
 use reference::gpu::DeviceWeights;
 use spec::{Call, Config, Tensor, schedule};
-use submission::{Layer, Submission, SubmissionError};
+use submission::{Submission, SubmissionError};
 
 use crate::builtins::Chosen;
 
@@ -98,8 +98,9 @@ struct Session<'a> {
     flush: L2Eviction,
     /// The call the next command of calls starts with.
     next: usize,
-    /// The submission's weights: this process's own copy of the shared ones (see `shared`).
-    weights: DeviceWeights,
+    /// The submission's weights for one layer: this process's own copy of the shared ones (see
+    /// `shared`); `None` for a stack, which reads the shared ones in place.
+    weights: Option<DeviceWeights>,
     shared: SharedData,
     dev: &'a Device,
     cfg: &'a Config,
@@ -120,8 +121,13 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
     let dev = Device::open(job.device)?;
     let calls = schedule(&job.config);
     let shared = SharedData::open(&dev, &job.config, calls.len(), &job.region)?;
-    let weights = DeviceWeights::try_from_fn(|t| dev.stream().clone_dtod(shared.weights.get(t)))
-        .context("copying the weights into the runner's own memory")?;
+    let weights = match shared.layers.as_slice() {
+        [one] => Some(
+            DeviceWeights::try_from_fn(|t| dev.stream().clone_dtod(one.weights.get(t)))
+                .context("copying the weights into the runner's own memory")?,
+        ),
+        _ => None,
+    };
     // Before any code of the submission runs: it may not read the judge's memory.
     sandbox::drop_ptrace().map_err(|e| GraderError::Runner(format!("dropping CAP_SYS_PTRACE: {e}")))?;
     // The runner's own buffers are made before the recording starts: between calls, under its tag,
@@ -188,8 +194,8 @@ impl Session<'_> {
         // initialisers included, is recorded, and it may still start processes.
         let mut sub = chosen.load(self.dev.facts().ordinal, as_runner)?;
         self.push_range(None);
-        let layer = Layer { weights: &self.weights, cache: &mut self.shared.cache };
-        sub.build_layer(self.dev, layer, self.cfg)?;
+        let mut layers = self.shared.layers(self.weights.as_ref());
+        sub.build_stack(self.dev, &mut layers, self.cfg)?;
         self.dev.synchronize()?;
         self.pop_range();
         self.build_s = t.elapsed().as_secs_f64();
@@ -214,8 +220,9 @@ impl Session<'_> {
         for i in range.clone() {
             cupti::set_current(Tag::Call(i));
             let call = self.calls[i];
-            let (layer, x, out) = self.shared.for_call(&self.weights, &call);
-            sub.layer_step(self.dev, layer, x, call.pos, out)?;
+            let b = self.shared.for_call(self.weights.as_ref(), &call);
+            let mut layers = b.layers;
+            sub.stack_step(self.dev, &mut layers, b.x, call.pos, b.hidden, b.out)?;
         }
         self.dev.synchronize()?;
         let end_ns = cupti::timestamp()?;
@@ -337,9 +344,10 @@ impl Session<'_> {
         let captured = self.recording.finish()?;
         // After the recording: the runner's own kernels are not the submission's.
         let mut weight_vectors_changed = 0;
-        for &t in Tensor::WEIGHTS {
-            weight_vectors_changed +=
-                check::vectors_differing(self.dev, self.weights.get(t), self.shared.weights.get(t))?;
+        if let (Some(own), [shared]) = (&self.weights, self.shared.layers.as_slice()) {
+            for &t in Tensor::WEIGHTS {
+                weight_vectors_changed += check::vectors_differing(self.dev, own.get(t), shared.weights.get(t))?;
+            }
         }
         let record = cupti::record::attribute(captured, &self.windows, self.own, scan_module, self.tampering);
         Ok(Finished {

@@ -1,15 +1,16 @@
 //! Checks of the megakernel on the GPU: its output against the eager reference's, the fused launch
 //! against the phase-per-launch mode bit for bit, and a repeated step bit for bit, in each of the
 //! plans a shape admits (one role, and two where the layer has two KV heads or more), whichever the
-//! compiler would choose for it.
+//! compiler would choose for it; and the same over a stack of layers in one launch, each layer against
+//! the eager layer on the megakernel's own input to it.
 
 use cuda::Context;
 use cuda::cudarc::driver::CudaSlice;
 use half::bf16;
 use megakernel::program::Forced;
 use megakernel::{Megakernel, Mode};
-use reference::gpu::{DeviceCache, Eager};
-use spec::data::input;
+use reference::gpu::{DeviceCache, DeviceWeights, Eager, generate_weights};
+use spec::data::{input, layer_seed};
 use spec::{Config, Gates};
 use submission::{Layer, Submission};
 
@@ -35,7 +36,89 @@ pub fn checks() -> Vec<Check> {
             name: "megakernel matches eager (ffn in three parts)",
             run: |c| matches(c, Config { name: "small-ffn3".into(), ffn: 61_440, ..Config::small() }, 2),
         },
+        Check {
+            name: "megakernel matches eager over a stack (3 x small-g16, two roles)",
+            run: |c| stack_matches(c, Config { layers: 3, ..shape("small-g16", 32, 2, 128) }, 2),
+        },
+        Check {
+            name: "megakernel matches eager over a stack (stack-1b, 16 layers)",
+            run: |c| stack_matches(c, spec::family::find_stack("stack-1b").expect("a named stack").config(), 2),
+        },
     ]
+}
+
+/// `steps` steps of the fused megakernel over the `cfg.layers` layers of a stack (each with its own
+/// weights and cache, in the compiler's plan), the phase-per-launch mode, and per layer the eager
+/// reference on the fused run's own input to that layer: fused and per-phase hidden states, outputs
+/// and caches bitwise equal, every layer within the gate of the eager layer, the last step bitwise
+/// equal when repeated.
+fn stack_matches(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
+    let dev = &ctx.dev;
+    if !dev.is_hopper() {
+        return Err(Failure("the megakernel needs an sm_90 (Hopper) card".into()));
+    }
+    let (depth, row) = (cfg.layers, cfg.batch * cfg.d);
+    let seeds: Vec<u64> = (0..depth).map(|l| layer_seed(ctx.seed, l)).collect();
+    let weights = seeds.iter().map(|&s| generate_weights(dev, &cfg, s)).collect::<Result<Vec<_>, _>>()?;
+    let caches = || seeds.iter().map(|&s| DeviceCache::generate(dev, &cfg, s)).collect::<Result<Vec<_>, _>>();
+    let (mut fused_caches, mut phases_caches, mut eager_caches) = (caches()?, caches()?, caches()?);
+    let mut fused = Megakernel::new(Mode::Fused);
+    let mut phases = Megakernel::new(Mode::PerPhase);
+    fused.build_stack(dev, &mut layers(&weights, &mut fused_caches), &cfg)?;
+    phases.build_stack(dev, &mut layers(&weights, &mut phases_caches), &cfg)?;
+    let mut eager = Eager::new(dev, &cfg)?;
+    let seed: u64 = rand::random();
+    let poisoned = |n: usize| dev.stream().clone_htod(&vec![bf16::NAN; n]).context("allocating an output");
+    let read = |v: &CudaSlice<bf16>| dev.stream().clone_dtoh(v).context("reading an output");
+    // One step of `mk` on its own caches: every layer's output in order (the hidden states, then out).
+    let run = |mk: &mut Megakernel, caches: &mut Vec<DeviceCache>, x: &CudaSlice<bf16>, pos: usize| {
+        let (mut hidden, mut out) = (poisoned((depth - 1) * row)?, poisoned(row)?);
+        mk.stack_step(dev, &mut layers(&weights, caches), x, pos, Some(&mut hidden), &mut out)?;
+        let mut states = read(&hidden)?;
+        states.extend(read(&out)?);
+        Ok::<_, Failure>(states)
+    };
+    let mut worst = (0f64, 0);
+    for s in 0..steps {
+        let pos = cfg.prefill + s;
+        let x_host = input(&cfg, seed, s);
+        let x = dev.stream().clone_htod(&x_host).context("uploading x")?;
+        let f = run(&mut fused, &mut fused_caches, &x, pos)?;
+        let p = run(&mut phases, &mut phases_caches, &x, pos)?;
+        ensure(bits(&f) == bits(&p), || {
+            format!("pos {pos}: fused and per-phase states differ: {}", Diff::of(&f, &p))
+        })?;
+        for (l, (w, cache)) in weights.iter().zip(&mut eager_caches).enumerate() {
+            let layer_in = if l == 0 { &x_host[..] } else { &f[(l - 1) * row..l * row] };
+            let layer_in = dev.stream().clone_htod(layer_in).context("uploading a layer's input")?;
+            let mut e = poisoned(row)?;
+            eager.step(dev, w, cache, &layer_in, pos, &mut e)?;
+            let err = rel_err(&to_f32(&f[l * row..(l + 1) * row]), &to_f32(&read(&e)?)).unwrap_or(f64::INFINITY);
+            ensure(err <= Gates::TASK.rel_err_tol, || {
+                format!("pos {pos}, layer {l}: rel error {err:.3e} against the eager layer")
+            })?;
+            if err > worst.0 {
+                worst = (err, l);
+            }
+        }
+        if s + 1 == steps {
+            let again = run(&mut fused, &mut fused_caches, &x, pos)?;
+            ensure(bits(&again) == bits(&f), || format!("pos {pos}: a repeated step differs: {}", Diff::of(&again, &f)))?;
+        }
+    }
+    for (l, (cf, cp)) in fused_caches.iter().zip(&phases_caches).enumerate() {
+        let (kf, kp) = (read(&cf.k)?, read(&cp.k)?);
+        let (vf, vp) = (read(&cf.v)?, read(&cp.v)?);
+        ensure(bits(&kf) == bits(&kp) && bits(&vf) == bits(&vp), || {
+            format!("layer {l}: fused and per-phase caches differ")
+        })?;
+    }
+    Ok(format!(
+        "{depth} layers, {steps} steps in one launch each: worst rel error {:.2e} (layer {}) vs the eager layer on the \
+         same input; fused == per-phase bitwise (states and caches); repeat bitwise; input seed {seed:#x}",
+        worst.0,
+        worst.1
+    ))
 }
 
 /// `small` with 4 KV heads over 60,000 cached positions: 938 attention chunks per head, which the 132
@@ -131,6 +214,11 @@ fn matches_in(
     Ok(format!(
         "{steps} steps: worst rel error {worst:.2e} vs eager; fused == per-phase bitwise; repeat bitwise; cache rel {cache_err:.1e}; input seed {seed:#x}"
     ))
+}
+
+/// A stack's layers over `weights` and `caches`, in order.
+fn layers<'a>(weights: &'a [DeviceWeights], caches: &'a mut [DeviceCache]) -> Vec<Layer<'a>> {
+    weights.iter().zip(caches).map(|(w, c)| Layer { weights: w, cache: c }).collect()
 }
 
 fn bits(v: &[bf16]) -> Vec<u16> {

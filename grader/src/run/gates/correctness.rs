@@ -1,5 +1,6 @@
 //! Gate 1, correctness, from what the judge read itself: every call's output against the
-//! reference's, the cache after the run, and the read-only buffers.
+//! reference's (in a stack, every layer's output against the reference's layer on the same input), the
+//! caches after the run, and the read-only buffers.
 
 use serde::Serialize;
 use spec::{Call, Gates};
@@ -7,10 +8,14 @@ use spec::{Call, Gates};
 use super::{Gate, Source};
 use crate::metrics::rel_err;
 
-/// How one call's output compares with the reference's.
+/// How one call's output compares with the reference's; in a stack, its worst layer's.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepCheck {
     pub call: Call,
+    /// The layer compared (0 for one layer): each layer's output against the reference layer's on the
+    /// submission's own input to it (the layer before's output), which tells a slip in one layer from the
+    /// drift that honest rounding accumulates over depth (`docs/depth.md`).
+    pub layer: usize,
     /// `||out - ref|| / ||ref||`; `None` when the output holds NaN or Inf.
     pub rel_err: Option<f64>,
     /// `||out - ref|| / ||ref - x||`: the error on what the layer adds to the residual stream, so a
@@ -19,14 +24,24 @@ pub struct StepCheck {
 }
 
 impl StepCheck {
-    pub fn of(call: Call, out: &[f32], reference: &[f32], x: &[f32]) -> Self {
+    pub fn of(call: Call, layer: usize, out: &[f32], reference: &[f32], x: &[f32]) -> Self {
         let contribution: Vec<f32> = reference.iter().zip(x).map(|(r, x)| r - x).collect();
         let contribution_err = rel_err(out, reference).map(|_| {
             let num: f64 = out.iter().zip(reference).map(|(&o, &r)| (o as f64 - r as f64).powi(2)).sum();
             let den: f64 = contribution.iter().map(|&c| (c as f64).powi(2)).sum();
             (num / den).sqrt()
         });
-        Self { call, rel_err: rel_err(out, reference), contribution_err }
+        Self { call, layer, rel_err: rel_err(out, reference), contribution_err }
+    }
+
+    /// The worse of two checks of one call: a non-finite output first, then the larger error.
+    pub fn worse(self, other: StepCheck) -> StepCheck {
+        match (self.rel_err, other.rel_err) {
+            (None, _) => self,
+            (_, None) => other,
+            (Some(a), Some(b)) if b > a => other,
+            _ => self,
+        }
     }
 }
 
@@ -39,6 +54,17 @@ pub struct CacheCheck {
     pub unused_differing: usize,
     /// Relative error of the written slots against the reference's; `None` on NaN/Inf.
     pub written_rel_err: Option<f64>,
+}
+
+impl CacheCheck {
+    /// Two layers' checks as one: the differing elements summed, the written rows' error the worse.
+    pub fn and(self, other: CacheCheck) -> CacheCheck {
+        CacheCheck {
+            prefix_differing: self.prefix_differing + other.prefix_differing,
+            unused_differing: self.unused_differing + other.unused_differing,
+            written_rel_err: self.written_rel_err.zip(other.written_rel_err).map(|(a, b)| a.max(b)),
+        }
+    }
 }
 
 /// Read-only buffers after the run: any element changed is a broken contract.
@@ -68,9 +94,10 @@ pub fn correctness_gate(steps: &[StepCheck], cache: &CacheCheck, integrity: &Int
     if over > 0 {
         let (e, c) = worst.unwrap();
         problems.push(format!(
-            "{over} of {} steps over the tolerance; worst {e:.3e} at call {} (pos {}, {:?})",
+            "{over} of {} steps over the tolerance; worst {e:.3e} at call {}{} (pos {}, {:?})",
             steps.len(),
             c.index,
+            layer_of(steps, c),
             c.pos,
             c.phase
         ));
@@ -97,14 +124,24 @@ pub fn correctness_gate(steps: &[StepCheck], cache: &CacheCheck, integrity: &Int
     let detail = if passed {
         let (e, c) = worst.unwrap();
         format!(
-            "{} steps within {tol:.1e}; worst {e:.3e} at call {}; cache and read-only inputs intact",
+            "{} steps within {tol:.1e}; worst {e:.3e} at call {}{}; cache and read-only inputs intact",
             steps.len(),
-            c.index
+            c.index,
+            layer_of(steps, c)
         )
     } else {
         problems.join("; ")
     };
     Gate { name: "correctness", source: Source::Judge, passed, value, limit: tol, detail }
+}
+
+/// ", layer l" for call `c`'s check in a stack (where any check is past layer 0), else nothing.
+fn layer_of(steps: &[StepCheck], c: Call) -> String {
+    let stack = steps.iter().any(|s| s.layer > 0);
+    match steps.iter().find(|s| s.call == c) {
+        Some(s) if stack => format!(", layer {}", s.layer),
+        _ => String::new(),
+    }
 }
 
 #[cfg(test)]
@@ -125,13 +162,13 @@ mod tests {
         let g = Gates::TASK;
         let reference = [1.0f32, 2.0, 3.0, 4.0];
         let x = [0.5f32, 1.5, 2.5, 3.5];
-        let good = StepCheck::of(call(0), &[1.0, 2.0, 3.0, 4.01], &reference, &x);
+        let good = StepCheck::of(call(0), 0, &[1.0, 2.0, 3.0, 4.01], &reference, &x);
         assert!(correctness_gate(std::slice::from_ref(&good), &CLEAN_CACHE, &INTACT, &g).passed);
         // A pass-through is close in relative terms but its contribution error is 1.
-        let pass_through = StepCheck::of(call(1), &x, &reference, &x);
+        let pass_through = StepCheck::of(call(1), 0, &x, &reference, &x);
         assert!((pass_through.contribution_err.unwrap() - 1.0).abs() < 1e-9);
         assert!(!correctness_gate(&[good.clone(), pass_through], &CLEAN_CACHE, &INTACT, &g).passed);
-        let nan = StepCheck::of(call(2), &[f32::NAN, 2.0, 3.0, 4.0], &reference, &x);
+        let nan = StepCheck::of(call(2), 0, &[f32::NAN, 2.0, 3.0, 4.0], &reference, &x);
         assert_eq!(nan.rel_err, None);
         let gate = correctness_gate(&[good.clone(), nan], &CLEAN_CACHE, &INTACT, &g);
         assert!(!gate.passed && gate.detail.contains("NaN"), "{}", gate.detail);
@@ -141,7 +178,7 @@ mod tests {
     #[test]
     fn cache_and_read_only_violations_fail_correctness() {
         let g = Gates::TASK;
-        let steps = [StepCheck::of(call(0), &[1.0], &[1.0], &[0.0])];
+        let steps = [StepCheck::of(call(0), 0, &[1.0], &[1.0], &[0.0])];
         let cases = [
             (CacheCheck { prefix_differing: 3, ..CLEAN_CACHE }, INTACT, "prefix"),
             (CacheCheck { unused_differing: 1, ..CLEAN_CACHE }, INTACT, "no step owns"),

@@ -322,6 +322,7 @@ mod tests {
             ping_us: Summary::of(&[1.0]).unwrap(),
             inputs: vec![],
             outputs: vec![],
+            hidden: vec![],
         }
     }
 
