@@ -1,13 +1,19 @@
 /*
  * persistent_layer.h: the C ABI of an external persistent-layer submission.
  *
- * A submission is a shared library (.so) that exports the five functions below with C linkage. The
- * grader loads it (`grader run --submission path/to/libmine.so`), checks pl_abi_version() against the
- * PL_ABI_VERSION it was built with, then calls
+ * A submission is a shared library (.so) that exports the seven functions below with C linkage. The
+ * grader loads it (`grader run --submission path/to/libmine.so`), checks pl_abi_version() (see
+ * "Versioning" at the end), then, for one layer, calls
  *
  *     pl_build_layer(cfg, weights, cache, stream, &handle)    once, untimed
  *     pl_layer_step(handle, x, pos, out, stream)              once per decoded token, timed
  *     pl_teardown(handle)                                     once, at the end
+ *
+ * and for a stack of n_layers >= 2 layers (rule 11)
+ *
+ *     pl_build_stack(cfg, n_layers, weights, caches, stream, &handle)    once, untimed
+ *     pl_stack_step(handle, x, pos, hidden, out, stream)                 once per decoded token, timed
+ *     pl_teardown(handle)                                                once, at the end
  *
  * all from one host thread. This is the contract of docs/task.md ("The contract") in C.
  *
@@ -86,20 +92,39 @@
  *             ...                            (build, store the handle, return PL_OK)
  *         }
  *
- * Versioning: any change to these structs, functions or rules increments PL_ABI_VERSION; the grader
- * refuses a library whose pl_abi_version() differs from its own.
+ * 11. Stacks (version 2). A stack is n_layers layers of cfg's shape, each with its own weights and
+ *     cache: w[l] and caches[l] of pl_build_stack are layer l's (the arrays live only for the call;
+ *     the pointers in them may be kept). Layer 0 reads x, layer l > 0 reads row l - 1 of hidden;
+ *     layer l < n_layers - 1 writes its output into row l of hidden, and the last layer writes out.
+ *     hidden, (n_layers - 1, batch, d) bf16, is written in full at every call, so that each layer can
+ *     be judged on its own input (docs/stack.md: the grader does not run stacks yet). Rules 1 to 10
+ *     hold as for one layer, pl_build_stack and pl_stack_step in the place of pl_build_layer and
+ *     pl_layer_step, and for every layer: the weights of every layer are read-only, x is read-only,
+ *     and pl_stack_step writes slot pos of every layer's cache, hidden and out, and no other memory of
+ *     the grader. A stack of one is a layer: the grader builds it with pl_build_layer and steps it
+ *     with pl_layer_step, exactly as in version 1, so pl_build_stack always gets n_layers >= 2. A
+ *     handle of pl_build_stack goes only to pl_stack_step, one of pl_build_layer only to
+ *     pl_layer_step; pl_teardown takes either. A library that runs one layer, or not this many,
+ *     declines with PL_ERR_UNSUPPORTED from pl_build_stack naming its limit (`a stack of 80 layers:
+ *     this kernel runs one`), as in rule 10.
+ *
+ * Versioning: any change to these structs, functions or rules increments PL_ABI_VERSION. Version 2
+ * added pl_build_stack and pl_stack_step (rule 11) and changed nothing of version 1, so the grader
+ * loads a library of either: a version-1 library exports the five functions of one layer, runs one
+ * layer, and is declined a stack as unsupported; a version-2 library exports all seven. The grader
+ * refuses any other version.
  */
 #ifndef PERSISTENT_LAYER_H
 #define PERSISTENT_LAYER_H
 
 #include <stdint.h>
 
-#define PL_ABI_VERSION 1
+#define PL_ABI_VERSION 2
 
 /* Return codes. */
 #define PL_OK 0
 #define PL_ERR_INVALID_ARGUMENT 1 /* a NULL pointer, a bad size, a misaligned buffer, an unknown handle */
-#define PL_ERR_UNSUPPORTED 2      /* a config the submission does not implement (rule 10) */
+#define PL_ERR_UNSUPPORTED 2      /* a config or stack the submission does not implement (rules 10, 11) */
 #define PL_ERR_CUDA 3             /* a CUDA call failed (allocation, launch, ...) */
 #define PL_ERR_INTERNAL 4         /* anything else */
 
@@ -151,7 +176,19 @@ int pl_build_layer(const pl_config* cfg, const pl_weights* w, const pl_kv_cache*
  * of the cache given to pl_build_layer; all work on stream (rule 5). */
 int pl_layer_step(void* handle, const void* x, int32_t pos, void* out, void* stream);
 
-/* Frees everything pl_build_layer made. Called once per handle; NULL is ignored. May synchronise. */
+/* Version 2, untimed: a stack of n_layers >= 2 layers (rule 11), w and caches n_layers entries each,
+ * layer 0's first. Stores an opaque handle in *handle, as pl_build_layer; PL_ERR_UNSUPPORTED declines
+ * the stack. */
+int pl_build_stack(const pl_config* cfg, uint32_t n_layers, const pl_weights* w, const pl_kv_cache* caches,
+                   void* stream, void** handle);
+
+/* Version 2, timed: one decoded token at pos through every layer of the stack. Reads x (batch, d)
+ * bf16; writes hidden (n_layers - 1, batch, d) bf16, row l the output of layer l, out (batch, d) bf16,
+ * the last layer's output, and slot pos of every layer's cache; all work on stream (rules 5, 11). */
+int pl_stack_step(void* handle, const void* x, uint32_t pos, void* hidden, void* out, void* stream);
+
+/* Frees everything pl_build_layer or pl_build_stack made. Called once per handle; NULL is ignored. May
+ * synchronise. */
 void pl_teardown(void* handle);
 
 /* The message of the last failure on this thread (rule 8); "" when none. Never NULL. */

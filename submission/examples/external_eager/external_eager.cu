@@ -1,7 +1,8 @@
 // An example external submission: the layer of persistent_layer.h in plain CUDA C++, one launch per
 // op (10 per step), built into a shared library by scripts/build-example. It is correct and simple,
 // not fast: it fails the launch gates on purpose, like the built-in `reference`. Start from it to
-// write a real one.
+// write a real one. It speaks ABI version 2: a stack (pl_build_stack, pl_stack_step) runs the same
+// layer once per layer, one after another, on one set of scratch buffers.
 //
 // Every op reads bf16, computes in f32 (f32 accumulation in every reduction) and stores bf16, at the
 // rounding points of the grader's eager reference: h, q, k, v, q and k after RoPE, the attention output
@@ -246,12 +247,14 @@ std::string cuda_message(const char* what, cudaError_t e) {
 // Returns PL_ERR_CUDA when the launch just made was refused (bad configuration, no kernel image, ...).
 #define CHECK_LAUNCH(name) CHECK_CUDA(cudaGetLastError(), "launching " name)
 
-// Everything a step needs, made by pl_build_layer.
-struct Layer {
+// Everything a step needs, made by pl_build_layer (one layer) or pl_build_stack (several, which run one
+// after another and so share the scratch and the tables).
+struct Layers {
     uint32_t magic = MAGIC;
     pl_config cfg{};
-    pl_weights w{};
-    pl_kv_cache cache{};
+    // Each layer's weights and cache, layer 0's first.
+    std::vector<pl_weights> w;
+    std::vector<pl_kv_cache> cache;
     int attention_threads = 0;
     // Scratch, bf16: h and h2 (d), q (n_q * hd), k and v (n_kv * hd), a (n_q * hd), x1 (d), act (ffn).
     bf16 *h = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *a = nullptr, *x1 = nullptr, *h2 = nullptr,
@@ -262,13 +265,12 @@ struct Layer {
     float* scores = nullptr;
 };
 
-void destroy(Layer* layer) {
-    void* buffers[] = {layer->h,  layer->q,   layer->k,         layer->v,         layer->a,     layer->x1,
-                       layer->h2, layer->act, layer->cos_table, layer->sin_table, layer->scores};
+void destroy(Layers* L) {
+    void* buffers[] = {L->h, L->q, L->k, L->v, L->a, L->x1, L->h2, L->act, L->cos_table, L->sin_table, L->scores};
     for (void* p : buffers)
         if (p != nullptr) cudaFree(p);  // nothing to report to: teardown returns void
-    layer->magic = 0;
-    delete layer;
+    L->magic = 0;
+    delete L;
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -290,18 +292,28 @@ int validate(const pl_config& c) {
     return PL_OK;
 }
 
-int build(const pl_config* cfg, const pl_weights* w, const pl_kv_cache* cache, cudaStream_t stream, Layer* L) {
+// Checks layer `l`'s pointers and keeps them.
+int add_layer(uint32_t l, const pl_weights& w, const pl_kv_cache& cache, Layers* L) {
+    const std::string which = "layer " + std::to_string(l) + ": ";
+    const void* pointers[] = {w.in_norm, w.post_norm, w.q, w.k, w.v, w.o, w.gate, w.up, w.down, cache.k, cache.v};
+    for (const void* p : pointers)
+        if (p == nullptr) return fail(PL_ERR_INVALID_ARGUMENT, which + "a weight or cache pointer is NULL");
+    const void* matrices[] = {w.q, w.k, w.v, w.o, w.gate, w.up, w.down};
+    for (const void* p : matrices)
+        if (!aligned16(p)) return fail(PL_ERR_INVALID_ARGUMENT, which + "a weight matrix is not 16-byte aligned");
+    L->w.push_back(w);
+    L->cache.push_back(cache);
+    return PL_OK;
+}
+
+// The n layers of w and caches, and the scratch and tables they share.
+int build(const pl_config* cfg, uint32_t n, const pl_weights* w, const pl_kv_cache* caches, cudaStream_t stream,
+          Layers* L) {
     const pl_config& c = *cfg;
     if (const int rc = validate(c)) return rc;
-    const void* pointers[] = {w->in_norm, w->post_norm, w->q, w->k, w->v, w->o, w->gate, w->up, w->down, cache->k, cache->v};
-    for (const void* p : pointers)
-        if (p == nullptr) return fail(PL_ERR_INVALID_ARGUMENT, "a weight or cache pointer is NULL");
-    const void* matrices[] = {w->q, w->k, w->v, w->o, w->gate, w->up, w->down};
-    for (const void* p : matrices)
-        if (!aligned16(p)) return fail(PL_ERR_INVALID_ARGUMENT, "a weight matrix is not 16-byte aligned");
+    for (uint32_t l = 0; l < n; ++l)
+        if (const int rc = add_layer(l, w[l], caches[l], L)) return rc;
     L->cfg = c;
-    L->w = *w;
-    L->cache = *cache;
     L->attention_threads = c.hd <= 512 ? 512 : MAX_HD;
 
     const size_t qd = (size_t)c.n_q * c.hd, kvd = (size_t)c.n_kv * c.hd, half = (size_t)c.hd / 2;
@@ -346,12 +358,13 @@ int build(const pl_config* cfg, const pl_weights* w, const pl_kv_cache* cache, c
 
 int blocks_for(int64_t n, int per_block) { return (int)((n + per_block - 1) / per_block); }
 
-int step(Layer* L, const bf16* x, int32_t pos, bf16* out, cudaStream_t stream) {
+// Layer l at pos: out from x, K and V into slot pos of layer l's cache.
+int step(const Layers* L, size_t l, const bf16* x, int32_t pos, bf16* out, cudaStream_t stream) {
     const pl_config& c = L->cfg;
-    const pl_weights& w = L->w;
+    const pl_weights& w = L->w[l];
     auto wt = [](const void* p) { return static_cast<const bf16*>(p); };
-    bf16* cache_k = static_cast<bf16*>(L->cache.k);
-    bf16* cache_v = static_cast<bf16*>(L->cache.v);
+    bf16* cache_k = static_cast<bf16*>(L->cache[l].k);
+    bf16* cache_v = static_cast<bf16*>(L->cache[l].v);
     const int qd = c.n_q * c.hd, kvd = c.n_kv * c.hd;
     const dim3 gemv_block(GEMV_WARPS * WARP);
 
@@ -386,6 +399,66 @@ int step(Layer* L, const bf16* x, int32_t pos, bf16* out, cudaStream_t stream) {
     return PL_OK;
 }
 
+// Every layer at pos, one after another: layer l reads x or row l - 1 of hidden and writes row l of
+// hidden, the last one out. hidden is (layers - 1, batch, d); NULL for one layer.
+int step_all(const Layers* L, const bf16* x, int32_t pos, bf16* hidden, bf16* out, cudaStream_t stream) {
+    const size_t row = (size_t)L->cfg.batch * L->cfg.d, last = L->w.size() - 1;
+    for (size_t l = 0; l <= last; ++l) {
+        const bf16* in = l == 0 ? x : hidden + (l - 1) * row;
+        if (const int rc = step(L, l, in, pos, l == last ? out : hidden + l * row, stream)) return rc;
+    }
+    return PL_OK;
+}
+
+// pl_build_layer and pl_build_stack: a handle of n layers in *handle, or none and the error
+// (`function` names the entry point in messages).
+int make(const char* function, const pl_config* cfg, uint32_t n, const pl_weights* w, const pl_kv_cache* caches,
+         void* stream, void** handle) {
+    try {
+        const std::string name(function);
+        if (cfg == nullptr || w == nullptr || caches == nullptr || handle == nullptr)
+            return fail(PL_ERR_INVALID_ARGUMENT, name + ": its pointer arguments must not be NULL");
+        if (n == 0) return fail(PL_ERR_INVALID_ARGUMENT, name + ": a stack of no layers");
+        *handle = nullptr;
+        Layers* L = new Layers();
+        const int rc = build(cfg, n, w, caches, static_cast<cudaStream_t>(stream), L);
+        if (rc != PL_OK) {
+            destroy(L);
+            return rc;
+        }
+        *handle = L;
+        return PL_OK;
+    } catch (const std::exception& e) {
+        return fail(PL_ERR_INTERNAL, std::string(function) + ": " + e.what());
+    } catch (...) {
+        return fail(PL_ERR_INTERNAL, std::string(function) + ": unknown exception");
+    }
+}
+
+// pl_layer_step (`one_layer`: a handle of pl_build_layer) and pl_stack_step (any handle; hidden may be
+// NULL for one layer), its arguments checked first (`function` names the entry point in messages).
+int run(const char* function, bool one_layer, void* handle, const void* x, int64_t pos, void* hidden, void* out,
+        void* stream) {
+    try {
+        const Layers* L = static_cast<const Layers*>(handle);
+        const std::string name(function);
+        if (L == nullptr || L->magic != MAGIC || (one_layer && L->w.size() != 1))
+            return fail(PL_ERR_INVALID_ARGUMENT,
+                        name + ": not a handle from " + (one_layer ? "pl_build_layer" : "pl_build_stack"));
+        if (x == nullptr || out == nullptr || (L->w.size() > 1 && hidden == nullptr))
+            return fail(PL_ERR_INVALID_ARGUMENT, name + ": x, out or hidden is NULL");
+        if (pos < 0 || pos >= L->cfg.max_seq_len)
+            return fail(PL_ERR_INVALID_ARGUMENT, name + ": pos " + std::to_string(pos) + " is outside the cache's " +
+                                                     std::to_string(L->cfg.max_seq_len) + " slots");
+        return step_all(L, static_cast<const bf16*>(x), (int32_t)pos, static_cast<bf16*>(hidden),
+                        static_cast<bf16*>(out), static_cast<cudaStream_t>(stream));
+    } catch (const std::exception& e) {
+        return fail(PL_ERR_INTERNAL, std::string(function) + ": " + e.what());
+    } catch (...) {
+        return fail(PL_ERR_INTERNAL, std::string(function) + ": unknown exception");
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -393,46 +466,26 @@ extern "C" {
 uint32_t pl_abi_version(void) { return PL_ABI_VERSION; }
 
 int pl_build_layer(const pl_config* cfg, const pl_weights* w, const pl_kv_cache* cache, void* stream, void** handle) {
-    try {
-        if (cfg == nullptr || w == nullptr || cache == nullptr || handle == nullptr)
-            return fail(PL_ERR_INVALID_ARGUMENT, "pl_build_layer: cfg, w, cache and handle must not be NULL");
-        *handle = nullptr;
-        Layer* layer = new Layer();
-        const int rc = build(cfg, w, cache, static_cast<cudaStream_t>(stream), layer);
-        if (rc != PL_OK) {
-            destroy(layer);
-            return rc;
-        }
-        *handle = layer;
-        return PL_OK;
-    } catch (const std::exception& e) {
-        return fail(PL_ERR_INTERNAL, std::string("pl_build_layer: ") + e.what());
-    } catch (...) {
-        return fail(PL_ERR_INTERNAL, "pl_build_layer: unknown exception");
-    }
+    return make("pl_build_layer", cfg, 1, w, cache, stream, handle);
 }
 
 int pl_layer_step(void* handle, const void* x, int32_t pos, void* out, void* stream) {
-    try {
-        Layer* layer = static_cast<Layer*>(handle);
-        if (layer == nullptr || layer->magic != MAGIC)
-            return fail(PL_ERR_INVALID_ARGUMENT, "pl_layer_step: not a handle from pl_build_layer");
-        if (x == nullptr || out == nullptr) return fail(PL_ERR_INVALID_ARGUMENT, "pl_layer_step: x or out is NULL");
-        if (pos < 0 || pos >= layer->cfg.max_seq_len)
-            return fail(PL_ERR_INVALID_ARGUMENT, "pl_layer_step: pos " + std::to_string(pos) + " is outside the cache's " +
-                                                     std::to_string(layer->cfg.max_seq_len) + " slots");
-        return step(layer, static_cast<const bf16*>(x), pos, static_cast<bf16*>(out), static_cast<cudaStream_t>(stream));
-    } catch (const std::exception& e) {
-        return fail(PL_ERR_INTERNAL, std::string("pl_layer_step: ") + e.what());
-    } catch (...) {
-        return fail(PL_ERR_INTERNAL, "pl_layer_step: unknown exception");
-    }
+    return run("pl_layer_step", true, handle, x, pos, nullptr, out, stream);
+}
+
+int pl_build_stack(const pl_config* cfg, uint32_t n_layers, const pl_weights* w, const pl_kv_cache* caches,
+                   void* stream, void** handle) {
+    return make("pl_build_stack", cfg, n_layers, w, caches, stream, handle);
+}
+
+int pl_stack_step(void* handle, const void* x, uint32_t pos, void* hidden, void* out, void* stream) {
+    return run("pl_stack_step", false, handle, x, pos, hidden, out, stream);
 }
 
 void pl_teardown(void* handle) {
-    Layer* layer = static_cast<Layer*>(handle);
-    if (layer == nullptr || layer->magic != MAGIC) return;
-    destroy(layer);
+    Layers* L = static_cast<Layers*>(handle);
+    if (L == nullptr || L->magic != MAGIC) return;
+    destroy(L);
 }
 
 const char* pl_last_error(void) { return last_error.c_str(); }

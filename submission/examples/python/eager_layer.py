@@ -9,6 +9,9 @@ reference`, 21 launches per step).
 Numerics follow the eager reference's bf16 rounding points: every op's result is stored as bf16,
 RMSNorm and attention scores/probabilities are computed in fp32, matrix-vector products
 accumulate in fp32 (cuBLAS).
+
+A stack of layers (`cfg["layers"]` > 1) runs the same layer once per layer, one after another:
+layer l reads x or row l - 1 of `hidden` and writes row l, the last returns x_out.
 """
 import math
 
@@ -18,16 +21,15 @@ BF16 = torch.bfloat16
 
 
 def build_layer(weights, kv_cache, cfg, max_seq_len):
-    """Untimed: the RoPE table for every position, and one step on a scratch cache so that cuBLAS
-    and the caching allocator are warm before the first timed call."""
-    w = weights["layers"][0]
-    k_cache, v_cache = kv_cache[0]
-    hd, device = cfg["hd"], w["q"].device
+    """Untimed: the RoPE table for every position, and one layer's step on a scratch cache so that
+    cuBLAS and the caching allocator are warm before the first timed call."""
+    layers = [{"w": w, "k": k, "v": v} for w, (k, v) in zip(weights["layers"], kv_cache)]
+    hd, device = cfg["hd"], layers[0]["w"]["q"].device
     inv_freq = cfg["theta"] ** (-2.0 * torch.arange(hd // 2, dtype=torch.float64, device=device) / hd)
     angles = torch.arange(max_seq_len, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
-    state = {"w": w, "k": k_cache, "v": v_cache, "cfg": cfg, "cos": angles.cos().float(), "sin": angles.sin().float()}
-    scratch = dict(state, k=k_cache.clone(), v=v_cache.clone())
-    layer_step(scratch, torch.zeros(cfg["batch"], cfg["d"], dtype=BF16, device=device), max_seq_len - 1)
+    state = {"layers": layers, "cfg": cfg, "cos": angles.cos().float(), "sin": angles.sin().float()}
+    scratch = dict(layers[0], k=layers[0]["k"].clone(), v=layers[0]["v"].clone())
+    layer(state, scratch, torch.zeros(cfg["batch"], cfg["d"], dtype=BF16, device=device), max_seq_len - 1)
     torch.cuda.synchronize()
     return state
 
@@ -54,17 +56,34 @@ def attention(q, k_cache, v_cache, pos, n_kv):
     return torch.einsum("bngt,bntd->bngd", scores.softmax(-1), values).reshape(b, n_q * hd).to(BF16)
 
 
-def layer_step(state, x, pos):
-    w, cfg = state["w"], state["cfg"]
+def layer(state, lw, x, pos):
+    """One layer at pos: its output from x, and K and V written into slot pos of the layer's cache.
+    lw: the layer's weights and cache, {"w", "k", "v"}."""
+    w, cfg = lw["w"], state["cfg"]
     b, n_q, n_kv, hd, eps = x.shape[0], cfg["n_q"], cfg["n_kv"], cfg["hd"], cfg["eps"]
     h = rmsnorm(x, w["in_norm"], eps)
     cos, sin = state["cos"][pos], state["sin"][pos]
     q = rope((h @ w["q"].T).view(b, n_q, hd), cos, sin)
     k = rope((h @ w["k"].T).view(b, n_kv, hd), cos, sin)
-    state["k"][:, :, pos] = k
-    state["v"][:, :, pos] = (h @ w["v"].T).view(b, n_kv, hd)
-    a = attention(q, state["k"], state["v"], pos, n_kv)
+    lw["k"][:, :, pos] = k
+    lw["v"][:, :, pos] = (h @ w["v"].T).view(b, n_kv, hd)
+    a = attention(q, lw["k"], lw["v"], pos, n_kv)
     x1 = x + a @ w["o"].T
     h2 = rmsnorm(x1, w["post_norm"], eps)
     act = torch.nn.functional.silu(h2 @ w["gate"].T) * (h2 @ w["up"].T)
     return x1 + act @ w["down"].T
+
+
+def through(state, x, pos, hidden, one_layer):
+    """x through every layer by one_layer(state, lw, x, pos): layer l < L - 1 writes row l of hidden,
+    which the next layer reads (bf16, as the judge sees it); the last layer's output is returned."""
+    *inner, last = state["layers"]
+    for l, lw in enumerate(inner):
+        hidden[l] = one_layer(state, lw, x, pos)
+        x = hidden[l]
+    return one_layer(state, last, x, pos)
+
+
+def layer_step(state, x, pos, hidden=None):
+    """hidden: a stack's (L - 1, B, d) hidden states, to fill; one layer's step has none."""
+    return through(state, x, pos, hidden, layer)

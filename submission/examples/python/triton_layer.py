@@ -8,7 +8,8 @@ which the contract allows (the grader rounds it to bf16, the type of the next ca
 Triton compiles (with ptxas, in processes of its own) on the first launch of each kernel: that
 happens in build_layer, which is untimed and may start processes. The steps launch only kernels
 compiled there: no argument of a step changes a kernel's specialisation (the sizes are fixed by the
-config, and the caching allocator's buffers are always 16-byte aligned).
+config, and the caching allocator's buffers are always 16-byte aligned). A stack of layers runs this
+layer once per layer, as eager_layer.py does.
 """
 import torch
 import triton
@@ -71,18 +72,25 @@ def build_layer(weights, kv_cache, cfg, max_seq_len):
         raise ValueError(f"this example fuses one row; the config has batch {cfg['batch']}")
     state = eager.build_layer(weights, kv_cache, cfg, max_seq_len)
     # Compiles both kernels now (untimed), on data of the steps' shapes.
-    mlp(state["w"], torch.zeros(1, cfg["d"], dtype=BF16, device=state["w"]["q"].device), cfg["eps"])
+    w = state["layers"][0]["w"]
+    mlp(w, torch.zeros(1, cfg["d"], dtype=BF16, device=w["q"].device), cfg["eps"])
     torch.cuda.synchronize()
     return state
 
 
-def layer_step(state, x, pos):
-    w, cfg = state["w"], state["cfg"]
+def layer(state, lw, x, pos):
+    """One layer at pos, as eager_layer.layer with the MLP fused."""
+    w, cfg = lw["w"], state["cfg"]
     b, n_q, n_kv, hd = x.shape[0], cfg["n_q"], cfg["n_kv"], cfg["hd"]
     h = eager.rmsnorm(x, w["in_norm"], cfg["eps"])
     cos, sin = state["cos"][pos], state["sin"][pos]
     q = eager.rope((h @ w["q"].T).view(b, n_q, hd), cos, sin)
-    state["k"][:, :, pos] = eager.rope((h @ w["k"].T).view(b, n_kv, hd), cos, sin)
-    state["v"][:, :, pos] = (h @ w["v"].T).view(b, n_kv, hd)
-    a = eager.attention(q, state["k"], state["v"], pos, n_kv)
+    lw["k"][:, :, pos] = eager.rope((h @ w["k"].T).view(b, n_kv, hd), cos, sin)
+    lw["v"][:, :, pos] = (h @ w["v"].T).view(b, n_kv, hd)
+    a = eager.attention(q, lw["k"], lw["v"], pos, n_kv)
     return mlp(w, x + a @ w["o"].T, cfg["eps"])
+
+
+def layer_step(state, x, pos, hidden=None):
+    """hidden: a stack's (L - 1, B, d) hidden states, to fill; one layer's step has none."""
+    return eager.through(state, x, pos, hidden, layer)

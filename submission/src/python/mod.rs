@@ -7,6 +7,13 @@
 //! def teardown(handle)                                             # optional
 //! ```
 //!
+//! A stack of `L` layers (`build_stack`) is the same contract carrying every layer: `build_layer`
+//! gets `weights = {"layers": [...]}` with `L` dicts, `kv_cache` with `L` pairs and `cfg["layers"] =
+//! L`, and for `L > 1` each step is `layer_step(handle, x, pos, hidden)`, where `hidden`, `(L - 1,
+//! batch, d)` bf16, is filled in place (row `l` the output of layer `l`, the input of layer `l + 1`)
+//! and `x_out` is the last layer's output. One layer is called exactly as the contract states it,
+//! without `hidden`, so modules written for one layer keep working.
+//!
 //! `build_layer` declines a config it does not implement by raising `NotImplementedError` with the
 //! limit in its text (`raise NotImplementedError(f"hd = {cfg['hd']} is over this kernel's 128")`):
 //! the run ends `unsupported`, quoting that text. Any other exception, and `NotImplementedError`
@@ -52,8 +59,8 @@ pub struct PythonSubmission {
     name: String,
     shim: Shim,
     runner_scope: RunnerScope,
-    /// `(batch, d)` once built.
-    row: Option<(usize, usize)>,
+    /// What was built: `(layers, batch, d)`.
+    built: Option<(usize, usize, usize)>,
     /// Host staging of an fp32 `x_out` and its bf16 rounding, `batch * d` each: sized in
     /// `build_layer`, so a timed step allocates nothing.
     staging: (Vec<f32>, Vec<bf16>),
@@ -68,7 +75,7 @@ pub fn load(
 ) -> Result<Box<dyn Submission>, SubmissionError> {
     let shim = Shim::load(info, ordinal).map_err(SubmissionError::Python)?;
     let name = display_name(&info.module);
-    Ok(Box::new(PythonSubmission { name, shim, runner_scope, row: None, staging: (Vec::new(), Vec::new()) }))
+    Ok(Box::new(PythonSubmission { name, shim, runner_scope, built: None, staging: (Vec::new(), Vec::new()) }))
 }
 
 impl PythonSubmission {
@@ -108,6 +115,41 @@ impl PythonSubmission {
         // every submission, and the copy's source stays alive until the next step.
         Ok(())
     }
+
+    /// One step through the `layers` built: `hidden` is `None` for one layer, else the stack's hidden
+    /// states, which the module fills.
+    fn step(
+        &mut self,
+        dev: &Device,
+        layers: usize,
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        hidden: Option<&mut CudaSlice<bf16>>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), SubmissionError> {
+        let refused = SubmissionError::Refused;
+        let (built, batch, d) = self.built.ok_or_else(|| refused("layer_step before build_layer".into()))?;
+        if layers != built {
+            return Err(refused(format!("a step through {layers} layers; build_layer was given {built}")));
+        }
+        // The module writes `hidden` in full through a tensor of this shape, so its size is checked.
+        let hidden = match (hidden, layers) {
+            (None, 1) => None,
+            (Some(h), 2..) if h.len() == (layers - 1) * batch * d => Some((device_address(dev, h), layers - 1)),
+            (Some(_), 1) => return Err(refused("a step through one layer has no hidden states".into())),
+            _ => {
+                return Err(refused(format!(
+                    "a step through {layers} layers takes hidden states of (layers - 1, batch, d) = ({}, {batch}, {d})",
+                    layers - 1
+                )));
+            }
+        };
+        let output = self.shim.step(device_address(dev, x), pos, batch, d, hidden).map_err(SubmissionError::Python)?;
+        // All of the step's work, on whatever stream, is done before its output is read.
+        dev.synchronize()?;
+        let staging = &mut self.staging;
+        (self.runner_scope)(&mut || Self::copy_out(dev, output, out, staging))
+    }
 }
 
 impl Submission for PythonSubmission {
@@ -116,24 +158,7 @@ impl Submission for PythonSubmission {
     }
 
     fn build_layer(&mut self, dev: &Device, layer: Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
-        self.teardown();
-        let mut tensors = Vec::with_capacity(Tensor::ALL.len());
-        for &t in Tensor::WEIGHTS {
-            tensors.push(DeviceTensor {
-                name: t.name(),
-                address: device_address(dev, layer.weights.get(t)),
-                shape: t.shape(cfg),
-            });
-        }
-        for (t, buffer) in [(Tensor::KCache, &layer.cache.k), (Tensor::VCache, &layer.cache.v)] {
-            tensors.push(DeviceTensor { name: t.name(), address: device_address(dev, buffer), shape: t.shape(cfg) });
-        }
-        dev.ctx().bind_to_thread().context("making the grader's context current for the submission")?;
-        // `NotImplementedError` declines the config (unsupported); anything else is the module failing.
-        self.shim.build(cfg, &tensors)?;
-        self.row = Some((cfg.batch, cfg.d));
-        self.staging = (vec![0.0; cfg.batch * cfg.d], vec![bf16::ZERO; cfg.batch * cfg.d]);
-        Ok(())
+        self.build_stack(dev, &mut [layer], cfg)
     }
 
     fn layer_step(
@@ -145,16 +170,51 @@ impl Submission for PythonSubmission {
         pos: usize,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError> {
-        let (batch, d) = self.row.ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
-        let output = self.shim.step(device_address(dev, x), pos, batch, d).map_err(SubmissionError::Python)?;
-        // All of the step's work, on whatever stream, is done before its output is read.
-        dev.synchronize()?;
-        let staging = &mut self.staging;
-        (self.runner_scope)(&mut || Self::copy_out(dev, output, out, staging))
+        self.step(dev, 1, x, pos, None, out)
+    }
+
+    /// Every layer's tensors to the one `build_layer` of the module, in order.
+    fn build_stack(&mut self, dev: &Device, layers: &mut [Layer<'_>], cfg: &Config) -> Result<(), SubmissionError> {
+        if layers.is_empty() {
+            return Err(SubmissionError::Refused("a stack of no layers".into()));
+        }
+        self.teardown();
+        let tensors = |layer: &Layer<'_>| {
+            let weights = Tensor::WEIGHTS.iter().map(|&t| (t, layer.weights.get(t)));
+            let cache = [(Tensor::KCache, &layer.cache.k), (Tensor::VCache, &layer.cache.v)];
+            weights
+                .chain(cache)
+                .map(|(t, buffer)| DeviceTensor {
+                    name: t.name(),
+                    address: device_address(dev, buffer),
+                    shape: t.shape(cfg),
+                })
+                .collect::<Vec<_>>()
+        };
+        let tensors: Vec<_> = layers.iter().map(tensors).collect();
+        dev.ctx().bind_to_thread().context("making the grader's context current for the submission")?;
+        // `NotImplementedError` declines the config (unsupported); anything else is the module failing.
+        self.shim.build(cfg, &tensors)?;
+        self.built = Some((layers.len(), cfg.batch, cfg.d));
+        self.staging = (vec![0.0; cfg.batch * cfg.d], vec![bf16::ZERO; cfg.batch * cfg.d]);
+        Ok(())
+    }
+
+    fn stack_step(
+        &mut self,
+        dev: &Device,
+        // The caches were handed over in build_stack as tensors; the module writes them through them.
+        layers: &mut [Layer<'_>],
+        x: &CudaSlice<bf16>,
+        pos: usize,
+        hidden: Option<&mut CudaSlice<bf16>>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), SubmissionError> {
+        self.step(dev, layers.len(), x, pos, hidden, out)
     }
 
     fn teardown(&mut self) {
-        if self.row.take().is_some()
+        if self.built.take().is_some()
             && let Err(e) = self.shim.teardown()
         {
             // Teardown is optional in the contract and its failure changes no verdict; say it.

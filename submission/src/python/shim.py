@@ -146,25 +146,35 @@ def start(setup_json, ordinal):
 
 
 @_entry("build_layer")
-def build(cfg_json, names, capsules, max_seq_len):
+def build(cfg_json, layers, max_seq_len):
+    """layers: per layer, its tensors' comma-separated names and their capsules, layer 0's first."""
     import json
     global _handle
-    tensors = dict(zip(names.split(","), (_t.from_dlpack(c) for c in capsules)))
-    cache = [(tensors.pop("k_cache"), tensors.pop("v_cache"))]
+    weights, caches = [], []
+    for names, capsules in layers:
+        tensors = dict(zip(names.split(","), (_t.from_dlpack(c) for c in capsules)))
+        caches.append((tensors.pop("k_cache"), tensors.pop("v_cache")))
+        weights.append(tensors)
     cfg = json.loads(cfg_json)
     cfg["wdtype"] = _t.bfloat16
     try:
-        _handle = _user.build_layer({"layers": [tensors]}, cache, cfg, max_seq_len)
+        _handle = _user.build_layer({"layers": weights}, caches, cfg, max_seq_len)
     except _NotImplementedError as e:
         raise Declined(_unsupported(e))
     return 0, 0, 0
 
 
 @_entry("layer_step")
-def step(capsule, pos, batch, d):
+def step(capsule, pos, batch, d, hidden=None):
+    """hidden: a stack's (layers - 1, batch, d) capsule, which layer_step gets as a fourth argument to
+    fill; one layer's layer_step is called with three, as the contract always called it."""
     global _last
     _last = None
-    out = _user.layer_step(_handle, _t.from_dlpack(capsule), pos)
+    x = _t.from_dlpack(capsule)
+    if hidden is None:
+        out = _user.layer_step(_handle, x, pos)
+    else:
+        out = _user.layer_step(_handle, x, pos, _t.from_dlpack(hidden))
     # Kept until the next step, so its memory stays allocated while the runner copies it.
     _last = out
     return _check(out, batch, d)

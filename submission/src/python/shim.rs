@@ -130,10 +130,11 @@ impl Shim {
         Ok(if error.is_empty() { Answer::Done(values) } else { Answer::Failed { message: error, kind: values[0] } })
     }
 
-    /// `build_layer(weights, kv_cache, cfg, max_seq_len)`, the tensors aliasing `tensors`.
-    pub fn build(&self, cfg: &Config, tensors: &[DeviceTensor<'_>]) -> Result<(), BuildError> {
+    /// `build_layer(weights, kv_cache, cfg, max_seq_len)` for a stack of `layers.len()` layers (`cfg`'s
+    /// `layers` in the dict), layer `l`'s tensors aliasing `layers[l]`.
+    pub fn build(&self, cfg: &Config, layers: &[Vec<DeviceTensor<'_>>]) -> Result<(), BuildError> {
         let cfg_json = serde_json::to_string(&Cfg {
-            layers: 1,
+            layers: layers.len(),
             batch: cfg.batch,
             d: cfg.d,
             ffn: cfg.ffn,
@@ -144,18 +145,18 @@ impl Shim {
             theta: cfg.theta,
         })
         .map_err(|e| BuildError::Failed(e.to_string()))?;
-        let names: Vec<&str> = tensors.iter().map(|t| t.name).collect();
         let gil = self.python.gil();
         let answer = self
             .answer(&gil, "build", |g| {
-                let capsules =
-                    tensors.iter().map(|t| self.capsule(g, t.address, &t.shape)).collect::<Result<_, _>>()?;
-                Ok(vec![
-                    g.str(&cfg_json)?,
-                    g.str(&names.join(","))?,
-                    g.tuple(capsules)?,
-                    g.int(cfg.max_seq_len as i64)?,
-                ])
+                // Per layer, its tensors' names (comma-separated) and their capsules.
+                let layer = |tensors: &Vec<DeviceTensor<'_>>| {
+                    let names: Vec<&str> = tensors.iter().map(|t| t.name).collect();
+                    let capsules =
+                        tensors.iter().map(|t| self.capsule(g, t.address, &t.shape)).collect::<Result<_, _>>()?;
+                    g.tuple(vec![g.str(&names.join(","))?, g.tuple(capsules)?])
+                };
+                let layers = layers.iter().map(layer).collect::<Result<_, _>>()?;
+                Ok(vec![g.str(&cfg_json)?, g.tuple(layers)?, g.int(cfg.max_seq_len as i64)?])
             })
             .map_err(BuildError::Failed)?;
         match answer {
@@ -165,16 +166,29 @@ impl Shim {
         }
     }
 
-    /// `layer_step(handle, x, pos)` with `x` the `(batch, d)` tensor at `x_address`.
-    pub fn step(&self, x_address: u64, pos: usize, batch: usize, d: usize) -> Result<Output, String> {
+    /// `layer_step(handle, x, pos)` with `x` the `(batch, d)` tensor at `x_address`; for a stack,
+    /// `layer_step(handle, x, pos, hidden)` with `hidden = Some((address, rows))` the `(rows, batch, d)`
+    /// tensor at `address`, `rows` being the stack's layers but the last.
+    pub fn step(
+        &self,
+        x_address: u64,
+        pos: usize,
+        batch: usize,
+        d: usize,
+        hidden: Option<(u64, usize)>,
+    ) -> Result<Output, String> {
         let gil = self.python.gil();
         let [address, dtype, _] = self.call(&gil, "step", |g| {
-            Ok(vec![
+            let mut args = vec![
                 self.capsule(g, x_address, &[batch, d])?,
                 g.int(pos as i64)?,
                 g.int(batch as i64)?,
                 g.int(d as i64)?,
-            ])
+            ];
+            if let Some((address, rows)) = hidden {
+                args.push(self.capsule(g, address, &[rows, batch, d])?);
+            }
+            Ok(args)
         })?;
         let dtype = match dtype {
             0 => Dtype::Bf16,

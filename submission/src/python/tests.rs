@@ -25,21 +25,27 @@ fn load(module: &str) -> Result<Shim, String> {
     Shim::load(&info, 0)
 }
 
-fn tensors(cfg: &Config) -> Vec<DeviceTensor<'static>> {
-    Tensor::ALL
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| DeviceTensor { name: t.name(), address: BASE + ((i as u64) << 20), shape: t.shape(cfg) })
+/// Each of `cfg.layers` layers' tensors, layer by layer, each tensor at its own address.
+fn layers(cfg: &Config) -> Vec<Vec<DeviceTensor<'static>>> {
+    let per_layer = Tensor::ALL.len();
+    (0..cfg.layers)
+        .map(|l| {
+            let address = |i: usize| BASE + (((l * per_layer + i) as u64) << 20);
+            let tensors = Tensor::ALL.iter().enumerate();
+            tensors.map(|(i, &t)| DeviceTensor { name: t.name(), address: address(i), shape: t.shape(cfg) }).collect()
+        })
         .collect()
 }
 
 fn built(module: &str, cfg: &Config) -> Shim {
     let shim = load(module).unwrap();
-    shim.build(cfg, &tensors(cfg)).unwrap();
+    shim.build(cfg, &layers(cfg)).unwrap();
     shim
 }
 
 const X: u64 = BASE + (64 << 20);
+/// A stack's hidden states.
+const HIDDEN: u64 = BASE + (96 << 20);
 
 /// Names, shapes, dtypes and the cfg dict reach build_layer as the task states them (the module
 /// asserts them), and each tensor aliases the address it was made from.
@@ -48,12 +54,33 @@ fn the_module_gets_the_contracts_tensors_and_cfg() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let cfg = Config::tiny();
     let shim = built("contract.py", &cfg);
-    for (pos, t) in tensors(&cfg).iter().enumerate() {
-        let out = shim.step(X, pos, cfg.batch, cfg.d).unwrap();
+    for (pos, t) in layers(&cfg)[0].iter().enumerate() {
+        let out = shim.step(X, pos, cfg.batch, cfg.d, None).unwrap();
         assert_eq!(out, Output { address: t.address, dtype: Dtype::Bf16 }, "{}", t.name);
     }
-    let x = shim.step(X, Tensor::ALL.len(), cfg.batch, cfg.d).unwrap();
+    let x = shim.step(X, Tensor::ALL.len(), cfg.batch, cfg.d, None).unwrap();
     assert_eq!(x.address, X, "x aliases its buffer");
+    shim.teardown().unwrap();
+}
+
+/// A stack's every layer reaches build_layer in order, `cfg["layers"]` its depth (the module asserts
+/// them); its steps get the `(layers - 1, B, d)` hidden states as a fourth argument, aliasing their
+/// buffer, and one without them breaks the module's contract.
+#[test]
+fn a_stack_carries_every_layer_and_the_hidden_states() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let cfg = Config { layers: 3, ..Config::tiny() };
+    let shim = built("contract.py", &cfg);
+    let hidden = Some((HIDDEN, cfg.layers - 1));
+    let given: Vec<u64> = layers(&cfg).iter().flatten().map(|t| t.address).collect();
+    assert_eq!(given.len(), 3 * Tensor::ALL.len());
+    for (pos, &address) in given.iter().enumerate() {
+        assert_eq!(shim.step(X, pos, cfg.batch, cfg.d, hidden).unwrap().address, address, "tensor {pos}");
+    }
+    assert_eq!(shim.step(X, given.len(), cfg.batch, cfg.d, hidden).unwrap().address, X);
+    assert_eq!(shim.step(X, given.len() + 1, cfg.batch, cfg.d, hidden).unwrap().address, HIDDEN);
+    let msg = shim.step(X, 0, cfg.batch, cfg.d, None).unwrap_err();
+    assert!(msg.contains("layer_step raised AssertionError: 0 hidden-state arguments for 3 layers"), "{msg}");
     shim.teardown().unwrap();
 }
 
@@ -72,10 +99,10 @@ fn wrong_outputs_are_refused_with_what_is_wrong() {
         "returned a builtins.list, not a plain torch.Tensor".into(),
     ];
     for (pos, words) in expected.iter().enumerate() {
-        let msg = shim.step(X, pos, cfg.batch, cfg.d).unwrap_err();
+        let msg = shim.step(X, pos, cfg.batch, cfg.d, None).unwrap_err();
         assert!(msg.contains(words.as_str()), "step {pos}: {msg}");
     }
-    assert_eq!(shim.step(X, expected.len(), cfg.batch, cfg.d).unwrap(), Output { address: X, dtype: Dtype::F32 });
+    assert_eq!(shim.step(X, expected.len(), cfg.batch, cfg.d, None).unwrap(), Output { address: X, dtype: Dtype::F32 });
 }
 
 /// A subclass is refused without any of its code running; a plain tensor is read through torch's
@@ -85,11 +112,11 @@ fn reading_the_output_runs_none_of_the_modules_code() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let cfg = Config::tiny();
     let shim = built("sneaky_outputs.py", &cfg);
-    let msg = shim.step(X, 0, cfg.batch, cfg.d).unwrap_err();
+    let msg = shim.step(X, 0, cfg.batch, cfg.d, None).unwrap_err();
     assert!(msg.contains("returned a sneaky_outputs.Lazy, not a plain torch.Tensor"), "{msg}");
     // Step 1 raises if anything of the subclass ran, then patches torch.Tensor's accessors.
-    assert_eq!(shim.step(X, 1, cfg.batch, cfg.d), Ok(Output { address: X, dtype: Dtype::Bf16 }));
-    shim.step(X, 2, cfg.batch, cfg.d).unwrap();
+    assert_eq!(shim.step(X, 1, cfg.batch, cfg.d, None), Ok(Output { address: X, dtype: Dtype::Bf16 }));
+    shim.step(X, 2, cfg.batch, cfg.d, None).unwrap();
 }
 
 /// An exception is named with a shortened traceback through the module's own frames.
@@ -98,7 +125,7 @@ fn exceptions_come_back_with_their_traceback() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let cfg = Config::tiny();
     let shim = built("raises.py", &cfg);
-    let msg = shim.step(X, 0, cfg.batch, cfg.d).unwrap_err();
+    let msg = shim.step(X, 0, cfg.batch, cfg.d, None).unwrap_err();
     assert!(msg.starts_with("layer_step raised ZeroDivisionError: division by zero"), "{msg}");
     assert!(msg.contains("raises.py:6 in layer_step | raises.py:10 in divide"), "{msg}");
     assert!(!msg.contains("grader shim"), "the shim's own frames are left out: {msg}");
@@ -152,7 +179,7 @@ fn not_implemented_in_build_layer_declines_the_config() {
     info.module = module;
     let shim = Shim::load(&info, 0).unwrap();
     let cfg = Config::tiny();
-    let build = || shim.build(&cfg, &tensors(&cfg));
+    let build = || shim.build(&cfg, &layers(&cfg));
     assert_eq!(build(), Err(BuildError::Unsupported("hd = 32 is over this module's 16".into())));
     assert_eq!(
         build(),
@@ -166,7 +193,7 @@ fn not_implemented_in_build_layer_declines_the_config() {
         other => panic!("{other:?}"),
     }
     build().unwrap();
-    let msg = shim.step(X, 0, cfg.batch, cfg.d).unwrap_err();
+    let msg = shim.step(X, 0, cfg.batch, cfg.d, None).unwrap_err();
     assert!(msg.starts_with("layer_step raised NotImplementedError: no steps"), "{msg}");
     // As the submission's error, what the runner reports.
     let declined = SubmissionError::from(BuildError::Unsupported("hd = 32 is over this module's 16".into()));
