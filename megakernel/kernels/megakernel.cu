@@ -293,17 +293,76 @@ __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\
 template <uint32_t PENDING>
 __device__ inline void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
 
+// Where a GEMV phase's weight rows come from. Packed: one matrix whose rows are in the order the phase
+// computes them, a stage one bulk copy. In place (a stack too large for packed copies): Qkv's and
+// GateUp's rows come in pairs, (i, i + hd/2) of a head or (gate r, up r), from the layout the contract
+// hands over, where the two rows of a pair lie in different runs; a stage then holds its pairs' first
+// rows and then their second rows, each run one bulk copy, and the GEMV's epilogue sees them in pair
+// order as from a packed stage (RowStream::run). Thread 0 sets it when it primes a GEMV phase, before
+// the phase's own stages; every thread reads `grouped` after the phase's wait (a __syncthreads).
+constexpr uint32_t SOURCE_PACKED = 0;
+constexpr uint32_t SOURCE_QKV = 1;      // base: Wq, Wk, Wv
+constexpr uint32_t SOURCE_GATE_UP = 2;  // base: Wgate, Wup
+struct RowSource {
+    uint32_t kind;
+    bool grouped;  // a stage holds its pairs' first rows, then their second rows
+    const char* base[3];
+    uint32_t q_pairs, kv_pairs, half;  // Qkv: pairs of the q heads, of the k (and v) heads; hd / 2
+};
+__shared__ RowSource row_source;
+
+// Where packed row p (a pair's member p % 2) of the phase starts in the handed layout, rows of
+// `row_bytes`.
+__device__ inline const char* handed_row(const RowSource& src, uint32_t p, uint32_t row_bytes) {
+    const uint32_t pair = p / 2, member = p % 2;
+    if (src.kind == SOURCE_GATE_UP) return src.base[member] + (size_t)pair * row_bytes;
+    // Qkv: q heads' pairs, then k's, then v's; pair j of a tensor is row (j / half) * hd + j % half of
+    // its heads, and its second member half rows further (pack::qkv_source).
+    const uint32_t t = pair < src.q_pairs ? 0 : pair < src.q_pairs + src.kv_pairs ? 1 : 2;
+    const uint32_t j = pair - (t == 0 ? 0 : t == 1 ? src.q_pairs : src.q_pairs + src.kv_pairs);
+    const uint32_t row = (j / src.half) * 2 * src.half + j % src.half + member * src.half;
+    return src.base[t] + (size_t)row * row_bytes;
+}
+
+// Thread 0: copies stage rows [first, first + count) of an in-place source into `dst`, its pairs' first
+// rows, then their second rows (one row when count is 1), one bulk copy per run of rows that lie
+// next to each other in the source.
+__device__ inline void gather_stage(const RowSource& src, uint4* dst, uint32_t first, uint32_t count, uint32_t row_bytes, uint64_t* bar) {
+    const uint32_t pairs = count / 2, members = pairs == 0 ? 1 : 2, per_member = pairs == 0 ? 1 : pairs;
+    const char* run = nullptr;
+    char* run_dst = reinterpret_cast<char*>(dst);
+    uint32_t run_bytes = 0;
+    for (uint32_t m = 0; m < members; ++m) {
+        for (uint32_t k = 0; k < per_member; ++k) {
+            const char* row = handed_row(src, pairs == 0 ? first : first + 2 * k + m, row_bytes);
+            if (run != nullptr && row == run + run_bytes) {
+                run_bytes += row_bytes;
+                continue;
+            }
+            if (run != nullptr) bulk_copy(run_dst, run, run_bytes, bar, l2_evict_first());
+            run = row;
+            run_dst = reinterpret_cast<char*>(dst) + (size_t)(m * per_member + k) * row_bytes;
+            run_bytes = row_bytes;
+        }
+    }
+    bulk_copy(run_dst, run, run_bytes, bar, l2_evict_first());
+}
+
 // A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
-// thread; each stage is STAGE_ROWS consecutive rows, so one bulk copy.
+// thread; each stage is STAGE_ROWS consecutive rows, one bulk copy from a packed matrix (or a few, one
+// per run, from the handed layout: see RowSource).
 template <uint32_t VPT>
 struct RowStream {
     static constexpr uint32_t STAGE_ROWS = STAGE_BYTES / 16 / (THREADS * VPT) > 0 ? STAGE_BYTES / 16 / (THREADS * VPT) : 1;
     static_assert(STAGE_ROWS * THREADS * VPT * 16 <= STAGE_BYTES, "a row must fit a ring stage");
     const bf16* w;  // (rows, vecs * VEC)
     uint32_t vecs, r0, n, nstages;
+    // Whether row_source may name an in-place source: false in the one-layer kernel, where the compiler
+    // then drops every read of it (they cost the graded layer 10 us, docs/perf.md).
+    bool in_place;
 
-    __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_)
-        : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), nstages((r1_ - r0_ + STAGE_ROWS - 1) / STAGE_ROWS) {}
+    __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_, bool in_place_)
+        : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), nstages((r1_ - r0_ + STAGE_ROWS - 1) / STAGE_ROWS), in_place(in_place_) {}
 
     __device__ const bf16* stage_rows(uint32_t st) const { return w + (size_t)(r0 + st * STAGE_ROWS) * vecs * VEC; }
     __device__ unsigned stage_bytes(uint32_t st) const { return min(STAGE_ROWS, n - st * STAGE_ROWS) * vecs * 16; }
@@ -313,10 +372,15 @@ struct RowStream {
     __device__ void issue(const Ring& ring, uint32_t st) const {
         if (threadIdx.x != 0 || st >= nstages) return;
         const uint32_t k = ring.seq + st;
+        uint4* slot = ring.data + (k % STAGES) * (STAGE_BYTES / 16);
         mbar_expect_tx(&ring.full[k % STAGES], stage_bytes(st));
+        if (in_place && row_source.kind != SOURCE_PACKED) {
+            gather_stage(row_source, slot, r0 + st * STAGE_ROWS, min(STAGE_ROWS, n - st * STAGE_ROWS), vecs * 16, &ring.full[k % STAGES]);
+            return;
+        }
         // Evict-first: each weight is read once a step, so its lines should not push out the cache and
         // the activations, which are read again (docs/perf.md measured it).
-        bulk_copy(ring.data + (k % STAGES) * (STAGE_BYTES / 16), stage_rows(st), stage_bytes(st), &ring.full[k % STAGES], l2_evict_first());
+        bulk_copy(slot, stage_rows(st), stage_bytes(st), &ring.full[k % STAGES], l2_evict_first());
     }
 
     // The first STAGES - 1 stages. Weights do not depend on anything the layer computes, so this runs
@@ -349,9 +413,13 @@ struct RowStream {
 #pragma unroll
             for (uint32_t i = 0; i < STAGE_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
             if (lane == 0) {
+                // A grouped stage holds its pairs' first rows, then their second rows: slot row i is
+                // pair i % pairs's member i / pairs.
+                const uint32_t count = min(STAGE_ROWS, n - st * STAGE_ROWS), pairs = in_place && row_source.grouped ? count / 2 : 0;
 #pragma unroll
                 for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
-                    if (st * STAGE_ROWS + i < n) part.red[(st * STAGE_ROWS + i) * WARPS + warp] = acc[i];
+                    const uint32_t r = pairs == 0 ? i : 2 * (i % pairs) + i / pairs;
+                    if (i < count) part.red[(st * STAGE_ROWS + r) * WARPS + warp] = acc[i];
                 }
             }
         }
@@ -362,16 +430,16 @@ struct RowStream {
 
 // Calls f(RowStream<VPT>) for the VPT of rows of `cols` bf16: the loops above unroll at compile time.
 template <typename F>
-__device__ void with_stream(const bf16* w, uint32_t cols, uint32_t r0, uint32_t r1, F f) {
+__device__ void with_stream(const bf16* w, uint32_t cols, uint32_t r0, uint32_t r1, bool in_place, F f) {
     const uint32_t vecs = cols / VEC;
     switch ((vecs + THREADS - 1) / THREADS) {
-        case 1: f(RowStream<1>(w, vecs, r0, r1)); break;
-        case 2: f(RowStream<2>(w, vecs, r0, r1)); break;
-        case 3: f(RowStream<3>(w, vecs, r0, r1)); break;
-        case 4: f(RowStream<4>(w, vecs, r0, r1)); break;
-        case 5: f(RowStream<5>(w, vecs, r0, r1)); break;
-        case 6: f(RowStream<6>(w, vecs, r0, r1)); break;
-        case 7: f(RowStream<7>(w, vecs, r0, r1)); break;
+        case 1: f(RowStream<1>(w, vecs, r0, r1, in_place)); break;
+        case 2: f(RowStream<2>(w, vecs, r0, r1, in_place)); break;
+        case 3: f(RowStream<3>(w, vecs, r0, r1, in_place)); break;
+        case 4: f(RowStream<4>(w, vecs, r0, r1, in_place)); break;
+        case 5: f(RowStream<5>(w, vecs, r0, r1, in_place)); break;
+        case 6: f(RowStream<6>(w, vecs, r0, r1, in_place)); break;
+        case 7: f(RowStream<7>(w, vecs, r0, r1, in_place)); break;
         default: __trap();  // the launcher refuses rows longer than MAX_VPT vectors per thread
     }
 }
@@ -380,27 +448,45 @@ __device__ void with_stream(const bf16* w, uint32_t cols, uint32_t r0, uint32_t 
 struct Gemv {
     const bf16* w;
     uint32_t cols, rows;
+    bool in_place;  // the phase's rows may come from an in-place source (a stack's layer: row_source)
 };
 
 // Where each GEMV phase's matrix is; attention has none.
 __device__ inline bool gemv_of(const OpRow& op, Gemv& g) {
     switch (op[0]) {
-        case OP_QKV: g = {reinterpret_cast<const bf16*>(layer_address(op, qkv::W)), (uint32_t)op[qkv::D], (uint32_t)((op[qkv::NQ] + 2 * op[qkv::NKv]) * op[qkv::Hd])}; return true;
-        case OP_O_PROJ: g = {reinterpret_cast<const bf16*>(layer_address(op, oproj::W)), (uint32_t)op[oproj::Cols], (uint32_t)op[oproj::Rows]}; return true;
-        case OP_GATE_UP: g = {reinterpret_cast<const bf16*>(layer_address(op, gateup::W)), (uint32_t)op[gateup::D], (uint32_t)(2 * op[gateup::Ffn])}; return true;
-        case OP_DOWN: g = {reinterpret_cast<const bf16*>(layer_address(op, down::W)), (uint32_t)op[down::Cols], (uint32_t)op[down::Rows]}; return true;
+        case OP_QKV: g = {reinterpret_cast<const bf16*>(layer_address(op, qkv::W)), (uint32_t)op[qkv::D], (uint32_t)((op[qkv::NQ] + 2 * op[qkv::NKv]) * op[qkv::Hd]), op.table != nullptr}; return true;
+        case OP_O_PROJ: g = {reinterpret_cast<const bf16*>(layer_address(op, oproj::W)), (uint32_t)op[oproj::Cols], (uint32_t)op[oproj::Rows], op.table != nullptr}; return true;
+        case OP_GATE_UP: g = {reinterpret_cast<const bf16*>(layer_address(op, gateup::W)), (uint32_t)op[gateup::D], (uint32_t)(2 * op[gateup::Ffn]), op.table != nullptr}; return true;
+        case OP_DOWN: g = {reinterpret_cast<const bf16*>(layer_address(op, down::W)), (uint32_t)op[down::Cols], (uint32_t)op[down::Rows], op.table != nullptr}; return true;
         default: return false;
     }
 }
 
 // Starts streaming this block's weights of phase `op` into the ring (nothing for a phase without a
 // GEMV).
+// Thread 0: where phase `op`'s rows come from. The layer's table names Wk, Wv and Wup when its Qkv and
+// GateUp rows are read in place; otherwise (and always for one layer) they are packed.
+__device__ inline void set_row_source(const OpRow& op) {
+    RowSource& src = row_source;
+    src.kind = SOURCE_PACKED;
+    src.grouped = false;
+    if (op.table == nullptr) return;
+    if (op[0] == OP_QKV && op.table[SLOT_WK] != 0) {
+        const uint32_t half = (uint32_t)op[qkv::Hd] / 2;
+        src = {SOURCE_QKV, true, {reinterpret_cast<const char*>(layer_address(op, qkv::W)), reinterpret_cast<const char*>(op.table[SLOT_WK]), reinterpret_cast<const char*>(op.table[SLOT_WV])},
+               (uint32_t)op[qkv::NQ] * half, (uint32_t)op[qkv::NKv] * half, half};
+    } else if (op[0] == OP_GATE_UP && op.table[SLOT_WUP] != 0) {
+        src = {SOURCE_GATE_UP, true, {reinterpret_cast<const char*>(layer_address(op, gateup::W)), reinterpret_cast<const char*>(op.table[SLOT_WUP]), nullptr}, 0, 0, 0};
+    }
+}
+
 __device__ void prime_phase(const OpRow& op, const Ring& ring) {
     Gemv g;
     if (!gemv_of(op, g)) return;
+    if (threadIdx.x == 0) set_row_source(op);
     uint32_t r0, r1;
     block_rows(g.rows, blocks_of(op), r0, r1);
-    with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.prime(ring); });
+    with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) { stream.prime(ring); });
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV.
@@ -416,7 +502,7 @@ __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     stamp(TRACE_INPUT);
-    with_stream(g.w, g.cols, r0, r1, [&](auto stream) { stream.run(s, ring, part); });
+    with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) { stream.run(s, ring, part); });
     stamp(TRACE_STREAMED);
 }
 

@@ -20,7 +20,13 @@ constexpr int PROGRAM_MAX_PHASES = 12;
 // of the running layer's address table plus (~w) >> LAYER_SLOT_BITS bytes (resolve()). Each table has
 // LAYER_WORDS words; the tables travel by value with the rows, one per layer (none for one layer, whose
 // rows hold its addresses themselves).
-constexpr int LAYER_WORDS = 12;
+constexpr int LAYER_WORDS = 15;
+// Slots of a layer's table that no row names but the kernel reads: a stack too large for packed copies
+// reads Qkv's and GateUp's rows in place, from Wq (the Qkv row's W) and these, and Wgate (GateUp's W)
+// and Wup; zero when they are packed.
+constexpr int SLOT_WK = 12;
+constexpr int SLOT_WV = 13;
+constexpr int SLOT_WUP = 14;
 constexpr int LAYER_SLOT_BITS = 4;
 constexpr int64_t LAYER_SLOT_MASK = (1 << LAYER_SLOT_BITS) - 1;
 // The most layers a stack kernel's parameter block holds tables for (spec's MAX_LAYERS).

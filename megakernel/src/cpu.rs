@@ -108,6 +108,25 @@ fn sub_config(cfg: &Config, n_q: usize, n_kv: usize) -> Config {
     Config { n_q, n_kv, ..cfg.clone() }
 }
 
+/// One layer's weights as handed over and its cache, in the arena, for streaming in place (the GPU's
+/// `handed_buffers`).
+fn handed_buffers(a: &mut Arena, w: &Weights, cache: &KvCache) -> LayerBuffers {
+    let mut at = |t: Tensor| a.alloc_bf16(w.get(t));
+    let (wq, wk, wv, wo, wg, wu, wd) =
+        (at(Tensor::Wq), at(Tensor::Wk), at(Tensor::Wv), at(Tensor::Wo), at(Tensor::Wgate), at(Tensor::Wup), at(Tensor::Wdown));
+    LayerBuffers {
+        w_qkv: [wq, 0],
+        in_norm: a.alloc_bf16(&w.in_norm),
+        k_cache: a.alloc_bf16(&cache.k),
+        v_cache: a.alloc_bf16(&cache.v),
+        w_o: [wo, 0],
+        w_gateup: wg,
+        post_norm: a.alloc_bf16(&w.post_norm),
+        w_down: [wd, 0, 0],
+        in_place: Some([wk, wv, wu]),
+    }
+}
+
 /// One layer's weights packed and its cache copied into the arena, as the GPU's `build_stack` does.
 fn layer_buffers(a: &mut Arena, cfg: &Config, w: &Weights, cache: &KvCache, plan: Plan) -> LayerBuffers {
     let groups = plan.halves(cfg);
@@ -124,18 +143,23 @@ fn layer_buffers(a: &mut Arena, cfg: &Config, w: &Weights, cache: &KvCache, plan
         w_gateup: a.alloc_bf16(&copy_packed(w, pack::gateup(cfg))),
         post_norm: a.alloc_bf16(&w.post_norm),
         w_down: column_parts(a, w, (0..parts).map(|k| pack::down(cfg, parts, k)).collect(), Tensor::Wdown),
+        in_place: None,
     }
 }
 
 impl CpuStack {
-    /// Packs and compiles exactly as the GPU `build_stack` does for a grid of `grid` blocks laid out
-    /// as `plan` says, over host buffers: one layer per `(weights, cache)`.
-    pub fn build(cfg: &Config, layers: &[(Weights, KvCache)], grid: u32, plan: Plan) -> Self {
+    /// Packs (or, `in_place`, leaves as handed over) and compiles exactly as the GPU `build_stack` does
+    /// for a grid of `grid` blocks laid out as `plan` says, over host buffers: one layer per `(weights,
+    /// cache)`.
+    pub fn build(cfg: &Config, layers: &[(Weights, KvCache)], grid: u32, plan: Plan, in_place: bool) -> Self {
         let mut a = Arena::default();
         let rope = RopeTable::new(cfg);
         let zeros = |n: usize| vec![0u8; n];
         let chunks = program::max_splits(cfg) * cfg.n_kv * cfg.group();
-        let tables: Vec<LayerBuffers> = layers.iter().map(|(w, c)| layer_buffers(&mut a, cfg, w, c, plan)).collect();
+        let tables: Vec<LayerBuffers> = layers
+            .iter()
+            .map(|(w, c)| if in_place { handed_buffers(&mut a, w, c) } else { layer_buffers(&mut a, cfg, w, c, plan) })
+            .collect();
         let buffers = Buffers {
             q: a.alloc(&zeros(2 * cfg.q_dim())),
             cos: a.alloc_f32(&rope.cos),
@@ -168,16 +192,17 @@ impl CpuStack {
         let mut outs: Vec<Vec<bf16>> = Vec::with_capacity(self.layers.len());
         for l in 0..self.layers.len() {
             let table = self.layers[l].table();
+            let in_place = self.layers[l].in_place;
             let x_l = if l == 0 { x.to_vec() } else { outs[l - 1].clone() };
             let mut out = Vec::new();
             for row in self.program.clone() {
                 let row = program::resolve_row(&row, &table);
                 match Op::from_word(row[0]).unwrap_or_else(|| panic!("unknown opcode {}", row[0])) {
                     Op::Nop => {}
-                    Op::Qkv => self.qkv(&row, &x_l, pos),
+                    Op::Qkv => self.qkv(&row, &x_l, pos, in_place),
                     Op::Attention => self.attention(&row, pos),
                     Op::OProj => self.oproj(&row, &x_l),
-                    Op::GateUp => self.gateup(&row),
+                    Op::GateUp => self.gateup(&row, in_place),
                     Op::Down => {
                         if let Some(o) = self.down(&row) {
                             out = o;
@@ -190,7 +215,18 @@ impl CpuStack {
         outs
     }
 
-    fn qkv(&mut self, r: &Row, x: &[bf16], pos: usize) {
+    /// The packed matrix of `rows` rows of `d` from `source(p)` (weight address, row) of each packed row
+    /// `p`: what the kernel's in-place stream gathers stage by stage.
+    fn gathered(&self, rows: usize, d: usize, source: impl Fn(usize) -> (u64, usize)) -> Vec<bf16> {
+        (0..rows)
+            .flat_map(|p| {
+                let (w, r) = source(p);
+                self.arena.bf16(w as i64 + (2 * r * d) as i64, d)
+            })
+            .collect()
+    }
+
+    fn qkv(&mut self, r: &Row, x: &[bf16], pos: usize, in_place: Option<[u64; 3]>) {
         let w = |i: qkv::Word| r[i as usize];
         let dim = |i: qkv::Word| r[i as usize] as usize;
         let (d, n_q, n_kv, hd, max_seq) = (dim(qkv::D), dim(qkv::NQ), dim(qkv::NKv), dim(qkv::Hd), dim(qkv::MaxSeq));
@@ -200,7 +236,18 @@ impl CpuStack {
         let eps = f32::from_bits(w(qkv::EpsBits) as u32);
         let h = golden::rmsnorm(x, &self.arena.bf16(w(qkv::Norm), d), eps);
         let rows = (n_q + 2 * n_kv) * hd;
-        let y = golden::gemv(&self.arena.bf16(w(qkv::W), rows * d), rows, d, &h);
+        let matrix = match in_place {
+            None => self.arena.bf16(w(qkv::W), rows * d),
+            Some([wk, wv, _]) => self.gathered(rows, d, |p| {
+                let (t, row) = qkv_source(cfg, Groups::all(cfg), p);
+                (match t {
+                    Tensor::Wq => w(qkv::W) as u64,
+                    Tensor::Wk => wk,
+                    _ => wv,
+                }, row)
+            }),
+        };
+        let y = golden::gemv(&matrix, rows, d, &h);
         // Unpack the pairs into q, k and v in their natural order.
         let (mut q, mut k, mut v) =
             (vec![bf16::ZERO; n_q * hd], vec![bf16::ZERO; n_kv * hd], vec![bf16::ZERO; n_kv * hd]);
@@ -278,12 +325,19 @@ impl CpuStack {
 
     /// GateUp's rows of the part of act the row names (its rows of the packed matrix are those of that
     /// part's gate/up pairs).
-    fn gateup(&mut self, r: &Row) {
+    fn gateup(&mut self, r: &Row, in_place: Option<[u64; 3]>) {
         let w = |i: gateup::Word| r[i as usize];
         let (d, ffn) = (w(gateup::D) as usize, w(gateup::Ffn) as usize);
         let eps = f32::from_bits(w(gateup::EpsBits) as u32);
         let h2 = golden::rmsnorm(&self.arena.bf16(w(gateup::X1), d), &self.arena.bf16(w(gateup::Norm), d), eps);
-        let y = golden::gemv(&self.arena.bf16(w(gateup::W), 2 * ffn * d), 2 * ffn, d, &h2);
+        let matrix = match in_place {
+            None => self.arena.bf16(w(gateup::W), 2 * ffn * d),
+            Some([_, _, wup]) => self.gathered(2 * ffn, d, |p| {
+                let (t, row) = pack::gateup_source(p);
+                (if t == Tensor::Wgate { w(gateup::W) as u64 } else { wup }, row)
+            }),
+        };
+        let y = golden::gemv(&matrix, 2 * ffn, d, &h2);
         let (gate, up): (Vec<bf16>, Vec<bf16>) = y.chunks(2).map(|p| (p[0], p[1])).unzip();
         self.arena.write_bf16(w(gateup::ActOut), &golden::silu_mul(&gate, &up));
     }
@@ -308,9 +362,15 @@ mod tests {
         matches_golden_with(cfg, grid, plan, phases, steps);
     }
 
-    /// The same for the program laid out as `plan` says, over `cfg.layers` layers, each with its own
-    /// weights and cache: every layer's output is the golden model's step on the layer before's.
+    /// The same for the program laid out as `plan` says, with packed weights, over `cfg.layers` layers.
     fn matches_golden_with(cfg: Config, grid: u32, plan: Plan, phases: usize, steps: usize) {
+        matches_golden_laid_out(cfg, grid, plan, false, phases, steps);
+    }
+
+    /// The same with the weights packed or, `in_place`, as handed over, over `cfg.layers` layers, each
+    /// with its own weights and cache: every layer's output is the golden model's step on the layer
+    /// before's.
+    fn matches_golden_laid_out(cfg: Config, grid: u32, plan: Plan, in_place: bool, phases: usize, steps: usize) {
         let seed: u64 = 0x5EED ^ cfg.d as u64;
         let layers: Vec<(Weights, KvCache)> = (0..cfg.layers)
             .map(|l| {
@@ -318,7 +378,7 @@ mod tests {
                 (golden::generate_weights(&cfg, s), KvCache::generate(&cfg, s))
             })
             .collect();
-        let mut stack = CpuStack::build(&cfg, &layers, grid, plan);
+        let mut stack = CpuStack::build(&cfg, &layers, grid, plan, in_place);
         assert_eq!(stack.program.len(), phases, "{} on {grid} blocks", cfg.name);
         let mut golden_caches: Vec<KvCache> = layers.iter().map(|(_, c)| c.clone()).collect();
         let table = RopeTable::new(&cfg);
@@ -347,7 +407,10 @@ mod tests {
         let cfg = Config { layers: 3, ..Config::tiny() };
         matches_golden(cfg.clone(), 132, 5, 2);
         let two = Plan::with(&cfg, 132, program::Forced { roles: Some(2), mlp_parts: Some(2) }).unwrap();
-        matches_golden_with(cfg, 132, two, 10, 2);
+        matches_golden_with(cfg.clone(), 132, two, 10, 2);
+        // Streamed in place: Qkv's and GateUp's rows gathered from the weights as handed over.
+        let one = Plan { roles: 1, mlp_parts: 1 };
+        matches_golden_laid_out(cfg, 132, one, true, 5, 2);
     }
 
     #[test]

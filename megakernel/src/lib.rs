@@ -168,12 +168,14 @@ struct Built {
 pub struct Megakernel {
     mode: Mode,
     forced: Forced,
+    /// Whether a stack streams Qkv and GateUp in place (`None`: only when packed copies do not fit).
+    in_place: Option<bool>,
     built: Option<Built>,
 }
 
 impl Megakernel {
     pub fn new(mode: Mode) -> Self {
-        Self { mode, forced: Forced::default(), built: None }
+        Self { mode, forced: Forced::default(), in_place: None, built: None }
     }
 
     /// The same, with the parts of the plan `forced` names in place of the compiler's choice (for
@@ -181,6 +183,13 @@ impl Megakernel {
     /// the layer cannot take, saying why.
     pub fn forcing(mut self, forced: Forced) -> Self {
         self.forced = forced;
+        self
+    }
+
+    /// The same, streaming a stack's Qkv and GateUp rows in place from the layout handed over (`true`)
+    /// or from packed copies (`false`), instead of choosing by the memory free (for checking both).
+    pub fn in_place(mut self, yes: bool) -> Self {
+        self.in_place = Some(yes);
         self
     }
 
@@ -449,18 +458,62 @@ fn packed_bytes(cfg: &Config, plan: Plan) -> u64 {
 /// needs.
 const PACKING_HEADROOM_BYTES: u64 = 1 << 30;
 
-/// Declines, as unsupported, a stack whose packed copies do not fit beside what is allocated already.
-fn check_packed_fit(dev: &Device, cfg: &Config, plan: Plan, layers: usize) -> Result<(), SubmissionError> {
+/// Why packed copies of `layers` layers under `plan` do not fit beside what is allocated already, or
+/// `None` when they do.
+fn packing_shortfall(dev: &Device, cfg: &Config, plan: Plan, layers: usize) -> Result<Option<String>, CudaError> {
     let need = packed_bytes(cfg, plan) * layers as u64;
     let (free, _) = dev.ctx().mem_get_info().context("reading free memory")?;
-    if need + PACKING_HEADROOM_BYTES > free as u64 {
-        return Err(SubmissionError::Unsupported(format!(
+    Ok((need + PACKING_HEADROOM_BYTES > free as u64).then(|| {
+        format!(
             "the megakernel's packed copies of {layers} layer(s) need {:.1} GB and {:.1} GB is free",
             need as f64 / 1e9,
             free as f64 / 1e9
-        )));
+        )
+    }))
+}
+
+fn packed_fit(dev: &Device, cfg: &Config, plan: Plan, layers: usize) -> Result<bool, CudaError> {
+    Ok(packing_shortfall(dev, cfg, plan, layers)?.is_none())
+}
+
+/// The plan of a stack that streams in place: one role and one MLP part, so that the O projection and
+/// Down read whole rows of `Wo` and `Wdown` as handed over (column parts would be packed copies); or
+/// why the layer cannot (its Down rows need parts).
+fn in_place_plan(cfg: &Config, grid: u32, layers: usize, forced: Forced) -> Result<Plan, SubmissionError> {
+    if layers == 1 {
+        return Err(SubmissionError::Refused("streaming in place is for stacks (one layer is packed)".into()));
     }
-    Ok(())
+    let one = Forced { roles: Some(1), mlp_parts: Some(1) };
+    if forced != Forced::default() && forced != one {
+        return Err(SubmissionError::Refused("streaming in place runs one role and one MLP part".into()));
+    }
+    check_fits(cfg, grid, one).map_err(|e| {
+        let why = match e {
+            SubmissionError::Unsupported(why) | SubmissionError::Refused(why) => why,
+            other => other.to_string(),
+        };
+        SubmissionError::Unsupported(format!(
+            "the stack's packed copies do not fit, and streaming it in place (one role, one MLP part) does not fit \
+             the kernel: {why}"
+        ))
+    })
+}
+
+/// One layer's addresses as handed over, for streaming in place: Qkv's rows from `Wq`, `Wk` and `Wv`,
+/// GateUp's from `Wgate` and `Wup`, the O projection's and Down's whole rows from `Wo` and `Wdown`.
+fn handed_buffers(dev: &Device, layer: &Layer<'_>) -> program::LayerBuffers {
+    let (w, a) = (layer.weights, |t: Tensor| device_address(dev, layer.weights.get(t)));
+    program::LayerBuffers {
+        w_qkv: [a(Tensor::Wq), 0],
+        in_norm: device_address(dev, &w.in_norm),
+        k_cache: device_address(dev, &layer.cache.k),
+        v_cache: device_address(dev, &layer.cache.v),
+        w_o: [a(Tensor::Wo), 0],
+        w_gateup: a(Tensor::Wgate),
+        post_norm: device_address(dev, &w.post_norm),
+        w_down: [a(Tensor::Wdown), 0, 0],
+        in_place: Some([a(Tensor::Wk), a(Tensor::Wv), a(Tensor::Wup)]),
+    }
 }
 
 /// One layer's packed weights (kept alive in `packed`) and its addresses.
@@ -495,6 +548,7 @@ fn layer_buffers(
         w_gateup: device_address(dev, &w_gateup),
         post_norm: device_address(dev, &w.post_norm),
         w_down: w_down_at,
+        in_place: None,
     };
     packed.extend(w_qkv.into_iter().chain(w_o).chain(w_down).chain([w_gateup]));
     Ok(buffers)
@@ -546,13 +600,23 @@ impl Submission for Megakernel {
         }
         // One grid per SM (red_rows is sized for it below).
         let grid = dev.facts().sms as u32;
-        let layout = check_fits(cfg, grid, self.forced)?;
-        check_packed_fit(dev, cfg, layout, layers.len())?;
+        let chosen = check_fits(cfg, grid, self.forced)?;
+        let in_place = match self.in_place {
+            Some(yes) => yes,
+            None => layers.len() > 1 && !packed_fit(dev, cfg, chosen, layers.len())?,
+        };
+        let layout = if in_place { in_place_plan(cfg, grid, layers.len(), self.forced)? } else { chosen };
+        if !in_place && let Some(why) = packing_shortfall(dev, cfg, layout, layers.len())? {
+            return Err(SubmissionError::Unsupported(why));
+        }
         let s = dev.stream();
         let mut packed = Vec::new();
         let tables = layers
             .iter()
-            .map(|layer| layer_buffers(dev, layer, cfg, layout, &mut packed))
+            .map(|layer| match in_place {
+                true => Ok(handed_buffers(dev, layer)),
+                false => layer_buffers(dev, layer, cfg, layout, &mut packed),
+            })
             .collect::<Result<Vec<_>, CudaError>>()?;
         let rope = RopeTable::new(cfg);
         let (cos, sin) =

@@ -54,7 +54,7 @@ pub const PREV_LAYER_WAITS: usize = 16;
 /// row names the addresses that differ between layers (weights, cache) by reference to its layer's
 /// table (see [`layer_ref`]), which the kernel resolves for the layer it runs. The tables travel by
 /// value with the rows; a one-layer program has its rows resolved instead.
-pub const LAYER_WORDS: usize = 12;
+pub const LAYER_WORDS: usize = 15;
 /// The most layers the stack kernel's parameter block holds tables for: the spec's deepest stack.
 pub const MAX_STACK_LAYERS: usize = spec::config::MAX_LAYERS;
 /// Low bits of a reference that name the slot; the rest is a byte offset.
@@ -75,6 +75,11 @@ pub enum Slot {
     WDown0,
     WDown1,
     WDown2,
+    /// No row names these; the kernel reads them to stream Qkv and GateUp in place (see
+    /// [`LayerBuffers::in_place`]).
+    WK,
+    WV,
+    WUp,
 }
 
 /// A row word standing for `slot`'s address plus `offset` bytes in the layer being run: negative, so
@@ -213,6 +218,10 @@ pub struct LayerBuffers {
     /// Per part of the MLP (`Plan::mlp_parts`; 0 past the last), `(d, its columns)`: the columns of `Wdown`
     /// that read its part of `act`. One part: `Wdown` itself.
     pub w_down: [u64; MAX_MLP_PARTS],
+    /// `Wk`, `Wv` and `Wup` as handed over, when Qkv and GateUp stream their rows in place (a stack
+    /// with no room for packed copies): `w_qkv[0]` is then `Wq` and `w_gateup` is `Wgate`, and the
+    /// kernel gathers each stage's pairs from them. `None`: packed.
+    pub in_place: Option<[u64; 3]>,
 }
 
 impl LayerBuffers {
@@ -235,6 +244,9 @@ impl LayerBuffers {
             (Slot::WDown0, d0),
             (Slot::WDown1, d1),
             (Slot::WDown2, d2),
+            (Slot::WK, self.in_place.map_or(0, |w| w[0])),
+            (Slot::WV, self.in_place.map_or(0, |w| w[1])),
+            (Slot::WUp, self.in_place.map_or(0, |w| w[2])),
         ] {
             t[slot as usize] = a as i64;
         }
@@ -669,6 +681,9 @@ mod tests {
         assert!(CUH.contains(&format!("LAYER_WORDS = {LAYER_WORDS};")));
         assert!(CUH.contains(&format!("LAYER_SLOT_BITS = {SLOT_BITS};")));
         assert!(CUH.contains(&format!("PROGRAM_MAX_LAYERS = {MAX_STACK_LAYERS};")));
+        for (slot, name) in [(Slot::WK, "SLOT_WK"), (Slot::WV, "SLOT_WV"), (Slot::WUp, "SLOT_WUP")] {
+            assert!(CUH.contains(&format!("{name} = {};", slot as usize)), "{name}");
+        }
         let upper = |op: Op| {
             let name = format!("{op:?}");
             let mut s = String::new();
@@ -728,6 +743,7 @@ mod tests {
             w_gateup: 14,
             post_norm: 15,
             w_down: [17, 21, 23],
+            in_place: None,
         }
     }
 

@@ -1,8 +1,10 @@
 //! The eager reference as a submission: one launch per elementary op. It passes correctness and
 //! fails the launch gates, which is the point: it shows what the gates measure.
 
+use std::mem::ManuallyDrop;
+
+use cuda::Device;
 use cuda::cudarc::driver::CudaSlice;
-use cuda::{Context, Device};
 use half::bf16;
 use reference::gpu::Eager;
 use spec::Config;
@@ -12,8 +14,6 @@ use crate::{Layer, Submission, SubmissionError};
 #[derive(Default)]
 pub struct EagerSubmission {
     eager: Option<Eager>,
-    /// A stack's state between layers: layer `l` writes buffer `l % 2` and reads the other.
-    between: Option<[CudaSlice<bf16>; 2]>,
 }
 
 impl Submission for EagerSubmission {
@@ -39,13 +39,10 @@ impl Submission for EagerSubmission {
         Ok(eager.step(dev, layer.weights, layer.cache, x, pos, out)?)
     }
 
-    /// Layer by layer, each through its own `layer_step`; the state between layers in two buffers of
-    /// its own, each layer's output copied into its row of `hidden`.
-    fn build_stack(&mut self, dev: &Device, layers: &mut [Layer<'_>], cfg: &Config) -> Result<(), SubmissionError> {
+    /// Layer by layer, each through the eager layer: layer `l` reads `x` or row `l - 1` of `hidden` and
+    /// writes row `l`, or `out` for the last, in place (views of `hidden`, no copies).
+    fn build_stack(&mut self, dev: &Device, _layers: &mut [Layer<'_>], cfg: &Config) -> Result<(), SubmissionError> {
         self.eager = Some(Eager::new(dev, cfg)?);
-        let row = cfg.batch * cfg.d;
-        let zeros = || dev.stream().alloc_zeros::<bf16>(row).context("allocating the state between layers");
-        self.between = if layers.len() > 1 { Some([zeros()?, zeros()?]) } else { None };
         Ok(())
     }
 
@@ -58,35 +55,33 @@ impl Submission for EagerSubmission {
         hidden: Option<&mut CudaSlice<bf16>>,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError> {
-        let (Some(between), Some(hidden)) = (self.between.as_mut(), hidden) else {
-            return match layers {
-                [one] => self.layer_step(dev, one.reborrow(), x, pos, out),
-                _ => Err(SubmissionError::Refused("stack_step before build_stack".into())),
-            };
-        };
-        let eager = self.eager.as_mut().expect("built with the state between layers");
+        let eager =
+            self.eager.as_mut().ok_or_else(|| SubmissionError::Refused("stack_step before build_stack".into()))?;
         let (row, last) = (out.len(), layers.len() - 1);
-        let [even, odd] = between;
-        for (l, layer) in layers.iter_mut().enumerate() {
-            let (input, output) = match (l == 0, l % 2 == 0) {
-                (true, _) => (x, &mut *even),
-                (false, true) => (&*odd, &mut *even),
-                (false, false) => (&*even, &mut *odd),
-            };
-            if l == last {
-                eager.step(dev, layer.weights, layer.cache, input, pos, out)?;
-                break;
+        let mut rows: Vec<ManuallyDrop<CudaSlice<bf16>>> = match hidden {
+            None if last == 0 => Vec::new(),
+            Some(h) if h.len() >= last * row => {
+                let base = crate::device_address(dev, h);
+                let view = |l: usize| {
+                    let at = base + (l * row * size_of::<bf16>()) as u64;
+                    // SAFETY: row l of `hidden`, a live allocation that outlives this call; the view is never
+                    // freed (ManuallyDrop), and no two views are used mutably at once.
+                    ManuallyDrop::new(unsafe { dev.stream().upgrade_device_ptr::<bf16>(at, row) })
+                };
+                (0..last).map(view).collect()
             }
+            _ => return Err(SubmissionError::Refused(format!("{} layers need hidden states of {} rows", last + 1, last))),
+        };
+        for (l, layer) in layers.iter_mut().enumerate() {
+            let (before, rest) = rows.split_at_mut(l.min(last));
+            let input: &CudaSlice<bf16> = if l == 0 { x } else { &before[l - 1] };
+            let output: &mut CudaSlice<bf16> = if l == last { &mut *out } else { &mut rest[0] };
             eager.step(dev, layer.weights, layer.cache, input, pos, output)?;
-            dev.stream()
-                .memcpy_dtod(&*output, &mut hidden.slice_mut(l * row..(l + 1) * row))
-                .context("copying a layer's output into the hidden states")?;
         }
         Ok(())
     }
 
     fn teardown(&mut self) {
         self.eager = None;
-        self.between = None;
     }
 }

@@ -38,21 +38,30 @@ pub fn checks() -> Vec<Check> {
         },
         Check {
             name: "megakernel matches eager over a stack (3 x small-g16, two roles)",
-            run: |c| stack_matches(c, Config { layers: 3, ..shape("small-g16", 32, 2, 128) }, 2),
+            run: |c| stack_matches(c, Config { layers: 3, ..shape("small-g16", 32, 2, 128) }, 2, false),
         },
         Check {
             name: "megakernel matches eager over a stack (stack-1b, 16 layers)",
-            run: |c| stack_matches(c, spec::family::find_stack("stack-1b").expect("a named stack").config(), 2),
+            run: |c| stack_matches(c, spec::family::find_stack("stack-1b").expect("a named stack").config(), 2, false),
+        },
+        Check {
+            name: "megakernel matches eager over a stack streamed in place (stack-1b)",
+            run: |c| stack_matches(c, spec::family::find_stack("stack-1b").expect("a named stack").config(), 2, true),
+        },
+        Check {
+            name: "megakernel matches eager over a stack streamed in place (3 x graded)",
+            run: |c| stack_matches(c, Config { name: "graded-x3".into(), layers: 3, ..Config::graded() }, 2, true),
         },
     ]
 }
 
 /// `steps` steps of the fused megakernel over the `cfg.layers` layers of a stack (each with its own
-/// weights and cache, in the compiler's plan), the phase-per-launch mode, and per layer the eager
+/// weights and cache, in the compiler's plan, packed or streaming Qkv and GateUp `in_place` from the
+/// weights as handed over), the phase-per-launch mode, and per layer the eager
 /// reference on the fused run's own input to that layer: fused and per-phase hidden states, outputs
 /// and caches bitwise equal, every layer within the gate of the eager layer, the last step bitwise
 /// equal when repeated.
-fn stack_matches(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
+fn stack_matches(ctx: &mut Ctx, cfg: Config, steps: usize, in_place: bool) -> CheckResult {
     let dev = &ctx.dev;
     if !dev.is_hopper() {
         return Err(Failure("the megakernel needs an sm_90 (Hopper) card".into()));
@@ -62,8 +71,8 @@ fn stack_matches(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
     let weights = seeds.iter().map(|&s| generate_weights(dev, &cfg, s)).collect::<Result<Vec<_>, _>>()?;
     let caches = || seeds.iter().map(|&s| DeviceCache::generate(dev, &cfg, s)).collect::<Result<Vec<_>, _>>();
     let (mut fused_caches, mut phases_caches, mut eager_caches) = (caches()?, caches()?, caches()?);
-    let mut fused = Megakernel::new(Mode::Fused);
-    let mut phases = Megakernel::new(Mode::PerPhase);
+    let mut fused = Megakernel::new(Mode::Fused).in_place(in_place);
+    let mut phases = Megakernel::new(Mode::PerPhase).in_place(in_place);
     fused.build_stack(dev, &mut layers(&weights, &mut fused_caches), &cfg)?;
     phases.build_stack(dev, &mut layers(&weights, &mut phases_caches), &cfg)?;
     let mut eager = Eager::new(dev, &cfg)?;
