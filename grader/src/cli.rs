@@ -55,7 +55,8 @@ pub enum Command {
     Bandwidth(BandwidthArgs),
     /// List the kernels of one step of a submission (name, grid, block, registers, time, share).
     Launches(LaunchesArgs),
-    /// Time each phase of the megakernel's phase-per-launch mode against its own floor.
+    /// Time each phase of the megakernel's phase-per-launch mode against its own floor; for a stack
+    /// (`--config stack-70b`), the whole step in one launch and each layer's time in it.
     Profile(ProfileArgs),
     /// Print the task statement, schedule, gates and byte model of a configuration.
     Spec(SpecArgs),

@@ -130,11 +130,15 @@ fn stacks_are_described_and_refused_where_one_layer_is_studied() {
     let dump = scratch("stack-dump");
     for args in [
         vec!["launches", "--config", "stack-1b", "--submission", "megakernel"],
-        vec!["profile", "--config", "stack-1b"],
         vec!["run", "--config", "stack-1b", "--submission", "megakernel", "--dump", dump.to_str().unwrap()],
     ] {
         let line = refused(&args);
         assert!(line.contains("a stack of 16 layers") && line.contains("works on one layer"), "{args:?}: {line}");
+    }
+    // `grader profile` takes a stack as a whole; what studies one layer's plan is refused.
+    for flag in [["--roles", "1"], ["--mlp-parts", "1"], ["--svg", "x.svg"]] {
+        let line = refused(&["profile", "--config", "stack-1b", flag[0], flag[1]]);
+        assert!(line.contains(&format!("{} studies one layer", flag[0])) && line.contains("16 layers"), "{line}");
     }
     let path = config_file("deep", &tiny_with("layers", 129.into()));
     let line = refused(&["spec", "--config", path.to_str().unwrap()]);

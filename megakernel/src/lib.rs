@@ -150,6 +150,7 @@ struct Built {
     /// Rows of the program: one layer's phases.
     phases: u32,
     layers: u32,
+    in_place: bool,
     d: u32,
     plan: Vec<PhasePlan>,
     func: CudaFunction,
@@ -237,28 +238,33 @@ impl Megakernel {
         self.launch(dev, x, pos, hidden, out, phases, None)
     }
 
-    /// Runs the whole program in one launch, as `layer_step` does in [`Mode::Fused`], with every
+    /// Whether the stack streams Qkv and GateUp in place (after `build_stack`).
+    pub fn streams_in_place(&self) -> Option<bool> {
+        self.built.as_ref().map(|b| b.in_place)
+    }
+
+    /// Runs the whole program in one launch, as `stack_step` does in [`Mode::Fused`], with every
     /// block stamping the GPU's global timer at the start and end of each phase it runs, and in a GEMV
     /// phase also when its input is ready and when its stream is done (zero for the phases and stamps
-    /// a block does not take). `Ok` holds the stamps in ns, `(block, phase, [start, input, streamed,
-    /// end])` flattened, and the grid.
+    /// a block does not take). `Ok` holds the stamps in ns, `(block, phase over every layer, [start,
+    /// input, streamed, end])` flattened, and the grid.
     pub fn trace_step(
         &mut self,
         dev: &Device,
         x: &CudaSlice<bf16>,
         pos: usize,
+        hidden: Option<&mut CudaSlice<bf16>>,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(Vec<u64>, u32), SubmissionError> {
-        let (phases, grid) = match &self.built {
-            Some(b) if b.layers == 1 => (b.phases, b.grid),
-            Some(_) => return Err(SubmissionError::Refused("trace_step traces one layer".into())),
-            None => return Err(SubmissionError::Refused("trace_step before build_layer".into())),
+        let (phases, grid) = match (self.phases(), &self.built) {
+            (Some(phases), Some(b)) => (phases, b.grid),
+            _ => return Err(SubmissionError::Refused("trace_step before build_stack".into())),
         };
         let mut trace = dev
             .stream()
             .alloc_zeros::<u64>(grid as usize * phases as usize * TRACE_STAMPS)
             .context("allocating the trace")?;
-        self.launch(dev, x, pos, None, out, 0..phases, Some(&mut trace))?;
+        self.launch(dev, x, pos, hidden, out, 0..phases, Some(&mut trace))?;
         Ok((dev.stream().clone_dtoh(&trace).context("reading the trace")?, grid))
     }
 
@@ -698,6 +704,7 @@ impl Submission for Megakernel {
             layout,
             phases: rows.len() as u32,
             layers: layers.len() as u32,
+            in_place,
             d: cfg.d as u32,
             plan,
             func,

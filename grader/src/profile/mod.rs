@@ -4,9 +4,11 @@
 //! GPU's counters can be read, a second pass measures the DRAM bytes each phase reads (one audit range
 //! per phase launch; the ranges' own cost stays out of the timed pass). Every phase's bytes are the
 //! byte model's (`ByteModel::by_op`), the figures `grader run` judges: its operation's, or the share of
-//! them it reads when the program splits the operation into parts (the two-role plan).
+//! them it reads when the program splits the operation into parts (the two-role plan). A stack
+//! (`--config stack-70b`) is profiled as a whole and layer by layer instead (`stack`).
 
 mod launch;
+mod stack;
 mod timeline;
 
 use std::fmt::Write as _;
@@ -78,7 +80,21 @@ pub struct Profile {
 
 pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError> {
     let cfg = Config::load(&args.config.config)?;
-    cfg.require_one_layer("`grader profile`")?;
+    if cfg.layers > 1 {
+        for (flag, given) in [
+            ("--svg", args.svg.is_some()),
+            ("--roles", args.roles.is_some()),
+            ("--mlp-parts", args.mlp_parts.is_some()),
+        ] {
+            if given {
+                return Err(GraderError::Usage(format!(
+                    "{flag} studies one layer; '{}' is a stack of {} layers, profiled as a whole and layer by layer \
+                     (drop {flag}, or profile one of its layers' shape)",
+                    cfg.name, cfg.layers
+                )));
+            }
+        }
+    }
     for (flag, path) in [("--json", &args.json), ("--svg", &args.svg)] {
         if let Some(path) = path {
             crate::preflight::output_file(flag, path)?;
@@ -88,6 +104,15 @@ pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError
     let progress = Progress::new(args.quiet);
     progress.say("measuring the copy bandwidth");
     let bw = bandwidth::measure(&dev, 2 << 30, 20)?;
+    if cfg.layers > 1 {
+        progress.say(&format!("generating the '{}' stack's {} layers and building the megakernel", cfg.name, cfg.layers));
+        let profile = stack::measure(&dev, &cfg, args.seed, bw.floor_bytes_per_s(), &progress)?;
+        eprint!("{}", profile.table());
+        if let Some(path) = &args.json {
+            crate::write_output(path, &(serde_json::to_string_pretty(&profile).expect("serialises") + "\n"))?;
+        }
+        return Ok(Outcome::Pass);
+    }
     progress.say(&format!("generating the '{}' layer and building both modes", cfg.name));
     let forced = Forced { roles: args.roles.map(|r| r as usize), mlp_parts: args.mlp_parts.map(|p| p as usize) };
     let profile = measure(&dev, &cfg, args.seed, bw.floor_bytes_per_s(), forced)?;
@@ -238,7 +263,7 @@ fn trace(
         let x = generate_input(dev, cfg, input_seed, s)?;
         evict.enqueue(dev)?;
         dev.synchronize()?;
-        let (stamps, grid) = fused.trace_step(dev, &x, cfg.deepest_timed_pos(), &mut out)?;
+        let (stamps, grid) = fused.trace_step(dev, &x, cfg.deepest_timed_pos(), None, &mut out)?;
         match Timeline::of(&stamps, grid as usize, names, floors_us, blocks_of) {
             Some(t) => traced.push(t),
             None => return Ok(None),
