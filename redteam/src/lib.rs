@@ -40,6 +40,7 @@ mod modify_weights;
 mod nan_output;
 mod no_kv_write;
 mod pass_through;
+mod skip_a_layer;
 mod persisting_l2;
 mod phase_aware;
 mod pure_read;
@@ -127,6 +128,12 @@ pub const ALL: &[Adversary] = &[
         what: "copies x to out with one memcpy: no layer at all",
         expect: correctness("over the tolerance"),
         make: pass_through::make,
+    },
+    Adversary {
+        name: skip_a_layer::NAME,
+        what: "in a stack, the middle layer passes its input through (its cache written); one layer: a pass-through",
+        expect: correctness("over the tolerance"),
+        make: skip_a_layer::make,
     },
     Adversary {
         name: short_attention::SKIP,

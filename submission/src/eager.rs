@@ -1,8 +1,6 @@
 //! The eager reference as a submission: one launch per elementary op. It passes correctness and
 //! fails the launch gates, which is the point: it shows what the gates measure.
 
-use std::mem::ManuallyDrop;
-
 use cuda::Device;
 use cuda::cudarc::driver::CudaSlice;
 use half::bf16;
@@ -57,28 +55,9 @@ impl Submission for EagerSubmission {
     ) -> Result<(), SubmissionError> {
         let eager =
             self.eager.as_mut().ok_or_else(|| SubmissionError::Refused("stack_step before build_stack".into()))?;
-        let (row, last) = (out.len(), layers.len() - 1);
-        let mut rows: Vec<ManuallyDrop<CudaSlice<bf16>>> = match hidden {
-            None if last == 0 => Vec::new(),
-            Some(h) if h.len() >= last * row => {
-                let base = crate::device_address(dev, h);
-                let view = |l: usize| {
-                    let at = base + (l * row * size_of::<bf16>()) as u64;
-                    // SAFETY: row l of `hidden`, a live allocation that outlives this call; the view is never
-                    // freed (ManuallyDrop), and no two views are used mutably at once.
-                    ManuallyDrop::new(unsafe { dev.stream().upgrade_device_ptr::<bf16>(at, row) })
-                };
-                (0..last).map(view).collect()
-            }
-            _ => return Err(SubmissionError::Refused(format!("{} layers need hidden states of {} rows", last + 1, last))),
-        };
-        for (l, layer) in layers.iter_mut().enumerate() {
-            let (before, rest) = rows.split_at_mut(l.min(last));
-            let input: &CudaSlice<bf16> = if l == 0 { x } else { &before[l - 1] };
-            let output: &mut CudaSlice<bf16> = if l == last { &mut *out } else { &mut rest[0] };
-            eager.step(dev, layer.weights, layer.cache, input, pos, output)?;
-        }
-        Ok(())
+        crate::walk_stack(dev, layers, x, hidden, out, |_, layer, input, output| {
+            Ok(eager.step(dev, layer.weights, layer.cache, input, pos, output)?)
+        })
     }
 
     fn teardown(&mut self) {

@@ -17,6 +17,8 @@ pub mod python;
 
 pub use eager::EagerSubmission;
 
+use std::mem::ManuallyDrop;
+
 use cuda::cudarc::driver::{CudaSlice, DevicePtr};
 use cuda::{CudaError, Device};
 use half::bf16;
@@ -114,6 +116,46 @@ pub trait Submission {
 
     /// Frees what `build_layer` or `build_stack` allocated; dropping the submission does the same.
     fn teardown(&mut self) {}
+}
+
+/// Runs `step(l, layer, input, output)` for each layer of a stack in order, as a layer-by-layer
+/// `stack_step` does: layer `l` reads `x` (`l = 0`) or row `l - 1` of `hidden`, and writes row `l` of
+/// `hidden`, or `out` for the last layer. The rows are views of `hidden`, so nothing is copied.
+pub fn walk_stack(
+    dev: &Device,
+    layers: &mut [Layer<'_>],
+    x: &CudaSlice<bf16>,
+    hidden: Option<&mut CudaSlice<bf16>>,
+    out: &mut CudaSlice<bf16>,
+    mut step: impl FnMut(usize, &mut Layer<'_>, &CudaSlice<bf16>, &mut CudaSlice<bf16>) -> Result<(), SubmissionError>,
+) -> Result<(), SubmissionError> {
+    let (row, last) = (out.len(), layers.len().saturating_sub(1));
+    let mut rows: Vec<ManuallyDrop<CudaSlice<bf16>>> = match hidden {
+        None if last == 0 => Vec::new(),
+        Some(h) if h.len() >= last * row => {
+            let base = device_address(dev, h);
+            let view = |l: usize| {
+                let at = base + (l * row * size_of::<bf16>()) as u64;
+                // SAFETY: row l of `hidden`, a live allocation that outlives this call; the view is never
+                // freed (ManuallyDrop), and no two views are used mutably at once.
+                ManuallyDrop::new(unsafe { dev.stream().upgrade_device_ptr::<bf16>(at, row) })
+            };
+            (0..last).map(view).collect()
+        }
+        _ => {
+            return Err(SubmissionError::Refused(format!(
+                "a stack of {} layers needs hidden states of {last} rows of {row}",
+                layers.len()
+            )));
+        }
+    };
+    for (l, layer) in layers.iter_mut().enumerate() {
+        let (before, rest) = rows.split_at_mut(l.min(last));
+        let input: &CudaSlice<bf16> = if l == 0 { x } else { &before[l - 1] };
+        let output: &mut CudaSlice<bf16> = if l == last { &mut *out } else { &mut rest[0] };
+        step(l, layer, input, output)?;
+    }
+    Ok(())
 }
 
 /// A device buffer's address, for a program table, an ABI call or a tensor handed to Python.
