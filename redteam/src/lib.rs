@@ -131,7 +131,7 @@ pub const ALL: &[Adversary] = &[
     },
     Adversary {
         name: skip_a_layer::NAME,
-        what: "in a stack, the middle layer passes its input through (its cache written); one layer: a pass-through",
+        what: "in a stack, the last layer passes its input through (its cache written); one layer: a pass-through",
         expect: correctness("over the tolerance"),
         make: skip_a_layer::make,
     },

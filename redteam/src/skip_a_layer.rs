@@ -1,11 +1,14 @@
-//! **skip-a-layer**: in a stack, the middle layer passes its input through (its cache row still
-//! written by the eager layer, every other layer computed honestly on what it is given).
+//! **skip-a-layer**: in a stack, the last layer passes its input through (its cache row still
+//! written by the eager layer, every other layer computed honestly).
 //!
 //! The exploit: over many layers, honest rounding drifts the final state further than one missing
 //! layer does (`docs/depth.md`: 8.1e-2 against 4.5e-2 at 80 layers), so a judge of the final state
-//! alone could not tell them apart. Caught by correctness: the judge compares every layer's output
-//! with the reference layer on the submission's own input to it, and names the layer. On one layer it
-//! is a pass-through with the cache written.
+//! alone could not tell them apart; and deep in a stack the residual stream dwarfs a layer's update,
+//! so the layer's output is close to its input (skipping layer 40 of `stack-70b` stayed within the
+//! output tolerance on 22 of 72 calls). The last layer is where that is most so. Caught by
+//! correctness: the judge compares every layer's output and its update with the reference layer's on
+//! the submission's own input to it, and names the layer. On one layer it is a pass-through with the
+//! cache written.
 
 use cuda::cudarc::driver::CudaSlice;
 use cuda::{Context, Device};
@@ -65,7 +68,7 @@ impl Submission for SkipALayer {
         let (Some(eager), Some(scratch)) = (self.eager.as_mut(), self.scratch.as_mut()) else {
             return Err(SubmissionError::Refused("a step before build_stack".into()));
         };
-        let skipped = layers.len() / 2;
+        let skipped = layers.len() - 1;
         walk_stack(dev, layers, x, hidden, out, |l, layer, input, output| {
             if l != skipped {
                 return Ok(eager.step(dev, layer.weights, layer.cache, input, pos, output)?);

@@ -98,6 +98,13 @@ fn stack_statement(cfg: &Config) -> String {
     );
     schedule(&mut s, cfg);
     gates(&mut s);
+    let _ = writeln!(
+        s,
+        "in a stack, correctness holds for every layer of every call, on the submission's own input to it:\n  \
+         ||out - ref|| / ||ref|| <= {:e}, and ||out - ref|| / ||ref - input|| <= {} (the error over the layer's update)\n",
+        Gates::TASK.rel_err_tol,
+        Gates::TASK.stack_update_tol
+    );
     let _ = writeln!(s, "byte model (one step at the deepest timed position):");
     for (name, v) in [
         ("weight matrices", b.matrices),
@@ -242,6 +249,7 @@ mod tests {
         assert!(text.contains(&format!("{total:>15} bytes per layer {:>18} bytes the stack", 80 * total)), "{text}");
         assert!(text.contains("device memory for one copy of the weights and caches: 138.3 GB"), "{text}");
         assert!(text.contains("gates (each must pass)"), "{text}");
+        assert!(text.contains("||out - ref|| / ||ref - input|| <= 0.1"), "{text}");
     }
 
     /// The Python contract's calls, as the statement prints them and `docs/task.md` states them.

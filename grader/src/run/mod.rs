@@ -170,7 +170,7 @@ pub fn judge(
     let required = gates::physics::required_bytes(&calls, &model, l2_bytes);
     let f = &finished;
     let gate_list = vec![
-        correctness_gate(&steps, &cache_check, &integrity, &gates),
+        correctness_gate(&steps, cfg.layers > 1, &cache_check, &integrity, &gates),
         gates::launches::kernels_gate(&calls, &f.record.calls, &gates),
         gates::launches::share_gate(&f.record.calls, &gates),
         gates::launches::launch_record_gate(

@@ -103,7 +103,7 @@ pub fn replay(
             let i = c.index;
             let check = StepCheck::of(*c, l, &to_f32(output(i)), &to_f32(&reference[i]), &to_f32(&inputs[i]));
             steps[i] = Some(match steps[i].take() {
-                Some(before) => before.worse(check),
+                Some(before) => before.merge(check),
                 None => check,
             });
         }

@@ -429,7 +429,7 @@ mod tests {
             submission: "reference".into(),
             gates: vec![gate("correctness", true, 1e-3), gate("kernels_per_step", false, 21.0)],
             performance,
-            steps: vec![StepCheck { call, layer: 0, rel_err: Some(1e-3), contribution_err: Some(3e-3) }],
+            steps: vec![StepCheck { call, layer: 0, rel_err: Some(1e-3), contribution_err: Some(3e-3), update_layer: 0 }],
             cache: CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(1e-3) },
             integrity: Integrity { weight_vectors_changed: 0, inputs_changed: 0 },
             launches: Launches { submission: vec![], reference: vec![] },

@@ -1,7 +1,7 @@
 //! The whole `grader run` flow on the GPU at a small config, for the built-in submissions: the eager
 //! reference must pass correctness and fail the launch gates with its measured count; the megakernel
 //! must pass every gate; a dump must read back; over a small stack, the megakernel must pass every gate
-//! and a stack that skips its middle layer must fail correctness at that layer.
+//! and a stack that skips its last layer must fail correctness at that layer.
 
 use safetensors::SafeTensors;
 use spec::Config;
@@ -70,7 +70,7 @@ fn megakernel_flow(ctx: &mut Ctx) -> CheckResult {
 }
 
 /// Four layers of `small`: the megakernel passes every gate in one launch per call; the adversary that
-/// passes layer 2's input through (`skip-a-layer`) fails correctness there, named by layer.
+/// passes layer 3's input through (`skip-a-layer`) fails correctness there, named by layer.
 fn stack_flow(ctx: &mut Ctx) -> CheckResult {
     let cfg = Config { name: "small-x4".into(), layers: 4, ..Config::small() };
     let mk = judged(ctx, &named("megakernel"), &cfg, None)?;
@@ -78,8 +78,8 @@ fn stack_flow(ctx: &mut Ctx) -> CheckResult {
     ensure(mk.verdict.passed, || format!("the megakernel failed over a stack: {:?}", mk.verdict.failed_gates))?;
     let cheat = judged(ctx, &named("skip-a-layer"), &cfg, None)?;
     let caught = gate(&cheat, "correctness")?;
-    ensure(!caught.passed && caught.detail.contains("layer 2"), || {
-        format!("skipping layer 2 was not caught there: {}", caught.detail)
+    ensure(!caught.passed && caught.detail.contains("layer 3"), || {
+        format!("skipping layer 3 was not caught there: {}", caught.detail)
     })?;
     Ok(format!(
         "megakernel: every gate passes over 4 layers (worst {:.1e}); skip-a-layer: {}",

@@ -8,19 +8,22 @@ use spec::{Call, Gates};
 use super::{Gate, Source};
 use crate::metrics::rel_err;
 
-/// How one call's output compares with the reference's; in a stack, its worst layer's.
+/// How one call's output compares with the reference's; in a stack, its worst layer's on each
+/// measure. Each layer is compared with the reference layer on the submission's own input to it (the
+/// layer before's output), which tells a slip in one layer from the drift that honest rounding
+/// accumulates over depth (`docs/depth.md`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepCheck {
     pub call: Call,
-    /// The layer compared (0 for one layer): each layer's output against the reference layer's on the
-    /// submission's own input to it (the layer before's output), which tells a slip in one layer from the
-    /// drift that honest rounding accumulates over depth (`docs/depth.md`).
+    /// The layer of the worst `rel_err` (0 for one layer).
     pub layer: usize,
     /// `||out - ref|| / ||ref||`; `None` when the output holds NaN or Inf.
     pub rel_err: Option<f64>,
     /// `||out - ref|| / ||ref - x||`: the error on what the layer adds to the residual stream, so a
     /// pass-through that leaves `x_out ~ x` shows up as an error near 1.
     pub contribution_err: Option<f64>,
+    /// The layer of the worst `contribution_err`.
+    pub update_layer: usize,
 }
 
 impl StepCheck {
@@ -31,17 +34,25 @@ impl StepCheck {
             let den: f64 = contribution.iter().map(|&c| (c as f64).powi(2)).sum();
             (num / den).sqrt()
         });
-        Self { call, layer, rel_err: rel_err(out, reference), contribution_err }
+        Self { call, layer, rel_err: rel_err(out, reference), contribution_err, update_layer: layer }
     }
 
-    /// The worse of two checks of one call: a non-finite output first, then the larger error.
-    pub fn worse(self, other: StepCheck) -> StepCheck {
-        match (self.rel_err, other.rel_err) {
-            (None, _) => self,
-            (_, None) => other,
-            (Some(a), Some(b)) if b > a => other,
-            _ => self,
-        }
+    /// Two layers' checks of one call as one: on each measure the worse (a non-finite output first,
+    /// then the larger error) and its layer.
+    pub fn merge(self, other: StepCheck) -> StepCheck {
+        let second = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (None, _) => false,
+            (_, None) => true,
+            (Some(a), Some(b)) => b > a,
+        };
+        let (layer, rel_err) =
+            if second(self.rel_err, other.rel_err) { (other.layer, other.rel_err) } else { (self.layer, self.rel_err) };
+        let (update_layer, contribution_err) = if second(self.contribution_err, other.contribution_err) {
+            (other.update_layer, other.contribution_err)
+        } else {
+            (self.update_layer, self.contribution_err)
+        };
+        StepCheck { call: self.call, layer, rel_err, contribution_err, update_layer }
     }
 }
 
@@ -76,9 +87,15 @@ pub struct Integrity {
     pub inputs_changed: usize,
 }
 
-/// Gate 1: every step within tolerance and finite, the cache as the reference's, inputs and weights
-/// untouched.
-pub fn correctness_gate(steps: &[StepCheck], cache: &CacheCheck, integrity: &Integrity, gates: &Gates) -> Gate {
+/// Gate 1: every step within tolerance and finite (in a stack, every layer's output and, within
+/// `stack_update_tol`, its update), the cache as the reference's, inputs and weights untouched.
+pub fn correctness_gate(
+    steps: &[StepCheck],
+    stack: bool,
+    cache: &CacheCheck,
+    integrity: &Integrity,
+    gates: &Gates,
+) -> Gate {
     let tol = gates.rel_err_tol;
     let non_finite: Vec<usize> = steps.iter().filter(|s| s.rel_err.is_none()).map(|s| s.call.index).collect();
     let worst = steps.iter().filter_map(|s| s.rel_err.map(|e| (e, s.call))).max_by(|a, b| a.0.total_cmp(&b.0));
@@ -102,6 +119,18 @@ pub fn correctness_gate(steps: &[StepCheck], cache: &CacheCheck, integrity: &Int
             c.phase
         ));
     }
+    let update_tol = gates.stack_update_tol;
+    let worst_update = steps.iter().filter_map(|s| s.contribution_err.map(|e| (e, s))).max_by(|a, b| a.0.total_cmp(&b.0));
+    let updates_over = steps.iter().filter(|s| s.contribution_err.is_some_and(|e| e > update_tol)).count();
+    if stack && updates_over > 0 {
+        let (e, s) = worst_update.expect("an update over the tolerance");
+        problems.push(format!(
+            "{updates_over} of {} steps with a layer's update off by more than {update_tol}; worst {e:.3e} at call {}, layer {}",
+            steps.len(),
+            s.call.index,
+            s.update_layer
+        ));
+    }
     if cache.prefix_differing > 0 {
         problems.push(format!("{} element(s) of the cached prefix were modified", cache.prefix_differing));
     }
@@ -123,8 +152,14 @@ pub fn correctness_gate(steps: &[StepCheck], cache: &CacheCheck, integrity: &Int
     let passed = problems.is_empty();
     let detail = if passed {
         let (e, c) = worst.unwrap();
+        let updates = match worst_update {
+            Some((u, s)) if stack => {
+                format!("; every layer's update within {update_tol}, worst {u:.3e} (call {}, layer {})", s.call.index, s.update_layer)
+            }
+            _ => String::new(),
+        };
         format!(
-            "{} steps within {tol:.1e}; worst {e:.3e} at call {}{}; cache and read-only inputs intact",
+            "{} steps within {tol:.1e}; worst {e:.3e} at call {}{}{updates}; cache and read-only inputs intact",
             steps.len(),
             c.index,
             layer_of(steps, c)
@@ -137,7 +172,7 @@ pub fn correctness_gate(steps: &[StepCheck], cache: &CacheCheck, integrity: &Int
 
 /// ", layer l" for call `c`'s check in a stack (where any check is past layer 0), else nothing.
 fn layer_of(steps: &[StepCheck], c: Call) -> String {
-    let stack = steps.iter().any(|s| s.layer > 0);
+    let stack = steps.iter().any(|s| s.layer > 0 || s.update_layer > 0);
     match steps.iter().find(|s| s.call == c) {
         Some(s) if stack => format!(", layer {}", s.layer),
         _ => String::new(),
@@ -163,16 +198,38 @@ mod tests {
         let reference = [1.0f32, 2.0, 3.0, 4.0];
         let x = [0.5f32, 1.5, 2.5, 3.5];
         let good = StepCheck::of(call(0), 0, &[1.0, 2.0, 3.0, 4.01], &reference, &x);
-        assert!(correctness_gate(std::slice::from_ref(&good), &CLEAN_CACHE, &INTACT, &g).passed);
+        assert!(correctness_gate(std::slice::from_ref(&good), false, &CLEAN_CACHE, &INTACT, &g).passed);
         // A pass-through is close in relative terms but its contribution error is 1.
         let pass_through = StepCheck::of(call(1), 0, &x, &reference, &x);
         assert!((pass_through.contribution_err.unwrap() - 1.0).abs() < 1e-9);
-        assert!(!correctness_gate(&[good.clone(), pass_through], &CLEAN_CACHE, &INTACT, &g).passed);
+        assert!(!correctness_gate(&[good.clone(), pass_through], false, &CLEAN_CACHE, &INTACT, &g).passed);
         let nan = StepCheck::of(call(2), 0, &[f32::NAN, 2.0, 3.0, 4.0], &reference, &x);
         assert_eq!(nan.rel_err, None);
-        let gate = correctness_gate(&[good.clone(), nan], &CLEAN_CACHE, &INTACT, &g);
+        let gate = correctness_gate(&[good.clone(), nan], false, &CLEAN_CACHE, &INTACT, &g);
         assert!(!gate.passed && gate.detail.contains("NaN"), "{}", gate.detail);
-        assert!(!correctness_gate(&[], &CLEAN_CACHE, &INTACT, &g).passed);
+        assert!(!correctness_gate(&[], false, &CLEAN_CACHE, &INTACT, &g).passed);
+    }
+
+    /// In a stack, a layer whose output is within the tolerance but whose update is not (its input
+    /// passed through at a depth where the residual dwarfs the update) fails correctness, naming the
+    /// layer; the same check of one layer is judged on the output alone. A call's checks merge to the
+    /// worst of each measure with its layer.
+    #[test]
+    fn a_stack_judges_every_layers_update() {
+        let g = Gates::TASK;
+        let x = [10.0f32, 10.0, 10.0, 10.0];
+        let reference = [10.05f32, 10.0, 10.0, 10.0];
+        let skipped = StepCheck::of(call(0), 3, &x, &reference, &x);
+        assert!(skipped.rel_err.unwrap() < g.rel_err_tol && (skipped.contribution_err.unwrap() - 1.0).abs() < 1e-9);
+        let honest = StepCheck::of(call(0), 1, &[2.03, 1.0, 1.0, 1.0], &[2.0, 1.0, 1.0, 1.0], &[1.0; 4]);
+        assert!(honest.rel_err.unwrap() > skipped.rel_err.unwrap() && honest.contribution_err.unwrap() < 0.05);
+        let merged = honest.clone().merge(skipped.clone());
+        assert_eq!((merged.layer, merged.update_layer), (1, 3));
+        let gate = correctness_gate(std::slice::from_ref(&merged), true, &CLEAN_CACHE, &INTACT, &g);
+        assert!(!gate.passed && gate.detail.contains("layer 3") && gate.detail.contains("update"), "{}", gate.detail);
+        assert!(correctness_gate(&[merged], false, &CLEAN_CACHE, &INTACT, &g).passed);
+        let gate = correctness_gate(&[honest], true, &CLEAN_CACHE, &INTACT, &g);
+        assert!(gate.passed && gate.detail.contains("every layer's update within"), "{}", gate.detail);
     }
 
     #[test]
@@ -188,7 +245,7 @@ mod tests {
             (CLEAN_CACHE, Integrity { weight_vectors_changed: 0, inputs_changed: 2 }, "input"),
         ];
         for (cache, integrity, word) in cases {
-            let gate = correctness_gate(&steps, &cache, &integrity, &g);
+            let gate = correctness_gate(&steps, false, &cache, &integrity, &g);
             assert!(!gate.passed && gate.detail.contains(word), "{word}: {}", gate.detail);
         }
     }
