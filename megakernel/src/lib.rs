@@ -279,7 +279,7 @@ impl Megakernel {
         phases: std::ops::Range<u32>,
         trace: Option<&mut CudaSlice<u64>>,
     ) -> Result<(), SubmissionError> {
-        let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("layer_step before build_layer".into()))?;
+        let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("a step before build_stack".into()))?;
         let total = b.phases * b.layers;
         if phases.is_empty() || phases.end > total {
             return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {total} phases")));

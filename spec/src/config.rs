@@ -13,8 +13,8 @@ pub struct Config {
     /// Name shown in reports (`graded`, `tiny`, `small`, or the file a config came from).
     pub name: String,
     /// Layers in the stack: 1 for the task's layer and every member of the family; the named stacks
-    /// (`crate::family::STACKS`) have 16 to 80, which `grader spec` describes and the judge does not
-    /// grade one layer at a time ([`Config::require_one_layer`]).
+    /// (`crate::family::STACKS`) have 16 to 80, which `grader run` judges as a whole, layer by layer
+    /// (what studies one layer refuses them: [`Config::require_one_layer`]).
     pub layers: usize,
     /// Hidden size.
     pub d: usize,

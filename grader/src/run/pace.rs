@@ -34,7 +34,7 @@ const PINGS: usize = 64;
 /// What the judge measured and read while the calls ran.
 #[derive(Debug, Clone)]
 pub struct Paced {
-    /// `build_layer` on the judge's clock, in seconds.
+    /// `build_layer` (or `build_stack`) on the judge's clock, in seconds.
     pub build_s: f64,
     /// Each call's time when it ran alone (correctness and timed phases), in microseconds.
     pub call_us: Vec<Option<f64>>,
@@ -76,9 +76,11 @@ pub fn pace(
         // The runner has mapped the region; from here on the submission's code may run, and it may
         // not read the judge's memory, where the input seed is.
         sandbox::hide_judge_memory().map_err(|e| GraderError::Runner(format!("making the judge non-dumpable: {e}")))?;
-        progress.say("runner ready; build_layer");
+        // What the contract calls the untimed build, one layer or a stack.
+        let build = if cfg.layers > 1 { "build_stack" } else { "build_layer" };
+        progress.say(&format!("runner ready; {build}"));
         let build_s = obey!(runner.command(Command::Build, 0, 0, BUILD_TIMEOUT)).us() / 1e6;
-        progress.say(&format!("build_layer took {build_s:.2} s"));
+        progress.say(&format!("{build} took {build_s:.2} s"));
         let mut pings = Vec::with_capacity(PINGS);
         for _ in 0..PINGS {
             pings.push(obey!(runner.command(Command::Ping, 0, 0, CALL_TIMEOUT)).us());
