@@ -112,8 +112,15 @@ fn sub_config(cfg: &Config, n_q: usize, n_kv: usize) -> Config {
 /// `handed_buffers`).
 fn handed_buffers(a: &mut Arena, w: &Weights, cache: &KvCache) -> LayerBuffers {
     let mut at = |t: Tensor| a.alloc_bf16(w.get(t));
-    let (wq, wk, wv, wo, wg, wu, wd) =
-        (at(Tensor::Wq), at(Tensor::Wk), at(Tensor::Wv), at(Tensor::Wo), at(Tensor::Wgate), at(Tensor::Wup), at(Tensor::Wdown));
+    let (wq, wk, wv, wo, wg, wu, wd) = (
+        at(Tensor::Wq),
+        at(Tensor::Wk),
+        at(Tensor::Wv),
+        at(Tensor::Wo),
+        at(Tensor::Wgate),
+        at(Tensor::Wup),
+        at(Tensor::Wdown),
+    );
     LayerBuffers {
         w_qkv: [wq, 0],
         in_norm: a.alloc_bf16(&w.in_norm),
@@ -240,11 +247,14 @@ impl CpuStack {
             None => self.arena.bf16(w(qkv::W), rows * d),
             Some([wk, wv, _]) => self.gathered(rows, d, |p| {
                 let (t, row) = qkv_source(cfg, Groups::all(cfg), p);
-                (match t {
-                    Tensor::Wq => w(qkv::W) as u64,
-                    Tensor::Wk => wk,
-                    _ => wv,
-                }, row)
+                (
+                    match t {
+                        Tensor::Wq => w(qkv::W) as u64,
+                        Tensor::Wk => wk,
+                        _ => wv,
+                    },
+                    row,
+                )
             }),
         };
         let y = golden::gemv(&matrix, rows, d, &h);

@@ -9,6 +9,7 @@
 
 pub mod cpu;
 pub mod kernels;
+pub mod model;
 pub mod pack;
 pub mod program;
 
@@ -104,7 +105,8 @@ impl<const L: usize> ProgramParam<L> {
         }
         let mut nop = [0i64; program::ROW_WORDS];
         nop[program::BLOCKS_WORD] = Blocks { first: 0, count: 0, stride: 1 }.word();
-        let mut param = Box::new(ProgramParam { rows: [nop; program::MAX_PHASES], tables: [[0; program::LAYER_WORDS]; L] });
+        let mut param =
+            Box::new(ProgramParam { rows: [nop; program::MAX_PHASES], tables: [[0; program::LAYER_WORDS]; L] });
         param.rows[..rows.len()].copy_from_slice(rows);
         param.tables[..tables.len()].copy_from_slice(tables);
         Some(param)
@@ -815,7 +817,10 @@ mod tests {
             assert_eq!(pad[program::WAITS_WORD], 0);
         }
         assert_eq!(param.tables, [table, table, [0; program::LAYER_WORDS]]);
-        assert_eq!(size_of::<ProgramParam<3>>(), 8 * (program::MAX_PHASES * program::ROW_WORDS + 3 * program::LAYER_WORDS));
+        assert_eq!(
+            size_of::<ProgramParam<3>>(),
+            8 * (program::MAX_PHASES * program::ROW_WORDS + 3 * program::LAYER_WORDS)
+        );
         assert!(ProgramParam::<1>::new(&vec![row; program::MAX_PHASES], &[]).is_some());
         assert!(ProgramParam::<1>::new(&vec![row; program::MAX_PHASES + 1], &[]).is_none());
         assert!(ProgramParam::<1>::new(&[row], &[table, table]).is_none());

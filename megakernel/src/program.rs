@@ -933,8 +933,7 @@ mod tests {
     #[test]
     fn the_plan_is_described_as_compiled() {
         let cfg = Config::graded();
-        let text =
-            describe(&cfg, Plan::choose(&cfg, 132), &compiled(&cfg, 132, Plan::choose(&cfg, 132)), 4127);
+        let text = describe(&cfg, Plan::choose(&cfg, 132), &compiled(&cfg, 132, Plan::choose(&cfg, 132)), 4127);
         assert_eq!(
             text,
             "10 phases; two roles (KV heads 0-3 on the even blocks, 4-7 on the odd); the MLP in 2 part(s) of ffn \

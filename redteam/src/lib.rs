@@ -40,7 +40,6 @@ mod modify_weights;
 mod nan_output;
 mod no_kv_write;
 mod pass_through;
-mod skip_a_layer;
 mod persisting_l2;
 mod phase_aware;
 mod pure_read;
@@ -55,6 +54,7 @@ mod replay_by_pointer;
 mod replay_by_position;
 mod short_attention;
 mod side_stream;
+mod skip_a_layer;
 mod spawn_in_step;
 mod wrong_slot;
 

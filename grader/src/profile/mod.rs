@@ -105,7 +105,8 @@ pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError
     progress.say("measuring the copy bandwidth");
     let bw = bandwidth::measure(&dev, 2 << 30, 20)?;
     if cfg.layers > 1 {
-        progress.say(&format!("generating the '{}' stack's {} layers and building the megakernel", cfg.name, cfg.layers));
+        progress
+            .say(&format!("generating the '{}' stack's {} layers and building the megakernel", cfg.name, cfg.layers));
         let profile = stack::measure(&dev, &cfg, args.seed, bw.floor_bytes_per_s(), &progress)?;
         eprint!("{}", profile.table());
         if let Some(path) = &args.json {
@@ -216,8 +217,9 @@ fn measure(
     let mut launch = launch::probes(dev, grid, megakernel::THREADS, smem)?;
     let x = generate_input(dev, cfg, input_seed, 0)?;
     let all = fused.phases().expect("built");
-    let mut step =
-        || -> Result<(), GraderError> { Ok(fused.launch_phases(dev, &x, cfg.deepest_timed_pos(), None, &mut out, 0..all)?) };
+    let mut step = || -> Result<(), GraderError> {
+        Ok(fused.launch_phases(dev, &x, cfg.deepest_timed_pos(), None, &mut out, 0..all)?)
+    };
     let (api_us, round_trip_us) = launch::time(dev, &mut step)?;
     let step_kernel_us = launch::kernel_us(dev, &mut step)?;
     launch.push(LaunchPart { what: launch::STEP.into(), api_us, round_trip_us });

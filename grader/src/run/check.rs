@@ -31,7 +31,12 @@ pub fn vectors_differing(dev: &Device, a: &CudaSlice<bf16>, b: &CudaSlice<bf16>)
 
 /// Each fresh input against what the judge handed over (a chained input is an earlier output, which
 /// its own call's check covers). The weights are compared layer by layer in the replay.
-pub fn inputs_changed(dev: &Device, shared: &SharedData, calls: &[Call], inputs: &[Vec<bf16>]) -> Result<usize, CudaError> {
+pub fn inputs_changed(
+    dev: &Device,
+    shared: &SharedData,
+    calls: &[Call],
+    inputs: &[Vec<bf16>],
+) -> Result<usize, CudaError> {
     let mut changed = 0;
     for c in calls.iter().filter(|c| c.input == Input::Fresh) {
         let now = dev.stream().clone_dtoh(&*shared.inputs[c.index]).context("reading a shared input")?;

@@ -79,8 +79,10 @@ pub fn replay(
             weight_vectors_changed += check::vectors_differing(dev, theirs.weights.get(t), weights.get(t))?;
         }
         // Layer l's input and the submission's output of it, for every call.
-        let input = |c: usize| if l == 0 { paced.inputs[c].clone() } else { paced.hidden[c][(l - 1) * row..l * row].to_vec() };
-        let output = |c: usize| if l + 1 == layers { &paced.outputs[c][..] } else { &paced.hidden[c][l * row..(l + 1) * row] };
+        let input =
+            |c: usize| if l == 0 { paced.inputs[c].clone() } else { paced.hidden[c][(l - 1) * row..l * row].to_vec() };
+        let output =
+            |c: usize| if l + 1 == layers { &paced.outputs[c][..] } else { &paced.hidden[c][l * row..(l + 1) * row] };
         let inputs: Vec<Vec<bf16>> = (0..n).map(input).collect();
         let xs = inputs
             .iter()
@@ -97,8 +99,10 @@ pub fn replay(
             windows.push(CallWindow { start_ns, end_ns: cupti::timestamp()? });
         }
         cupti::set_current(Tag::Outside);
-        let reference =
-            outs.iter().map(|o| s.clone_dtoh(o).context("reading the reference's outputs")).collect::<Result<Vec<_>, _>>()?;
+        let reference = outs
+            .iter()
+            .map(|o| s.clone_dtoh(o).context("reading the reference's outputs"))
+            .collect::<Result<Vec<_>, _>>()?;
         for c in calls {
             let i = c.index;
             let check = StepCheck::of(*c, l, &to_f32(output(i)), &to_f32(&reference[i]), &to_f32(&inputs[i]));

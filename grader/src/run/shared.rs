@@ -108,10 +108,8 @@ impl SharedData {
                     views,
                     |mut s| {
                         let mut it = s.drain(..);
-                        LayerWeights::try_from_fn(|_| {
-                            Ok::<_, std::convert::Infallible>(it.next().expect("nine views"))
-                        })
-                        .unwrap_or_else(|e| match e {})
+                        LayerWeights::try_from_fn(|_| Ok::<_, std::convert::Infallible>(it.next().expect("nine views")))
+                            .unwrap_or_else(|e| match e {})
                     },
                     release_weights,
                 );

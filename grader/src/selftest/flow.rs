@@ -81,8 +81,5 @@ fn stack_flow(ctx: &mut Ctx) -> CheckResult {
     ensure(!caught.passed && caught.detail.contains("layer 3"), || {
         format!("skipping layer 3 was not caught there: {}", caught.detail)
     })?;
-    Ok(format!(
-        "megakernel: every gate passes over 4 layers (worst {:.1e}); skip-a-layer: {}",
-        c.value, caught.detail
-    ))
+    Ok(format!("megakernel: every gate passes over 4 layers (worst {:.1e}); skip-a-layer: {}", c.value, caught.detail))
 }

@@ -94,9 +94,7 @@ fn stack_matches(ctx: &mut Ctx, cfg: Config, steps: usize, in_place: bool) -> Ch
         let x = dev.stream().clone_htod(&x_host).context("uploading x")?;
         let f = run(&mut fused, &mut fused_caches, &x, pos)?;
         let p = run(&mut phases, &mut phases_caches, &x, pos)?;
-        ensure(bits(&f) == bits(&p), || {
-            format!("pos {pos}: fused and per-phase states differ: {}", Diff::of(&f, &p))
-        })?;
+        ensure(bits(&f) == bits(&p), || format!("pos {pos}: fused and per-phase states differ: {}", Diff::of(&f, &p)))?;
         for (l, (w, cache)) in weights.iter().zip(&mut eager_caches).enumerate() {
             let layer_in = if l == 0 { &x_host[..] } else { &f[(l - 1) * row..l * row] };
             let layer_in = dev.stream().clone_htod(layer_in).context("uploading a layer's input")?;
@@ -112,7 +110,9 @@ fn stack_matches(ctx: &mut Ctx, cfg: Config, steps: usize, in_place: bool) -> Ch
         }
         if s + 1 == steps {
             let again = run(&mut fused, &mut fused_caches, &x, pos)?;
-            ensure(bits(&again) == bits(&f), || format!("pos {pos}: a repeated step differs: {}", Diff::of(&again, &f)))?;
+            ensure(bits(&again) == bits(&f), || {
+                format!("pos {pos}: a repeated step differs: {}", Diff::of(&again, &f))
+            })?;
         }
     }
     for (l, (cf, cp)) in fused_caches.iter().zip(&phases_caches).enumerate() {
@@ -125,8 +125,7 @@ fn stack_matches(ctx: &mut Ctx, cfg: Config, steps: usize, in_place: bool) -> Ch
     Ok(format!(
         "{depth} layers, {steps} steps in one launch each: worst rel error {:.2e} (layer {}) vs the eager layer on the \
          same input; fused == per-phase bitwise (states and caches); repeat bitwise; input seed {seed:#x}",
-        worst.0,
-        worst.1
+        worst.0, worst.1
     ))
 }
 

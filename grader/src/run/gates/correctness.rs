@@ -120,7 +120,8 @@ pub fn correctness_gate(
         ));
     }
     let update_tol = gates.stack_update_tol;
-    let worst_update = steps.iter().filter_map(|s| s.contribution_err.map(|e| (e, s))).max_by(|a, b| a.0.total_cmp(&b.0));
+    let worst_update =
+        steps.iter().filter_map(|s| s.contribution_err.map(|e| (e, s))).max_by(|a, b| a.0.total_cmp(&b.0));
     let updates_over = steps.iter().filter(|s| s.contribution_err.is_some_and(|e| e > update_tol)).count();
     if stack && updates_over > 0 {
         let (e, s) = worst_update.expect("an update over the tolerance");
@@ -154,7 +155,10 @@ pub fn correctness_gate(
         let (e, c) = worst.unwrap();
         let updates = match worst_update {
             Some((u, s)) if stack => {
-                format!("; every layer's update within {update_tol}, worst {u:.3e} (call {}, layer {})", s.call.index, s.update_layer)
+                format!(
+                    "; every layer's update within {update_tol}, worst {u:.3e} (call {}, layer {})",
+                    s.call.index, s.update_layer
+                )
             }
             _ => String::new(),
         };

@@ -1,0 +1,79 @@
+//! A model's decode step on the CPU: the token's embedding row, every decoder layer as the golden
+//! model computes it (`reference::golden::step`, rounding where the eager GPU reference rounds), the
+//! final RMSNorm, the LM head with each logit summed in f64 and rounded once to f32, and a greedy
+//! argmax. The GPU's one-launch decode is to match it layer for layer and token for token.
+
+use half::bf16;
+use reference::golden::{self, KvCache, RopeTable};
+use spec::Config;
+
+use super::hf::{ModelConfig, ModelWeights};
+
+/// A model with its KV caches, `context` positions deep.
+pub struct CpuModel {
+    cfg: ModelConfig,
+    /// The layer's shape with the caches' depth.
+    layer: Config,
+    weights: ModelWeights,
+    caches: Vec<KvCache>,
+    rope: RopeTable,
+}
+
+impl CpuModel {
+    /// The model with empty caches of `context` positions (at most the model's own context).
+    pub fn new(cfg: ModelConfig, weights: ModelWeights, context: usize) -> CpuModel {
+        let layer = Config { max_seq_len: context.min(cfg.layer.max_seq_len), ..cfg.layer.clone() };
+        let n = layer.cache_elems();
+        let caches = (0..layer.layers).map(|_| KvCache { k: vec![bf16::ZERO; n], v: vec![bf16::ZERO; n] }).collect();
+        let rope = RopeTable::new(&layer);
+        CpuModel { cfg, layer, weights, caches, rope }
+    }
+
+    /// The caches' depth in positions.
+    pub fn context(&self) -> usize {
+        self.layer.max_seq_len
+    }
+
+    /// The logits of the token after `token` at position `pos` (`vocab` of them, f32), its K and V
+    /// appended to every layer's cache at `pos`.
+    pub fn decode_step(&mut self, token: u32, pos: usize) -> Vec<f32> {
+        let (d, vocab) = (self.layer.d, self.cfg.vocab);
+        assert!((token as usize) < vocab, "token {token} is outside the vocabulary of {vocab}");
+        assert!(pos < self.context(), "position {pos} is past the caches' {} positions", self.context());
+        let t = token as usize;
+        let mut x = self.weights.embed[t * d..(t + 1) * d].to_vec();
+        for (w, cache) in self.weights.layers.iter().zip(&mut self.caches) {
+            x = golden::step(&self.layer, w, cache, &self.rope, &x, pos);
+        }
+        let h = golden::rmsnorm(&x, &self.weights.norm, self.layer.eps);
+        logits(self.weights.head(), vocab, &h)
+    }
+}
+
+/// `head h` for the `(vocab, d)` head: each dot product summed in f64, rounded once to f32.
+fn logits(head: &[bf16], vocab: usize, h: &[bf16]) -> Vec<f32> {
+    let d = h.len();
+    (0..vocab)
+        .map(|r| {
+            head[r * d..(r + 1) * d]
+                .iter()
+                .zip(h)
+                .map(|(w, x)| f64::from(w.to_f32()) * f64::from(x.to_f32()))
+                .sum::<f64>() as f32
+        })
+        .collect()
+}
+
+/// The greedy choice: the largest logit, the lowest index among equal ones (the GPU's argmax keeps
+/// the same rule, so both pick the same token); NaN is never chosen, and `None` when every logit is NaN.
+pub fn argmax(logits: &[f32]) -> Option<usize> {
+    logits
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| !v.is_nan())
+        .fold(None, |best: Option<(usize, f32)>, (i, &v)| match best {
+            Some((_, b)) if b >= v => best,
+            _ => Some((i, v)),
+        })
+        .map(|(i, _)| i)
+}

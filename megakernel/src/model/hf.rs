@@ -1,0 +1,308 @@
+//! A Hugging Face checkpoint directory: `config.json` read into the model's shape, every field the
+//! loader does not implement refused with a sentence that names it; and the weights, from
+//! `model.safetensors` or the shards `model.safetensors.index.json` names, into host buffers in bf16
+//! (f32 and f16 tensors rounded to nearest even once, on load).
+//!
+//! Supported: `model_type` "llama" (Llama 2 and 3, TinyLlama, SmolLM2 and the like) with RoPE without
+//! scaling, SiLU, no biases, tied or separate embeddings. Not yet: Llama-3.1's "llama3" RoPE scaling
+//! and Qwen3's per-head q/k RMSNorm (each refused by name).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use reference::golden::Weights;
+use safetensors::{Dtype, SafeTensors};
+use serde::Deserialize;
+use spec::Config;
+use spec::data::{LayerWeights, Tensor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {why}")]
+    Io { path: PathBuf, why: String },
+    #[error("config.json: field '{field}': {why}")]
+    Unsupported { field: &'static str, why: String },
+    #[error("{path}: tensor '{name}': {why}")]
+    Tensor { path: PathBuf, name: String, why: String },
+}
+
+/// The fields of `config.json` the loader reads; any other is ignored unless it changes the
+/// computation, in which case it is listed here so that it can be refused.
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: f64,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<serde_json::Value>,
+    hidden_act: Option<String>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    tie_word_embeddings: Option<bool>,
+    max_position_embeddings: Option<usize>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<serde_json::Value>,
+}
+
+/// A checkpoint's shape: one decoder layer's (`layer`, with `layers` of them) and the vocabulary.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// The decoder layer's shape, `layers` deep; `max_seq_len` the context the model was trained for.
+    pub layer: Config,
+    pub vocab: usize,
+    /// The LM head is the embedding (`tie_word_embeddings`).
+    pub tied: bool,
+    pub bos: Option<u32>,
+    /// The end-of-sequence tokens (one or several).
+    pub eos: Vec<u32>,
+}
+
+/// Llama's default RoPE base, where `config.json` gives none.
+const DEFAULT_ROPE_THETA: f64 = 10_000.0;
+/// Llama's default context, where `config.json` gives none.
+const DEFAULT_CONTEXT: usize = 2048;
+
+fn unsupported(field: &'static str, why: impl Into<String>) -> ModelError {
+    ModelError::Unsupported { field, why: why.into() }
+}
+
+impl ModelConfig {
+    /// Reads `dir/config.json`.
+    pub fn read(dir: &Path) -> Result<ModelConfig, ModelError> {
+        let path = dir.join("config.json");
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
+        let raw: RawConfig =
+            serde_json::from_str(&text).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
+        Self::from_raw(&dir_name(dir), raw)
+    }
+
+    fn from_raw(name: &str, raw: RawConfig) -> Result<ModelConfig, ModelError> {
+        match raw.model_type.as_deref() {
+            Some("llama") => {}
+            Some("qwen3") => return Err(unsupported("model_type", "qwen3's per-head q/k RMSNorm is not built yet")),
+            Some(other) => {
+                return Err(unsupported(
+                    "model_type",
+                    format!("'{other}': the loader reads Llama-family checkpoints ('llama')"),
+                ));
+            }
+            None => {
+                return Err(unsupported("model_type", "missing: the loader reads Llama-family checkpoints ('llama')"));
+            }
+        }
+        if let Some(scaling) = raw.rope_scaling.as_ref().filter(|v| !v.is_null()) {
+            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|v| v.as_str()).unwrap_or("?");
+            return Err(unsupported(
+                "rope_scaling",
+                format!("'{kind}' scaling is not built yet (RoPE without scaling only)"),
+            ));
+        }
+        if let Some(act) = raw.hidden_act.as_deref().filter(|&a| a != "silu") {
+            return Err(unsupported("hidden_act", format!("'{act}': the layer's MLP is SwiGLU (silu)")));
+        }
+        for (field, on) in [("attention_bias", raw.attention_bias), ("mlp_bias", raw.mlp_bias)] {
+            if on == Some(true) {
+                return Err(unsupported(field, "true: the layer's projections have no bias"));
+            }
+        }
+        let n_q = raw.num_attention_heads;
+        let n_kv = raw.num_key_value_heads.unwrap_or(n_q);
+        if n_q == 0 || n_kv == 0 || !n_q.is_multiple_of(n_kv) {
+            return Err(unsupported(
+                "num_key_value_heads",
+                format!("{n_kv} does not divide num_attention_heads = {n_q}"),
+            ));
+        }
+        let hd = raw.head_dim.unwrap_or(raw.hidden_size / n_q);
+        if hd == 0 || !hd.is_multiple_of(2) {
+            return Err(unsupported("head_dim", format!("{hd}: RoPE rotates pairs, so it must be even and positive")));
+        }
+        let eos = match raw.eos_token_id {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(v) => serde_json::from_value::<TokenIds>(v)
+                .map_err(|e| unsupported("eos_token_id", format!("not a token id or a list of them: {e}")))?
+                .into_vec(),
+        };
+        let context = raw.max_position_embeddings.unwrap_or(DEFAULT_CONTEXT);
+        let layer = Config {
+            name: name.to_string(),
+            layers: raw.num_hidden_layers,
+            d: raw.hidden_size,
+            ffn: raw.intermediate_size,
+            n_q,
+            n_kv,
+            hd,
+            eps: raw.rms_norm_eps as f32,
+            theta: raw.rope_theta.unwrap_or(DEFAULT_ROPE_THETA),
+            max_seq_len: context,
+            ..Config::tiny()
+        };
+        Ok(ModelConfig {
+            layer,
+            vocab: raw.vocab_size,
+            tied: raw.tie_word_embeddings.unwrap_or(false),
+            bos: raw.bos_token_id,
+            eos,
+        })
+    }
+}
+
+/// `eos_token_id`: one id or a list.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    fn into_vec(self) -> Vec<u32> {
+        match self {
+            TokenIds::One(id) => vec![id],
+            TokenIds::Many(ids) => ids,
+        }
+    }
+}
+
+fn dir_name(dir: &Path) -> String {
+    dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// A checkpoint's weights on the host, bf16, row-major as Hugging Face stores them (`(out, in)`,
+/// applied as `h @ W.T`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelWeights {
+    /// `(vocab, d)`.
+    pub embed: Vec<bf16>,
+    pub layers: Vec<Weights>,
+    /// `(d)`: the final RMSNorm.
+    pub norm: Vec<bf16>,
+    /// `(vocab, d)`; `None` when tied to the embedding.
+    pub lm_head: Option<Vec<bf16>>,
+}
+
+impl ModelWeights {
+    /// The LM head's rows: its own, or the embedding's.
+    pub fn head(&self) -> &[bf16] {
+        self.lm_head.as_deref().unwrap_or(&self.embed)
+    }
+
+    /// Reads every tensor of `cfg`'s model from `dir`'s safetensors files, each checked for its name
+    /// and shape.
+    pub fn read(dir: &Path, cfg: &ModelConfig) -> Result<ModelWeights, ModelError> {
+        let mut files = Files::open(dir)?;
+        let l = &cfg.layer;
+        let (d, vocab) = (l.d, cfg.vocab);
+        let embed = files.take("model.embed_tokens.weight", &[vocab, d])?;
+        let layers = (0..l.layers)
+            .map(|i| {
+                LayerWeights::try_from_fn(|t| {
+                    let (name, shape) = layer_tensor(t, l);
+                    files.take(&format!("model.layers.{i}.{name}"), &shape)
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let norm = files.take("model.norm.weight", &[d])?;
+        let lm_head = if cfg.tied { None } else { Some(files.take("lm_head.weight", &[vocab, d])?) };
+        Ok(ModelWeights { embed, layers, norm, lm_head })
+    }
+}
+
+/// The Hugging Face name (below `model.layers.{i}.`) and shape of a layer's weight.
+fn layer_tensor(t: Tensor, cfg: &Config) -> (&'static str, Vec<usize>) {
+    let (q, kv) = (cfg.n_q * cfg.hd, cfg.n_kv * cfg.hd);
+    match t {
+        Tensor::InNorm => ("input_layernorm.weight", vec![cfg.d]),
+        Tensor::PostNorm => ("post_attention_layernorm.weight", vec![cfg.d]),
+        Tensor::Wq => ("self_attn.q_proj.weight", vec![q, cfg.d]),
+        Tensor::Wk => ("self_attn.k_proj.weight", vec![kv, cfg.d]),
+        Tensor::Wv => ("self_attn.v_proj.weight", vec![kv, cfg.d]),
+        Tensor::Wo => ("self_attn.o_proj.weight", vec![cfg.d, q]),
+        Tensor::Wgate => ("mlp.gate_proj.weight", vec![cfg.ffn, cfg.d]),
+        Tensor::Wup => ("mlp.up_proj.weight", vec![cfg.ffn, cfg.d]),
+        Tensor::Wdown => ("mlp.down_proj.weight", vec![cfg.d, cfg.ffn]),
+        Tensor::KCache | Tensor::VCache => unreachable!("a cache is not a weight"),
+    }
+}
+
+/// The checkpoint's safetensors files, each read when a tensor in it is first asked for.
+struct Files {
+    /// Which file holds each tensor.
+    index: BTreeMap<String, PathBuf>,
+    /// The bytes of the file read last.
+    loaded: Option<(PathBuf, Vec<u8>)>,
+}
+
+impl Files {
+    /// `model.safetensors.index.json`'s weight map, or else every `*.safetensors` file's own names.
+    fn open(dir: &Path) -> Result<Files, ModelError> {
+        let io =
+            |path: &Path, e: &dyn std::fmt::Display| ModelError::Io { path: path.to_path_buf(), why: e.to_string() };
+        let index_path = dir.join("model.safetensors.index.json");
+        let mut index = BTreeMap::new();
+        if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(|e| io(&index_path, &e))?;
+            let doc: serde_json::Value = serde_json::from_str(&text).map_err(|e| io(&index_path, &e))?;
+            let map =
+                doc.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| io(&index_path, &"no weight_map"))?;
+            for (name, file) in map {
+                let file = file.as_str().ok_or_else(|| io(&index_path, &format!("'{name}' names no file")))?;
+                index.insert(name.clone(), dir.join(file));
+            }
+        } else {
+            let entries = std::fs::read_dir(dir).map_err(|e| io(dir, &e))?;
+            let mut files: Vec<PathBuf> = entries
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            files.sort();
+            if files.is_empty() {
+                return Err(io(dir, &"no *.safetensors file and no model.safetensors.index.json"));
+            }
+            for path in files {
+                let bytes = std::fs::read(&path).map_err(|e| io(&path, &e))?;
+                let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| io(&path, &e))?;
+                for name in meta.tensors().keys() {
+                    index.insert(name.clone(), path.clone());
+                }
+            }
+        }
+        Ok(Files { index, loaded: None })
+    }
+
+    /// Tensor `name` of `shape`, in bf16.
+    fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<bf16>, ModelError> {
+        let path = self.index.get(name).cloned().ok_or_else(|| ModelError::Tensor {
+            path: PathBuf::from("the checkpoint"),
+            name: name.to_string(),
+            why: "missing".into(),
+        })?;
+        if self.loaded.as_ref().is_none_or(|(p, _)| *p != path) {
+            let bytes = std::fs::read(&path).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
+            self.loaded = Some((path.clone(), bytes));
+        }
+        let (_, bytes) = self.loaded.as_ref().expect("loaded above");
+        let bad = |why: String| ModelError::Tensor { path: path.clone(), name: name.to_string(), why };
+        let file = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
+        let view = file.tensor(name).map_err(|e| bad(e.to_string()))?;
+        if view.shape() != shape {
+            return Err(bad(format!("shape {:?}, expected {shape:?}", view.shape())));
+        }
+        let data = view.data();
+        let words = |n: usize| data.chunks_exact(n);
+        Ok(match view.dtype() {
+            Dtype::BF16 => words(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect(),
+            Dtype::F16 => words(2).map(|b| bf16::from_f32(f16::from_le_bytes([b[0], b[1]]).to_f32())).collect(),
+            Dtype::F32 => words(4).map(|b| bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect(),
+            other => return Err(bad(format!("dtype {other:?}: the loader reads bf16, f16 and f32"))),
+        })
+    }
+}

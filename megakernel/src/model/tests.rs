@@ -1,0 +1,302 @@
+//! The loader and the CPU decode step on checkpoints written here, in the layout Hugging Face writes
+//! (no download, no transformers: the agreement with transformers is checked on the GPU machine).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use half::bf16;
+use reference::golden::{self, KvCache, RopeTable};
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+use serde_json::json;
+use spec::Config;
+use spec::data::Tensor;
+
+use super::hf::{ModelConfig, ModelError, ModelWeights};
+use super::{CpuModel, argmax};
+
+/// A fresh folder of this test process.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("megakernel-model-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A small Llama: 2 layers of a `tiny`-like layer, 97 tokens.
+fn llama_json(tied: bool) -> serde_json::Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": tied,
+        "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": [2, 3], "torch_dtype": "bfloat16",
+        "rope_scaling": null, "attention_bias": false, "mlp_bias": false
+    })
+}
+
+/// Random bf16 values of `n`, seeded.
+fn values(n: usize, seed: u64) -> Vec<bf16> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2)
+        })
+        .collect()
+}
+
+/// Every tensor of the model `cfg` describes, Hugging Face's names, filled from `seed`.
+fn tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, Vec<usize>, Vec<bf16>)> {
+    let l = &cfg.layer;
+    let mut all = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab, l.d])];
+    for i in 0..l.layers {
+        for (name, shape) in [
+            ("input_layernorm.weight", vec![l.d]),
+            ("post_attention_layernorm.weight", vec![l.d]),
+            ("self_attn.q_proj.weight", vec![l.n_q * l.hd, l.d]),
+            ("self_attn.k_proj.weight", vec![l.n_kv * l.hd, l.d]),
+            ("self_attn.v_proj.weight", vec![l.n_kv * l.hd, l.d]),
+            ("self_attn.o_proj.weight", vec![l.d, l.n_q * l.hd]),
+            ("mlp.gate_proj.weight", vec![l.ffn, l.d]),
+            ("mlp.up_proj.weight", vec![l.ffn, l.d]),
+            ("mlp.down_proj.weight", vec![l.d, l.ffn]),
+        ] {
+            all.push((format!("model.layers.{i}.{name}"), shape));
+        }
+    }
+    all.push(("model.norm.weight".into(), vec![l.d]));
+    if !cfg.tied {
+        all.push(("lm_head.weight".into(), vec![cfg.vocab, l.d]));
+    }
+    all.into_iter()
+        .enumerate()
+        .map(|(k, (name, shape))| {
+            let n = shape.iter().product();
+            (name, shape, values(n, seed + k as u64))
+        })
+        .collect()
+}
+
+fn bytes(v: &[bf16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Writes `config` and the tensors into `dir`: one `model.safetensors`, or `shards` files and the
+/// index that names them.
+fn write(dir: &Path, config: &serde_json::Value, tensors: &[(String, Vec<usize>, Vec<bf16>)], shards: usize) {
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> =
+        tensors.iter().map(|(n, s, v)| (n.clone(), s.clone(), bytes(v))).collect();
+    let mut weight_map = serde_json::Map::new();
+    for shard in 0..shards {
+        let file = if shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{shard:05}-of-{shards:05}.safetensors")
+        };
+        let views: Vec<(String, TensorView<'_>)> = data
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| k % shards == shard)
+            .map(|(_, (n, s, b))| (n.clone(), TensorView::new(Dtype::BF16, s.clone(), b).unwrap()))
+            .collect();
+        for (n, _) in &views {
+            weight_map.insert(n.clone(), json!(file));
+        }
+        std::fs::write(dir.join(&file), safetensors::serialize(views, None::<HashMap<String, String>>).unwrap())
+            .unwrap();
+    }
+    if shards > 1 {
+        std::fs::write(dir.join("model.safetensors.index.json"), json!({ "weight_map": weight_map }).to_string())
+            .unwrap();
+    }
+}
+
+/// The config read from `config`, written alone into a fresh folder.
+fn config_of(name: &str, config: serde_json::Value) -> Result<ModelConfig, ModelError> {
+    let dir = scratch(name);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    ModelConfig::read(&dir)
+}
+
+#[test]
+fn a_llama_config_reads_into_the_layers_shape() {
+    let cfg = config_of("config", llama_json(false)).unwrap();
+    let l = &cfg.layer;
+    assert_eq!((l.layers, l.d, l.ffn, l.n_q, l.n_kv, l.hd), (2, 64, 96, 4, 2, 16));
+    assert_eq!((l.eps, l.theta, l.max_seq_len), (1e-5, 10_000.0, 256));
+    assert_eq!((cfg.vocab, cfg.tied, cfg.bos, cfg.eos.clone()), (97, false, Some(1), vec![2, 3]));
+    // Defaults where the fields are missing: as many KV heads as query heads, hd = d / heads.
+    let mut sparse = llama_json(true);
+    for field in ["num_key_value_heads", "rope_theta", "eos_token_id", "rope_scaling"] {
+        sparse.as_object_mut().unwrap().remove(field);
+    }
+    let cfg = config_of("sparse", sparse).unwrap();
+    assert_eq!((cfg.layer.n_kv, cfg.layer.hd, cfg.layer.theta, cfg.tied), (4, 16, 10_000.0, true));
+    assert!(cfg.eos.is_empty());
+}
+
+#[test]
+fn what_the_loader_does_not_implement_is_refused_naming_the_field() {
+    let with = |field: &str, value: serde_json::Value| {
+        let mut c = llama_json(false);
+        c[field] = value;
+        c
+    };
+    for (config, field, words) in [
+        (with("model_type", json!("qwen3")), "model_type", "q/k RMSNorm"),
+        (with("model_type", json!("gpt2")), "model_type", "'gpt2'"),
+        (with("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0})), "rope_scaling", "'llama3'"),
+        (with("hidden_act", json!("gelu")), "hidden_act", "'gelu'"),
+        (with("attention_bias", json!(true)), "attention_bias", "no bias"),
+        (with("num_key_value_heads", json!(3)), "num_key_value_heads", "does not divide"),
+        (with("eos_token_id", json!("eos")), "eos_token_id", "not a token id"),
+    ] {
+        match config_of(field, config) {
+            Err(e @ ModelError::Unsupported { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains(&format!("field '{field}'")) && text.contains(words), "{text}");
+            }
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+}
+
+/// Written in one file or in shards, tied or not: every tensor reads back bit for bit into its
+/// field (each tensor has its own values, so a name read into the wrong field shows).
+#[test]
+fn a_checkpoint_reads_back_bit_for_bit_into_its_fields() {
+    for (tied, shards) in [(false, 1), (true, 1), (false, 3)] {
+        let dir = scratch(&format!("weights-{tied}-{shards}"));
+        let config = llama_json(tied);
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let cfg = ModelConfig::read(&dir).unwrap();
+        let written = tensors(&cfg, 7);
+        write(&dir, &config, &written, shards);
+        let w = ModelWeights::read(&dir, &cfg).unwrap();
+        let by_name: HashMap<&str, &Vec<bf16>> = written.iter().map(|(n, _, v)| (n.as_str(), v)).collect();
+        assert_eq!(&w.embed, by_name["model.embed_tokens.weight"]);
+        assert_eq!(&w.norm, by_name["model.norm.weight"]);
+        assert_eq!(w.head(), if tied { &w.embed[..] } else { &by_name["lm_head.weight"][..] });
+        for (i, layer) in w.layers.iter().enumerate() {
+            for (t, name) in [
+                (Tensor::InNorm, "input_layernorm"),
+                (Tensor::PostNorm, "post_attention_layernorm"),
+                (Tensor::Wq, "self_attn.q_proj"),
+                (Tensor::Wk, "self_attn.k_proj"),
+                (Tensor::Wv, "self_attn.v_proj"),
+                (Tensor::Wo, "self_attn.o_proj"),
+                (Tensor::Wgate, "mlp.gate_proj"),
+                (Tensor::Wup, "mlp.up_proj"),
+                (Tensor::Wdown, "mlp.down_proj"),
+            ] {
+                assert_eq!(layer.get(t), by_name[format!("model.layers.{i}.{name}.weight").as_str()], "{i} {name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn missing_misshapen_and_foreign_tensors_are_refused_by_name() {
+    let config = llama_json(false);
+    let dir = scratch("cfg-only");
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let cfg = ModelConfig::read(&dir).unwrap();
+    let all = tensors(&cfg, 3);
+    let refused = |name: &str, tensors: Vec<(String, Vec<usize>, Vec<bf16>)>| {
+        let dir = scratch(name);
+        write(&dir, &config, &tensors, 1);
+        match ModelWeights::read(&dir, &cfg) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{name}: read without complaint"),
+        }
+    };
+    let missing: Vec<_> = all.iter().filter(|(n, _, _)| n != "model.layers.1.mlp.up_proj.weight").cloned().collect();
+    let text = refused("missing", missing);
+    assert!(text.contains("model.layers.1.mlp.up_proj.weight") && text.contains("missing"), "{text}");
+    let mut misshapen = all.clone();
+    let k = misshapen.iter().position(|(n, _, _)| n == "model.layers.0.self_attn.k_proj.weight").unwrap();
+    misshapen[k].1.reverse();
+    let text = refused("misshapen", misshapen);
+    assert!(text.contains("model.layers.0.self_attn.k_proj.weight") && text.contains("expected [32, 64]"), "{text}");
+    let empty = scratch("empty");
+    std::fs::write(empty.join("config.json"), config.to_string()).unwrap();
+    let text = ModelWeights::read(&empty, &cfg).map(|_| ()).unwrap_err().to_string();
+    assert!(text.contains("no *.safetensors file"), "{text}");
+}
+
+/// f32 and f16 tensors are read as bf16, each value rounded once to nearest even.
+#[test]
+fn f32_and_f16_tensors_round_to_bf16_on_load() {
+    let dir = scratch("dtypes");
+    let config = json!({"model_type": "llama", "hidden_size": 2, "intermediate_size": 2, "num_hidden_layers": 0,
+        "num_attention_heads": 1, "vocab_size": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": true});
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let cfg = ModelConfig::read(&dir).unwrap();
+    let f32s = [1.0f32 + 1.0 / 256.0 + 1.0 / 65536.0, -3.5, 0.1, 7.0];
+    let f32_bytes: Vec<u8> = f32s.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let f16s = [half::f16::from_f32(0.333), half::f16::from_f32(-2.0)];
+    let f16_bytes: Vec<u8> = f16s.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let views = vec![
+        ("model.embed_tokens.weight".to_string(), TensorView::new(Dtype::F32, vec![2, 2], &f32_bytes).unwrap()),
+        ("model.norm.weight".to_string(), TensorView::new(Dtype::F16, vec![2], &f16_bytes).unwrap()),
+    ];
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors::serialize(views, None::<HashMap<String, String>>).unwrap(),
+    )
+    .unwrap();
+    let w = ModelWeights::read(&dir, &cfg).unwrap();
+    assert_eq!(w.embed, f32s.map(bf16::from_f32).to_vec());
+    assert_eq!(w.norm, f16s.map(|v| bf16::from_f32(v.to_f32())).to_vec());
+    assert_eq!(w.embed[0], bf16::from_f32(1.0 + 1.0 / 128.0), "1 + 2^-8 + 2^-16 rounds up once, not to even twice");
+}
+
+/// A decode step is the embedding row through every layer's golden step (each layer's cache
+/// advancing), the final norm and the f32 head; the caches carry from step to step.
+#[test]
+fn decode_steps_chain_the_golden_layers_and_their_caches() {
+    let dir = scratch("decode");
+    let config = llama_json(false);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let cfg = ModelConfig::read(&dir).unwrap();
+    write(&dir, &config, &tensors(&cfg, 11), 1);
+    let w = ModelWeights::read(&dir, &cfg).unwrap();
+    let mut model = CpuModel::new(cfg.clone(), w.clone(), 16);
+    assert_eq!(model.context(), 16);
+    let layer = Config { max_seq_len: 16, ..cfg.layer.clone() };
+    let n = layer.cache_elems();
+    let mut caches: Vec<KvCache> =
+        (0..layer.layers).map(|_| KvCache { k: vec![bf16::ZERO; n], v: vec![bf16::ZERO; n] }).collect();
+    let rope = RopeTable::new(&layer);
+    for (pos, token) in [5u32, 17, 96].into_iter().enumerate() {
+        let logits = model.decode_step(token, pos);
+        let d = layer.d;
+        let mut x = w.embed[token as usize * d..(token as usize + 1) * d].to_vec();
+        for (lw, cache) in w.layers.iter().zip(&mut caches) {
+            x = golden::step(&layer, lw, cache, &rope, &x, pos);
+        }
+        let h = golden::rmsnorm(&x, &w.norm, layer.eps);
+        let head = w.lm_head.as_ref().unwrap();
+        let want: Vec<f32> = (0..cfg.vocab)
+            .map(|r| {
+                head[r * d..(r + 1) * d]
+                    .iter()
+                    .zip(&h)
+                    .map(|(a, b)| f64::from(a.to_f32()) * f64::from(b.to_f32()))
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        assert_eq!(logits, want, "pos {pos}");
+        assert!(logits.iter().all(|v| v.is_finite()) && logits.iter().any(|&v| v != 0.0));
+    }
+}
+
+#[test]
+fn argmax_takes_the_lowest_index_of_the_largest_and_never_nan() {
+    assert_eq!(argmax(&[0.5, 2.0, -1.0, 2.0]), Some(1));
+    assert_eq!(argmax(&[f32::NAN, -3.0, -3.0]), Some(1));
+    assert_eq!(argmax(&[-0.0, 0.0]), Some(0), "equal values: the first");
+    assert_eq!(argmax(&[f32::NAN]), None);
+    assert_eq!(argmax(&[]), None);
+}
