@@ -37,6 +37,11 @@ impl Layer<'_> {
     pub fn reborrow(&mut self) -> Layer<'_> {
         Layer { weights: self.weights, cache: &mut *self.cache }
     }
+
+    /// A stack's layers, in order: layer `l` of `weights[l]` and `caches[l]`.
+    pub fn stack<'a>(weights: &'a [DeviceWeights], caches: &'a mut [DeviceCache]) -> Vec<Layer<'a>> {
+        weights.iter().zip(caches).map(|(w, c)| Layer { weights: w, cache: c }).collect()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 use cuda::{Context, Device};
 use megakernel::{Megakernel, Mode, TRACE_STAMPS};
 use reference::gpu::data::generate_input;
-use reference::gpu::{DeviceCache, DeviceWeights, generate_weights};
+use reference::gpu::{DeviceCache, generate_weights};
 use serde::Serialize;
 use spec::{ByteModel, Config};
 use submission::{Layer, Submission};
@@ -54,7 +54,7 @@ pub fn measure(
     let weights = seeds.iter().map(|&s| generate_weights(dev, cfg, s)).collect::<Result<Vec<_>, _>>()?;
     let mut caches = seeds.iter().map(|&s| DeviceCache::generate(dev, cfg, s)).collect::<Result<Vec<_>, _>>()?;
     let mut fused = Megakernel::new(Mode::Fused);
-    fused.build_stack(dev, &mut layers(&weights, &mut caches), cfg)?;
+    fused.build_stack(dev, &mut Layer::stack(&weights, &mut caches), cfg)?;
     let in_place = fused.streams_in_place().expect("built");
     progress.say(&format!("built over {} layers; timing {TIMED_STEPS} steps and tracing one", cfg.layers));
     let s = dev.stream();
@@ -96,11 +96,6 @@ pub fn measure(
         layer_us,
         layer_floor_us: floor_us(ByteModel::of(cfg).total),
     })
-}
-
-/// A stack's layers over `weights` and `caches`, in order.
-fn layers<'a>(weights: &'a [DeviceWeights], caches: &'a mut [DeviceCache]) -> Vec<Layer<'a>> {
-    weights.iter().zip(caches).map(|(w, c)| Layer { weights: w, cache: c }).collect()
 }
 
 /// Each layer's time from the trace's stamps (`(block, layer * phases + phase, TRACE_STAMPS)`, ns,

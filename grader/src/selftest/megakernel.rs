@@ -9,7 +9,7 @@ use cuda::cudarc::driver::CudaSlice;
 use half::bf16;
 use megakernel::program::Forced;
 use megakernel::{Megakernel, Mode};
-use reference::gpu::{DeviceCache, DeviceWeights, Eager, generate_weights};
+use reference::gpu::{DeviceCache, Eager, generate_weights};
 use spec::data::{input, layer_seed};
 use spec::{Config, Gates};
 use submission::{Layer, Submission};
@@ -73,8 +73,8 @@ fn stack_matches(ctx: &mut Ctx, cfg: Config, steps: usize, in_place: bool) -> Ch
     let (mut fused_caches, mut phases_caches, mut eager_caches) = (caches()?, caches()?, caches()?);
     let mut fused = Megakernel::new(Mode::Fused).in_place(in_place);
     let mut phases = Megakernel::new(Mode::PerPhase).in_place(in_place);
-    fused.build_stack(dev, &mut layers(&weights, &mut fused_caches), &cfg)?;
-    phases.build_stack(dev, &mut layers(&weights, &mut phases_caches), &cfg)?;
+    fused.build_stack(dev, &mut Layer::stack(&weights, &mut fused_caches), &cfg)?;
+    phases.build_stack(dev, &mut Layer::stack(&weights, &mut phases_caches), &cfg)?;
     let mut eager = Eager::new(dev, &cfg)?;
     let seed: u64 = rand::random();
     let poisoned = |n: usize| dev.stream().clone_htod(&vec![bf16::NAN; n]).context("allocating an output");
@@ -82,7 +82,7 @@ fn stack_matches(ctx: &mut Ctx, cfg: Config, steps: usize, in_place: bool) -> Ch
     // One step of `mk` on its own caches: every layer's output in order (the hidden states, then out).
     let run = |mk: &mut Megakernel, caches: &mut Vec<DeviceCache>, x: &CudaSlice<bf16>, pos: usize| {
         let (mut hidden, mut out) = (poisoned((depth - 1) * row)?, poisoned(row)?);
-        mk.stack_step(dev, &mut layers(&weights, caches), x, pos, Some(&mut hidden), &mut out)?;
+        mk.stack_step(dev, &mut Layer::stack(&weights, caches), x, pos, Some(&mut hidden), &mut out)?;
         let mut states = read(&hidden)?;
         states.extend(read(&out)?);
         Ok::<_, Failure>(states)
@@ -222,11 +222,6 @@ fn matches_in(
     Ok(format!(
         "{steps} steps: worst rel error {worst:.2e} vs eager; fused == per-phase bitwise; repeat bitwise; cache rel {cache_err:.1e}; input seed {seed:#x}"
     ))
-}
-
-/// A stack's layers over `weights` and `caches`, in order.
-fn layers<'a>(weights: &'a [DeviceWeights], caches: &'a mut [DeviceCache]) -> Vec<Layer<'a>> {
-    weights.iter().zip(caches).map(|(w, c)| Layer { weights: w, cache: c }).collect()
 }
 
 fn bits(v: &[bf16]) -> Vec<u16> {
