@@ -7,7 +7,7 @@
 //! scaling, SiLU, no biases, tied or separate embeddings. Not yet: Llama-3.1's "llama3" RoPE scaling
 //! and Qwen3's per-head q/k RMSNorm (each refused by name).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
@@ -198,20 +198,32 @@ impl ModelWeights {
     /// Reads every tensor of `cfg`'s model from `dir`'s safetensors files, each checked for its name
     /// and shape.
     pub fn read(dir: &Path, cfg: &ModelConfig) -> Result<ModelWeights, ModelError> {
-        let mut files = Files::open(dir)?;
         let l = &cfg.layer;
         let (d, vocab) = (l.d, cfg.vocab);
-        let embed = files.take("model.embed_tokens.weight", &[vocab, d])?;
+        let mut wanted = vec![("model.embed_tokens.weight".to_string(), vec![vocab, d])];
+        for i in 0..l.layers {
+            for &t in Tensor::WEIGHTS {
+                let (name, shape) = layer_tensor(t, l);
+                wanted.push((format!("model.layers.{i}.{name}"), shape));
+            }
+        }
+        wanted.push(("model.norm.weight".to_string(), vec![d]));
+        if !cfg.tied {
+            wanted.push(("lm_head.weight".to_string(), vec![vocab, d]));
+        }
+        let mut got = read_tensors(dir, &wanted)?;
+        let mut take = |name: &str| got.remove(name).expect("read_tensors returns every tensor asked for");
+        let embed = take("model.embed_tokens.weight");
         let layers = (0..l.layers)
             .map(|i| {
                 LayerWeights::try_from_fn(|t| {
-                    let (name, shape) = layer_tensor(t, l);
-                    files.take(&format!("model.layers.{i}.{name}"), &shape)
+                    Ok::<_, std::convert::Infallible>(take(&format!("model.layers.{i}.{}", layer_tensor(t, l).0)))
                 })
+                .unwrap_or_else(|e| match e {})
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        let norm = files.take("model.norm.weight", &[d])?;
-        let lm_head = if cfg.tied { None } else { Some(files.take("lm_head.weight", &[vocab, d])?) };
+            .collect();
+        let norm = take("model.norm.weight");
+        let lm_head = (!cfg.tied).then(|| take("lm_head.weight"));
         Ok(ModelWeights { embed, layers, norm, lm_head })
     }
 }
@@ -233,76 +245,94 @@ fn layer_tensor(t: Tensor, cfg: &Config) -> (&'static str, Vec<usize>) {
     }
 }
 
-/// The checkpoint's safetensors files, each read when a tensor in it is first asked for.
-struct Files {
-    /// Which file holds each tensor.
-    index: BTreeMap<String, PathBuf>,
-    /// The bytes of the file read last.
-    loaded: Option<(PathBuf, Vec<u8>)>,
+/// The names of the tensors in a safetensors file, from its header alone (an 8-byte little-endian
+/// length, then that many bytes of JSON), so that finding which file holds what reads no weights.
+fn tensor_names(path: &Path) -> Result<Vec<String>, ModelError> {
+    use std::io::Read;
+    /// The safetensors format's own bound on the header.
+    const MAX_HEADER_BYTES: u64 = 100_000_000;
+    let io = |why: String| ModelError::Io { path: path.to_path_buf(), why };
+    let mut file = std::fs::File::open(path).map_err(|e| io(e.to_string()))?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|e| io(format!("reading the header's length: {e}")))?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_HEADER_BYTES {
+        return Err(io(format!("a header of {len} bytes: not a safetensors file")));
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header).map_err(|e| io(format!("reading the header: {e}")))?;
+    let names: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| io(format!("the header: {e}")))?;
+    Ok(names.into_keys().filter(|n| n != "__metadata__").collect())
 }
 
-impl Files {
-    /// `model.safetensors.index.json`'s weight map, or else every `*.safetensors` file's own names.
-    fn open(dir: &Path) -> Result<Files, ModelError> {
-        let io =
-            |path: &Path, e: &dyn std::fmt::Display| ModelError::Io { path: path.to_path_buf(), why: e.to_string() };
-        let index_path = dir.join("model.safetensors.index.json");
-        let mut index = BTreeMap::new();
-        if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| io(&index_path, &e))?;
-            let doc: serde_json::Value = serde_json::from_str(&text).map_err(|e| io(&index_path, &e))?;
-            let map =
-                doc.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| io(&index_path, &"no weight_map"))?;
-            for (name, file) in map {
-                let file = file.as_str().ok_or_else(|| io(&index_path, &format!("'{name}' names no file")))?;
-                index.insert(name.clone(), dir.join(file));
-            }
-        } else {
-            let entries = std::fs::read_dir(dir).map_err(|e| io(dir, &e))?;
-            let mut files: Vec<PathBuf> = entries
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-                .collect();
-            files.sort();
-            if files.is_empty() {
-                return Err(io(dir, &"no *.safetensors file and no model.safetensors.index.json"));
-            }
-            for path in files {
-                let bytes = std::fs::read(&path).map_err(|e| io(&path, &e))?;
-                let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| io(&path, &e))?;
-                for name in meta.tensors().keys() {
-                    index.insert(name.clone(), path.clone());
-                }
-            }
+/// Which file of `dir` holds each tensor: `model.safetensors.index.json`'s weight map, or else every
+/// `*.safetensors` file's own names.
+fn tensor_files(dir: &Path) -> Result<BTreeMap<String, PathBuf>, ModelError> {
+    let io = |path: &Path, e: &dyn std::fmt::Display| ModelError::Io { path: path.to_path_buf(), why: e.to_string() };
+    let index_path = dir.join("model.safetensors.index.json");
+    let mut index = BTreeMap::new();
+    if index_path.exists() {
+        let text = std::fs::read_to_string(&index_path).map_err(|e| io(&index_path, &e))?;
+        let doc: serde_json::Value = serde_json::from_str(&text).map_err(|e| io(&index_path, &e))?;
+        let map = doc.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| io(&index_path, &"no weight_map"))?;
+        for (name, file) in map {
+            let file = file.as_str().ok_or_else(|| io(&index_path, &format!("'{name}' names no file")))?;
+            index.insert(name.clone(), dir.join(file));
         }
-        Ok(Files { index, loaded: None })
+        return Ok(index);
     }
+    let entries = std::fs::read_dir(dir).map_err(|e| io(dir, &e))?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(io(dir, &"no *.safetensors file and no model.safetensors.index.json"));
+    }
+    for path in files {
+        for name in tensor_names(&path)? {
+            index.insert(name, path.clone());
+        }
+    }
+    Ok(index)
+}
 
-    /// Tensor `name` of `shape`, in bf16.
-    fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<bf16>, ModelError> {
-        let path = self.index.get(name).cloned().ok_or_else(|| ModelError::Tensor {
-            path: PathBuf::from("the checkpoint"),
-            name: name.to_string(),
+/// The tensors `wanted` (name and shape), in bf16, by name: each file read once, each tensor checked
+/// for its shape and converted (f32 and f16 rounded to nearest even once).
+fn read_tensors(dir: &Path, wanted: &[(String, Vec<usize>)]) -> Result<HashMap<String, Vec<bf16>>, ModelError> {
+    let files = tensor_files(dir)?;
+    let mut by_file: BTreeMap<&PathBuf, Vec<&(String, Vec<usize>)>> = BTreeMap::new();
+    for w in wanted {
+        let path = files.get(&w.0).ok_or_else(|| ModelError::Tensor {
+            path: dir.to_path_buf(),
+            name: w.0.clone(),
             why: "missing".into(),
         })?;
-        if self.loaded.as_ref().is_none_or(|(p, _)| *p != path) {
-            let bytes = std::fs::read(&path).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
-            self.loaded = Some((path.clone(), bytes));
-        }
-        let (_, bytes) = self.loaded.as_ref().expect("loaded above");
-        let bad = |why: String| ModelError::Tensor { path: path.clone(), name: name.to_string(), why };
-        let file = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
-        let view = file.tensor(name).map_err(|e| bad(e.to_string()))?;
-        if view.shape() != shape {
-            return Err(bad(format!("shape {:?}, expected {shape:?}", view.shape())));
-        }
-        let data = view.data();
-        let words = |n: usize| data.chunks_exact(n);
-        Ok(match view.dtype() {
-            Dtype::BF16 => words(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect(),
-            Dtype::F16 => words(2).map(|b| bf16::from_f32(f16::from_le_bytes([b[0], b[1]]).to_f32())).collect(),
-            Dtype::F32 => words(4).map(|b| bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect(),
-            other => return Err(bad(format!("dtype {other:?}: the loader reads bf16, f16 and f32"))),
-        })
+        by_file.entry(path).or_default().push(w);
     }
+    let mut got = HashMap::with_capacity(wanted.len());
+    for (path, tensors) in by_file {
+        let bytes = std::fs::read(path).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
+        let file =
+            SafeTensors::deserialize(&bytes).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
+        for (name, shape) in tensors {
+            let bad = |why: String| ModelError::Tensor { path: path.clone(), name: name.clone(), why };
+            let view = file.tensor(name).map_err(|e| bad(e.to_string()))?;
+            if view.shape() != shape.as_slice() {
+                return Err(bad(format!("shape {:?}, expected {shape:?}", view.shape())));
+            }
+            let data = view.data();
+            let words = |n: usize| data.chunks_exact(n);
+            let values = match view.dtype() {
+                Dtype::BF16 => words(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect(),
+                Dtype::F16 => words(2).map(|b| bf16::from_f32(f16::from_le_bytes([b[0], b[1]]).to_f32())).collect(),
+                Dtype::F32 => words(4).map(|b| bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect(),
+                other => return Err(bad(format!("dtype {other:?}: the loader reads bf16, f16 and f32"))),
+            };
+            got.insert(name.clone(), values);
+        }
+    }
+    Ok(got)
 }
