@@ -287,17 +287,7 @@ impl Megakernel {
             return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {total} phases")));
         }
         let row = b.d as usize;
-        let hidden_rows = (b.layers as usize - 1) * row;
-        let hidden = match hidden {
-            None if b.layers == 1 => 0u64,
-            Some(h) if h.len() >= hidden_rows && b.layers > 1 => device_address(dev, h),
-            _ => {
-                return Err(SubmissionError::Refused(format!(
-                    "a stack of {} layers needs hidden states of {hidden_rows} elements (none for one layer)",
-                    b.layers
-                )));
-            }
-        };
+        let hidden = submission::checked_hidden(b.layers as usize, row, hidden)?.map_or(0, |h| device_address(dev, h));
         if x.len() < row || out.len() < row {
             return Err(SubmissionError::Refused(format!("x and out need {row} elements")));
         }
@@ -480,10 +470,6 @@ fn packing_shortfall(dev: &Device, cfg: &Config, plan: Plan, layers: usize) -> R
     }))
 }
 
-fn packed_fit(dev: &Device, cfg: &Config, plan: Plan, layers: usize) -> Result<bool, CudaError> {
-    Ok(packing_shortfall(dev, cfg, plan, layers)?.is_none())
-}
-
 /// The plan of a stack that streams in place: one role and one MLP part, so that the O projection and
 /// Down read whole rows of `Wo` and `Wdown` as handed over (column parts would be packed copies); or
 /// why the layer cannot (its Down rows need parts).
@@ -609,14 +595,15 @@ impl Submission for Megakernel {
         // One grid per SM (red_rows is sized for it below).
         let grid = dev.facts().sms as u32;
         let chosen = check_fits(cfg, grid, self.forced)?;
-        let in_place = match self.in_place {
-            Some(yes) => yes,
-            None => layers.len() > 1 && !packed_fit(dev, cfg, chosen, layers.len())?,
+        // Packed when the copies fit (one layer always is), else streamed in place; `in_place` forces
+        // either.
+        let shortfall = packing_shortfall(dev, cfg, chosen, layers.len())?;
+        let in_place = self.in_place.unwrap_or(layers.len() > 1 && shortfall.is_some());
+        let layout = match (in_place, shortfall) {
+            (true, _) => in_place_plan(cfg, grid, layers.len(), self.forced)?,
+            (false, Some(why)) => return Err(SubmissionError::Unsupported(why)),
+            (false, None) => chosen,
         };
-        let layout = if in_place { in_place_plan(cfg, grid, layers.len(), self.forced)? } else { chosen };
-        if !in_place && let Some(why) = packing_shortfall(dev, cfg, layout, layers.len())? {
-            return Err(SubmissionError::Unsupported(why));
-        }
         let s = dev.stream();
         let mut packed = Vec::new();
         let tables = layers

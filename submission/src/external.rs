@@ -463,25 +463,11 @@ impl Submission for ExternalSubmission {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), SubmissionError> {
         let depth = layers.len();
-        let hidden = match (layers, hidden) {
-            ([one], None) => return self.layer_step(dev, one.reborrow(), x, pos, out),
-            (_, Some(hidden)) if depth > 1 => hidden,
-            (_, hidden) => {
-                return Err(refused(format!(
-                    "stack_step over {depth} layers {} hidden states: a stack of one has none, a deeper one has them",
-                    if hidden.is_some() { "with" } else { "without" }
-                )));
-            }
+        // The caches were handed over in build_stack; the library writes them through those pointers,
+        // and `hidden` in full (checked_hidden checks its size).
+        let Some(hidden) = crate::checked_hidden(depth, out.len(), hidden)? else {
+            return self.layer_step(dev, layers[0].reborrow(), x, pos, out);
         };
-        // The caches were handed over in build_stack; the library writes them through those pointers.
-        // It writes `hidden` in full, so its size is checked here: a row of out's size per layer but the last.
-        let want = (depth - 1) * out.len();
-        if hidden.len() != want {
-            return Err(refused(format!(
-                "the hidden states of {depth} layers hold {} elements, not (layers - 1) x batch x d = {want}",
-                hidden.len()
-            )));
-        }
         let (x, hidden, out) = (ptr(dev, x), ptr_mut(dev, hidden), ptr_mut(dev, out));
         let stream = stream(dev)?;
         self.stack_step_at(depth, x, pos, hidden, out, stream)

@@ -135,9 +135,9 @@ pub fn walk_stack(
     mut step: impl FnMut(usize, &mut Layer<'_>, &CudaSlice<bf16>, &mut CudaSlice<bf16>) -> Result<(), SubmissionError>,
 ) -> Result<(), SubmissionError> {
     let (row, last) = (out.len(), layers.len().saturating_sub(1));
-    let mut rows: Vec<ManuallyDrop<CudaSlice<bf16>>> = match hidden {
-        None if last == 0 => Vec::new(),
-        Some(h) if h.len() >= last * row => {
+    let mut rows: Vec<ManuallyDrop<CudaSlice<bf16>>> = match checked_hidden(layers.len(), row, hidden)? {
+        None => Vec::new(),
+        Some(h) => {
             let base = device_address(dev, h);
             let view = |l: usize| {
                 let at = base + (l * row * size_of::<bf16>()) as u64;
@@ -146,12 +146,6 @@ pub fn walk_stack(
                 ManuallyDrop::new(unsafe { dev.stream().upgrade_device_ptr::<bf16>(at, row) })
             };
             (0..last).map(view).collect()
-        }
-        _ => {
-            return Err(SubmissionError::Refused(format!(
-                "a stack of {} layers needs hidden states of {last} rows of {row}",
-                layers.len()
-            )));
         }
     };
     for (l, layer) in layers.iter_mut().enumerate() {
@@ -163,8 +157,45 @@ pub fn walk_stack(
     Ok(())
 }
 
+/// The hidden states a step over `layers` layers of rows of `row` elements is given, checked: none for
+/// one layer, exactly `(layers - 1) * row` elements for more, since a step writes all of them. Every
+/// `stack_step` that hands `hidden` on (to a kernel, a library, a module) checks it with this.
+pub fn checked_hidden(
+    layers: usize,
+    row: usize,
+    hidden: Option<&mut CudaSlice<bf16>>,
+) -> Result<Option<&mut CudaSlice<bf16>>, SubmissionError> {
+    let want = layers.saturating_sub(1) * row;
+    match (layers, hidden) {
+        (0, _) => Err(SubmissionError::Refused("a step through a stack of no layers".into())),
+        (1, None) => Ok(None),
+        (2.., Some(h)) if h.len() == want => Ok(Some(h)),
+        (_, h) => Err(SubmissionError::Refused(format!(
+            "a step through {layers} layer(s) takes hidden states of (layers - 1) x batch x d = {want} elements \
+             (none for one layer), not {}",
+            h.map_or("none".to_string(), |h| h.len().to_string())
+        ))),
+    }
+}
+
 /// A device buffer's address, for a program table, an ABI call or a tensor handed to Python.
 pub fn device_address<T>(dev: &Device, s: &CudaSlice<T>) -> u64 {
     // Event tracking is off on the grader's context, so the guard does nothing and can go at once.
     s.device_ptr(dev.stream()).0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One layer takes no hidden states; a deeper stack must have them, and no stack is empty (the
+    /// size check of given states needs a device buffer: the GPU selftests pass them).
+    #[test]
+    fn hidden_states_are_none_for_one_layer_and_required_for_more() {
+        assert!(matches!(checked_hidden(1, 8, None), Ok(None)));
+        for layers in [0, 2, 80] {
+            let err = checked_hidden(layers, 8, None).unwrap_err().to_string();
+            assert!(err.contains(&format!("{layers} layer")) || err.contains("no layers"), "{err}");
+        }
+    }
 }

@@ -133,17 +133,7 @@ impl PythonSubmission {
             return Err(refused(format!("a step through {layers} layers; build_layer was given {built}")));
         }
         // The module writes `hidden` in full through a tensor of this shape, so its size is checked.
-        let hidden = match (hidden, layers) {
-            (None, 1) => None,
-            (Some(h), 2..) if h.len() == (layers - 1) * batch * d => Some((device_address(dev, h), layers - 1)),
-            (Some(_), 1) => return Err(refused("a step through one layer has no hidden states".into())),
-            _ => {
-                return Err(refused(format!(
-                    "a step through {layers} layers takes hidden states of (layers - 1, batch, d) = ({}, {batch}, {d})",
-                    layers - 1
-                )));
-            }
-        };
+        let hidden = crate::checked_hidden(layers, batch * d, hidden)?.map(|h| (device_address(dev, h), layers - 1));
         let output = self.shim.step(device_address(dev, x), pos, batch, d, hidden).map_err(SubmissionError::Python)?;
         // All of the step's work, on whatever stream, is done before its output is read.
         dev.synchronize()?;

@@ -114,7 +114,7 @@ pub fn correctness_gate(
             "{over} of {} steps over the tolerance; worst {e:.3e} at call {}{} (pos {}, {:?})",
             steps.len(),
             c.index,
-            layer_of(steps, c),
+            layer_of(steps, stack, c),
             c.pos,
             c.phase
         ));
@@ -166,7 +166,7 @@ pub fn correctness_gate(
             "{} steps within {tol:.1e}; worst {e:.3e} at call {}{}{updates}; cache and read-only inputs intact",
             steps.len(),
             c.index,
-            layer_of(steps, c)
+            layer_of(steps, stack, c)
         )
     } else {
         problems.join("; ")
@@ -174,9 +174,8 @@ pub fn correctness_gate(
     Gate { name: "correctness", source: Source::Judge, passed, value, limit: tol, detail }
 }
 
-/// ", layer l" for call `c`'s check in a stack (where any check is past layer 0), else nothing.
-fn layer_of(steps: &[StepCheck], c: Call) -> String {
-    let stack = steps.iter().any(|s| s.layer > 0 || s.update_layer > 0);
+/// ", layer l" for call `c`'s check in a stack, else nothing.
+fn layer_of(steps: &[StepCheck], stack: bool, c: Call) -> String {
     match steps.iter().find(|s| s.call == c) {
         Some(s) if stack => format!(", layer {}", s.layer),
         _ => String::new(),
