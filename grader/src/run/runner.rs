@@ -194,7 +194,7 @@ impl Session<'_> {
         // initialisers included, is recorded, and it may still start processes.
         let mut sub = chosen.load(self.dev.facts().ordinal, as_runner)?;
         self.push_range(None);
-        let mut layers = self.shared.layers(self.weights.as_ref());
+        let (mut layers, _) = self.shared.split(self.weights.as_ref());
         sub.build_stack(self.dev, &mut layers, self.cfg)?;
         self.dev.synchronize()?;
         self.pop_range();
@@ -215,14 +215,16 @@ impl Session<'_> {
             *open = Some((first, count));
         }
         self.next = range.end;
+        // The layers are made once per command, before the runner's own stamps; each call only picks
+        // its buffers.
+        let (mut layers, mut io) = self.shared.split(self.weights.as_ref());
         let t = Instant::now();
         let start_ns = cupti::timestamp()?;
         for i in range.clone() {
             cupti::set_current(Tag::Call(i));
             let call = self.calls[i];
-            let b = self.shared.for_call(self.weights.as_ref(), &call);
-            let mut layers = b.layers;
-            sub.stack_step(self.dev, &mut layers, b.x, call.pos, b.hidden, b.out)?;
+            let (x, hidden, out) = io.for_call(&call);
+            sub.stack_step(self.dev, &mut layers, x, call.pos, hidden, out)?;
         }
         self.dev.synchronize()?;
         let end_ns = cupti::timestamp()?;

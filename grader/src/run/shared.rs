@@ -198,11 +198,30 @@ impl SharedData {
         }
     }
 
-    /// What `call` works on, on the runner's side: the layers (each one's weights, `own` where the
-    /// runner made its own copy, else the shared ones, and its shared cache), the input buffer it
-    /// reads (its own, or an earlier call's output), its hidden states and the output buffer it writes.
-    pub fn for_call<'a>(&'a mut self, own: Option<&'a DeviceWeights>, call: &Call) -> CallBuffers<'a> {
-        let layers = Self::layers_of(&mut self.layers, own);
+    /// What the calls work on, on the runner's side: the layers as a submission gets them (each one's
+    /// weights, `own` where the runner made its own copy, else the shared ones, and its shared cache),
+    /// made once for every call, and each call's buffers (`CallIo::for_call`).
+    pub fn split<'a>(&'a mut self, own: Option<&'a DeviceWeights>) -> (Vec<Layer<'a>>, CallIo<'a>) {
+        let layers = self
+            .layers
+            .iter_mut()
+            .map(|l| Layer { weights: own.unwrap_or(&*l.weights), cache: &mut l.cache })
+            .collect();
+        (layers, CallIo { inputs: &self.inputs, outputs: &mut self.outputs, hidden: &mut self.hidden })
+    }
+}
+
+/// Each call's own buffers on the runner's side (`SharedData::split`).
+pub struct CallIo<'a> {
+    inputs: &'a [Borrowed<CudaSlice<bf16>>],
+    outputs: &'a mut [Borrowed<CudaSlice<bf16>>],
+    hidden: &'a mut [Borrowed<CudaSlice<bf16>>],
+}
+
+impl CallIo<'_> {
+    /// What `call` reads and writes: the input buffer (its own, or an earlier call's output), its
+    /// hidden states (none for one layer) and the output buffer.
+    pub fn for_call(&mut self, call: &Call) -> (&CudaSlice<bf16>, Option<&mut CudaSlice<bf16>>, &mut CudaSlice<bf16>) {
         let hidden = self.hidden.get_mut(call.index).map(|h| &mut **h);
         let (x, out) = match call.input {
             Input::Fresh => (&*self.inputs[call.index], &mut *self.outputs[call.index]),
@@ -212,28 +231,8 @@ impl SharedData {
                 (&*before[j], &mut *rest[0])
             }
         };
-        CallBuffers { layers, x, hidden, out }
+        (x, hidden, out)
     }
-}
-
-impl SharedData {
-    /// The layers as a submission gets them: each one's weights (`own` where the runner made its own
-    /// copy, else the shared ones) and its shared cache.
-    pub fn layers<'a>(&'a mut self, own: Option<&'a DeviceWeights>) -> Vec<Layer<'a>> {
-        Self::layers_of(&mut self.layers, own)
-    }
-
-    fn layers_of<'a>(layers: &'a mut [SharedLayer], own: Option<&'a DeviceWeights>) -> Vec<Layer<'a>> {
-        layers.iter_mut().map(|l| Layer { weights: own.unwrap_or(&*l.weights), cache: &mut l.cache }).collect()
-    }
-}
-
-/// The buffers of one call on the runner's side (`SharedData::for_call`).
-pub struct CallBuffers<'a> {
-    pub layers: Vec<Layer<'a>>,
-    pub x: &'a CudaSlice<bf16>,
-    pub hidden: Option<&'a mut CudaSlice<bf16>>,
-    pub out: &'a mut CudaSlice<bf16>,
 }
 
 #[cfg(test)]
