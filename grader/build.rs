@@ -1,14 +1,9 @@
-//! Compiles the judge's kernels (`kernels/*.cu`) with the workspace's nvcc. cudarc dlopens libcuda,
-//! libnvrtc and libcupti by name at run time: adds the standard CUDA library folders to the binary's
-//! run path so a default install is found without LD_LIBRARY_PATH (which still takes precedence).
-//! Also records the git revision for reports.
+//! Compiles the judge's kernels (`kernels/*.cu`) with the workspace's nvcc and puts the CUDA library
+//! folders on the binary's run path (`cuda_build::link_cuda_run_path`). Also records the git revision
+//! for reports.
 
 use std::path::Path;
 use std::process::Command;
-
-/// Folders of a default CUDA install and of the driver in containers.
-const CUDA_LIB_DIRS: [&str; 3] =
-    ["/usr/local/cuda/lib64", "/usr/local/cuda/extras/CUPTI/lib64", "/usr/local/nvidia/lib64"];
 
 fn main() {
     cuda_build::build(&cuda_build::Toolchain::from_cuda(), cuda_build::Files::default(), "");
@@ -24,9 +19,7 @@ fn main() {
     for path in [head, branch].into_iter().flatten().filter(|p| Path::new(p).exists()) {
         println!("cargo:rerun-if-changed={path}");
     }
-    for dir in CUDA_LIB_DIRS {
-        println!("cargo:rustc-link-arg-bins=-Wl,-rpath,{dir}");
-    }
+    cuda_build::link_cuda_run_path();
 }
 
 /// `git ARGS`' output, trimmed; `None` when git is missing or fails.

@@ -241,6 +241,19 @@ fn cudadevrt_dir(nvcc: &Path) -> PathBuf {
 /// Stops the build with `message` as cargo's own error lines, one per line of the message. The
 /// script then exits 0 on purpose: `cargo::error` alone fails the build, while a nonzero exit would
 /// add a dump of every line the script printed.
+/// Folders of a default CUDA install and of the driver in containers.
+const CUDA_LIB_DIRS: [&str; 3] =
+    ["/usr/local/cuda/lib64", "/usr/local/cuda/extras/CUPTI/lib64", "/usr/local/nvidia/lib64"];
+
+/// cudarc dlopens libcuda, libnvrtc and libcupti by name at run time: adds the standard CUDA library
+/// folders to the run path of the crate's binaries, so that a default install is found without
+/// LD_LIBRARY_PATH (which still takes precedence).
+pub fn link_cuda_run_path() {
+    for dir in CUDA_LIB_DIRS {
+        println!("cargo:rustc-link-arg-bins=-Wl,-rpath,{dir}");
+    }
+}
+
 pub fn fail(message: &str) -> ! {
     for line in message.lines().filter(|l| !l.trim().is_empty()) {
         println!("cargo::error={line}");

@@ -200,17 +200,18 @@ __device__ inline bool runs(const BlockSet& b) { return (blockIdx.x - b.first) %
 // count * (step * layers + l + 1). The counters are never reset; the comparison is on the signed
 // difference, so they may wrap.
 
-// Waits until every phase in `op`'s wait mask has finished: its own layer's phases for layer l, the
-// layer before's for layer l - 1 (none for layer 0: the launch boundary orders the step before). Call
-// with the block converged.
-__device__ inline void wait_for(const int64_t* program, const OpRow& op, const unsigned* phase_done, uint32_t step,
-                                uint32_t layers, uint32_t l) {
+// Waits until every phase in the mask `waits` has finished: its own layer's phases (bits from 0) for
+// layer l, and the layer before's (bits from PREV_LAYER_WAITS) when the layer is `chained` to one run
+// earlier in this launch (a stack's layers after the first; a model's first layer after a step this
+// launch ran; otherwise the launch boundary orders the step before). Call with the block converged.
+__device__ inline void wait_for(const int64_t* program, uint64_t waits, const unsigned* phase_done, uint32_t step,
+                                uint32_t layers, uint32_t l, bool chained) {
     if (threadIdx.x == 0) {
-        const uint64_t waits = (uint64_t)op[ROW_WAITS];
         for (uint32_t w = 0; w < PROGRAM_MAX_PHASES; ++w) {
-            const bool own = (waits >> w) & 1, before = l > 0 && ((waits >> (PREV_LAYER_WAITS + w)) & 1);
+            const bool own = (waits >> w) & 1, before = chained && ((waits >> (PREV_LAYER_WAITS + w)) & 1);
             if (!own && !before) continue;
-            // The layer before's count, then this layer's (which implies it).
+            // The layer before's count, then this layer's (which implies it). For l = 0 the layer before
+            // is the step before's last: count * (step * layers) is where that step ended.
             const unsigned target = blocks_of(program + (size_t)w * PROGRAM_ROW_WORDS).count * (step * layers + l + (own ? 1 : 0));
             // Acquire: no read of this phase moves above the observation of the last block's count.
             while ((int)(ld_acquire(&phase_done[w]) - target) < 0) __nanosleep(64);
@@ -1071,82 +1072,328 @@ __device__ void phase_down(const OpRow& op, bf16* out, Ring& ring, Partials part
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Kernels
+// Running the program
 // ---------------------------------------------------------------------------------------------------
 
-// Runs phases [phase_begin, phase_end) of step `step` of the program over a stack of `layers` layers,
-// the phases numbered flat (phase f is row f % phases of layer f / phases): each block runs the phases
-// that name it, each after the phases it waits for. The grid must be co-resident, or a block could wait
-// for one not yet running (the launcher uses a cooperative launch). A step's phases run in order from
-// phase 0, in one launch or several (the launcher enforces it), so that the counts a phase waits for
-// are this step's. Layer l reads x (l = 0) or row l - 1 of hidden, and writes row l of hidden, or out
-// (the last layer). Dynamic shared memory: RING_BYTES of ring, then red_rows * WARPS floats of row
-// partials. `trace`, when not null, receives each block's phase stamps (zero for the phases it does not
-// run, and for the stamps a phase does not take).
-template <uint32_t TABLES>
-__device__ __forceinline__ void run_program(const Program<TABLES>& program, uint32_t phases, uint32_t layers, uint32_t phase_begin,
-                                            uint32_t phase_end, const bf16* x, bf16* out, bf16* hidden, uint32_t d, uint32_t pos,
-                                            uint32_t step, unsigned* phase_done, uint32_t red_rows, uint64_t* trace) {
-    // 128-byte aligned: where dynamic shared memory starts depends on the static variables before it,
-    // and ring slots 16 bytes off a 32-byte boundary made every bulk copy, so every GEMV phase, about
-    // 25% slower (measured in docs/perf.md).
-    extern __shared__ __align__(128) uint4 smem[];
-    __shared__ uint64_t full[STAGES];
-    Ring ring{smem, full, 0};                                                          // (RING_BYTES / 16)
-    const Partials part{reinterpret_cast<float*>(smem + RING_BYTES / 16), red_rows};  // (red_rows, WARPS)
+// 128-byte aligned: where dynamic shared memory starts depends on the static variables before it, and
+// ring slots 16 bytes off a 32-byte boundary made every bulk copy, so every GEMV phase, about 25% slower
+// (measured in docs/perf.md). RING_BYTES of ring, then red_rows * WARPS floats of row partials.
+extern __shared__ __align__(128) uint4 smem[];
+
+// This block's ring over the dynamic shared memory, its barriers `full` initialised. Call once, first.
+__device__ inline Ring start_ring(uint64_t* full) {
     if (blockDim.x != THREADS) __trap();
-    // The launcher checks these; a bigger range reads past the tables.
-    if (phases > PROGRAM_MAX_PHASES || layers > TABLES || phase_end > phases * layers) __trap();
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < STAGES; ++s) mbar_init(&full[s], 1);  // one arrival: thread 0's expect_tx
         // Make the initialised barriers visible to the copy engine before any copy names them.
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();  // every thread sees initialised barriers before waiting on them
+    return Ring{smem, full, 0};
+}
 
-    const auto row = [&](uint32_t f) { return program.words + (size_t)(f % phases) * PROGRAM_ROW_WORDS; };
+// The row partials after the ring: red_rows rows of WARPS floats.
+__device__ inline Partials row_partials(uint32_t red_rows) { return Partials{reinterpret_cast<float*>(smem + RING_BYTES / 16), red_rows}; }
+
+// The program as the kernels walk it: phase f, numbered over every layer, is row f % phases run for
+// layer f / phases.
+template <uint32_t TABLES>
+struct Walk {
+    const Program<TABLES>& program;
+    uint32_t phases, layers;
+    __device__ const int64_t* row(uint32_t f) const { return program.words + (size_t)(f % phases) * PROGRAM_ROW_WORDS; }
     // Phase f's row for its layer (one layer: the rows hold its addresses, no table).
-    const auto op_of = [&](uint32_t f) { return OpRow{row(f), TABLES == 1 ? nullptr : program.tables[f / phases]}; };
-    // The first phase at or after f that this block runs (phase_end if none).
-    const auto next_own = [&](uint32_t f) {
-        while (f < phase_end && !runs(blocks_of(row(f)))) ++f;
+    __device__ OpRow op(uint32_t f) const { return OpRow{row(f), TABLES == 1 ? nullptr : program.tables[f / phases]}; }
+    // The first phase in [f, end) that this block runs (end if none).
+    __device__ uint32_t next_own(uint32_t f, uint32_t end) const {
+        while (f < end && !runs(blocks_of(row(f)))) ++f;
         return f;
-    };
+    }
+};
+
+// Where a step's layers read and write: layer 0 reads x, layer l > 0 row l - 1 of hidden; the last
+// layer writes out, the others their row of hidden. `step` counts the steps run before this one.
+struct StepIo {
+    const bf16* x;
+    bf16* out;
+    bf16* hidden;
+    uint32_t d, pos, step;
+};
+
+// Ends this block's share of a phase and counts it done on `counter`. The next phase's first weights
+// (or attention's cached rows) are to stream in while the block waits for that phase's dependencies,
+// across layers too, so the ring must be free: once every thread is past this phase. Attention wrote
+// it with ordinary stores, so each thread orders those before the copy engine's writes (proxy fence),
+// then the block synchronises before thread 0 issues (and before it counts the phase done: every write
+// of the phase precedes the count).
+__device__ inline void finish_phase(unsigned* phase_done, uint32_t counter) {
+    fence_proxy_async();
+    __syncthreads();
+    stamp(TRACE_END);
+    count_done(phase_done, counter);
+}
+
+// Runs phase f of the step on this block, which runs it: waits for the phases it depends on (those of
+// the layer before too when `chained`, see wait_for), does its share, counts it done. `trace_at`: the
+// phase's stamps, or null.
+template <uint32_t TABLES>
+__device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, bool chained, const StepIo& io, unsigned* phase_done,
+                                          Ring& ring, const Partials& part, uint64_t* trace_at) {
+    const OpRow op = walk.op(f);
+    const uint32_t l = f / walk.phases;
+    wait_for(walk.program.words, (uint64_t)op[ROW_WAITS], phase_done, io.step, walk.layers, l, chained);
+    // Thread 0 alone sets and reads the trace row: no synchronisation needed.
+    if (threadIdx.x == 0) trace_row = trace_at;
+    stamp(TRACE_START);
+    const bf16* x_l = l == 0 ? io.x : io.hidden + (size_t)(l - 1) * io.d;
+    bf16* out_l = l + 1 == walk.layers ? io.out : io.hidden + (size_t)l * io.d;
+    switch (op[0]) {
+        case OP_NOP: break;
+        case OP_QKV: phase_qkv(op, x_l, io.pos, ring, part); break;
+        case OP_ATTENTION: phase_attention(op, io.pos, ring.data); break;
+        case OP_O_PROJ: phase_oproj(op, x_l, ring, part); break;
+        case OP_GATE_UP: phase_gateup(op, ring, part); break;
+        case OP_DOWN: phase_down(op, out_l, ring, part); break;
+        default: __trap();  // an unknown opcode is a broken program
+    }
+    finish_phase(phase_done, f % walk.phases);
+}
+
+// Runs phases [phase_begin, phase_end) of step `step` of the program over a stack of `layers` layers,
+// the phases numbered flat (phase f is row f % phases of layer f / phases): each block runs the phases
+// that name it, each after the phases it waits for. The grid must be co-resident, or a block could wait
+// for one not yet running (the launcher uses a cooperative launch). A step's phases run in order from
+// phase 0, in one launch or several (the launcher enforces it), so that the counts a phase waits for
+// are this step's. `trace`, when not null, receives each block's phase stamps (zero for the phases it
+// does not run, and for the stamps a phase does not take).
+template <uint32_t TABLES>
+__device__ __forceinline__ void run_program(const Program<TABLES>& program, uint32_t phases, uint32_t layers, uint32_t phase_begin,
+                                            uint32_t phase_end, const bf16* x, bf16* out, bf16* hidden, uint32_t d, uint32_t pos,
+                                            uint32_t step, unsigned* phase_done, uint32_t red_rows, uint64_t* trace) {
+    __shared__ uint64_t full[STAGES];
+    Ring ring = start_ring(full);
+    const Partials part = row_partials(red_rows);
+    // The launcher checks these; a bigger range reads past the tables.
+    if (phases > PROGRAM_MAX_PHASES || layers > TABLES || phase_end > phases * layers) __trap();
+    const Walk<TABLES> walk{program, phases, layers};
+    const StepIo io{x, out, hidden, d, pos, step};
     const uint32_t traced = phase_end - phase_begin;
-    uint32_t f = next_own(phase_begin);
-    if (f < phase_end) prime_inputs(op_of(f), ring, pos);
+    uint32_t f = walk.next_own(phase_begin, phase_end);
+    // Each phase's first weights stream in before it waits (see finish_phase).
+    if (f < phase_end) prime_inputs(walk.op(f), ring, pos);
     while (f < phase_end) {
-        const OpRow op = op_of(f);
-        const uint32_t l = f / phases;
-        wait_for(program.words, op, phase_done, step, layers, l);
-        // Thread 0 alone sets and reads the trace row: no synchronisation needed.
-        if (threadIdx.x == 0) trace_row = trace == nullptr ? nullptr : trace + ((size_t)blockIdx.x * traced + (f - phase_begin)) * TRACE_STAMPS;
-        stamp(TRACE_START);
-        const bf16* x_l = l == 0 ? x : hidden + (size_t)(l - 1) * d;
-        bf16* out_l = l + 1 == layers ? out : hidden + (size_t)l * d;
-        switch (op[0]) {
-            case OP_NOP: break;
-            case OP_QKV: phase_qkv(op, x_l, pos, ring, part); break;
-            case OP_ATTENTION: phase_attention(op, pos, ring.data); break;
-            case OP_O_PROJ: phase_oproj(op, x_l, ring, part); break;
-            case OP_GATE_UP: phase_gateup(op, ring, part); break;
-            case OP_DOWN: phase_down(op, out_l, ring, part); break;
-            default: __trap();  // an unknown opcode is a broken program
-        }
-        // The next phase of this block's first weights (or attention's cached rows) stream in while it
-        // waits for that phase's dependencies; across layers too, so the next layer's first weights
-        // stream while this layer's last phase drains. The ring is free once every thread is past this
-        // phase; attention wrote it with ordinary stores, so each thread orders those before the copy
-        // engine's writes (proxy fence), then the block synchronises before thread 0 issues (and
-        // before it counts the phase done: every write of the phase precedes the count).
-        fence_proxy_async();
-        __syncthreads();
-        stamp(TRACE_END);
-        count_done(phase_done, f % phases);
-        f = next_own(f + 1);
-        if (f < phase_end) prime_inputs(op_of(f), ring, pos);
+        run_phase(walk, f, f >= phases, io, phase_done, ring, part,
+                  trace == nullptr ? nullptr : trace + ((size_t)blockIdx.x * traced + (f - phase_begin)) * TRACE_STAMPS);
+        f = walk.next_own(f + 1, phase_end);
+        if (f < phase_end) prime_inputs(walk.op(f), ring, pos);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// A model: the token's embedding row into the stack, the final norm, the LM head and a greedy argmax,
+// for every position of a generation in one launch
+// ---------------------------------------------------------------------------------------------------
+
+// End-of-sequence tokens a model launch stops at, at most.
+constexpr uint32_t MODEL_MAX_EOS = 4;
+// A model launch's own arguments, beside the stack's program (mirrored by ModelArgs in
+// megakernel/src/model/gpu.rs; MODEL_ARGS_BYTES checks the layout on both sides).
+struct ModelArgs {
+    const bf16* embed;       // (vocab, d)
+    const bf16* final_norm;  // (d)
+    const bf16* head;        // (vocab, d): the LM head (the embedding itself when tied)
+    float* logits;           // (vocab): those of the launch's last position
+    uint64_t* candidates;    // (gridDim.x): each block's best row of the last head phase, as logit_key
+    int32_t* tokens;         // (max_seq + 1): position p's token, given below prompt_end, generated from there
+    uint32_t* done;          // (2): positions this launch ran, tokens it generated
+    uint32_t vocab;
+    uint32_t pos0;        // the launch's first position
+    uint32_t prompt_end;  // positions before it have their tokens given; the head runs from prompt_end - 1
+    uint32_t max_new;     // tokens to generate at most (at least 1)
+    uint32_t max_seq;     // the caches' positions
+    uint32_t heads_before;  // head phases of the launches before (the head's counter: HEAD_COUNTER)
+    uint32_t eps_bits;    // the final norm's epsilon, as f32 bits
+    uint32_t eos_count;
+    uint32_t eos[MODEL_MAX_EOS];
+};
+constexpr uint32_t MODEL_ARGS_BYTES = 7 * 8 + 12 * 4;
+static_assert(sizeof(ModelArgs) == MODEL_ARGS_BYTES, "ModelArgs must have the layout megakernel/src/model/gpu.rs gives it");
+// The head phase's counter, after the layer's rows' counters (phase_done holds PROGRAM_MAX_PHASES + 1).
+constexpr uint32_t HEAD_COUNTER = PROGRAM_MAX_PHASES;
+
+// Row `row`'s logit as a key that orders as the greedy choice does: the larger logit first, then the
+// lower row (its complement in the low word); NaN is 0, below every other key, so never chosen while a
+// number is there. -0 counts as +0, as the CPU's comparison has them equal.
+__device__ inline uint64_t logit_key(float v, uint32_t row) {
+    if (isnan(v)) return 0;
+    uint32_t bits = __float_as_uint(v == 0.0f ? 0.0f : v);
+    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);  // IEEE order as unsigned order
+    return ((uint64_t)bits << 32) | (UINT32_MAX - row);
+}
+
+__device__ inline uint64_t warp_max_u64(uint64_t v) {
+    for (uint32_t offset = WARP / 2; offset > 0; offset /= 2) v = max(v, (uint64_t)__shfl_xor_sync(FULL_MASK, (unsigned long long)v, offset));
+    return v;
+}
+
+// The largest of the block's keys, in every thread.
+__device__ inline uint64_t block_max_u64(uint64_t v) {
+    __shared__ uint64_t warp_best[WARPS];
+    v = warp_max_u64(v);
+    if (threadIdx.x % WARP == 0) warp_best[threadIdx.x / WARP] = v;
+    __syncthreads();  // every warp's best is in shared memory
+    v = warp_best[0];
+    for (uint32_t w = 1; w < WARPS; ++w) v = max(v, warp_best[w]);
+    __syncthreads();  // every thread has read them before a later call overwrites them
+    return v;
+}
+
+// This block's rows of the LM head: an even share of the vocabulary, in single rows, over the grid.
+__device__ inline void head_rows(uint32_t vocab, uint32_t& r0, uint32_t& r1) {
+    r0 = (uint32_t)((uint64_t)vocab * blockIdx.x / gridDim.x);
+    r1 = (uint32_t)((uint64_t)vocab * (blockIdx.x + 1) / gridDim.x);
+}
+
+// Starts streaming the head's rows [r0, r1) (at most the partials' rows) into the ring.
+__device__ inline void prime_head_rows(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t r0, uint32_t r1) {
+    with_stream(m.head, d, r0, r1, false, [&](auto stream) { stream.prime(ring); });
+}
+
+// The head's first weights, before the head waits for the last layer.
+__device__ inline void prime_head(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t chunk_rows) {
+    uint32_t r0, r1;
+    head_rows(m.vocab, r0, r1);
+    prime_head_rows(m, d, ring, r0, min(r0 + chunk_rows, r1));
+}
+
+// logits = head rmsnorm(y, final_norm) over this block's rows, f32 (each row's warp partials summed in
+// warp order), and the block's best row to its candidate slot. The rows go through the partials
+// `part.rows` at a time; the next chunk's first stages stream while this one's logits are summed.
+__device__ void phase_head(const ModelArgs& m, const bf16* y, uint32_t d, Ring& ring, Partials part) {
+    const Slice s = rmsnorm_slice(y, m.final_norm, d, __int_as_float((int)m.eps_bits));
+    uint32_t r0, r1;
+    head_rows(m.vocab, r0, r1);
+    uint64_t best = 0;
+    for (uint32_t c0 = r0; c0 < r1; c0 += part.rows) {
+        const uint32_t c1 = min(c0 + part.rows, r1);
+        with_stream(m.head, d, c0, c1, false, [&](auto stream) { stream.run(s, ring, part); });
+        // The ring is free: run ended on a __syncthreads after its last read of it.
+        if (c1 < r1) prime_head_rows(m, d, ring, c1, min(c1 + part.rows, r1));
+        // The next chunk's run starts with a __syncthreads before it writes red, so these reads of it
+        // come first.
+        for (uint32_t r = threadIdx.x; r < c1 - c0; r += THREADS) {
+            const float v = row_sum(part.red, r);
+            m.logits[c0 + r] = v;
+            best = max(best, logit_key(v, c0 + r));
+        }
+    }
+    best = block_max_u64(best);
+    if (threadIdx.x == 0) m.candidates[blockIdx.x] = best;
+}
+
+// The greedy token: every block waits until every block has counted its `heads`-th head phase, then
+// reduces the grid's candidates itself (the maximum of the keys, which is order-free), so that every
+// block takes the same token without a second wait. -1 when every logit was NaN.
+__device__ inline int32_t next_token(const ModelArgs& m, const unsigned* phase_done, uint32_t heads) {
+    __shared__ uint64_t chosen;
+    if (threadIdx.x == 0) {
+        // Acquire: the candidates are read only after every block's count was seen.
+        while ((int)(ld_acquire(&phase_done[HEAD_COUNTER]) - gridDim.x * heads) < 0) __nanosleep(64);
+    }
+    __syncthreads();  // the rest of the block waits for thread 0 to see every count
+    if (threadIdx.x < WARP) {
+        uint64_t best = 0;
+        for (uint32_t b = threadIdx.x; b < gridDim.x; b += WARP) best = max(best, (uint64_t)__ldcg(reinterpret_cast<const unsigned long long*>(m.candidates) + b));
+        best = warp_max_u64(best);
+        if (threadIdx.x == 0) chosen = best;
+    }
+    __syncthreads();  // `chosen` is written; the next call writes it only after its own first __syncthreads
+    const uint64_t best = chosen;
+    return best == 0 ? -1 : (int32_t)(UINT32_MAX - (uint32_t)best);
+}
+
+__device__ inline bool is_eos(const ModelArgs& m, int32_t token) {
+    for (uint32_t i = 0; i < m.eos_count && i < MODEL_MAX_EOS; ++i) {
+        if ((uint32_t)token == m.eos[i]) return true;
+    }
+    return false;
+}
+
+// Positions pos0, pos0 + 1, ... of a model through the stack's program, in one launch: each position's
+// layer 0 reads its token's embedding row (no copy), the stack runs as one step, and from the prompt's
+// last position on the head phase turns the last layer's output into logits and every block takes the
+// greedy token, which is the next position's; the prompt's earlier positions skip the head. Every
+// block stops at the same position: at an end-of-sequence token, after max_new tokens, or at the
+// caches' end. Steps chain as a stack's layers do: a position's first layer waits for the phases of
+// the position before's last layer that it would wait for in a stack, and its Qkv waits for the whole
+// of the Down before it, so every block has finished the step before (and read its token) first.
+__device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& program, const ModelArgs& m, uint32_t phases, uint32_t layers,
+                                          bf16* out, bf16* hidden, uint32_t d, uint32_t step, unsigned* phase_done, uint32_t red_rows) {
+    __shared__ uint64_t full[STAGES];
+    Ring ring = start_ring(full);
+    const Partials part = row_partials(red_rows);
+    // The launcher checks these.
+    if (phases > PROGRAM_MAX_PHASES || layers > PROGRAM_MAX_LAYERS || m.pos0 >= m.prompt_end || m.prompt_end > m.max_seq || m.max_new == 0) __trap();
+    if (threadIdx.x == 0) trace_row = nullptr;  // a model launch is not traced
+    const Walk<PROGRAM_MAX_LAYERS> walk{program, phases, layers};
+    const uint32_t per_step = phases * layers;
+    // The loop's state in shared memory, written by thread 0 between barriers: this step's io, the next
+    // token, and the head phases run (the tokens generated are its offset from m.heads_before). Held
+    // in registers across the phases (where the layer kernels' io is in their parameters), it spilled
+    // 40 bytes; so it spills one word (megakernel/src/kernels.rs allows it).
+    __shared__ StepIo io;
+    __shared__ int32_t token;
+    __shared__ uint32_t heads;
+    if (threadIdx.x == 0) {
+        io = StepIo{m.embed + (size_t)m.tokens[m.pos0] * d, out, hidden, d, m.pos0, step};
+        heads = m.heads_before;
+    }
+    __syncthreads();  // the first step's io is written
+    uint32_t f = walk.next_own(0, per_step);
+    if (f < per_step) prime_inputs(walk.op(f), ring, io.pos);
+    for (;;) {
+        while (f < per_step) {
+            run_phase(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, nullptr);
+            f = walk.next_own(f + 1, per_step);
+            if (f < per_step) prime_inputs(walk.op(f), ring, io.pos);
+        }
+        const uint32_t pos = io.pos;
+        bool stop = false;
+        if (pos + 1 >= m.prompt_end) {
+            prime_head(m, d, ring, part.rows);
+            // Every row of the last layer, as the layer before the head: its output is whole.
+            wait_for(program.words, ((1ull << phases) - 1) << PREV_LAYER_WAITS, phase_done, io.step, layers, layers, true);
+            phase_head(m, out, d, ring, part);
+            finish_phase(phase_done, HEAD_COUNTER);
+            const int32_t next = next_token(m, phase_done, heads + 1);
+            // Only this block writes generated tokens, and no block reads them: each has its own copy.
+            if (blockIdx.x == 0 && threadIdx.x == 0) m.tokens[pos + 1] = next;
+            stop = next < 0 || is_eos(m, next) || heads + 1 - m.heads_before == m.max_new || pos + 1 == m.max_seq;
+            __syncthreads();  // every thread has read the head count
+            if (threadIdx.x == 0) {
+                token = next;
+                heads += 1;
+            }
+        } else if (threadIdx.x == 0) {
+            token = m.tokens[pos + 1];  // given by the host: no block writes it
+        }
+        if (stop) break;
+        __syncthreads();  // every thread has read this step's io; the next token is written
+        if (threadIdx.x == 0) io = StepIo{m.embed + (size_t)token * d, out, hidden, d, pos + 1, io.step + 1};
+        __syncthreads();  // the next step's io is written
+        // The next position's first weights (the ring is free: the last phase ended on finish_phase).
+        f = walk.next_own(0, per_step);
+        if (f < per_step) prime_inputs(walk.op(f), ring, pos + 1);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        m.done[0] = io.step - step + 1;
+        m.done[1] = heads - m.heads_before;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------------------------------
 
 // The kernels: one layer (the rows carry its addresses), and a stack of up to PROGRAM_MAX_LAYERS
 // layers (the rows name each layer's addresses through its table). Two instances of one program
@@ -1165,6 +1412,16 @@ __device__ __forceinline__ void run_program(const Program<TABLES>& program, uint
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(MEGAKERNEL_PARAMS(1)) { run_program<1>(MEGAKERNEL_ARGS); }
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_stack_bf16(MEGAKERNEL_PARAMS(PROGRAM_MAX_LAYERS)) {
     run_program<PROGRAM_MAX_LAYERS>(MEGAKERNEL_ARGS);
+}
+// A model's positions from pos0 on, in one launch (run_model).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program,
+                                                                               const __grid_constant__ ModelArgs model, uint32_t phases, uint32_t layers,
+                                                                               bf16* __restrict__ out,     /* (d) */
+                                                                               bf16* __restrict__ hidden,  /* (layers - 1, d); null for one layer */
+                                                                               uint32_t d, uint32_t step,  /* steps run before this launch */
+                                                                               unsigned* __restrict__ phase_done, /* (PROGRAM_MAX_PHASES + 1) */
+                                                                               uint32_t red_rows) {
+    run_model(program, model, phases, layers, out, hidden, d, step, phase_done, red_rows);
 }
 
 // dst row r = the row at src_rows[r]: packs weights into the layouts the phases stream.

@@ -37,6 +37,12 @@ const ATTN_MAX_GROUP: usize = 16;
 pub const TRACE_STAMPS: usize = 4;
 /// The row gather of `kernels/megakernel.cu` that packs weights (the red team packs cache rows with it).
 pub const GATHER: &str = "gather_rows_u4";
+/// The kernel that runs a model's positions (`model::GpuModel`).
+const MODEL_KERNEL: &str = "megakernel_model_bf16";
+/// Static shared memory the kernels declare beside the dynamic (the ring's barriers, the row source,
+/// the reductions' scratch), rounded up: the LM head's partials take what is left.
+const STATIC_SMEM_ALLOWANCE: usize = 1024;
+
 /// Threads per block of the packing gather.
 pub const GATHER_BLOCK: u32 = 256;
 
@@ -159,7 +165,12 @@ struct Built {
     grid: u32,
     smem: u32,
     red_rows: u32,
-    /// `(MAX_PHASES)`: per phase, how many blocks have finished it, over all steps so far.
+    /// A model's stack: the LM head's rows a block streams per chunk (the partials' rows).
+    head_rows: Option<u32>,
+    /// A model's head phases run so far (the kernel's head counter is `grid * heads`).
+    heads: u32,
+    /// `(MAX_PHASES + 1)`: per phase, how many blocks have finished it, over all steps so far; the last
+    /// counts a model's head phases.
     phase_done: CudaSlice<u32>,
     cursor: StepCursor,
     // Owned for the program's pointers to stay valid.
@@ -173,12 +184,17 @@ pub struct Megakernel {
     forced: Forced,
     /// Whether a stack streams Qkv and GateUp in place (`None`: only when packed copies do not fit).
     in_place: Option<bool>,
+    /// The vocabulary of the model whose stack this is (`model::GpuModel`): the stack is built for the
+    /// model kernel, with room for its LM head's rows.
+    head_vocab: Option<usize>,
+    /// RoPE's table when it is not the layer's own (a model's scaled frequencies).
+    rope: Option<RopeTable>,
     built: Option<Built>,
 }
 
 impl Megakernel {
     pub fn new(mode: Mode) -> Self {
-        Self { mode, forced: Forced::default(), in_place: None, built: None }
+        Self { mode, forced: Forced::default(), in_place: None, head_vocab: None, rope: None, built: None }
     }
 
     /// The same, with the parts of the plan `forced` names in place of the compiler's choice (for
@@ -193,6 +209,20 @@ impl Megakernel {
     /// or from packed copies (`false`), instead of choosing by the memory free (for checking both).
     pub fn in_place(mut self, yes: bool) -> Self {
         self.in_place = Some(yes);
+        self
+    }
+
+    /// The same, building the stack for `model::GpuModel`'s kernel, whose LM head has `vocab` rows;
+    /// the layer kernels' steps are then refused.
+    pub(crate) fn for_model(mut self, vocab: usize) -> Self {
+        self.head_vocab = Some(vocab);
+        self
+    }
+
+    /// The same, rotating by `rope` (at least the caches' positions, `hd / 2` a row) instead of the
+    /// layer's own RoPE.
+    pub(crate) fn with_rope(mut self, rope: RopeTable) -> Self {
+        self.rope = Some(rope);
         self
     }
 
@@ -282,6 +312,9 @@ impl Megakernel {
         trace: Option<&mut CudaSlice<u64>>,
     ) -> Result<(), SubmissionError> {
         let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("a step before build_stack".into()))?;
+        if b.head_rows.is_some() {
+            return Err(SubmissionError::Refused("this stack was built for a model: GpuModel runs it".into()));
+        }
         let total = b.phases * b.layers;
         if phases.is_empty() || phases.end > total {
             return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {total} phases")));
@@ -613,7 +646,19 @@ impl Submission for Megakernel {
                 false => layer_buffers(dev, layer, cfg, layout, &mut packed),
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
-        let rope = RopeTable::new(cfg);
+        let rope = match &self.rope {
+            Some(r) if r.half == cfg.hd / 2 && r.cos.len() >= cfg.max_seq_len * r.half => r.clone(),
+            Some(r) => {
+                return Err(SubmissionError::Refused(format!(
+                    "a RoPE table of {} positions of {} for caches of {} positions of hd {}",
+                    r.cos.len() / r.half.max(1),
+                    r.half,
+                    cfg.max_seq_len,
+                    cfg.hd
+                )));
+            }
+            None => RopeTable::new(cfg),
+        };
         let (cos, sin) =
             (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
         let zeros = |n: usize| s.alloc_zeros::<bf16>(n).context("allocating megakernel scratch");
@@ -648,21 +693,29 @@ impl Submission for Megakernel {
         }
         let tables: Vec<[i64; program::LAYER_WORDS]> = tables.iter().map(program::LayerBuffers::table).collect();
         let param = match tables.as_slice() {
-            // One layer: its rows carry its addresses themselves, so no operand is read through a table.
-            [one] => {
+            // One layer: its rows carry its addresses themselves, so no operand is read through a table
+            // (a model's kernel always reads tables).
+            [one] if self.head_vocab.is_none() => {
                 let resolved: Vec<program::Row> = rows.iter().map(|r| program::resolve_row(r, one)).collect();
                 ProgramParam::new(&resolved, &[]).map(Param::One)
             }
             _ => ProgramParam::new(&rows, &tables).map(Param::Stack),
         }
         .expect("rows and tables within the parameter block (checked above)");
-        let func = dev.function(&MEGAKERNEL, param.kernel())?;
+        let func = dev.function(&MEGAKERNEL, if self.head_vocab.is_some() { MODEL_KERNEL } else { param.kernel() })?;
         // The most rows any block gets in any GEMV phase (over the phase's own blocks).
-        let red_rows = rows
+        let layer_rows = rows
             .iter()
             .filter_map(|r| Some(max_block_rows(program::gemv_rows(r)?, Blocks::of(r).count as usize)))
             .max()
             .unwrap_or(0);
+        // A model's LM head streams its rows through the partials a chunk at a time: a block's whole
+        // share where the shared memory holds it.
+        let most_rows = (dev.facts().max_smem_optin_bytes.max(0) as usize)
+            .saturating_sub(RING_BYTES as usize + STATIC_SMEM_ALLOWANCE)
+            / (WARPS as usize * 4);
+        let head_rows = self.head_vocab.map(|vocab| vocab.div_ceil(grid as usize).min(most_rows).max(1));
+        let red_rows = layer_rows.max(head_rows.unwrap_or(0));
         let smem = RING_BYTES + (red_rows as u32) * WARPS * 4;
         if smem as i32 > dev.facts().max_smem_optin_bytes {
             return Err(SubmissionError::Unsupported(format!(
@@ -700,7 +753,10 @@ impl Submission for Megakernel {
             grid,
             smem,
             red_rows: red_rows as u32,
-            phase_done: s.alloc_zeros::<u32>(program::MAX_PHASES).context("allocating the phase counters")?,
+            head_rows: head_rows.map(|r| r as u32),
+            heads: 0,
+            // One more for a model's head phase (the kernel's HEAD_COUNTER).
+            phase_done: s.alloc_zeros::<u32>(program::MAX_PHASES + 1).context("allocating the phase counters")?,
             cursor: StepCursor::default(),
             _buffers: packed.into_iter().chain([q, a, x1, act]).collect(),
             _tables: vec![cos, sin, part_o, part_ml, x1_part, down_part],

@@ -85,13 +85,19 @@ pub struct RopeTable {
 impl RopeTable {
     /// cos and sin of the exact f64 angles, each rounded once to f32.
     pub fn new(cfg: &Config) -> Self {
+        Self::from_inv_freq(cfg.max_seq_len, &inv_freq(cfg))
+    }
+
+    /// The table of `positions` rows whose angle `i` at position `pos` is `pos * inv_freq[i]` (in
+    /// f64, rounded once to f32): for frequencies other than the layer's (a model's scaled RoPE).
+    pub fn from_inv_freq(positions: usize, inv_freq: &[f64]) -> Self {
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        for pos in 0..cfg.max_seq_len {
-            let exact = Rotation::exact(cfg, pos);
+        for pos in 0..positions {
+            let exact = Rotation::at(pos, inv_freq);
             cos.extend(exact.cos.iter().map(|&c| c as f32));
             sin.extend(exact.sin.iter().map(|&s| s as f32));
         }
-        Self { cos, sin, half: cfg.hd / 2 }
+        Self { cos, sin, half: inv_freq.len() }
     }
 
     /// The table's row for `pos`.
@@ -107,13 +113,23 @@ struct Rotation {
     sin: Vec<f64>,
 }
 
+/// RoPE's frequencies: `theta^(-2i / hd)` for `i < hd / 2`, in f64.
+pub fn inv_freq(cfg: &Config) -> Vec<f64> {
+    (0..cfg.hd / 2).map(|i| cfg.theta.powf(-2.0 * i as f64 / cfg.hd as f64)).collect()
+}
+
 impl Rotation {
     /// Angle `i` is `pos * theta^(-2i / hd)`, all in f64.
     fn exact(cfg: &Config, pos: usize) -> Self {
-        let hd = cfg.hd as f64;
-        let (cos, sin) = (0..cfg.hd / 2)
-            .map(|i| {
-                let angle = pos as f64 * cfg.theta.powf(-2.0 * i as f64 / hd);
+        Self::at(pos, &inv_freq(cfg))
+    }
+
+    /// Angle `i` is `pos * inv_freq[i]`, in f64.
+    fn at(pos: usize, inv_freq: &[f64]) -> Self {
+        let (cos, sin) = inv_freq
+            .iter()
+            .map(|f| {
+                let angle = pos as f64 * f;
                 (angle.cos(), angle.sin())
             })
             .unzip();

@@ -25,7 +25,7 @@ impl CpuModel {
         let layer = Config { max_seq_len: context.min(cfg.layer.max_seq_len), ..cfg.layer.clone() };
         let n = layer.cache_elems();
         let caches = (0..layer.layers).map(|_| KvCache { k: vec![bf16::ZERO; n], v: vec![bf16::ZERO; n] }).collect();
-        let rope = RopeTable::new(&layer);
+        let rope = cfg.rope_table(layer.max_seq_len);
         CpuModel { cfg, layer, weights, caches, rope }
     }
 

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
-use reference::golden::Weights;
+use reference::golden::{self, RopeTable, Weights};
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 use spec::Config;
@@ -42,6 +42,8 @@ struct RawConfig {
     rms_norm_eps: f64,
     rope_theta: Option<f64>,
     rope_scaling: Option<serde_json::Value>,
+    /// transformers 5's name for `rope_theta` and `rope_scaling` together.
+    rope_parameters: Option<serde_json::Value>,
     hidden_act: Option<String>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
@@ -62,6 +64,95 @@ pub struct ModelConfig {
     pub bos: Option<u32>,
     /// The end-of-sequence tokens (one or several).
     pub eos: Vec<u32>,
+    pub rope: RopeScaling,
+}
+
+/// How the model scales RoPE's frequencies (`theta^(-2i / hd)`, the layer's).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Llama 3.1's (`"rope_type": "llama3"`): frequencies whose wavelength is over
+    /// `original_context / low_freq_factor` are divided by `factor`, those under `original_context /
+    /// high_freq_factor` kept, those between interpolated.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_context: f64,
+    },
+}
+
+impl ModelConfig {
+    /// RoPE's frequencies, scaled as the checkpoint says (in f64, as transformers' formula reads).
+    pub fn inv_freq(&self) -> Vec<f64> {
+        let plain = golden::inv_freq(&self.layer);
+        let RopeScaling::Llama3 { factor, low_freq_factor: low, high_freq_factor: high, original_context: ctx } =
+            self.rope
+        else {
+            return plain;
+        };
+        plain
+            .into_iter()
+            .map(|f| {
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                if wavelen < ctx / high {
+                    f
+                } else if wavelen > ctx / low {
+                    f / factor
+                } else {
+                    let smooth = (ctx / wavelen - low) / (high - low);
+                    (1.0 - smooth) * f / factor + smooth * f
+                }
+            })
+            .collect()
+    }
+
+    /// RoPE's cos and sin for `positions` positions, with the model's frequencies.
+    pub fn rope_table(&self, positions: usize) -> RopeTable {
+        RopeTable::from_inv_freq(positions, &self.inv_freq())
+    }
+}
+
+/// The RoPE fields of `config.json`: `rope_scaling` (with `rope_theta` beside it) or transformers 5's
+/// `rope_parameters` (holding both); the base and the scaling, or why they are refused.
+fn rope_of(raw: &RawConfig) -> Result<(f64, RopeScaling), ModelError> {
+    let params = raw.rope_parameters.as_ref().filter(|v| !v.is_null());
+    let field = if params.is_some() { "rope_parameters" } else { "rope_scaling" };
+    let theta = params
+        .and_then(|p| p.get("rope_theta"))
+        .and_then(|v| v.as_f64())
+        .or(raw.rope_theta)
+        .unwrap_or(DEFAULT_ROPE_THETA);
+    let Some(scaling) = params.or(raw.rope_scaling.as_ref().filter(|v| !v.is_null())) else {
+        return Ok((theta, RopeScaling::None));
+    };
+    let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+    match kind {
+        "default" => Ok((theta, RopeScaling::None)),
+        "llama3" => {
+            let number = |name: &str| {
+                scaling
+                    .get(name)
+                    .and_then(|v| v.as_f64())
+                    .filter(|v| v.is_finite() && *v > 0.0)
+                    .ok_or_else(|| unsupported(field, format!("llama3 scaling needs a positive '{name}'")))
+            };
+            let (low, high) = (number("low_freq_factor")?, number("high_freq_factor")?);
+            if high <= low {
+                return Err(unsupported(field, "llama3 scaling needs high_freq_factor above low_freq_factor"));
+            }
+            Ok((
+                theta,
+                RopeScaling::Llama3 {
+                    factor: number("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_context: number("original_max_position_embeddings")?,
+                },
+            ))
+        }
+        other => Err(unsupported(field, format!("'{other}' scaling is not built (none and 'llama3' are)"))),
+    }
 }
 
 /// Llama's default RoPE base, where `config.json` gives none.
@@ -98,13 +189,7 @@ impl ModelConfig {
                 return Err(unsupported("model_type", "missing: the loader reads Llama-family checkpoints ('llama')"));
             }
         }
-        if let Some(scaling) = raw.rope_scaling.as_ref().filter(|v| !v.is_null()) {
-            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|v| v.as_str()).unwrap_or("?");
-            return Err(unsupported(
-                "rope_scaling",
-                format!("'{kind}' scaling is not built yet (RoPE without scaling only)"),
-            ));
-        }
+        let (theta, rope) = rope_of(&raw)?;
         if let Some(act) = raw.hidden_act.as_deref().filter(|&a| a != "silu") {
             return Err(unsupported("hidden_act", format!("'{act}': the layer's MLP is SwiGLU (silu)")));
         }
@@ -141,7 +226,7 @@ impl ModelConfig {
             n_kv,
             hd,
             eps: raw.rms_norm_eps as f32,
-            theta: raw.rope_theta.unwrap_or(DEFAULT_ROPE_THETA),
+            theta,
             max_seq_len: context,
             ..Config::tiny()
         };
@@ -151,6 +236,7 @@ impl ModelConfig {
             tied: raw.tie_word_embeddings.unwrap_or(false),
             bos: raw.bos_token_id,
             eos,
+            rope,
         })
     }
 }

@@ -1,14 +1,19 @@
-//! A whole model, as the megakernel will run it (the model issue): a Hugging Face Llama-family
-//! checkpoint read from its directory (`hf`), and its decode step on the CPU (`cpu`): the token's
+//! A whole model as the megakernel runs it: a Hugging Face Llama-family checkpoint read from its
+//! directory (`hf`) with its tokenizer (`text`); its decode step on the CPU (`cpu`: the token's
 //! embedding, every decoder layer as the golden model computes it, the final norm, the LM head in f32
-//! and a greedy argmax with a fixed tie rule. The CPU side is what the GPU's one-launch decode will
-//! be checked against; the GPU side is not built yet.
+//! and a greedy argmax with a fixed tie rule); and the same on the GPU in one launch of the model
+//! kernel, for a decode step or a whole generation (`gpu`), checked against the CPU side (the
+//! `megakernel check` command).
 
 pub mod cpu;
+pub mod gpu;
 pub mod hf;
+pub mod text;
 
 pub use cpu::{CpuModel, argmax};
+pub use gpu::{Generation, GpuModel, GpuModelError, Stop};
 pub use hf::{ModelConfig, ModelError, ModelWeights};
+pub use text::Text;
 
 #[cfg(test)]
 mod tests;

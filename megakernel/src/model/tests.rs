@@ -13,7 +13,7 @@ use spec::Config;
 use spec::data::Tensor;
 
 use super::hf::{ModelConfig, ModelError, ModelWeights};
-use super::{CpuModel, argmax};
+use super::{CpuModel, Text, argmax};
 
 /// A fresh folder of this test process.
 fn scratch(name: &str) -> PathBuf {
@@ -146,7 +146,9 @@ fn what_the_loader_does_not_implement_is_refused_naming_the_field() {
     for (config, field, words) in [
         (with("model_type", json!("qwen3")), "model_type", "q/k RMSNorm"),
         (with("model_type", json!("gpt2")), "model_type", "'gpt2'"),
-        (with("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0})), "rope_scaling", "'llama3'"),
+        (with("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0})), "rope_scaling", "'low_freq_factor'"),
+        (with("rope_scaling", json!({"rope_type": "yarn", "factor": 8.0})), "rope_scaling", "'yarn'"),
+        (with("rope_parameters", json!({"rope_type": "linear", "rope_theta": 1e4})), "rope_parameters", "'linear'"),
         (with("hidden_act", json!("gelu")), "hidden_act", "'gelu'"),
         (with("attention_bias", json!(true)), "attention_bias", "no bias"),
         (with("num_key_value_heads", json!(3)), "num_key_value_heads", "does not divide"),
@@ -299,4 +301,85 @@ fn argmax_takes_the_lowest_index_of_the_largest_and_never_nan() {
     assert_eq!(argmax(&[-0.0, 0.0]), Some(0), "equal values: the first");
     assert_eq!(argmax(&[f32::NAN]), None);
     assert_eq!(argmax(&[]), None);
+}
+
+/// A word-level tokenizer in `tokenizer.json`'s format: whitespace-split words, `<s>` added in front.
+fn tokenizer_json() -> serde_json::Value {
+    json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 1, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false,
+                          "normalized": false, "special": true}],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+                           "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<s>": 1, "hello": 2, "kernel": 3, "world": 4},
+                  "unk_token": "<unk>"}
+    })
+}
+
+#[test]
+fn the_tokenizer_adds_the_start_token_and_decodes_without_it() {
+    let dir = scratch("tokenizer");
+    std::fs::write(dir.join("tokenizer.json"), tokenizer_json().to_string()).unwrap();
+    let text = Text::read(&dir).unwrap();
+    let tokens = text.encode("hello kernel world").unwrap();
+    assert_eq!(tokens, [1, 2, 3, 4]);
+    assert_eq!(text.decode(&tokens).unwrap(), "hello kernel world");
+    assert_eq!(text.encode("hello gpu").unwrap(), [1, 2, 0], "an unknown word is <unk>");
+}
+
+#[test]
+fn a_missing_or_broken_tokenizer_is_refused_naming_the_file() {
+    let dir = scratch("no-tokenizer");
+    let e = Text::read(&dir).err().expect("no tokenizer.json").to_string();
+    assert!(e.contains("tokenizer.json") && e.contains("not found"), "{e}");
+    std::fs::write(dir.join("tokenizer.json"), "{\"model\": 7}").unwrap();
+    let e = Text::read(&dir).err().expect("a broken tokenizer.json").to_string();
+    assert!(e.contains("tokenizer.json"), "{e}");
+}
+
+/// Llama-3.2-1B's scaling (theta 5e5, hd 64, factor 32, frequency factors 1 and 4, original context
+/// 8192): wavelengths under 2048 positions keep their frequency, those over 8192 are divided by 32,
+/// those between are interpolated; from `rope_scaling` or transformers 5's `rope_parameters` alike.
+#[test]
+fn llama3_rope_scaling_divides_the_low_frequencies_and_interpolates_the_middle() {
+    let scaling = json!({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192});
+    let mut legacy = llama_json(false);
+    (legacy["hidden_size"], legacy["num_attention_heads"], legacy["num_key_value_heads"]) =
+        (json!(256), json!(4), json!(2));
+    legacy["rope_theta"] = json!(500000.0);
+    legacy["rope_scaling"] = scaling.clone();
+    let mut v5 = legacy.clone();
+    v5.as_object_mut().unwrap().remove("rope_theta");
+    v5["rope_scaling"] = json!(null);
+    v5["rope_parameters"] = json!({"rope_theta": 500000.0});
+    for (k, v) in scaling.as_object().unwrap() {
+        v5["rope_parameters"][k] = v.clone();
+    }
+    for config in [legacy, v5] {
+        let cfg = config_of("llama3", config).unwrap();
+        assert_eq!(cfg.layer.theta, 500_000.0);
+        let (scaled, plain) = (cfg.inv_freq(), golden::inv_freq(&cfg.layer));
+        assert_eq!(scaled.len(), 32);
+        let wavelen = |f: f64| 2.0 * std::f64::consts::PI / f;
+        let (mut kept, mut divided, mut between) = (0, 0, 0);
+        for (&s, &p) in scaled.iter().zip(&plain) {
+            if wavelen(p) < 2048.0 {
+                assert_eq!(s, p);
+                kept += 1;
+            } else if wavelen(p) > 8192.0 {
+                assert_eq!(s, p / 32.0);
+                divided += 1;
+            } else {
+                assert!(s < p && s > p / 32.0, "interpolated: {s} between {} and {p}", p / 32.0);
+                between += 1;
+            }
+        }
+        assert!(kept > 0 && divided > 0 && between > 0, "{kept} kept, {divided} divided, {between} between");
+        let table = cfg.rope_table(3);
+        assert_eq!(table.cos[2 * 32 + 31], (2.0 * scaled[31]).cos() as f32, "the table rotates by the scaled angles");
+    }
 }

@@ -1,0 +1,380 @@
+//! `megakernel`: a Hugging Face Llama-family checkpoint run by the megakernel, the whole decode step
+//! (embedding, every layer, final norm, LM head, greedy argmax) in one launch, a whole generation in one
+//! launch. `generate` prints text, `bench` times the decode against the model's copy floor, `check`
+//! compares the GPU with the CPU model, `logits` prints teacher-forced logits for other tools.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use cuda::{Context, Device};
+use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Stop, Text, argmax, gpu};
+
+#[derive(Parser)]
+#[command(
+    name = "megakernel",
+    about = "Run a Hugging Face Llama-family checkpoint with the megakernel: a whole generation in one launch",
+    after_help = "Supported: model_type \"llama\" (Llama 2 and 3 without rope scaling, TinyLlama, SmolLM2, ...), bf16, f16 or \
+                  f32 safetensors. Anything else is refused naming the config field. Needs an H100/H200 (sm_90)."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args)]
+struct ModelArgs {
+    /// The checkpoint's folder: config.json, model.safetensors (or shards and their index),
+    /// tokenizer.json for text.
+    #[arg(long)]
+    model: PathBuf,
+    /// The KV caches' positions (at most the model's own context).
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    context: u32,
+    /// The CUDA device.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text greedily from a prompt, prefill and every new token in one launch.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The prompt (the tokenizer adds the model's start token).
+        prompt: String,
+        /// New tokens at most; the generation stops earlier at an end-of-sequence token.
+        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+        max_new: u32,
+    },
+    /// Time the decode: ms per token of a generation in one launch, and of a launch per token, against
+    /// the model's copy floor (its bytes per token over the measured device-to-device copy bandwidth).
+    Bench {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Tokens generated per timed launch (end-of-sequence ignored).
+        #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+        tokens: u32,
+        /// Timed launches; the median is reported.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+        reps: u32,
+    },
+    /// Check the GPU against the CPU model on random tokens: each position's logits, the kernel's
+    /// greedy token against the argmax of its logits, and a generation in one launch against a launch
+    /// per token. Ends with an 'N passed, M failed' line; exit status 1 on a failure.
+    Check {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Positions to decode.
+        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(2..))]
+        positions: u32,
+        /// The random tokens' seed (default: from the clock, printed).
+        #[arg(long)]
+        seed: Option<u64>,
+    },
+    /// Print, as JSON, the f32 logits after each of the given tokens, teacher-forced from position 0
+    /// ({"logits": [[...], ...], "argmax": [...]}).
+    Logits {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Comma-separated token ids.
+        #[arg(long, value_delimiter = ',', required = true)]
+        tokens: Vec<u32>,
+        /// Where to decode.
+        #[arg(long, value_enum, default_value_t = On::Gpu)]
+        on: On,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum On {
+    Cpu,
+    Gpu,
+}
+
+/// Relative error of the logits beside the CPU model's that `check` accepts, per square root of the
+/// layers: the grader's tolerance for one layer's output, grown as a random walk over the layers (two
+/// honest roundings part further with each layer: 6.4e-3 after 3 layers, 2.5e-2 after 16, measured
+/// in docs/model.md).
+const LOGITS_TOL_PER_SQRT_LAYER: f64 = 1.5e-2;
+
+type Failure = Box<dyn std::error::Error>;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            progress("");
+            eprintln!("megakernel: error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Runs a command; `Ok(false)` when a check failed.
+fn run(command: Command) -> Result<bool, Failure> {
+    match command {
+        Command::Generate { model, prompt, max_new } => generate(&model, &prompt, max_new as usize).map(|()| true),
+        Command::Bench { model, tokens, reps } => bench(&model, tokens as usize, reps as usize).map(|()| true),
+        Command::Check { model, positions, seed } => check(&model, positions as usize, seed),
+        Command::Logits { model, tokens, on } => logits(&model, &tokens, on).map(|()| true),
+    }
+}
+
+/// A progress line on stderr: on a terminal overwritten by the next (and cleared by an empty one),
+/// elsewhere one line each.
+fn progress(line: &str) {
+    if std::io::stderr().is_terminal() {
+        eprint!("\r\x1b[2K{line}");
+    } else if !line.is_empty() {
+        eprintln!("{line}");
+    }
+}
+
+fn read_model(dir: &Path) -> Result<(ModelConfig, ModelWeights), Failure> {
+    progress(&format!("reading {}", dir.join("config.json").display()));
+    let cfg = ModelConfig::read(dir)?;
+    progress(&format!("reading the weights of {} layers", cfg.layer.layers));
+    let weights = ModelWeights::read(dir, &cfg)?;
+    Ok((cfg, weights))
+}
+
+fn load(args: &ModelArgs) -> Result<(Device, GpuModel, ModelConfig, ModelWeights), Failure> {
+    let (cfg, weights) = read_model(&args.model)?;
+    let dev = Device::open(args.device)?;
+    let model = GpuModel::new(&dev, &cfg, &weights, args.context as usize, &mut |s| progress(s))?;
+    progress("");
+    eprintln!("{}", summary(&cfg, &model));
+    Ok((dev, model, cfg, weights))
+}
+
+fn summary(cfg: &ModelConfig, model: &GpuModel) -> String {
+    let l = &cfg.layer;
+    format!(
+        "model: {} layers, d {}, ffn {}, {} heads / {} KV heads of {}, vocab {}, {} head; caches of {} positions\n\
+         program: {}",
+        l.layers,
+        l.d,
+        l.ffn,
+        l.n_q,
+        l.n_kv,
+        l.hd,
+        cfg.vocab,
+        if cfg.tied { "tied" } else { "separate" },
+        model.context(),
+        model.describe()
+    )
+}
+
+fn generate(args: &ModelArgs, prompt: &str, max_new: usize) -> Result<(), Failure> {
+    let text = Text::read(&args.model)?;
+    let (dev, mut model, cfg, _) = load(args)?;
+    let tokens = text.encode(prompt)?;
+    if cfg.eos.len() > gpu::MAX_EOS {
+        return Err(format!(
+            "config.json names {} end-of-sequence tokens; the kernel stops at {}",
+            cfg.eos.len(),
+            gpu::MAX_EOS
+        )
+        .into());
+    }
+    let room = model.context().saturating_sub(tokens.len());
+    let g = model.generate(&dev, &tokens, max_new.min(room.max(1)), &cfg.eos)?;
+    println!("{}{}", prompt, text.decode(&g.tokens)?);
+    let why = match g.stop {
+        Stop::Eos => "an end-of-sequence token",
+        Stop::MaxNew => "--max-new",
+        Stop::Context => "the end of the caches",
+    };
+    eprintln!(
+        "{} new tokens after a prompt of {} in one launch: {:.1} ms in the kernel ({:.1} ms on the host), {:.1} tokens/s \
+         over the {} positions; stopped at {why}",
+        g.tokens.len(),
+        tokens.len(),
+        g.kernel_ms,
+        g.elapsed.as_secs_f64() * 1e3,
+        g.positions as f64 / (f64::from(g.kernel_ms) / 1e3),
+        g.positions
+    );
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The device-to-device copy bandwidth in bytes per second (read plus written), the median of ten
+/// driver copies between two 1 GiB buffers of random data after three untimed ones.
+fn copy_bandwidth(dev: &Device) -> Result<f64, Failure> {
+    const BYTES: usize = 1 << 30;
+    let src = reference::gpu::data::fill_normal(dev, BYTES / 2, 0xC0_B7, 0.0, 1.0)?;
+    let mut dst = dev.stream().alloc_zeros::<half::bf16>(BYTES / 2).context("allocating the copy's destination")?;
+    let mut times = Vec::new();
+    for rep in 0..13 {
+        let ms = dev.time_ms(|| dev.stream().memcpy_dtod(&src, &mut dst).context("copying"))?;
+        if rep >= 3 {
+            times.push(f64::from(ms));
+        }
+    }
+    Ok(2.0 * BYTES as f64 / (median(times) / 1e3))
+}
+
+fn bench(args: &ModelArgs, tokens: usize, reps: usize) -> Result<(), Failure> {
+    let (dev, mut model, cfg, _) = load(args)?;
+    let tokens = tokens.min(model.context());
+    let bandwidth = copy_bandwidth(&dev)?;
+    // Positions 0 .. tokens, each a decode step with the LM head.
+    let bytes: u64 = (0..tokens).map(|p| model.bytes_at(p)).sum();
+    let floor_ms = bytes as f64 / tokens as f64 / bandwidth * 1e3;
+    let start = [cfg.bos.unwrap_or(0)];
+    model.generate(&dev, &start, tokens, &[])?; // warm-up
+    let one_launch = median(
+        (0..reps)
+            .map(|_| model.generate(&dev, &start, tokens, &[]).map(|g| f64::from(g.kernel_ms) / g.positions as f64))
+            .collect::<Result<_, _>>()?,
+    );
+    let per_token = median(
+        (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                let mut token = start[0];
+                for pos in 0..tokens {
+                    let logits = model.decode_step(&dev, token, pos)?;
+                    token = argmax(&logits).unwrap_or(0) as u32;
+                }
+                Ok::<_, Failure>(t.elapsed().as_secs_f64() * 1e3 / tokens as f64)
+            })
+            .collect::<Result<_, _>>()?,
+    );
+    println!(
+        "copy bandwidth {:.2} TB/s; {:.3} GB per token on average over positions 0..{tokens}: floor {floor_ms:.3} ms/token",
+        bandwidth / 1e12,
+        bytes as f64 / tokens as f64 / 1e9
+    );
+    println!("{:<44} {:>10} {:>9} {:>9}", "decode", "ms/token", "tokens/s", "x floor");
+    for (what, ms) in [
+        (format!("one launch for {tokens} tokens (kernel time)"), one_launch),
+        ("a launch per token, logits read back (host)".to_string(), per_token),
+    ] {
+        println!("{what:<44} {ms:>10.3} {:>9.1} {:>9.3}", 1e3 / ms, ms / floor_ms);
+    }
+    Ok(())
+}
+
+/// A splitmix64 stream: the check's random tokens.
+fn tokens_from(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        num += (f64::from(x) - f64::from(y)).powi(2);
+        den += f64::from(y).powi(2);
+    }
+    if a.iter().any(|v| !v.is_finite()) { f64::INFINITY } else { (num / den).sqrt() }
+}
+
+fn check(args: &ModelArgs, positions: usize, seed: Option<u64>) -> Result<bool, Failure> {
+    let (dev, mut model, cfg, weights) = load(args)?;
+    let positions = positions.min(model.context());
+    let seed = seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+    });
+    println!("seed {seed} (--seed {seed} repeats it), {positions} positions");
+    let tokens = tokens_from(seed, positions, cfg.vocab);
+    let mut cpu = CpuModel::new(cfg.clone(), weights, positions);
+    let (mut passed, mut failed) = (0, 0);
+    let mut verdict = |ok: bool, what: String| {
+        println!("{} {what}", if ok { "pass" } else { "FAIL" });
+        if ok { passed += 1 } else { failed += 1 }
+    };
+    // Teacher-forced: each position's logits against the CPU model's.
+    let (mut worst, mut agree, mut gpu_logits) = (0.0f64, 0, Vec::new());
+    for (pos, &t) in tokens.iter().enumerate() {
+        let g = model.decode_step(&dev, t, pos)?;
+        let c = cpu.decode_step(t, pos);
+        worst = worst.max(rel_err(&g, &c));
+        agree += usize::from(argmax(&g) == argmax(&c));
+        gpu_logits.push(g);
+    }
+    let tol = LOGITS_TOL_PER_SQRT_LAYER * (cfg.layer.layers as f64).sqrt();
+    verdict(
+        worst <= tol,
+        format!("logits beside the CPU model's, worst of {positions} positions {worst:.3e} (at most {tol:.2e})"),
+    );
+    println!("     greedy token equal to the CPU model's at {agree} of {positions} positions (a near-tie may differ)");
+    // A generation in one launch from the first half of the tokens, against a launch per token fed the
+    // argmax of its own logits: the same tokens, and the kernel's choice is the logits' argmax.
+    let prompt = &tokens[..positions / 2];
+    let want = positions - prompt.len();
+    let g = model.generate(&dev, prompt, want, &[])?;
+    let (mut chained, mut token) = (Vec::new(), None);
+    for pos in 0..positions - 1 {
+        let t = if pos < prompt.len() { prompt[pos] } else { token.expect("a generated token") };
+        let logits = model.decode_step(&dev, t, pos)?;
+        if pos + 1 >= prompt.len() {
+            token = argmax(&logits).map(|i| i as u32);
+            chained.push(token.ok_or("every logit was NaN")?);
+        }
+    }
+    verdict(
+        g.tokens == chained,
+        format!("{} tokens generated in one launch equal the argmax of a launch per token", g.tokens.len()),
+    );
+    // An end-of-sequence token: the one generated at the middle of the run stops the same generation
+    // at its first occurrence, that token included.
+    let eos = chained[chained.len() / 2];
+    let first = chained.iter().position(|&t| t == eos).expect("it is in the run");
+    let g = model.generate(&dev, prompt, want, &[eos])?;
+    verdict(
+        g.stop == Stop::Eos && g.tokens == chained[..=first],
+        format!("a generation stops at its end-of-sequence token ({eos}, generated token {} of {want})", first + 1),
+    );
+    // The last teacher-forced position again, as the head of a generation in one launch over the same
+    // tokens: the same arithmetic, so the same bits.
+    let last = positions - 1;
+    model.generate(&dev, &tokens[..=last], 1, &[])?;
+    let again = model.last_logits(&dev)?;
+    let bitwise = gpu_logits[last].iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
+    verdict(
+        bitwise,
+        format!("position {last}'s logits the same bits from a decode step and from a generation's launch"),
+    );
+    println!("{passed} passed, {failed} failed");
+    Ok(failed == 0)
+}
+
+fn logits(args: &ModelArgs, tokens: &[u32], on: On) -> Result<(), Failure> {
+    let (cfg, weights) = read_model(&args.model)?;
+    progress("");
+    let logits: Vec<Vec<f32>> = match on {
+        On::Cpu => {
+            let mut model = CpuModel::new(cfg, weights, tokens.len());
+            tokens.iter().enumerate().map(|(pos, &t)| model.decode_step(t, pos)).collect()
+        }
+        On::Gpu => {
+            let dev = Device::open(args.device)?;
+            let mut model = GpuModel::new(&dev, &cfg, &weights, tokens.len(), &mut |_| ())?;
+            tokens.iter().enumerate().map(|(pos, &t)| model.decode_step(&dev, t, pos)).collect::<Result<_, _>>()?
+        }
+    };
+    let chosen: Vec<Option<usize>> = logits.iter().map(|l| argmax(l)).collect();
+    println!("{}", serde_json::json!({ "logits": logits, "argmax": chosen }));
+    Ok(())
+}

@@ -1,0 +1,326 @@
+//! A model on the GPU, in one kernel. The checkpoint's weights are uploaded once and its stack compiled
+//! into the megakernel's program; the model kernel (`megakernel_model_bf16`) then runs every position
+//! of a decode step or of a whole generation in one launch: the token's embedding row into the first
+//! layer, every layer, the final norm, the LM head (f32 logits) and the greedy token, chosen in the
+//! kernel with the CPU model's tie rule (`cpu::argmax`).
+
+use std::time::{Duration, Instant};
+
+use cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cuda::{Context, CudaError, Device};
+use half::bf16;
+use reference::gpu::{DeviceCache, DeviceWeights};
+use spec::Config;
+use spec::bytes::ByteModel;
+use submission::{Layer, Submission, SubmissionError, device_address};
+
+use super::hf::{ModelConfig, ModelWeights};
+use crate::{Megakernel, Mode, Param, THREADS};
+
+/// End-of-sequence tokens a launch stops at, at most (the kernel's `MODEL_MAX_EOS`).
+pub const MAX_EOS: usize = 4;
+
+/// The model kernel's own arguments, laid out as `struct ModelArgs` in `kernels/megakernel.cu`.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct ModelArgs {
+    embed: u64,
+    final_norm: u64,
+    head: u64,
+    logits: u64,
+    candidates: u64,
+    tokens: u64,
+    done: u64,
+    vocab: u32,
+    pos0: u32,
+    prompt_end: u32,
+    max_new: u32,
+    max_seq: u32,
+    heads_before: u32,
+    eps_bits: u32,
+    eos_count: u32,
+    eos: [u32; MAX_EOS],
+}
+
+/// `sizeof(ModelArgs)` in the kernel (its `MODEL_ARGS_BYTES`).
+const MODEL_ARGS_BYTES: usize = 7 * 8 + 12 * 4;
+const _: () = assert!(std::mem::size_of::<ModelArgs>() == MODEL_ARGS_BYTES);
+
+// SAFETY: plain old data of the layout `struct ModelArgs` declares (u64 words, then u32 words; no
+// padding, checked by the size above).
+unsafe impl DeviceRepr for ModelArgs {}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuModelError {
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    #[error("the megakernel: {0}")]
+    Megakernel(#[from] SubmissionError),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// Why a generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// It generated an end-of-sequence token (the last of `tokens`).
+    Eos,
+    /// It generated the tokens it was asked for.
+    MaxNew,
+    /// The caches are full.
+    Context,
+}
+
+/// What one launch generated.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// The generated tokens, in order (an end-of-sequence token included).
+    pub tokens: Vec<u32>,
+    pub stop: Stop,
+    /// Positions the launch ran: the prompt's and every generated token's but the last.
+    pub positions: usize,
+    /// From the launch to its results on the host.
+    pub elapsed: Duration,
+    /// The kernel alone, by events around its launch.
+    pub kernel_ms: f32,
+}
+
+/// A model's weights, caches and compiled stack on the GPU.
+pub struct GpuModel {
+    cfg: ModelConfig,
+    /// The layer's shape with the caches' depth.
+    layer: Config,
+    mk: Megakernel,
+    embed: CudaSlice<bf16>,
+    norm: CudaSlice<bf16>,
+    head: Option<CudaSlice<bf16>>,
+    logits: CudaSlice<f32>,
+    candidates: CudaSlice<u64>,
+    tokens: CudaSlice<i32>,
+    done: CudaSlice<u32>,
+    out: CudaSlice<bf16>,
+    hidden: Option<CudaSlice<bf16>>,
+    // Owned for the compiled program's addresses to stay valid.
+    _weights: Vec<DeviceWeights>,
+    _caches: Vec<DeviceCache>,
+}
+
+impl GpuModel {
+    /// Uploads the model with caches of `context` positions (at most the model's own) and compiles its
+    /// stack; `progress` hears what it is doing.
+    pub fn new(
+        dev: &Device,
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
+        context: usize,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<GpuModel, GpuModelError> {
+        let layer = Config { max_seq_len: context.min(cfg.layer.max_seq_len), ..cfg.layer.clone() };
+        if layer.max_seq_len == 0 {
+            return Err(GpuModelError::Refused("a context of 0 positions".into()));
+        }
+        let s = dev.stream();
+        let up = |v: &[bf16], what: &str| s.clone_htod(v).context(format!("uploading {what}"));
+        let mut layers = Vec::with_capacity(weights.layers.len());
+        for (l, w) in weights.layers.iter().enumerate() {
+            progress(&format!("uploading layer {} of {}", l + 1, weights.layers.len()));
+            layers.push(DeviceWeights::try_from_fn(|t| up(w.get(t), &format!("layer {l}'s {t:?}")))?);
+        }
+        let cache = |what: &str| s.alloc_zeros::<bf16>(layer.cache_elems()).context(format!("allocating {what}"));
+        let mut caches = (0..layers.len())
+            .map(|_| Ok(DeviceCache { k: cache("a K cache")?, v: cache("a V cache")? }))
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let embed = up(&weights.embed, "the embedding")?;
+        let norm = up(&weights.norm, "the final norm")?;
+        let head = weights.lm_head.as_deref().map(|h| up(h, "the LM head")).transpose()?;
+        progress("compiling the stack into the megakernel's program");
+        let mut mk = Megakernel::new(Mode::Fused).for_model(cfg.vocab).with_rope(cfg.rope_table(layer.max_seq_len));
+        mk.build_stack(dev, &mut Layer::stack(&layers, &mut caches), &layer)?;
+        let grid = mk.launch_shape().expect("built").0 as usize;
+        let zeros_f32 = s.alloc_zeros::<f32>(cfg.vocab).context("allocating the logits")?;
+        let row = |n: usize, what: &str| s.alloc_zeros::<bf16>(n).context(format!("allocating {what}"));
+        Ok(GpuModel {
+            logits: zeros_f32,
+            candidates: s.alloc_zeros::<u64>(grid).context("allocating the head's candidates")?,
+            tokens: s.alloc_zeros::<i32>(layer.max_seq_len + 1).context("allocating the tokens")?,
+            done: s.alloc_zeros::<u32>(2).context("allocating the launch's counts")?,
+            out: row(layer.d, "the last layer's output")?,
+            hidden: (layers.len() > 1).then(|| row((layers.len() - 1) * layer.d, "the hidden states")).transpose()?,
+            cfg: cfg.clone(),
+            layer,
+            mk,
+            embed,
+            norm,
+            head,
+            _weights: layers,
+            _caches: caches,
+        })
+    }
+
+    /// The caches' depth in positions.
+    pub fn context(&self) -> usize {
+        self.layer.max_seq_len
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The compiled plan in words.
+    pub fn describe(&self) -> String {
+        self.mk.describe(&self.layer, 0).unwrap_or_default()
+    }
+
+    /// The logits after `token` at position `pos` (its K and V appended to every layer's cache at
+    /// `pos`), in one launch, as `CpuModel::decode_step` computes them.
+    pub fn decode_step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Vec<f32>, GpuModelError> {
+        self.check_tokens(&[token])?;
+        if pos >= self.context() {
+            return Err(GpuModelError::Refused(format!("position {pos} is past the caches' {}", self.context())));
+        }
+        self.launch(dev, pos, &[token], 1, &[])?;
+        self.last_logits(dev)
+    }
+
+    /// The logits of the last position the last launch decoded.
+    pub fn last_logits(&self, dev: &Device) -> Result<Vec<f32>, GpuModelError> {
+        Ok(dev.stream().clone_dtoh(&self.logits).context("reading the logits")?)
+    }
+
+    /// Runs `prompt` from position 0 and generates up to `max_new` tokens greedily, stopping at one of
+    /// `eos` (at most [`MAX_EOS`]; none to run all `max_new`) or at the caches' end, in one launch.
+    pub fn generate(
+        &mut self,
+        dev: &Device,
+        prompt: &[u32],
+        max_new: usize,
+        eos: &[u32],
+    ) -> Result<Generation, GpuModelError> {
+        if prompt.is_empty() || max_new == 0 {
+            return Err(GpuModelError::Refused("a generation needs a prompt and at least one new token".into()));
+        }
+        self.check_tokens(prompt)?;
+        if prompt.len() > self.context() {
+            return Err(GpuModelError::Refused(format!(
+                "a prompt of {} tokens is longer than the caches' {} positions",
+                prompt.len(),
+                self.context()
+            )));
+        }
+        if eos.len() > MAX_EOS {
+            return Err(GpuModelError::Refused(format!(
+                "{} end-of-sequence tokens; the kernel stops at {MAX_EOS}",
+                eos.len()
+            )));
+        }
+        let start = Instant::now();
+        let ([positions, generated], kernel_ms) = self.launch(dev, 0, prompt, max_new, eos)?;
+        let n = prompt.len();
+        let mut tokens = vec![0i32; generated as usize];
+        let s = dev.stream();
+        s.memcpy_dtoh(&self.tokens.slice(n..n + generated as usize), &mut tokens).context("reading the tokens")?;
+        s.synchronize().context("reading the tokens")?;
+        let elapsed = start.elapsed();
+        let tokens = tokens
+            .into_iter()
+            .map(|t| {
+                u32::try_from(t).map_err(|_| GpuModelError::Refused("every logit was NaN: no token to choose".into()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let stop = match tokens.last() {
+            Some(t) if eos.contains(t) => Stop::Eos,
+            _ if tokens.len() == max_new => Stop::MaxNew,
+            _ => Stop::Context,
+        };
+        Ok(Generation { tokens, stop, positions: positions as usize, elapsed, kernel_ms })
+    }
+
+    /// Bytes a decode step at `pos` must move: every layer's (`ByteModel::stack_at`), the LM head and
+    /// the final norm read, the logits written.
+    pub fn bytes_at(&self, pos: usize) -> u64 {
+        let (d, vocab) = (self.layer.d as u64, self.cfg.vocab as u64);
+        ByteModel::stack_at(&self.layer, pos).total + 2 * vocab * d + 2 * d + 4 * vocab
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<(), GpuModelError> {
+        match tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            Some(t) => {
+                Err(GpuModelError::Refused(format!("token {t} is outside the vocabulary of {}", self.cfg.vocab)))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// One launch of the model kernel from position `pos0`, the tokens from there `given`; returns the
+    /// positions it ran, the tokens it generated and the kernel's time in ms.
+    fn launch(
+        &mut self,
+        dev: &Device,
+        pos0: usize,
+        given: &[u32],
+        max_new: usize,
+        eos: &[u32],
+    ) -> Result<([u32; 2], f32), GpuModelError> {
+        let s = dev.stream();
+        let given_i32: Vec<i32> = given.iter().map(|&t| t as i32).collect();
+        s.memcpy_htod(&given_i32, &mut self.tokens.slice_mut(pos0..pos0 + given.len()))
+            .context("uploading the tokens")?;
+        let mut eos_words = [0u32; MAX_EOS];
+        eos_words[..eos.len()].copy_from_slice(eos);
+        let b = self.mk.built.as_mut().expect("GpuModel::new built the stack");
+        let Param::Stack(program) = &b.program else { unreachable!("a model's stack always reads tables") };
+        let args = ModelArgs {
+            embed: device_address(dev, &self.embed),
+            final_norm: device_address(dev, &self.norm),
+            head: device_address(dev, self.head.as_ref().unwrap_or(&self.embed)),
+            logits: device_address(dev, &self.logits),
+            candidates: device_address(dev, &self.candidates),
+            tokens: device_address(dev, &self.tokens),
+            done: device_address(dev, &self.done),
+            vocab: self.cfg.vocab as u32,
+            pos0: pos0 as u32,
+            prompt_end: (pos0 + given.len()) as u32,
+            max_new: max_new.min(u32::MAX as usize) as u32,
+            max_seq: self.layer.max_seq_len as u32,
+            heads_before: b.heads,
+            eps_bits: self.layer.eps.to_bits(),
+            eos_count: eos.len() as u32,
+            eos: eos_words,
+        };
+        let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
+        let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
+        let mut l = s.launch_builder(&b.func);
+        l.arg(&**program).arg(&args).arg(&b.phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
+        l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
+        // SAFETY: megakernel_model_bf16(program: Program<MAX_STACK_LAYERS> by value, model: ModelArgs by
+        // value (its buffers allocated above: logits (vocab), candidates (grid), tokens (max_seq + 1),
+        // done (2)), phases, layers, out (d), hidden ((layers - 1) x d or null for one layer), d, step,
+        // phase_done (MAX_PHASES + 1), red_rows); pos0 < prompt_end <= max_seq and max_new >= 1
+        // (checked by the callers); the grid is co-resident (occupancy-sized; the cooperative launch
+        // fails rather than run otherwise), smem as build_stack sized it with the head's rows.
+        let ms =
+            dev.time_ms(|| unsafe { l.launch_cooperative(cfg) }.map(drop).context("launching the model kernel"))?;
+        let done = s.clone_dtoh(&self.done).context("reading what the launch ran")?;
+        b.cursor.step = b.cursor.step.wrapping_add(done[0]);
+        b.heads = b.heads.wrapping_add(done[1]);
+        Ok(([done[0], done[1]], ms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_args_mirror_the_kernel() {
+        const CU: &str = include_str!("../../kernels/megakernel.cu");
+        for line in [
+            format!("constexpr uint32_t MODEL_MAX_EOS = {MAX_EOS};"),
+            "constexpr uint32_t MODEL_ARGS_BYTES = 7 * 8 + 12 * 4;".to_string(),
+            "const bf16* embed;".to_string(),
+            "uint32_t eos[MODEL_MAX_EOS];".to_string(),
+        ] {
+            assert!(CU.contains(&line), "kernels/megakernel.cu lacks `{line}`");
+        }
+    }
+}
