@@ -378,3 +378,48 @@ fn logits(args: &ModelArgs, tokens: &[u32], on: On) -> Result<(), Failure> {
     println!("{}", serde_json::json!({ "logits": logits, "argmax": chosen }));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_values_are_refused_before_any_work() {
+        let parse = |args: &[&str]| Cli::try_parse_from(std::iter::once("megakernel").chain(args.iter().copied()));
+        assert!(parse(&["generate", "--model", "m", "hi"]).is_ok());
+        for bad in [
+            &["generate", "--model", "m", "--max-new", "0", "hi"][..],
+            &["generate", "--model", "m"],
+            &["bench", "--model", "m", "--context", "0"],
+            &["check", "--model", "m", "--positions", "1"],
+            &["logits", "--model", "m"],
+            &["logits", "--model", "m", "--tokens", "1,x"],
+            &["logits", "--model", "m", "--tokens", "1", "--on", "tpu"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} parsed");
+        }
+        let Ok(Cli { command: Command::Logits { tokens, .. } }) =
+            parse(&["logits", "--model", "m", "--tokens", "3,1,4"])
+        else {
+            panic!("logits parses");
+        };
+        assert_eq!(tokens, [3, 1, 4]);
+    }
+
+    #[test]
+    fn the_checks_random_tokens_are_the_seeds_and_in_the_vocabulary() {
+        let a = tokens_from(7, 1000, 97);
+        assert_eq!(a, tokens_from(7, 1000, 97));
+        assert_ne!(a, tokens_from(8, 1000, 97));
+        assert!(a.iter().all(|&t| t < 97));
+        assert!((0..97).all(|t| a.contains(&t)), "every token is drawn at 1000 draws of 97");
+    }
+
+    #[test]
+    fn a_non_finite_logit_is_an_infinite_error() {
+        assert_eq!(rel_err(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert!((rel_err(&[1.0, 0.0], &[0.0, 1.0]) - 2f64.sqrt()).abs() < 1e-12);
+        assert_eq!(rel_err(&[f32::NAN, 2.0], &[1.0, 2.0]), f64::INFINITY);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+    }
+}
