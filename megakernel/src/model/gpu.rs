@@ -137,10 +137,9 @@ impl GpuModel {
         let mut mk = Megakernel::new(Mode::Fused).for_model(cfg.vocab).with_rope(cfg.rope_table(layer.max_seq_len));
         mk.build_stack(dev, &mut Layer::stack(&layers, &mut caches), &layer)?;
         let grid = mk.launch_shape().expect("built").0 as usize;
-        let zeros_f32 = s.alloc_zeros::<f32>(cfg.vocab).context("allocating the logits")?;
         let row = |n: usize, what: &str| s.alloc_zeros::<bf16>(n).context(format!("allocating {what}"));
         Ok(GpuModel {
-            logits: zeros_f32,
+            logits: s.alloc_zeros::<f32>(cfg.vocab).context("allocating the logits")?,
             candidates: s.alloc_zeros::<u64>(grid).context("allocating the head's candidates")?,
             tokens: s.alloc_zeros::<i32>(layer.max_seq_len + 1).context("allocating the tokens")?,
             done: s.alloc_zeros::<u32>(2).context("allocating the launch's counts")?,
@@ -160,10 +159,6 @@ impl GpuModel {
     /// The caches' depth in positions.
     pub fn context(&self) -> usize {
         self.layer.max_seq_len
-    }
-
-    pub fn config(&self) -> &ModelConfig {
-        &self.cfg
     }
 
     /// The compiled plan in words.
