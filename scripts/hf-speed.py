@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
-from hf_checkpoints import LLAMA3_ROPE, llama_config, save
+from hf_checkpoints import LLAMA3_ROPE, model_config, save
 
 SIZES = {
     # name: (hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta, rope scaling)
@@ -32,10 +32,10 @@ SIZES = {
 }
 
 
-def make_checkpoint(shape, out):
+def make_checkpoint(name, shape, out):
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(llama_config(shape, 8192)).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(model_config(name, shape, 8192)).to(torch.bfloat16)
     save(model, out)
     return model
 
@@ -68,7 +68,7 @@ def main():
     rows = []
     for name in args.sizes.split(","):
         out = root / name
-        model = make_checkpoint(SIZES[name], out)
+        model = make_checkpoint(name, SIZES[name], out)
         run = subprocess.run([args.binary, "bench", "--model", str(out), "--tokens", str(args.tokens)],
                              capture_output=True, text=True)
         print(f"== megakernel bench --model {name} --tokens {args.tokens} (rc {run.returncode})\n{run.stdout}{run.stderr}",

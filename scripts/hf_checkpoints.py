@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 
 ROOT = Path(__file__).resolve().parent.parent
 BOS, EOS = 1, 2
@@ -13,10 +13,11 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "h
                "original_max_position_embeddings": 8192}
 
 
-def llama_config(shape, context):
-    """A LlamaConfig of shape (hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta,
-    rope scaling or None)."""
-    d, ffn, layers, heads, kv, vocab, tied, theta, scaling = shape
+def model_config(name, shape, context):
+    """The config of shape (hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta, rope
+    scaling or None[, head size]): a Qwen3Config (with the head size, its q/k norms) for a name that
+    starts with "qwen3", else a LlamaConfig."""
+    d, ffn, layers, heads, kv, vocab, tied, theta, scaling, *head_dim = shape
     if scaling is not None:  # transformers wants the scaled context above the original
         context = max(context, 4 * scaling["original_max_position_embeddings"])
     # transformers 5 takes the base and the scaling together as rope_parameters; 4 as rope_theta and
@@ -24,10 +25,12 @@ def llama_config(shape, context):
     v5 = "rope_parameters" in LlamaConfig().to_dict()
     rope = {"rope_parameters": dict(scaling or {"rope_type": "default"}, rope_theta=theta)} if v5 else \
         {"rope_theta": theta, "rope_scaling": scaling}
-    return LlamaConfig(hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                       tie_word_embeddings=tied, max_position_embeddings=context, rms_norm_eps=1e-5,
-                       bos_token_id=BOS, eos_token_id=EOS, **rope)
+    common = dict(hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied,
+                  max_position_embeddings=context, rms_norm_eps=1e-5, bos_token_id=BOS, eos_token_id=EOS, **rope)
+    if name.startswith("qwen3"):
+        return Qwen3Config(head_dim=head_dim[0], use_sliding_window=False, **common)
+    return LlamaConfig(**common)
 
 
 def save(model, out):

@@ -308,6 +308,21 @@ fn residual(r: &Rounding, point: Point, a: &[f64], b: &[f64]) -> Vec<f64> {
 /// One decode step at `pos` as `r` rounds it, rotating by `rot` and attending over `span`: writes the
 /// roped k and v, as bf16, into slot `pos` of `cache` and returns `x_out` unrounded.
 #[allow(clippy::too_many_arguments)]
+/// Qwen3's per-head RMSNorm of the queries and the keys, between their projection and RoPE: each
+/// head's `hd` values normalised as [`rmsnorm`] does, by these weights (`hd` each). The task's layer
+/// has none.
+#[derive(Debug, Clone, Copy)]
+pub struct QkNorm<'a> {
+    pub q: &'a [bf16],
+    pub k: &'a [bf16],
+}
+
+/// `v`'s heads of `hd` values, each normalised by `g`.
+fn norm_heads(r: &Rounding, v: &[f64], hd: usize, g: &[bf16], eps: f32) -> Vec<f64> {
+    v.chunks(hd).flat_map(|head| norm(r, head, g, eps)).collect()
+}
+
+#[allow(clippy::too_many_arguments)]
 fn layer(
     r: &Rounding,
     cfg: &Config,
@@ -317,12 +332,17 @@ fn layer(
     pos: usize,
     rot: &Rotation,
     span: AttentionSpan,
+    qk_norm: Option<QkNorm<'_>>,
 ) -> Vec<f64> {
     let (d, qd, kvd) = (cfg.d, cfg.q_dim(), cfg.kv_dim());
     let h = norm(r, x, &w.in_norm, cfg.eps);
     let mut q = matvec(r, Point::Projected, &w.q, qd, d, &h);
     let mut k = matvec(r, Point::Projected, &w.k, kvd, d, &h);
     let v = matvec(r, Point::Projected, &w.v, kvd, d, &h);
+    if let Some(n) = qk_norm {
+        q = norm_heads(r, &q, cfg.hd, n.q, cfg.eps);
+        k = norm_heads(r, &k, cfg.hd, n.k, cfg.eps);
+    }
     rotate(r, Point::RopedQ, &mut q, cfg.hd, rot);
     rotate(r, Point::RopedK, &mut k, cfg.hd, rot);
     append(cache, cfg, &to_bf16(&k), &to_bf16(&v), pos);
@@ -397,6 +417,20 @@ pub fn step(cfg: &Config, w: &Weights, cache: &mut KvCache, table: &RopeTable, x
     step_with(cfg, w, cache, table, x, pos, AttentionSpan::Full)
 }
 
+/// [`step`] of a layer with Qwen3's per-head q/k norms ([`QkNorm`]).
+pub fn step_qk_norm(
+    cfg: &Config,
+    w: &Weights,
+    qk_norm: QkNorm<'_>,
+    cache: &mut KvCache,
+    table: &RopeTable,
+    x: &[bf16],
+    pos: usize,
+) -> Vec<bf16> {
+    let rot = table.rotation(pos);
+    output_bf16(&layer(&Rounding::EAGER, cfg, w, cache, &to_f64(x), pos, &rot, AttentionSpan::Full, Some(qk_norm)))
+}
+
 /// [`step`], attending over `span` instead of every cached slot.
 pub fn step_with(
     cfg: &Config,
@@ -407,7 +441,7 @@ pub fn step_with(
     pos: usize,
     span: AttentionSpan,
 ) -> Vec<bf16> {
-    output_bf16(&layer(&Rounding::EAGER, cfg, w, cache, &to_f64(x), pos, &table.rotation(pos), span))
+    output_bf16(&layer(&Rounding::EAGER, cfg, w, cache, &to_f64(x), pos, &table.rotation(pos), span, None))
 }
 
 /// One decode step at `pos` of an implementation that rounds as `r` says, with RoPE by the exact
@@ -416,7 +450,7 @@ pub fn step_with(
 /// gives what the implementation returns).
 pub fn step_as(r: &Rounding, cfg: &Config, w: &Weights, cache: &mut KvCache, x: &[bf16], pos: usize) -> Vec<f64> {
     let rot = Rotation::exact(cfg, pos).rounded(r.at(Point::Arithmetic));
-    layer(r, cfg, w, cache, &to_f64(x), pos, &rot, AttentionSpan::Full)
+    layer(r, cfg, w, cache, &to_f64(x), pos, &rot, AttentionSpan::Full, None)
 }
 
 /// [`step`] in exact f64 arithmetic ([`Rounding::EXACT`]), with no rounding anywhere and RoPE by exact

@@ -4,7 +4,7 @@
 //! argmax. The GPU's one-launch decode is to match it layer for layer and token for token.
 
 use half::bf16;
-use reference::golden::{self, KvCache, RopeTable};
+use reference::golden::{self, KvCache, QkNorm, RopeTable};
 use spec::Config;
 
 use super::hf::{ModelConfig, ModelWeights};
@@ -42,8 +42,11 @@ impl CpuModel {
         assert!(pos < self.context(), "position {pos} is past the caches' {} positions", self.context());
         let t = token as usize;
         let mut x = self.weights.embed[t * d..(t + 1) * d].to_vec();
-        for (w, cache) in self.weights.layers.iter().zip(&mut self.caches) {
-            x = golden::step(&self.layer, w, cache, &self.rope, &x, pos);
+        for (l, (w, cache)) in self.weights.layers.iter().zip(&mut self.caches).enumerate() {
+            x = match self.weights.qk_norms.get(l) {
+                Some([q, k]) => golden::step_qk_norm(&self.layer, w, QkNorm { q, k }, cache, &self.rope, &x, pos),
+                None => golden::step(&self.layer, w, cache, &self.rope, &x, pos),
+            };
         }
         let h = golden::rmsnorm(&x, &self.weights.norm, self.layer.eps);
         logits(self.weights.head(), vocab, &h)

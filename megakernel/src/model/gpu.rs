@@ -115,6 +115,12 @@ impl GpuModel {
         context: usize,
         progress: &mut dyn FnMut(&str),
     ) -> Result<GpuModel, GpuModelError> {
+        if cfg.qk_norm {
+            return Err(GpuModelError::Refused(
+                "Qwen3's per-head q/k norms are not in the kernel yet (`megakernel logits --on cpu` runs the model on the CPU)"
+                    .into(),
+            ));
+        }
         let layer = Config { max_seq_len: context.min(cfg.layer.max_seq_len), ..cfg.layer.clone() };
         if layer.max_seq_len == 0 {
             return Err(GpuModelError::Refused("a context of 0 positions".into()));

@@ -51,6 +51,7 @@ struct RawConfig {
     max_position_embeddings: Option<usize>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<serde_json::Value>,
+    use_sliding_window: Option<bool>,
 }
 
 /// A checkpoint's shape: one decoder layer's (`layer`, with `layers` of them) and the vocabulary.
@@ -65,6 +66,8 @@ pub struct ModelConfig {
     /// The end-of-sequence tokens (one or several).
     pub eos: Vec<u32>,
     pub rope: RopeScaling,
+    /// Qwen3's per-head RMSNorm of the queries and keys before RoPE (`golden::QkNorm`).
+    pub qk_norm: bool,
 }
 
 /// How the model scales RoPE's frequencies (`theta^(-2i / hd)`, the layer's).
@@ -176,18 +179,24 @@ impl ModelConfig {
     }
 
     fn from_raw(name: &str, raw: RawConfig) -> Result<ModelConfig, ModelError> {
-        match raw.model_type.as_deref() {
-            Some("llama") => {}
-            Some("qwen3") => return Err(unsupported("model_type", "qwen3's per-head q/k RMSNorm is not built yet")),
+        let qk_norm = match raw.model_type.as_deref() {
+            Some("llama") => false,
+            Some("qwen3") => true,
             Some(other) => {
                 return Err(unsupported(
                     "model_type",
-                    format!("'{other}': the loader reads Llama-family checkpoints ('llama')"),
+                    format!("'{other}': the loader reads Llama-family checkpoints ('llama', 'qwen3')"),
                 ));
             }
             None => {
-                return Err(unsupported("model_type", "missing: the loader reads Llama-family checkpoints ('llama')"));
+                return Err(unsupported(
+                    "model_type",
+                    "missing: the loader reads Llama-family checkpoints ('llama', 'qwen3')",
+                ));
             }
+        };
+        if raw.use_sliding_window == Some(true) {
+            return Err(unsupported("use_sliding_window", "true: every layer attends over the whole cache"));
         }
         let (theta, rope) = rope_of(&raw)?;
         if let Some(act) = raw.hidden_act.as_deref().filter(|&a| a != "silu") {
@@ -237,6 +246,7 @@ impl ModelConfig {
             bos: raw.bos_token_id,
             eos,
             rope,
+            qk_norm,
         })
     }
 }
@@ -273,6 +283,9 @@ pub struct ModelWeights {
     pub norm: Vec<bf16>,
     /// `(vocab, d)`; `None` when tied to the embedding.
     pub lm_head: Option<Vec<bf16>>,
+    /// Each layer's q and k norm weights (`hd` each) when the model has them (`ModelConfig::qk_norm`),
+    /// else empty.
+    pub qk_norms: Vec<[Vec<bf16>; 2]>,
 }
 
 impl ModelWeights {
@@ -293,6 +306,10 @@ impl ModelWeights {
                 wanted.push((format!("model.layers.{i}.{name}"), shape));
             }
         }
+        let qk_names = |i: usize| ["q_norm", "k_norm"].map(|n| format!("model.layers.{i}.self_attn.{n}.weight"));
+        if cfg.qk_norm {
+            wanted.extend((0..l.layers).flat_map(qk_names).map(|name| (name, vec![l.hd])));
+        }
         wanted.push(("model.norm.weight".to_string(), vec![d]));
         if !cfg.tied {
             wanted.push(("lm_head.weight".to_string(), vec![vocab, d]));
@@ -308,9 +325,11 @@ impl ModelWeights {
                 .unwrap_or_else(|e| match e {})
             })
             .collect();
+        let qk_norms =
+            if cfg.qk_norm { (0..l.layers).map(|i| qk_names(i).map(|n| take(&n))).collect() } else { Vec::new() };
         let norm = take("model.norm.weight");
         let lm_head = (!cfg.tied).then(|| take("lm_head.weight"));
-        Ok(ModelWeights { embed, layers, norm, lm_head })
+        Ok(ModelWeights { embed, layers, norm, lm_head, qk_norms })
     }
 }
 

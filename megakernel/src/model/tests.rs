@@ -64,6 +64,11 @@ fn tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, Vec<usize>, Vec<bf16>)>
             all.push((format!("model.layers.{i}.{name}"), shape));
         }
     }
+    if cfg.qk_norm {
+        for i in 0..l.layers {
+            all.extend(["q_norm", "k_norm"].map(|n| (format!("model.layers.{i}.self_attn.{n}.weight"), vec![l.hd])));
+        }
+    }
     all.push(("model.norm.weight".into(), vec![l.d]));
     if !cfg.tied {
         all.push(("lm_head.weight".into(), vec![cfg.vocab, l.d]));
@@ -144,7 +149,7 @@ fn what_the_loader_does_not_implement_is_refused_naming_the_field() {
         c
     };
     for (config, field, words) in [
-        (with("model_type", json!("qwen3")), "model_type", "q/k RMSNorm"),
+        (with("use_sliding_window", json!(true)), "use_sliding_window", "whole cache"),
         (with("model_type", json!("gpt2")), "model_type", "'gpt2'"),
         (with("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0})), "rope_scaling", "'low_freq_factor'"),
         (with("rope_scaling", json!({"rope_type": "yarn", "factor": 8.0})), "rope_scaling", "'yarn'"),
@@ -258,8 +263,44 @@ fn f32_and_f16_tensors_round_to_bf16_on_load() {
 /// advancing), the final norm and the f32 head; the caches carry from step to step.
 #[test]
 fn decode_steps_chain_the_golden_layers_and_their_caches() {
-    let dir = scratch("decode");
-    let config = llama_json(false);
+    decode_steps_chain(llama_json(false), "decode");
+}
+
+/// Qwen3: a Llama with each layer's q and k heads normalised before RoPE; `head_dim` given.
+fn qwen3_json() -> serde_json::Value {
+    let mut c = llama_json(false);
+    (c["model_type"], c["head_dim"], c["use_sliding_window"]) = (json!("qwen3"), json!(32), json!(false));
+    c
+}
+
+#[test]
+fn qwen3_reads_its_q_and_k_norms_and_its_decode_steps_chain_golden_layers_with_them() {
+    let cfg = config_of("qwen3-config", qwen3_json()).unwrap();
+    assert!(cfg.qk_norm && !config_of("llama-config", llama_json(false)).unwrap().qk_norm);
+    assert_eq!((cfg.layer.hd, cfg.layer.q_dim(), cfg.layer.d), (32, 128, 64), "head_dim is taken as given");
+    let dir = scratch("qwen3-weights");
+    let written = tensors(&cfg, 13);
+    write(&dir, &qwen3_json(), &written, 2);
+    let w = ModelWeights::read(&dir, &cfg).unwrap();
+    let by_name: HashMap<&str, &Vec<bf16>> = written.iter().map(|(n, _, v)| (n.as_str(), v)).collect();
+    assert_eq!(w.qk_norms.len(), 2);
+    for (i, [q, k]) in w.qk_norms.iter().enumerate() {
+        assert_eq!(q, by_name[format!("model.layers.{i}.self_attn.q_norm.weight").as_str()]);
+        assert_eq!(k, by_name[format!("model.layers.{i}.self_attn.k_norm.weight").as_str()]);
+    }
+    let missing: Vec<_> = written.iter().filter(|(n, ..)| !n.ends_with("1.self_attn.k_norm.weight")).cloned().collect();
+    let dir = scratch("qwen3-missing");
+    write(&dir, &qwen3_json(), &missing, 1);
+    let e = ModelWeights::read(&dir, &cfg).expect_err("a missing k_norm").to_string();
+    assert!(e.contains("model.layers.1.self_attn.k_norm.weight"), "{e}");
+    decode_steps_chain(qwen3_json(), "qwen3-decode");
+}
+
+/// `config`'s model written with random weights decodes, position by position, as the golden layers
+/// chained with their caches (with the q/k norms where the model has them), the final norm and the
+/// head summed in f64.
+fn decode_steps_chain(config: serde_json::Value, name: &str) {
+    let dir = scratch(name);
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let cfg = ModelConfig::read(&dir).unwrap();
     write(&dir, &config, &tensors(&cfg, 11), 1);
@@ -275,8 +316,11 @@ fn decode_steps_chain_the_golden_layers_and_their_caches() {
         let logits = model.decode_step(token, pos);
         let d = layer.d;
         let mut x = w.embed[token as usize * d..(token as usize + 1) * d].to_vec();
-        for (lw, cache) in w.layers.iter().zip(&mut caches) {
-            x = golden::step(&layer, lw, cache, &rope, &x, pos);
+        for (l, (lw, cache)) in w.layers.iter().zip(&mut caches).enumerate() {
+            x = match w.qk_norms.get(l) {
+                Some([q, k]) => golden::step_qk_norm(&layer, lw, golden::QkNorm { q, k }, cache, &rope, &x, pos),
+                None => golden::step(&layer, lw, cache, &rope, &x, pos),
+            };
         }
         let h = golden::rmsnorm(&x, &w.norm, layer.eps);
         let head = w.lm_head.as_ref().unwrap();
