@@ -7,8 +7,7 @@ downloads). Then, over teacher-forced random tokens: transformers' logits in bf1
 with sdpa attention (their spread is what "agreeing with transformers" can mean), and the logits of
 `megakernel logits` on the CPU and on the GPU (one launch per position); printed per shape as the
 relative error of each against transformers' eager path and how often the greedy tokens agree.
-Then `megakernel check` (the GPU against the CPU model) and `megakernel generate` on each checkpoint
-(Qwen3: the CPU side only, until the kernel has its q/k norms).
+Then `megakernel check` (the GPU against the CPU model) and `megakernel generate` on each checkpoint.
 
     python3 scripts/hf-agreement.py [PATH_TO_megakernel] [--out DIR] [--shapes a,b]
 
@@ -34,11 +33,9 @@ SHAPES = {
     "smollm2-360m-4l": (960, 2560, 4, 15, 5, 4096, True, 100000.0, None),
     # Llama-3.2-1B's layer, RoPE scaling and vocabulary, 4 of its 16 layers.
     "llama-3.2-1b-4l": (2048, 8192, 4, 32, 8, 128256, True, 500000.0, LLAMA3_ROPE),
-    # Qwen3-0.6B's layer (16 heads of 128 over d 1024, 8 KV heads, q/k norms), 3 layers: the GPU does
-    # not run it yet, so the CPU side alone is compared.
+    # Qwen3-0.6B's layer (16 heads of 128 over d 1024, 8 KV heads, q/k norms), 3 layers.
     "qwen3-0.6b-3l": (1024, 3072, 3, 16, 8, 4096, True, 1000000.0, None, 128),
 }
-GPU_LATER = ("qwen3",)
 TOKENS = 24
 
 
@@ -83,9 +80,8 @@ def main():
             with torch.no_grad():
                 logits[impl] = m(tokens.to(device)).logits[0].float().cpu()
             del m
-        sides = ("cpu",) if name.startswith(GPU_LATER) else ("cpu", "gpu")
         ours = {}
-        for on in sides:
+        for on in ("cpu", "gpu"):
             rc, stdout, stderr = megakernel(args.binary, "logits", "--model", str(out), "--on", on,
                                             "--tokens", ",".join(map(str, tokens[0].tolist())))
             if rc != 0:
@@ -93,14 +89,10 @@ def main():
                 sys.exit(1)
             ours[on] = torch.tensor(json.loads(stdout)["logits"])
         e, s = logits["eager"], logits["sdpa"]
-        err = {on: f"{rel(ours[on], e):.3e}" if on in ours else "-" for on in ("cpu", "gpu")}
-        agree = [f"{float((x.argmax(-1) == e.argmax(-1)).float().mean()):.3f}" if x is not None else "-"
-                 for x in (ours.get("cpu"), ours.get("gpu"), s)]
+        agree = [f"{float((x.argmax(-1) == e.argmax(-1)).float().mean()):.3f}" for x in (ours["cpu"], ours["gpu"], s)]
         for x in ours.values():
             worst_ratio = max(worst_ratio, rel(x, e) / max(rel(s, e), 1e-12))
-        print(f"{name:<20} {err['cpu']:>13} {err['gpu']:>13} {rel(s, e):>14.3e} {'/'.join(agree):>28}")
-        if "gpu" not in sides:
-            continue
+        print(f"{name:<20} {rel(ours['cpu'], e):>13.3e} {rel(ours['gpu'], e):>13.3e} {rel(s, e):>14.3e} {'/'.join(agree):>28}")
         rc, stdout, stderr = megakernel(args.binary, "check", "--model", str(out), "--positions", "48")
         failures += rc != 0
         reports.append(f"== megakernel check --model {name} --positions 48 (rc {rc})\n{stdout}{stderr}")

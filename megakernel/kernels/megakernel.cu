@@ -266,11 +266,12 @@ struct Slice {
 
 __device__ inline bool owns(const Slice& s, uint32_t v) { return threadIdx.x + v * THREADS < s.vecs; }
 
-// This block's rows of a GEMV with `rows` rows run by `set`: an even share, in whole pairs.
-__device__ inline void block_rows(uint32_t rows, const BlockSet& set, uint32_t& r0, uint32_t& r1) {
-    const uint64_t pairs = rows / 2;
-    r0 = 2 * (uint32_t)(pairs * rank(set) / set.count);
-    r1 = 2 * (uint32_t)(pairs * (rank(set) + 1) / set.count);
+// This block's rows of a GEMV with `rows` rows run by `set`: an even share, in whole units of `unit`
+// rows (pairs; or a Qkv phase's whole heads where the layer has q/k norms, qkv_unit).
+__device__ inline void block_rows(uint32_t rows, const BlockSet& set, uint32_t& r0, uint32_t& r1, uint32_t unit) {
+    const uint64_t units = rows / unit;
+    r0 = unit * (uint32_t)(units * rank(set) / set.count);
+    r1 = unit * (uint32_t)(units * (rank(set) + 1) / set.count);
 }
 
 // Where a GEMV phase keeps its row partials: red_rows rows of WARPS floats after the ring.
@@ -481,20 +482,26 @@ __device__ inline void set_row_source(const OpRow& op) {
     }
 }
 
-__device__ void prime_phase(const OpRow& op, const Ring& ring) {
+// Rows a block's share of phase `op` comes in: pairs, or for a Qkv phase of a layer with per-head q/k
+// norms (`qk_norms` not null) whole heads, whose norm needs all of a head's rows in one block.
+__device__ inline uint32_t qkv_unit(const OpRow& op, const bf16* qk_norms) {
+    return op[0] == OP_QKV && qk_norms != nullptr ? (uint32_t)op[qkv::Hd] : 2;
+}
+
+__device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_norms) {
     Gemv g;
     if (!gemv_of(op, g)) return;
     if (threadIdx.x == 0) set_row_source(op);
     uint32_t r0, r1;
-    block_rows(g.rows, blocks_of(op), r0, r1);
+    block_rows(g.rows, blocks_of(op), r0, r1, qkv_unit(op, qk_norms));
     with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) { stream.prime(ring); });
 }
 
-// This block's rows [r0, r1) of phase `op`'s GEMV.
-__device__ inline void gemv_rows(const OpRow& op, uint32_t& r0, uint32_t& r1) {
+// This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit).
+__device__ inline void gemv_rows(const OpRow& op, uint32_t& r0, uint32_t& r1, const bf16* qk_norms = nullptr) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
-    block_rows(g.rows, blocks_of(op), r0, r1);
+    block_rows(g.rows, blocks_of(op), r0, r1, qkv_unit(op, qk_norms));
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
@@ -589,6 +596,54 @@ __device__ void phase_qkv(const OpRow& op, const bf16* x, uint32_t pos, Ring& ri
             dst[i] = __float2bfloat16_rn(a);
             dst[i + half] = __float2bfloat16_rn(b);
         }
+    }
+}
+
+// Qkv of a layer with Qwen3's per-head q/k norms (`norms`: q's hd weights, then k's): as phase_qkv,
+// each block with whole heads (qkv_unit), q's and k's heads normalised before RoPE. The row sums as
+// rounded and each head's inverse root go to the ring's shared memory (free: the stream is done); each
+// pair is then scaled as the layer's norms scale (rms_scale) and rotated; v's heads are stored as they
+// are. Everything after the stream is read again from the row, so that no register holds it across.
+__device__ void phase_qkv_normed(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part, const bf16* norms) {
+    uint32_t r0, r1;
+    gemv_rows(op, r0, r1, norms);
+    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), (uint32_t)op[qkv::D], __int_as_float((int)op[qkv::EpsBits]));
+    gemv_phase(op, s, ring, part, r0, r1);
+
+    const uint32_t hd = (uint32_t)op[qkv::Hd], half = hd / 2, max_seq = (uint32_t)op[qkv::MaxSeq], n = r1 - r0;
+    const uint32_t q_pairs = (uint32_t)op[qkv::NQ] * half, k_pairs = (uint32_t)op[qkv::NKv] * half;
+    const uint32_t warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    float* vals = reinterpret_cast<float*>(ring.data);  // (n): pair p's values at 2p and 2p + 1
+    float* inv = vals + n;                              // (n / hd): each head's inverse root
+    for (uint32_t r = threadIdx.x; r < n; r += THREADS) vals[r] = bf(row_sum(part.red, r));
+    __syncthreads();  // every value is in shared memory
+    for (uint32_t h = warp; h < n / hd; h += WARPS) {
+        float sum = 0.0f;
+        for (uint32_t j = lane; j < hd; j += WARP) sum = fmaf(vals[h * hd + j], vals[h * hd + j], sum);
+        sum = warp_reduce(sum, Add{});
+        if (lane == 0) inv[h] = inv_rms(__fdiv_rn(sum, (float)hd), __int_as_float((int)op[qkv::EpsBits]));
+    }
+    __syncthreads();  // every head's inverse root is in shared memory
+    const float* cos_row = reinterpret_cast<const float*>(op[qkv::Cos]) + (size_t)pos * half;
+    const float* sin_row = reinterpret_cast<const float*>(op[qkv::Sin]) + (size_t)pos * half;
+    for (uint32_t p = threadIdx.x; p < n / 2; p += THREADS) {
+        const uint32_t gp = r0 / 2 + p;
+        const float a = vals[2 * p], b = vals[2 * p + 1];
+        if (gp >= q_pairs + k_pairs) {
+            const uint32_t j = gp - q_pairs - k_pairs, head = j / half, i = j % half;
+            bf16* dst = reinterpret_cast<bf16*>(layer_address(op, qkv::VCache)) + ((size_t)head * max_seq + pos) * hd;
+            dst[i] = __float2bfloat16_rn(a);
+            dst[i + half] = __float2bfloat16_rn(b);
+            continue;
+        }
+        const bool is_q = gp < q_pairs;
+        const uint32_t j = is_q ? gp : gp - q_pairs, head = j / half, i = j % half;
+        const bf16* g = norms + (is_q ? 0 : hd);
+        const float r = inv[p / half];  // the block's heads start at its first row
+        bf16* dst = is_q ? reinterpret_cast<bf16*>(op[qkv::QOut]) + (size_t)head * hd
+                         : reinterpret_cast<bf16*>(layer_address(op, qkv::KCache)) + ((size_t)head * max_seq + pos) * hd;
+        rope_pair(__bfloat162float(rms_scale(a, r, __bfloat162float(g[i]))), __bfloat162float(rms_scale(b, r, __bfloat162float(g[i + half]))),
+                  cos_row[i], sin_row[i], &dst[i], &dst[i + half]);
     }
 }
 
@@ -777,9 +832,10 @@ __device__ void prime_attention(const OpRow& op, uint32_t pos, uint4* smem) {
 
 // Starts loading what phase `op` reads that no phase of this step writes, before the block waits for
 // the phases it depends on: a GEMV phase's first weights, or an attention phase's cached rows.
-__device__ void prime_inputs(const OpRow& op, const Ring& ring, uint32_t pos) {
+// `qk_norms`: the layer's q/k norm weights, or null (see qkv_unit).
+__device__ void prime_inputs(const OpRow& op, const Ring& ring, uint32_t pos, const bf16* qk_norms) {
     if (op[0] == OP_ATTENTION) prime_attention(op, pos, ring.data);
-    else prime_phase(op, ring);
+    else prime_phase(op, ring, qk_norms);
 }
 
 // Attention: work item (KV head, split of its chunks) -> for each query head of the group, the
@@ -1133,12 +1189,39 @@ __device__ inline void finish_phase(unsigned* phase_done, uint32_t counter) {
     count_done(phase_done, counter);
 }
 
+// End-of-sequence tokens a model launch stops at, at most.
+constexpr uint32_t MODEL_MAX_EOS = 4;
+// A model launch's own arguments, beside the stack's program (mirrored by ModelArgs in
+// megakernel/src/model/gpu.rs; MODEL_ARGS_BYTES checks the layout on both sides).
+struct ModelArgs {
+    const bf16* embed;       // (vocab, d)
+    const bf16* final_norm;  // (d)
+    const bf16* head;        // (vocab, d): the LM head (the embedding itself when tied)
+    float* logits;           // (vocab): those of the launch's last position
+    uint64_t* candidates;    // (gridDim.x): each block's best row of the last head phase, as logit_key
+    int32_t* tokens;         // (max_seq + 1): position p's token, given below prompt_end, generated from there
+    uint32_t* done;          // (2): positions this launch ran, tokens it generated
+    uint32_t vocab;
+    uint32_t pos0;        // the launch's first position
+    uint32_t prompt_end;  // positions before it have their tokens given; the head runs from prompt_end - 1
+    uint32_t max_new;     // tokens to generate at most (at least 1)
+    uint32_t max_seq;     // the caches' positions
+    uint32_t heads_before;  // head phases of the launches before (the head's counter: HEAD_COUNTER)
+    uint32_t eps_bits;    // the final norm's epsilon, as f32 bits
+    uint32_t eos_count;
+    uint32_t eos[MODEL_MAX_EOS];
+    // Qwen3: each layer's q and k norm weights (hd each, one after the other); null without them.
+    const bf16* qk_norms[PROGRAM_MAX_LAYERS];
+};
+constexpr uint32_t MODEL_ARGS_BYTES = 7 * 8 + 12 * 4 + PROGRAM_MAX_LAYERS * 8;
+static_assert(sizeof(ModelArgs) == MODEL_ARGS_BYTES, "ModelArgs must have the layout megakernel/src/model/gpu.rs gives it");
 // Runs phase f of the step on this block, which runs it: waits for the phases it depends on (those of
 // the layer before too when `chained`, see wait_for), does its share, counts it done. `trace_at`: the
-// phase's stamps, or null.
+// phase's stamps, or null. `model`: the model kernel's arguments (null in the layer kernels, whose
+// layers have no q/k norms).
 template <uint32_t TABLES>
 __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, bool chained, const StepIo& io, unsigned* phase_done,
-                                          Ring& ring, const Partials& part, uint64_t* trace_at) {
+                                          Ring& ring, const Partials& part, uint64_t* trace_at, const ModelArgs* model) {
     const OpRow op = walk.op(f);
     const uint32_t l = f / walk.phases;
     wait_for(walk.program.words, (uint64_t)op[ROW_WAITS], phase_done, io.step, walk.layers, l, chained);
@@ -1149,7 +1232,10 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
     bf16* out_l = l + 1 == walk.layers ? io.out : io.hidden + (size_t)l * io.d;
     switch (op[0]) {
         case OP_NOP: break;
-        case OP_QKV: phase_qkv(op, x_l, io.pos, ring, part); break;
+        case OP_QKV:
+            if (model != nullptr && model->qk_norms[l] != nullptr) phase_qkv_normed(op, x_l, io.pos, ring, part, model->qk_norms[l]);
+            else phase_qkv(op, x_l, io.pos, ring, part);
+            break;
         case OP_ATTENTION: phase_attention(op, io.pos, ring.data); break;
         case OP_O_PROJ: phase_oproj(op, x_l, ring, part); break;
         case OP_GATE_UP: phase_gateup(op, ring, part); break;
@@ -1180,12 +1266,12 @@ __device__ __forceinline__ void run_program(const Program<TABLES>& program, uint
     const uint32_t traced = phase_end - phase_begin;
     uint32_t f = walk.next_own(phase_begin, phase_end);
     // Each phase's first weights stream in before it waits (see finish_phase).
-    if (f < phase_end) prime_inputs(walk.op(f), ring, pos);
+    if (f < phase_end) prime_inputs(walk.op(f), ring, pos, nullptr);
     while (f < phase_end) {
         run_phase(walk, f, f >= phases, io, phase_done, ring, part,
-                  trace == nullptr ? nullptr : trace + ((size_t)blockIdx.x * traced + (f - phase_begin)) * TRACE_STAMPS);
+                  trace == nullptr ? nullptr : trace + ((size_t)blockIdx.x * traced + (f - phase_begin)) * TRACE_STAMPS, nullptr);
         f = walk.next_own(f + 1, phase_end);
-        if (f < phase_end) prime_inputs(walk.op(f), ring, pos);
+        if (f < phase_end) prime_inputs(walk.op(f), ring, pos, nullptr);
     }
 }
 
@@ -1194,30 +1280,6 @@ __device__ __forceinline__ void run_program(const Program<TABLES>& program, uint
 // for every position of a generation in one launch
 // ---------------------------------------------------------------------------------------------------
 
-// End-of-sequence tokens a model launch stops at, at most.
-constexpr uint32_t MODEL_MAX_EOS = 4;
-// A model launch's own arguments, beside the stack's program (mirrored by ModelArgs in
-// megakernel/src/model/gpu.rs; MODEL_ARGS_BYTES checks the layout on both sides).
-struct ModelArgs {
-    const bf16* embed;       // (vocab, d)
-    const bf16* final_norm;  // (d)
-    const bf16* head;        // (vocab, d): the LM head (the embedding itself when tied)
-    float* logits;           // (vocab): those of the launch's last position
-    uint64_t* candidates;    // (gridDim.x): each block's best row of the last head phase, as logit_key
-    int32_t* tokens;         // (max_seq + 1): position p's token, given below prompt_end, generated from there
-    uint32_t* done;          // (2): positions this launch ran, tokens it generated
-    uint32_t vocab;
-    uint32_t pos0;        // the launch's first position
-    uint32_t prompt_end;  // positions before it have their tokens given; the head runs from prompt_end - 1
-    uint32_t max_new;     // tokens to generate at most (at least 1)
-    uint32_t max_seq;     // the caches' positions
-    uint32_t heads_before;  // head phases of the launches before (the head's counter: HEAD_COUNTER)
-    uint32_t eps_bits;    // the final norm's epsilon, as f32 bits
-    uint32_t eos_count;
-    uint32_t eos[MODEL_MAX_EOS];
-};
-constexpr uint32_t MODEL_ARGS_BYTES = 7 * 8 + 12 * 4;
-static_assert(sizeof(ModelArgs) == MODEL_ARGS_BYTES, "ModelArgs must have the layout megakernel/src/model/gpu.rs gives it");
 // The head phase's counter, after the layer's rows' counters (phase_done holds PROGRAM_MAX_PHASES + 1).
 constexpr uint32_t HEAD_COUNTER = PROGRAM_MAX_PHASES;
 
@@ -1350,12 +1412,12 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
     }
     __syncthreads();  // the first step's io is written
     uint32_t f = walk.next_own(0, per_step);
-    if (f < per_step) prime_inputs(walk.op(f), ring, io.pos);
+    if (f < per_step) prime_inputs(walk.op(f), ring, io.pos, m.qk_norms[f / phases]);
     for (;;) {
         while (f < per_step) {
-            run_phase(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, nullptr);
+            run_phase(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, nullptr, &m);
             f = walk.next_own(f + 1, per_step);
-            if (f < per_step) prime_inputs(walk.op(f), ring, io.pos);
+            if (f < per_step) prime_inputs(walk.op(f), ring, io.pos, m.qk_norms[f / phases]);
         }
         const uint32_t pos = io.pos;
         bool stop = false;
@@ -1383,7 +1445,7 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
         __syncthreads();  // the next step's io is written
         // The next position's first weights (the ring is free: the last phase ended on finish_phase).
         f = walk.next_own(0, per_step);
-        if (f < per_step) prime_inputs(walk.op(f), ring, pos + 1);
+        if (f < per_step) prime_inputs(walk.op(f), ring, pos + 1, m.qk_norms[f / phases]);
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         m.done[0] = io.step - step + 1;

@@ -187,6 +187,9 @@ pub struct Megakernel {
     /// The vocabulary of the model whose stack this is (`model::GpuModel`): the stack is built for the
     /// model kernel, with room for its LM head's rows.
     head_vocab: Option<usize>,
+    /// The model's layers have per-head q/k norms: its Qkv phases give each block whole heads, with room
+    /// for their rows.
+    qk_norm: bool,
     /// RoPE's table when it is not the layer's own (a model's scaled frequencies).
     rope: Option<RopeTable>,
     built: Option<Built>,
@@ -194,7 +197,15 @@ pub struct Megakernel {
 
 impl Megakernel {
     pub fn new(mode: Mode) -> Self {
-        Self { mode, forced: Forced::default(), in_place: None, head_vocab: None, rope: None, built: None }
+        Self {
+            mode,
+            forced: Forced::default(),
+            in_place: None,
+            head_vocab: None,
+            qk_norm: false,
+            rope: None,
+            built: None,
+        }
     }
 
     /// The same, with the parts of the plan `forced` names in place of the compiler's choice (for
@@ -212,10 +223,11 @@ impl Megakernel {
         self
     }
 
-    /// The same, building the stack for `model::GpuModel`'s kernel, whose LM head has `vocab` rows;
-    /// the layer kernels' steps are then refused.
-    pub(crate) fn for_model(mut self, vocab: usize) -> Self {
+    /// The same, building the stack for `model::GpuModel`'s kernel, whose LM head has `vocab` rows and
+    /// whose layers have per-head q/k norms when `qk_norm`; the layer kernels' steps are then refused.
+    pub(crate) fn for_model(mut self, vocab: usize, qk_norm: bool) -> Self {
         self.head_vocab = Some(vocab);
+        self.qk_norm = qk_norm;
         self
     }
 
@@ -715,7 +727,14 @@ impl Submission for Megakernel {
             .saturating_sub(RING_BYTES as usize + STATIC_SMEM_ALLOWANCE)
             / (WARPS as usize * 4);
         let head_rows = self.head_vocab.map(|vocab| vocab.div_ceil(grid as usize).min(most_rows).max(1));
-        let red_rows = layer_rows.max(head_rows.unwrap_or(0));
+        // Per-head q/k norms: a Qkv phase gives each block whole heads (the kernel's qkv_unit).
+        let qkv_head_rows = rows
+            .iter()
+            .filter(|r| self.qk_norm && r[0] == program::Op::Qkv as i64)
+            .filter_map(|r| Some(cfg.hd * (program::gemv_rows(r)? / cfg.hd).div_ceil(Blocks::of(r).count as usize)))
+            .max()
+            .unwrap_or(0);
+        let red_rows = layer_rows.max(head_rows.unwrap_or(0)).max(qkv_head_rows);
         let smem = RING_BYTES + (red_rows as u32) * WARPS * 4;
         if smem as i32 > dev.facts().max_smem_optin_bytes {
             return Err(SubmissionError::Unsupported(format!(

@@ -15,7 +15,7 @@ use spec::bytes::ByteModel;
 use submission::{Layer, Submission, SubmissionError, device_address};
 
 use super::hf::{ModelConfig, ModelWeights};
-use crate::{Megakernel, Mode, Param, THREADS};
+use crate::{Megakernel, Mode, Param, THREADS, program};
 
 /// End-of-sequence tokens a launch stops at, at most (the kernel's `MODEL_MAX_EOS`).
 pub const MAX_EOS: usize = 4;
@@ -40,10 +40,11 @@ struct ModelArgs {
     eps_bits: u32,
     eos_count: u32,
     eos: [u32; MAX_EOS],
+    qk_norms: [u64; program::MAX_STACK_LAYERS],
 }
 
 /// `sizeof(ModelArgs)` in the kernel (its `MODEL_ARGS_BYTES`).
-const MODEL_ARGS_BYTES: usize = 7 * 8 + 12 * 4;
+const MODEL_ARGS_BYTES: usize = 7 * 8 + 12 * 4 + program::MAX_STACK_LAYERS * 8;
 const _: () = assert!(std::mem::size_of::<ModelArgs>() == MODEL_ARGS_BYTES);
 
 // SAFETY: plain old data of the layout `struct ModelArgs` declares (u64 words, then u32 words; no
@@ -100,6 +101,8 @@ pub struct GpuModel {
     done: CudaSlice<u32>,
     out: CudaSlice<bf16>,
     hidden: Option<CudaSlice<bf16>>,
+    /// Qwen3: each layer's q and k norm weights, one after the other (`hd` each); empty without them.
+    qk_norms: Vec<CudaSlice<bf16>>,
     // Owned for the compiled program's addresses to stay valid.
     _weights: Vec<DeviceWeights>,
     _caches: Vec<DeviceCache>,
@@ -115,12 +118,6 @@ impl GpuModel {
         context: usize,
         progress: &mut dyn FnMut(&str),
     ) -> Result<GpuModel, GpuModelError> {
-        if cfg.qk_norm {
-            return Err(GpuModelError::Refused(
-                "Qwen3's per-head q/k norms are not in the kernel yet (`megakernel logits --on cpu` runs the model on the CPU)"
-                    .into(),
-            ));
-        }
         let layer = Config { max_seq_len: context.min(cfg.layer.max_seq_len), ..cfg.layer.clone() };
         if layer.max_seq_len == 0 {
             return Err(GpuModelError::Refused("a context of 0 positions".into()));
@@ -139,8 +136,15 @@ impl GpuModel {
         let embed = up(&weights.embed, "the embedding")?;
         let norm = up(&weights.norm, "the final norm")?;
         let head = weights.lm_head.as_deref().map(|h| up(h, "the LM head")).transpose()?;
+        let qk_norms = weights
+            .qk_norms
+            .iter()
+            .enumerate()
+            .map(|(l, [q, k])| up(&[q.as_slice(), k.as_slice()].concat(), &format!("layer {l}'s q and k norms")))
+            .collect::<Result<Vec<_>, _>>()?;
         progress("compiling the stack into the megakernel's program");
-        let mut mk = Megakernel::new(Mode::Fused).for_model(cfg.vocab).with_rope(cfg.rope_table(layer.max_seq_len));
+        let mut mk =
+            Megakernel::new(Mode::Fused).for_model(cfg.vocab, cfg.qk_norm).with_rope(cfg.rope_table(layer.max_seq_len));
         mk.build_stack(dev, &mut Layer::stack(&layers, &mut caches), &layer)?;
         let grid = mk.launch_shape().expect("built").0 as usize;
         let row = |n: usize, what: &str| s.alloc_zeros::<bf16>(n).context(format!("allocating {what}"));
@@ -151,6 +155,7 @@ impl GpuModel {
             done: s.alloc_zeros::<u32>(2).context("allocating the launch's counts")?,
             out: row(layer.d, "the last layer's output")?,
             hidden: (layers.len() > 1).then(|| row((layers.len() - 1) * layer.d, "the hidden states")).transpose()?,
+            qk_norms,
             cfg: cfg.clone(),
             layer,
             mk,
@@ -268,6 +273,10 @@ impl GpuModel {
             .context("uploading the tokens")?;
         let mut eos_words = [0u32; MAX_EOS];
         eos_words[..eos.len()].copy_from_slice(eos);
+        let mut qk_norms = [0u64; program::MAX_STACK_LAYERS];
+        for (word, norms) in qk_norms.iter_mut().zip(&self.qk_norms) {
+            *word = device_address(dev, norms);
+        }
         let b = self.mk.built.as_mut().expect("GpuModel::new built the stack");
         let Param::Stack(program) = &b.program else { unreachable!("a model's stack always reads tables") };
         let args = ModelArgs {
@@ -287,6 +296,7 @@ impl GpuModel {
             eps_bits: self.layer.eps.to_bits(),
             eos_count: eos.len() as u32,
             eos: eos_words,
+            qk_norms,
         };
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
         let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
@@ -317,7 +327,8 @@ mod tests {
         const CU: &str = include_str!("../../kernels/megakernel.cu");
         for line in [
             format!("constexpr uint32_t MODEL_MAX_EOS = {MAX_EOS};"),
-            "constexpr uint32_t MODEL_ARGS_BYTES = 7 * 8 + 12 * 4;".to_string(),
+            "constexpr uint32_t MODEL_ARGS_BYTES = 7 * 8 + 12 * 4 + PROGRAM_MAX_LAYERS * 8;".to_string(),
+            "const bf16* qk_norms[PROGRAM_MAX_LAYERS];".to_string(),
             "const bf16* embed;".to_string(),
             "uint32_t eos[MODEL_MAX_EOS];".to_string(),
         ] {
