@@ -412,6 +412,16 @@ fn column_parts<const N: usize, F: Fn(usize) -> (Tensor, usize)>(
     Ok((packed, at))
 }
 
+/// The most rows a block takes in the Qkv phases of `rows` when each block takes whole heads of `hd`
+/// rows (a model's layers with per-head q/k norms: the kernel's `qkv_unit`).
+fn qkv_head_rows(rows: &[program::Row], hd: usize) -> usize {
+    rows.iter()
+        .filter(|r| r[0] == program::Op::Qkv as i64)
+        .filter_map(|r| Some(hd * (program::gemv_rows(r)? / hd).div_ceil(Blocks::of(r).count as usize)))
+        .max()
+        .unwrap_or(0)
+}
+
 /// The largest row share any block gets in a GEMV phase of `rows` rows over `grid` blocks.
 fn max_block_rows(rows: usize, grid: usize) -> usize {
     2 * (rows / 2).div_ceil(grid)
@@ -727,14 +737,8 @@ impl Submission for Megakernel {
             .saturating_sub(RING_BYTES as usize + STATIC_SMEM_ALLOWANCE)
             / (WARPS as usize * 4);
         let head_rows = self.head_vocab.map(|vocab| vocab.div_ceil(grid as usize).min(most_rows).max(1));
-        // Per-head q/k norms: a Qkv phase gives each block whole heads (the kernel's qkv_unit).
-        let qkv_head_rows = rows
-            .iter()
-            .filter(|r| self.qk_norm && r[0] == program::Op::Qkv as i64)
-            .filter_map(|r| Some(cfg.hd * (program::gemv_rows(r)? / cfg.hd).div_ceil(Blocks::of(r).count as usize)))
-            .max()
-            .unwrap_or(0);
-        let red_rows = layer_rows.max(head_rows.unwrap_or(0)).max(qkv_head_rows);
+        let qkv_rows = if self.qk_norm { qkv_head_rows(&rows, cfg.hd) } else { 0 };
+        let red_rows = layer_rows.max(head_rows.unwrap_or(0)).max(qkv_rows);
         let smem = RING_BYTES + (red_rows as u32) * WARPS * 4;
         if smem as i32 > dev.facts().max_smem_optin_bytes {
             return Err(SubmissionError::Unsupported(format!(
@@ -886,6 +890,48 @@ mod tests {
         assert!(ProgramParam::<1>::new(&vec![row; program::MAX_PHASES], &[]).is_some());
         assert!(ProgramParam::<1>::new(&vec![row; program::MAX_PHASES + 1], &[]).is_none());
         assert!(ProgramParam::<1>::new(&[row], &[table, table]).is_none());
+    }
+
+    /// Qwen3-0.6B's Qkv phase in whole heads (the kernel's block_rows with qkv_unit = hd): every row
+    /// is some block's, each block's share is whole heads, and none is over what the partials hold.
+    #[test]
+    fn whole_heads_per_block_fit_the_partials_the_launcher_sizes() {
+        let cfg =
+            Config { d: 1024, ffn: 3072, n_q: 16, n_kv: 8, hd: 128, layers: 28, max_seq_len: 4096, ..Config::tiny() };
+        let buffers = program::Buffers {
+            q: 1,
+            cos: 2,
+            sin: 3,
+            part_o: 4,
+            part_ml: 5,
+            counters: 6,
+            a: 7,
+            x1_part: 8,
+            x1: 9,
+            act: 10,
+            down_part: 11,
+        };
+        for grid in [132u32, 16, 7] {
+            let plan = check_fits(&cfg, grid, Forced::default()).unwrap();
+            let rows = program::compile(&cfg, &buffers, grid, plan);
+            let most = qkv_head_rows(&rows, cfg.hd);
+            for r in rows.iter().filter(|r| r[0] == program::Op::Qkv as i64) {
+                let (n, set) = (program::gemv_rows(r).unwrap(), Blocks::of(r));
+                let units = n / cfg.hd;
+                let mut covered = 0;
+                for rank in 0..set.count as usize {
+                    let (r0, r1) = (
+                        cfg.hd * (units * rank / set.count as usize),
+                        cfg.hd * (units * (rank + 1) / set.count as usize),
+                    );
+                    assert_eq!(r0, covered, "grid {grid}: rank {rank} starts where the one before ended");
+                    assert!(r1 - r0 <= most && (r1 - r0) % cfg.hd == 0, "grid {grid}: rank {rank} takes {}", r1 - r0);
+                    covered = r1;
+                }
+                assert_eq!(covered, n, "grid {grid}: every row");
+            }
+            assert_eq!(most, cfg.hd * (32usize).div_ceil(grid as usize), "grid {grid}");
+        }
     }
 
     #[test]
