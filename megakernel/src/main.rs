@@ -95,6 +95,25 @@ enum On {
     Gpu,
 }
 
+/// A line on stdout, as println! writes it, but a closed stdout (a pipe into `head`) ends the command
+/// quietly with the status a shell gives a process its pipe closed (128 + SIGPIPE), not a panic.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            stdout_failed(e)
+        }
+    }};
+}
+
+fn stdout_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(128 + 13);
+    }
+    eprintln!("megakernel: error: writing to stdout: {e}");
+    std::process::exit(2)
+}
+
 /// Relative error of the logits beside the CPU model's that `check` accepts, per square root of the
 /// layers: the grader's tolerance for one layer's output, grown as a random walk over the layers (two
 /// honest roundings part further with each layer: 6.4e-3 after 3 layers, 2.5e-2 after 16, measured
@@ -136,16 +155,26 @@ fn progress(line: &str) {
     }
 }
 
-fn read_model(dir: &Path) -> Result<(ModelConfig, ModelWeights), Failure> {
+/// The checkpoint in `dir`, once `accept` has taken its config (so that a refusal comes before the
+/// weights are read).
+fn read_model(
+    dir: &Path,
+    accept: impl Fn(&ModelConfig) -> Result<(), Failure>,
+) -> Result<(ModelConfig, ModelWeights), Failure> {
     progress(&format!("reading {}", dir.join("config.json").display()));
     let cfg = ModelConfig::read(dir)?;
+    accept(&cfg)?;
     progress(&format!("reading the weights of {} layers", cfg.layer.layers));
     let weights = ModelWeights::read(dir, &cfg)?;
     Ok((cfg, weights))
 }
 
-fn load(args: &ModelArgs) -> Result<(Device, GpuModel, ModelConfig, ModelWeights), Failure> {
-    let (cfg, weights) = read_model(&args.model)?;
+/// The model read (see read_model) and uploaded.
+fn load(
+    args: &ModelArgs,
+    accept: impl Fn(&ModelConfig) -> Result<(), Failure>,
+) -> Result<(Device, GpuModel, ModelConfig, ModelWeights), Failure> {
+    let (cfg, weights) = read_model(&args.model, accept)?;
     let dev = Device::open(args.device)?;
     let model = GpuModel::new(&dev, &cfg, &weights, args.context as usize, &mut |s| progress(s))?;
     progress("");
@@ -173,19 +202,16 @@ fn summary(cfg: &ModelConfig, model: &GpuModel) -> String {
 
 fn generate(args: &ModelArgs, prompt: &str, max_new: usize) -> Result<(), Failure> {
     let text = Text::read(&args.model)?;
-    let (dev, mut model, cfg, _) = load(args)?;
+    let (dev, mut model, cfg, _) = load(args, |cfg| match cfg.eos.len() {
+        n if n > gpu::MAX_EOS => {
+            Err(format!("config.json names {n} end-of-sequence tokens; the kernel stops at {}", gpu::MAX_EOS).into())
+        }
+        _ => Ok(()),
+    })?;
     let tokens = text.encode(prompt)?;
-    if cfg.eos.len() > gpu::MAX_EOS {
-        return Err(format!(
-            "config.json names {} end-of-sequence tokens; the kernel stops at {}",
-            cfg.eos.len(),
-            gpu::MAX_EOS
-        )
-        .into());
-    }
     let room = model.context().saturating_sub(tokens.len());
     let g = model.generate(&dev, &tokens, max_new.min(room.max(1)), &cfg.eos)?;
-    println!("{}{}", prompt, text.decode(&g.tokens)?);
+    out!("{}{}", prompt, text.decode(&g.tokens)?);
     let why = match g.stop {
         Stop::Eos => "an end-of-sequence token",
         Stop::MaxNew => "--max-new",
@@ -226,7 +252,7 @@ fn copy_bandwidth(dev: &Device) -> Result<f64, Failure> {
 }
 
 fn bench(args: &ModelArgs, tokens: usize, reps: usize) -> Result<(), Failure> {
-    let (dev, mut model, cfg, _) = load(args)?;
+    let (dev, mut model, cfg, _) = load(args, |_| Ok(()))?;
     let tokens = tokens.min(model.context());
     let bandwidth = copy_bandwidth(&dev)?;
     // Positions 0 .. tokens, each a decode step with the LM head.
@@ -252,17 +278,17 @@ fn bench(args: &ModelArgs, tokens: usize, reps: usize) -> Result<(), Failure> {
             })
             .collect::<Result<_, _>>()?,
     );
-    println!(
+    out!(
         "copy bandwidth {:.2} TB/s; {:.3} GB per token on average over positions 0..{tokens}: floor {floor_ms:.3} ms/token",
         bandwidth / 1e12,
         bytes as f64 / tokens as f64 / 1e9
     );
-    println!("{:<44} {:>10} {:>9} {:>9}", "decode", "ms/token", "tokens/s", "x floor");
+    out!("{:<44} {:>10} {:>9} {:>9}", "decode", "ms/token", "tokens/s", "x floor");
     for (what, ms) in [
         (format!("one launch for {tokens} tokens (kernel time)"), one_launch),
         ("a launch per token, logits read back (host)".to_string(), per_token),
     ] {
-        println!("{what:<44} {ms:>10.3} {:>9.1} {:>9.3}", 1e3 / ms, ms / floor_ms);
+        out!("{what:<44} {ms:>10.3} {:>9.1} {:>9.3}", 1e3 / ms, ms / floor_ms);
     }
     Ok(())
 }
@@ -291,17 +317,17 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 }
 
 fn check(args: &ModelArgs, positions: usize, seed: Option<u64>) -> Result<bool, Failure> {
-    let (dev, mut model, cfg, weights) = load(args)?;
+    let (dev, mut model, cfg, weights) = load(args, |_| Ok(()))?;
     let positions = positions.min(model.context());
     let seed = seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
     });
-    println!("seed {seed} (--seed {seed} repeats it), {positions} positions");
+    out!("seed {seed} (--seed {seed} repeats it), {positions} positions");
     let tokens = tokens_from(seed, positions, cfg.vocab);
     let mut cpu = CpuModel::new(cfg.clone(), weights, positions);
     let (mut passed, mut failed) = (0, 0);
     let mut verdict = |ok: bool, what: String| {
-        println!("{} {what}", if ok { "pass" } else { "FAIL" });
+        out!("{} {what}", if ok { "pass" } else { "FAIL" });
         if ok { passed += 1 } else { failed += 1 }
     };
     // Teacher-forced: each position's logits against the CPU model's.
@@ -318,7 +344,7 @@ fn check(args: &ModelArgs, positions: usize, seed: Option<u64>) -> Result<bool, 
         worst <= tol,
         format!("logits beside the CPU model's, worst of {positions} positions {worst:.3e} (at most {tol:.2e})"),
     );
-    println!("     greedy token equal to the CPU model's at {agree} of {positions} positions (a near-tie may differ)");
+    out!("     greedy token equal to the CPU model's at {agree} of {positions} positions (a near-tie may differ)");
     // A generation in one launch from the first half of the tokens, against a launch per token fed the
     // argmax of its own logits: the same tokens, and the kernel's choice is the logits' argmax.
     let prompt = &tokens[..positions / 2];
@@ -356,12 +382,12 @@ fn check(args: &ModelArgs, positions: usize, seed: Option<u64>) -> Result<bool, 
         bitwise,
         format!("position {last}'s logits the same bits from a decode step and from a generation's launch"),
     );
-    println!("{passed} passed, {failed} failed");
+    out!("{passed} passed, {failed} failed");
     Ok(failed == 0)
 }
 
 fn logits(args: &ModelArgs, tokens: &[u32], on: On) -> Result<(), Failure> {
-    let (cfg, weights) = read_model(&args.model)?;
+    let (cfg, weights) = read_model(&args.model, |_| Ok(()))?;
     progress("");
     let logits: Vec<Vec<f32>> = match on {
         On::Cpu => {
@@ -375,7 +401,7 @@ fn logits(args: &ModelArgs, tokens: &[u32], on: On) -> Result<(), Failure> {
         }
     };
     let chosen: Vec<Option<usize>> = logits.iter().map(|l| argmax(l)).collect();
-    println!("{}", serde_json::json!({ "logits": logits, "argmax": chosen }));
+    out!("{}", serde_json::json!({ "logits": logits, "argmax": chosen }));
     Ok(())
 }
 
