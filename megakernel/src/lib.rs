@@ -37,8 +37,6 @@ const ATTN_MAX_GROUP: usize = 16;
 pub const TRACE_STAMPS: usize = 4;
 /// The row gather of `kernels/megakernel.cu` that packs weights (the red team packs cache rows with it).
 pub const GATHER: &str = "gather_rows_u4";
-/// The kernel that runs a model's positions (`model::GpuModel`).
-const MODEL_KERNEL: &str = "megakernel_model_bf16";
 /// Static shared memory the kernels declare beside the dynamic (the ring's barriers, the row source,
 /// the reductions' scratch), rounded up: the LM head's partials take what is left.
 const STATIC_SMEM_ALLOWANCE: usize = 1024;
@@ -119,17 +117,19 @@ impl<const L: usize> ProgramParam<L> {
     }
 }
 
-/// The compiled program and the kernel that runs it.
+/// The compiled program and the kernel that runs it: one layer, a stack, or a model's stack (the same
+/// parameter block, for the model kernel, which `model::GpuModel` launches).
 enum Param {
     One(Box<ProgramParam<1>>),
     Stack(Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>),
+    Model(Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>),
 }
 
 impl Param {
     fn rows(&self) -> &[program::Row; program::MAX_PHASES] {
         match self {
             Param::One(p) => &p.rows,
-            Param::Stack(p) => &p.rows,
+            Param::Stack(p) | Param::Model(p) => &p.rows,
         }
     }
 
@@ -138,6 +138,7 @@ impl Param {
         match self {
             Param::One(_) => "megakernel_bf16",
             Param::Stack(_) => "megakernel_stack_bf16",
+            Param::Model(_) => "megakernel_model_bf16",
         }
     }
 }
@@ -165,8 +166,6 @@ struct Built {
     grid: u32,
     smem: u32,
     red_rows: u32,
-    /// A model's stack: the LM head's rows a block streams per chunk (the partials' rows).
-    head_rows: Option<u32>,
     /// A model's head phases run so far (the kernel's head counter is `grid * heads`).
     heads: u32,
     /// `(MAX_PHASES + 1)`: per phase, how many blocks have finished it, over all steps so far; the last
@@ -324,9 +323,6 @@ impl Megakernel {
         trace: Option<&mut CudaSlice<u64>>,
     ) -> Result<(), SubmissionError> {
         let b = self.built.as_mut().ok_or_else(|| SubmissionError::Refused("a step before build_stack".into()))?;
-        if b.head_rows.is_some() {
-            return Err(SubmissionError::Refused("this stack was built for a model: GpuModel runs it".into()));
-        }
         let total = b.phases * b.layers;
         if phases.is_empty() || phases.end > total {
             return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {total} phases")));
@@ -344,6 +340,9 @@ impl Megakernel {
         match &b.program {
             Param::One(p) => args.arg(&**p),
             Param::Stack(p) => args.arg(&**p),
+            Param::Model(_) => {
+                return Err(SubmissionError::Refused("this stack was built for a model: GpuModel runs it".into()));
+            }
         };
         args.arg(&b.phases).arg(&b.layers).arg(&begin).arg(&end);
         args.arg(x).arg(out).arg(&hidden).arg(&b.d).arg(&pos);
@@ -715,16 +714,17 @@ impl Submission for Megakernel {
         }
         let tables: Vec<[i64; program::LAYER_WORDS]> = tables.iter().map(program::LayerBuffers::table).collect();
         let param = match tables.as_slice() {
-            // One layer: its rows carry its addresses themselves, so no operand is read through a table
-            // (a model's kernel always reads tables).
-            [one] if self.head_vocab.is_none() => {
+            // A model's kernel always reads tables.
+            _ if self.head_vocab.is_some() => ProgramParam::new(&rows, &tables).map(Param::Model),
+            // One layer: its rows carry its addresses themselves, so no operand is read through a table.
+            [one] => {
                 let resolved: Vec<program::Row> = rows.iter().map(|r| program::resolve_row(r, one)).collect();
                 ProgramParam::new(&resolved, &[]).map(Param::One)
             }
             _ => ProgramParam::new(&rows, &tables).map(Param::Stack),
         }
         .expect("rows and tables within the parameter block (checked above)");
-        let func = dev.function(&MEGAKERNEL, if self.head_vocab.is_some() { MODEL_KERNEL } else { param.kernel() })?;
+        let func = dev.function(&MEGAKERNEL, param.kernel())?;
         // The most rows any block gets in any GEMV phase (over the phase's own blocks).
         let layer_rows = rows
             .iter()
@@ -776,7 +776,6 @@ impl Submission for Megakernel {
             grid,
             smem,
             red_rows: red_rows as u32,
-            head_rows: head_rows.map(|r| r as u32),
             heads: 0,
             // One more for a model's head phase (the kernel's HEAD_COUNTER).
             phase_done: s.alloc_zeros::<u32>(program::MAX_PHASES + 1).context("allocating the phase counters")?,

@@ -278,7 +278,7 @@ impl GpuModel {
             *word = device_address(dev, norms);
         }
         let b = self.mk.built.as_mut().expect("GpuModel::new built the stack");
-        let Param::Stack(program) = &b.program else { unreachable!("a model's stack always reads tables") };
+        let Param::Model(program) = &b.program else { unreachable!("GpuModel::new built the stack for a model") };
         let args = ModelArgs {
             embed: device_address(dev, &self.embed),
             final_norm: device_address(dev, &self.norm),
