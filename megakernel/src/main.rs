@@ -11,6 +11,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand, ValueEnum};
 use cuda::{Context, Device};
 use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Stop, Text, argmax, gpu};
+use spec::rng::{bits, stream_key};
 
 #[derive(Parser)]
 #[command(
@@ -293,27 +294,18 @@ fn bench(args: &ModelArgs, tokens: usize, reps: usize) -> Result<(), Failure> {
     Ok(())
 }
 
-/// A splitmix64 stream: the check's random tokens.
+/// The check's random tokens: element `i` of the project's hash RNG (`spec::rng`) for `seed`.
 fn tokens_from(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) % vocab as u64) as u32
-        })
-        .collect()
+    let key = stream_key(seed, CHECK_TOKENS_STREAM);
+    (0..n as u64).map(|i| (bits(key, i) % vocab as u64) as u32).collect()
 }
 
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        num += (f64::from(x) - f64::from(y)).powi(2);
-        den += f64::from(y).powi(2);
-    }
-    if a.iter().any(|v| !v.is_finite()) { f64::INFINITY } else { (num / den).sqrt() }
+/// The RNG stream of the check's tokens (any stream: the seed is the check's own).
+const CHECK_TOKENS_STREAM: u64 = 0xC4EC;
+
+/// The gates' relative error, a NaN or an Inf in `out` counting as infinitely far.
+fn rel_err(out: &[f32], reference: &[f32]) -> f64 {
+    spec::gates::rel_err(out, reference).unwrap_or(f64::INFINITY)
 }
 
 fn check(args: &ModelArgs, positions: usize, seed: Option<u64>) -> Result<bool, Failure> {

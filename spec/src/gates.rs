@@ -41,3 +41,38 @@ impl Gates {
         read_ceiling_margin: 0.03,
     };
 }
+
+/// The gates' measure of an output: `||out - reference|| / ||reference||` in f64; `None` when `out`
+/// holds a NaN or an Inf, or the lengths differ. A zero reference with a zero output gives 0.
+pub fn rel_err(out: &[f32], reference: &[f32]) -> Option<f64> {
+    if out.len() != reference.len() || out.iter().any(|v| !v.is_finite()) {
+        return None;
+    }
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&o, &r) in out.iter().zip(reference) {
+        num += (o as f64 - r as f64).powi(2);
+        den += (r as f64).powi(2);
+    }
+    Some(if num == 0.0 { 0.0 } else { (num / den).sqrt() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rel_err_of_known_vectors() {
+        assert_eq!(rel_err(&[1.0, 2.0], &[1.0, 2.0]), Some(0.0));
+        let e = rel_err(&[3.0, 4.0], &[0.0, 5.0]).unwrap();
+        assert!((e - (10f64).sqrt() / 5.0).abs() < 1e-12);
+        assert_eq!(rel_err(&[0.0], &[0.0]), Some(0.0));
+        assert_eq!(rel_err(&[1.0], &[0.0]), Some(f64::INFINITY));
+    }
+
+    #[test]
+    fn nan_and_inf_never_pass() {
+        assert_eq!(rel_err(&[f32::NAN, 1.0], &[1.0, 1.0]), None);
+        assert_eq!(rel_err(&[f32::INFINITY], &[1.0]), None);
+        assert_eq!(rel_err(&[1.0], &[1.0, 2.0]), None);
+    }
+}
