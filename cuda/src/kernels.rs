@@ -68,7 +68,8 @@ pub fn assert_embedded(folder: &str, all: &[Kernel], allowed: &[Spills]) {
             if !line.contains("spill") {
                 continue;
             }
-            let bound = allowed.iter().find(|a| a.function == function).map_or(0, |a| a.bytes);
+            let allowance = allowed.iter().find(|a| a.function == function);
+            let bound = allowance.map_or(0, |a| a.bytes);
             let bytes = |what: &str| -> u32 {
                 let before = line.split(what).next().unwrap_or("");
                 before
@@ -82,7 +83,12 @@ pub fn assert_embedded(folder: &str, all: &[Kernel], allowed: &[Spills]) {
                     .unwrap_or(u32::MAX)
             };
             let (stores, loads) = (bytes(" bytes spill stores"), bytes(" bytes spill loads"));
-            assert!(stores <= bound && loads <= bound, "{}: {function}: {line} (allowed {bound} bytes)", k.name);
+            assert!(
+                stores <= bound && loads <= bound,
+                "{}: {function}: {line} (allowed {bound} bytes{})",
+                k.name,
+                allowance.map_or(String::new(), |a| format!(" because {}", a.why))
+            );
         }
     }
 }
