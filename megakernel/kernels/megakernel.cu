@@ -350,11 +350,46 @@ __device__ inline void gather_stage(const RowSource& src, uint4* dst, uint32_t f
     bulk_copy(run_dst, run, run_bytes, bar, l2_evict_first());
 }
 
+// The 8 bf16 of a 16-byte vector as f32, in order (as dot8 widens them).
+__device__ inline void widen8(uint4 a, float (&f)[VEC]) {
+    const bf162* x = reinterpret_cast<const bf162*>(&a);
+#pragma unroll
+    for (uint32_t j = 0; j < VEC / 2; ++j) {
+        const float2 p = __bfloat1622float2(x[j]);
+        f[2 * j] = p.x;
+        f[2 * j + 1] = p.y;
+    }
+}
+
+// The warp's sums of N values per lane (N a power of two up to WARP), each summed as warp_reduce sums
+// one value: the same pairs at offsets 16, 8, ..., 1, so the same bits, in fewer shuffles than N
+// butterflies. Lane l holds value k at v[k ^ scatter_mask<N>()]: at each of the first log2(N) offsets
+// a lane keeps the lower half of its positions, adds its partner's copies of them (which the partner
+// holds in its upper half, its mask differing in that bit) and hands over its upper half (N - 1
+// shuffles); then one butterfly over the rest. Returns, in lanes [k WARP / N, (k + 1) WARP / N), the
+// sum of value k.
+template <uint32_t N>
+__device__ inline uint32_t scatter_mask() { return threadIdx.x % WARP / (WARP / N); }
+template <uint32_t N>
+__device__ inline float reduce_scatter(float (&v)[N]) {
+    static_assert(N >= 1 && N <= WARP && (N & (N - 1)) == 0, "a power of two of values per lane");
+#pragma unroll
+    for (uint32_t level = 1; level < N; level *= 2) {
+        const uint32_t half = N / 2 / level, offset = WARP / 2 / level;
+#pragma unroll
+        for (uint32_t j = 0; j < half; ++j) v[j] += __shfl_xor_sync(FULL_MASK, v[j + half], offset);
+    }
+    float sum = v[0];
+    for (uint32_t offset = WARP / 2 / N; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
+    return sum;
+}
+
 // A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
 // thread; each stage is STAGE_ROWS consecutive rows, one bulk copy from a packed matrix (or a few, one
 // per run, from the handed layout: see RowSource).
 template <uint32_t VPT>
 struct RowStream {
+    static constexpr uint32_t VECS_PER_THREAD = VPT;
     static constexpr uint32_t STAGE_ROWS = STAGE_BYTES / 16 / (THREADS * VPT) > 0 ? STAGE_BYTES / 16 / (THREADS * VPT) : 1;
     static_assert(STAGE_ROWS * THREADS * VPT * 16 <= STAGE_BYTES, "a row must fit a ring stage");
     const bf16* w;  // (rows, vecs * VEC)
@@ -391,17 +426,30 @@ struct RowStream {
         for (uint32_t st = 0; st < STAGES - 1; ++st) issue(ring, st);
     }
 
+    // Waits for stage st to land and returns its slot, after refilling the slot stage st - 1 used with
+    // stage st + STAGES - 1.
+    __device__ const uint4* next_stage(const Ring& ring, uint32_t st) const {
+        __syncthreads();  // every thread is done with stage st - 1, whose slot the next issue refills
+        issue(ring, st + STAGES - 1);
+        const uint32_t k = ring.seq + st;
+        mbar_wait(&ring.full[k % STAGES], (k / STAGES) & 1);  // stage st has landed
+        return ring.data + (k % STAGES) * (STAGE_BYTES / 16);
+    }
+
+    // Stage st's rows, and its pairs when grouped (0 otherwise): a grouped stage holds its pairs' first
+    // rows, then their second rows, so slot row i is the stage's row slot_row(i, pairs): pair i % pairs's
+    // member i / pairs.
+    __device__ uint32_t stage_count(uint32_t st) const { return min(STAGE_ROWS, n - st * STAGE_ROWS); }
+    __device__ uint32_t stage_pairs(uint32_t count) const { return in_place && row_source.grouped ? count / 2 : 0; }
+    __device__ static uint32_t slot_row(uint32_t i, uint32_t pairs) { return pairs == 0 ? i : 2 * (i % pairs) + i / pairs; }
+
     // red[r - r0][warp] = the warp's partial dot product of row r with the slice; needs prime() first.
     // Advances ring.seq past this stream's stages.
     __device__ void run(const Slice& s, Ring& ring, Partials part) const {
         const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
         if (n > part.rows) __trap();  // the launcher sized red for fewer rows than this block got
         for (uint32_t st = 0; st < nstages; ++st) {
-            __syncthreads();  // every thread is done with stage st - 1, whose slot the next issue refills
-            issue(ring, st + STAGES - 1);
-            const uint32_t k = ring.seq + st;
-            mbar_wait(&ring.full[k % STAGES], (k / STAGES) & 1);  // stage st has landed
-            const uint4* slot = ring.data + (k % STAGES) * (STAGE_BYTES / 16);
+            const uint4* slot = next_stage(ring, st);
             float acc[STAGE_ROWS];
 #pragma unroll
             for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
@@ -415,14 +463,61 @@ struct RowStream {
 #pragma unroll
             for (uint32_t i = 0; i < STAGE_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
             if (lane == 0) {
-                // A grouped stage holds its pairs' first rows, then their second rows: slot row i is
-                // pair i % pairs's member i / pairs.
-                const uint32_t count = min(STAGE_ROWS, n - st * STAGE_ROWS), pairs = in_place && row_source.grouped ? count / 2 : 0;
+                const uint32_t count = stage_count(st), pairs = stage_pairs(count);
 #pragma unroll
                 for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
-                    const uint32_t r = pairs == 0 ? i : 2 * (i % pairs) + i / pairs;
+                    const uint32_t r = slot_row(i, pairs);
                     if (i < count) part.red[(st * STAGE_ROWS + r) * WARPS + warp] = acc[i];
                 }
+            }
+        }
+        ring.seq += nstages;
+        __syncthreads();  // every warp's partials are in red before any thread adds them up
+    }
+
+    // Several input vectors against the same rows, the weights read once for all of them, R rows and
+    // G vectors per reduce_scatter (N = R G values). The block runs a stage's rows in `slices` side by
+    // side (rows short enough to leave warps without columns: row_slices), slice s taking slot rows s,
+    // s + slices, ...; its thread t' = t % (THREADS / slices) does what thread t' of run() does.
+    // h[p] holds vector p ^ (scatter_mask<N>() % G)'s elements as a Slice would (16-byte vector t' + v
+    // THREADS at h[p][v]), widened to f32 once; the lane takes row position rp from slot row rp ^
+    // (scatter_mask<N>() / G), so that value rp G + p is reduce_scatter's. red[(g n + r - r0)][warp]
+    // = warp `warp` of run()'s partial of row r with vector g < live; the warps run() has without
+    // columns are the caller's to zero (their +0.0 partials). Each vector's products, their order per
+    // thread (dot8's), its butterfly and row_sum's warp order are run()'s, so each vector's sums are
+    // bitwise those of run() alone, whatever the other vectors are. Needs prime(); advances ring.seq.
+    template <uint32_t G, uint32_t R>
+    __device__ void run_group(const float (&h)[G][VPT][VEC], uint32_t live, uint32_t slices, Ring& ring, Partials part) const {
+        constexpr uint32_t N = R * G;
+        const uint32_t t = threadIdx.x % (THREADS / slices), sub = threadIdx.x / (THREADS / slices), lane = threadIdx.x % WARP;
+        const uint32_t warp = t / WARP, mask = scatter_mask<N>(), per_slice = STAGE_ROWS / slices;
+        if (n * G > part.rows || live > G || per_slice % R != 0) __trap();  // the caller sizes these
+        for (uint32_t st = 0; st < nstages; ++st) {
+            const uint4* slot = next_stage(ring, st);
+            const uint32_t count = stage_count(st), pairs = stage_pairs(count);
+            for (uint32_t j = 0; j < per_slice; j += R) {
+                float acc[N];
+#pragma unroll
+                for (uint32_t k = 0; k < N; ++k) acc[k] = 0.0f;
+#pragma unroll
+                for (uint32_t rp = 0; rp < R; ++rp) {
+                    const uint32_t i = sub + slices * (j + (rp ^ mask / G));
+#pragma unroll
+                    for (uint32_t v = 0; v < VPT; ++v) {
+                        if (t + v * THREADS >= vecs) continue;
+                        float w[VEC];
+                        widen8(slot[i * vecs + v * THREADS + t], w);
+#pragma unroll
+                        for (uint32_t p = 0; p < G; ++p) {
+                            // dot8's products in dot8's order, the weight first.
+#pragma unroll
+                            for (uint32_t e = 0; e < VEC; ++e) acc[rp * G + p] = fmaf(w[e], h[p][v][e], acc[rp * G + p]);
+                        }
+                    }
+                }
+                const float sum = reduce_scatter<N>(acc);
+                const uint32_t g = mask % G, i = sub + slices * (j + mask / G);
+                if (lane % (WARP / N) == 0 && g < live && i < count) part.red[(g * n + st * STAGE_ROWS + slot_row(i, pairs)) * WARPS + warp] = sum;
             }
         }
         ring.seq += nstages;
@@ -1484,6 +1579,117 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(c
                                                                                unsigned* __restrict__ phase_done, /* (PROGRAM_MAX_PHASES + 1) */
                                                                                uint32_t red_rows) {
     run_model(program, model, phases, layers, out, hidden, d, step, phase_done, red_rows);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Several vectors through one stream (the first piece of batched decode and chunked prefill)
+// ---------------------------------------------------------------------------------------------------
+
+// Vectors one stream serves at most: a batch's sequences, or a prompt chunk's positions.
+constexpr uint32_t MAX_BATCH = 8;
+// Vectors a thread holds at once for rows of VPT vectors per thread: MAX_BATCH 16-byte vectors of
+// input, widened to 64 f32 registers; the whole batch at VPT 1 (rows up to 4096). A batch larger
+// than its group takes a pass over the weights per group.
+template <uint32_t VPT>
+__host__ __device__ constexpr uint32_t group_of() { return VPT >= MAX_BATCH ? 1 : MAX_BATCH / VPT; }
+
+// y[b][r] for this block's rows [c0, c1) of the stream's matrix, from the partials of `live` vectors.
+__device__ inline void store_rows(float* y, uint32_t rows, uint32_t b0, uint32_t live, uint32_t c0, uint32_t c1, const Partials& part) {
+    const uint32_t n = c1 - c0;
+    for (uint32_t i = threadIdx.x; i < live * n; i += THREADS) y[(size_t)(b0 + i / n) * rows + c0 + i % n] = row_sum(part.red, i);
+}
+
+// Slices of the block that run a stage's rows side by side (RowStream::run_group): for rows of at most
+// THREADS vectors, as many as leave each slice the warps run() has with columns (a power of two), at
+// most a stage's rows; else one.
+__device__ inline uint32_t row_slices(uint32_t vecs, uint32_t stage_rows) {
+    if (vecs > THREADS) return 1;
+    uint32_t warps = 1;
+    while (warps * WARP < vecs) warps *= 2;
+    return min(WARPS / warps, stage_rows);
+}
+
+// Vectors x[b0, b0 + live) against this block's rows [r0, r1) of w through run_group<G, R> in `slices`:
+// each thread's inputs loaded in the lanes' order, the rows in chunks whose partials fit, each chunk
+// streamed once.
+template <uint32_t VPT, uint32_t G, uint32_t R>
+__device__ void grouped_chunks(const bf16* w, uint32_t rows, uint32_t cols, const bf16* x, uint32_t b0, uint32_t live, float* y,
+                               uint32_t r0, uint32_t r1, uint32_t slices, Ring& ring, Partials part) {
+    const uint32_t vecs = cols / VEC, t = threadIdx.x % (THREADS / slices), order = scatter_mask<R * G>() % G;
+    float h[G][VPT][VEC];
+#pragma unroll
+    for (uint32_t p = 0; p < G; ++p) {
+#pragma unroll
+        for (uint32_t v = 0; v < VPT; ++v) {
+            const uint32_t vec = t + v * THREADS, g = p ^ order;
+            widen8(g < live && vec < vecs ? load_cg(x + (size_t)(b0 + g) * cols, vec) : make_uint4(0, 0, 0, 0), h[p][v]);
+        }
+    }
+    const uint32_t chunk = part.rows / G;
+    for (uint32_t c0 = r0; c0 < r1; c0 += chunk) {
+        const uint32_t c1 = min(c0 + chunk, r1);
+        const RowStream<VPT> stream(w, vecs, c0, c1, false);
+        stream.prime(ring);
+        stream.template run_group<G, R>(h, live, slices, ring, part);
+        store_rows(y, rows, b0, live, c0, c1, part);  // the next run's first __syncthreads follows these reads
+    }
+}
+
+// Vectors x[b0, b0 + live) against this block's rows [r0, r1) of w, G = group_of<VPT>() at a time, two
+// rows per reduce_scatter where each slice has an even number of a stage's rows.
+template <uint32_t VPT>
+__device__ void batch_pass_grouped(const bf16* w, uint32_t rows, uint32_t cols, const bf16* x, uint32_t b0, uint32_t live, float* y,
+                                   uint32_t r0, uint32_t r1, Ring& ring, Partials part) {
+    constexpr uint32_t G = group_of<VPT>(), STAGE_ROWS = RowStream<VPT>::STAGE_ROWS;
+    const uint32_t slices = row_slices(cols / VEC, STAGE_ROWS);
+    // The partials of the warps a slice leaves out stay +0.0, as run()'s column-less warps write them;
+    // after every read of the partials before.
+    __syncthreads();
+    if (slices > 1) {
+        for (uint32_t i = threadIdx.x; i < part.rows * WARPS; i += THREADS) part.red[i] = 0.0f;
+    }
+    if constexpr (STAGE_ROWS % 2 == 0) {
+        if ((STAGE_ROWS / slices) % 2 == 0) return grouped_chunks<VPT, G, 2>(w, rows, cols, x, b0, live, y, r0, r1, slices, ring, part);
+    }
+    grouped_chunks<VPT, G, 1>(w, rows, cols, x, b0, live, y, r0, r1, slices, ring, part);
+}
+
+// Vector x[b] alone against this block's rows [r0, r1) of w, through run() as every phase streams.
+template <uint32_t VPT>
+__device__ void batch_pass_solo(const bf16* w, uint32_t rows, uint32_t cols, const bf16* x, uint32_t b, float* y, uint32_t r0, uint32_t r1,
+                                Ring& ring, Partials part) {
+    const Slice s = load_slice(x + (size_t)b * cols, cols);
+    for (uint32_t c0 = r0; c0 < r1; c0 += part.rows) {
+        const uint32_t c1 = min(c0 + part.rows, r1);
+        const RowStream<VPT> stream(w, cols / VEC, c0, c1, false);
+        stream.prime(ring);
+        stream.run(s, ring, part);
+        store_rows(y, rows, b, 1, c0, c1, part);
+    }
+}
+
+// y (vectors, rows) = x (vectors, cols) against w (rows, cols), f32: grouped, the weights streamed once
+// per group of vectors (batch_pass_grouped); else once per vector (batch_pass_solo). Each vector's y is
+// bitwise the same either way (run_group); `megakernel batch-gemv` checks it and times both.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_batch_gemv_bf16(const bf16* __restrict__ w, uint32_t rows, uint32_t cols,
+                                                                                    const bf16* __restrict__ x, uint32_t vectors, uint32_t grouped,
+                                                                                    float* __restrict__ y, uint32_t red_rows) {
+    __shared__ uint64_t full[STAGES];
+    Ring ring = start_ring(full);
+    const Partials part = row_partials(red_rows);
+    // The launcher checks these.
+    if (cols % VEC != 0 || vectors == 0 || vectors > MAX_BATCH) __trap();
+    const uint32_t r0 = (uint32_t)((uint64_t)rows * blockIdx.x / gridDim.x), r1 = (uint32_t)((uint64_t)rows * (blockIdx.x + 1) / gridDim.x);
+    with_stream(w, cols, r0, r1, false, [&](auto all) {
+        constexpr uint32_t VPT = decltype(all)::VECS_PER_THREAD;
+        if (grouped) {
+            for (uint32_t b0 = 0; b0 < vectors; b0 += group_of<VPT>()) {
+                batch_pass_grouped<VPT>(w, rows, cols, x, b0, min(group_of<VPT>(), vectors - b0), y, r0, r1, ring, part);
+            }
+        } else {
+            for (uint32_t b = 0; b < vectors; ++b) batch_pass_solo<VPT>(w, rows, cols, x, b, y, r0, r1, ring, part);
+        }
+    });
 }
 
 // dst row r = the row at src_rows[r]: packs weights into the layouts the phases stream.

@@ -7,6 +7,7 @@
 //! [`Mode::PerPhase`] runs the same device code one phase per launch, for debugging and per-phase
 //! timing; its results are bitwise those of [`Mode::Fused`].
 
+pub mod batch;
 pub mod cpu;
 pub mod kernels;
 pub mod model;

@@ -1,7 +1,8 @@
 //! `megakernel`: a Hugging Face Llama-family checkpoint run by the megakernel, the whole decode step
 //! (embedding, every layer, final norm, LM head, greedy argmax) in one launch, a whole generation in one
 //! launch. `generate` prints text, `bench` times the decode against the model's copy floor, `check`
-//! compares the GPU with the CPU model, `logits` prints teacher-forced logits for other tools.
+//! compares the GPU with the CPU model, `logits` prints teacher-forced logits for other tools, and
+//! `batch-gemv` checks and times the batched GEMV (`megakernel::batch`) without a model.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -10,6 +11,7 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use cuda::{Context, Device};
+use megakernel::batch::BatchGemv;
 use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Stop, Text, argmax, gpu};
 use spec::rng::{bits, stream_key};
 
@@ -17,8 +19,9 @@ use spec::rng::{bits, stream_key};
 #[command(
     name = "megakernel",
     about = "Run a Hugging Face Llama-family checkpoint with the megakernel: a whole generation in one launch",
-    after_help = "Supported: model_type \"llama\" (Llama 2 and 3 without rope scaling, TinyLlama, SmolLM2, ...), bf16, f16 or \
-                  f32 safetensors. Anything else is refused naming the config field. Needs an H100/H200 (sm_90)."
+    after_help = "Supported: model_type \"llama\" (Llama 2, 3, 3.1, 3.2 with plain or llama3-scaled RoPE, TinyLlama, SmolLM2, \
+                  ...) and \"qwen3\", bf16, f16 or f32 safetensors. Anything else is refused naming the config field. Needs an \
+                  H100/H200 (sm_90)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -88,6 +91,31 @@ enum Command {
         #[arg(long, value_enum, default_value_t = On::Gpu)]
         on: On,
     },
+    /// Check and time several vectors through one weight stream, the first piece of batched decode and
+    /// chunked prefill: for each row length and batch, a random matrix against random inputs, the
+    /// grouped stream (the weights read once per group) against each vector streamed alone as a decode
+    /// step streams it (bitwise) and against f64 products on the CPU, and both kernels' time. Ends with
+    /// an 'N passed, M failed' line; exit status 1 on a failure.
+    BatchGemv {
+        /// Row lengths (the GEMV's columns), multiples of 8 up to 28672.
+        #[arg(long, value_delimiter = ',', default_value = "2048,4096,8192,14336")]
+        cols: Vec<u32>,
+        /// Batches: vectors per stream, 1 to 8.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        vectors: Vec<u32>,
+        /// The matrix's size in MiB (its rows follow from the row length).
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=16384))]
+        mib: u32,
+        /// Timed launches of each kind per shape; the median is reported.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+        reps: u32,
+        /// The random data's seed (default: from the clock, printed).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// The CUDA device.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -143,6 +171,9 @@ fn run(command: Command) -> Result<bool, Failure> {
         Command::Bench { model, tokens, reps } => bench(&model, tokens as usize, reps as usize).map(|()| true),
         Command::Check { model, positions, seed } => check(&model, positions as usize, seed),
         Command::Logits { model, tokens, on } => logits(&model, &tokens, on).map(|()| true),
+        Command::BatchGemv { cols, vectors, mib, reps, seed, device } => {
+            batch_gemv(&cols, &vectors, mib, reps as usize, seed, device)
+        }
     }
 }
 
@@ -311,9 +342,7 @@ fn rel_err(out: &[f32], reference: &[f32]) -> f64 {
 fn check(args: &ModelArgs, positions: usize, seed: Option<u64>) -> Result<bool, Failure> {
     let (dev, mut model, cfg, weights) = load(args, |_| Ok(()))?;
     let positions = positions.min(model.context());
-    let seed = seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
-    });
+    let seed = seed.unwrap_or_else(clock_seed);
     out!("seed {seed} (--seed {seed} repeats it), {positions} positions");
     let tokens = tokens_from(seed, positions, cfg.vocab);
     let mut cpu = CpuModel::new(cfg.clone(), weights, positions);
@@ -397,6 +426,73 @@ fn logits(args: &ModelArgs, tokens: &[u32], on: On) -> Result<(), Failure> {
     Ok(())
 }
 
+/// A seed from the clock, for checks that draw fresh data each run (and print the seed).
+fn clock_seed() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+}
+
+fn batch_gemv(
+    cols: &[u32],
+    vectors: &[u32],
+    mib: u32,
+    reps: usize,
+    seed: Option<u64>,
+    device: usize,
+) -> Result<bool, Failure> {
+    // Every shape refused before the device is opened.
+    let shapes: Vec<BatchGemv> = cols
+        .iter()
+        .flat_map(|&c| {
+            let rows = ((mib as usize) << 20) / (2 * c.max(1) as usize);
+            vectors.iter().map(move |&v| BatchGemv { rows: rows.max(1), cols: c as usize, vectors: v as usize })
+        })
+        .collect();
+    for shape in &shapes {
+        shape.validate()?;
+    }
+    let dev = Device::open(device)?;
+    let seed = seed.unwrap_or_else(clock_seed);
+    out!("seed {seed} (--seed {seed} repeats it); kernel time, median of {reps}");
+    out!(
+        "{:>6} {:>7} {:>7} {:>6} {:>10} {:>10} {:>8} {:>13} {:>9} {:>9}",
+        "cols",
+        "rows",
+        "vectors",
+        "passes",
+        "solo us",
+        "grouped us",
+        "speedup",
+        "weights GB/s",
+        "bitwise",
+        "vs f64"
+    );
+    let (mut passed, mut failed) = (0, 0);
+    for (i, shape) in shapes.iter().enumerate() {
+        let r = shape.run(&dev, seed.wrapping_add(i as u64), reps)?;
+        let (solo, grouped) = (median(r.solo_us.clone()), median(r.grouped_us.clone()));
+        out!(
+            "{:>6} {:>7} {:>7} {:>6} {:>10.1} {:>10.1} {:>7.2}x {:>13.0} {:>9} {:>9}",
+            shape.cols,
+            shape.rows,
+            shape.vectors,
+            r.passes,
+            solo,
+            grouped,
+            solo / grouped,
+            (shape.weight_bytes() * r.passes as u64) as f64 / (grouped * 1e3),
+            match (r.mismatches, r.not_finite) {
+                (0, 0) => "equal".to_string(),
+                (0, n) => format!("{n} unset"),
+                (m, _) => format!("{m} differ"),
+            },
+            r.cpu_rel_err.map_or("not finite".to_string(), |e| format!("{e:.1e}"))
+        );
+        if r.passed() { passed += 1 } else { failed += 1 }
+    }
+    out!("{passed} passed, {failed} failed");
+    Ok(failed == 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -422,6 +518,21 @@ mod tests {
             panic!("logits parses");
         };
         assert_eq!(tokens, [3, 1, 4]);
+    }
+
+    #[test]
+    fn a_batch_gemv_shape_the_kernel_cannot_run_is_refused_before_the_device_opens() {
+        let parse = |args: &[&str]| Cli::try_parse_from(std::iter::once("megakernel").chain(args.iter().copied()));
+        let Ok(Cli { command: Command::BatchGemv { cols, vectors, mib, .. } }) = parse(&["batch-gemv"]) else {
+            panic!("batch-gemv parses with its defaults");
+        };
+        assert_eq!((cols, vectors, mib), (vec![2048, 4096, 8192, 14336], vec![1, 2, 4, 8], 256));
+        assert!(parse(&["batch-gemv", "--mib", "0"]).is_err());
+        // No device on the test machine: these must fail on the shape, naming it, not on the device.
+        for (cols, vectors, needle) in [(100, 1, "cols 100"), (2048, 9, "9 vectors"), (2048, 0, "0 vectors")] {
+            let e = batch_gemv(&[cols], &[vectors], 1, 1, Some(1), 0).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        }
     }
 
     #[test]
