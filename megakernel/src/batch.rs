@@ -11,10 +11,11 @@ use cuda::cudarc::driver::sys::CUfunction_attribute;
 use cuda::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use cuda::{Context, CudaError, Device};
 use half::bf16;
-use spec::rng::{normal_bf16, scale_for_std, stream_key};
+use reference::gpu::data::fill_normal;
+use spec::rng::{scale_for_std, stream_key};
 
 use crate::kernels::MEGAKERNEL;
-use crate::{RING_BYTES, STATIC_SMEM_ALLOWANCE, THREADS, WARPS};
+use crate::{RING_BYTES, THREADS, WARPS, partial_rows_room};
 
 /// Vectors one stream serves at most (the kernel's `MAX_BATCH`).
 pub const MAX_BATCH: usize = 8;
@@ -101,22 +102,17 @@ impl BatchGemv {
         let (rows, cols, vectors) = (self.rows, self.cols, self.vectors);
         let s = dev.stream();
         dev.require_free(self.weight_bytes() + 8 * (rows * vectors) as u64, "the batch GEMV's matrix and outputs")?;
-        // Inputs of rms 1 and weights of 1/sqrt(cols): sums of order 1, as a layer's.
-        let random = |n: usize, stream: u64, std: f64| -> Vec<bf16> {
-            let (key, scale) = (stream_key(seed, stream), scale_for_std(std));
-            (0..n as u64).map(|i| normal_bf16(key, i, 0.0, scale)).collect()
+        // Inputs of rms 1 and weights of 1/sqrt(cols): sums of order 1, as a layer's. Drawn on the GPU
+        // (the CPU's `spec::rng` values, bitwise); the CPU check reads back the inputs and its rows.
+        let random = |n: usize, stream: u64, std: f64| {
+            fill_normal(dev, n, stream_key(seed, stream), 0.0, scale_for_std(std)).map_err(BatchError::from)
         };
-        let w_host = random(rows * cols, 0, 1.0 / (cols as f64).sqrt());
-        let x_host = random(vectors * cols, 1, 1.0);
-        let w = s.clone_htod(&w_host).context("uploading the matrix")?;
-        let x = s.clone_htod(&x_host).context("uploading the inputs")?;
+        let w = random(rows * cols, 0, 1.0 / (cols as f64).sqrt())?;
+        let x = random(vectors * cols, 1, 1.0)?;
 
         let grid = dev.facts().sms as u32;
         // Partials for the block's whole share of rows for every vector of a group, or what fits.
-        let most_rows = (dev.facts().max_smem_optin_bytes.max(0) as usize)
-            .saturating_sub(RING_BYTES as usize + STATIC_SMEM_ALLOWANCE)
-            / (WARPS as usize * 4);
-        let red_rows = (rows.div_ceil(grid as usize) * MAX_BATCH).min(most_rows);
+        let red_rows = (rows.div_ceil(grid as usize) * MAX_BATCH).min(partial_rows_room(dev));
         if red_rows < MAX_BATCH {
             return Err(BatchError::Refused(format!(
                 "this card's shared memory leaves partials for {red_rows} rows; a group needs {MAX_BATCH}"
@@ -152,10 +148,18 @@ impl BatchGemv {
         let grouped = s.clone_dtoh(&grouped).context("reading the grouped outputs")?;
         let solo = s.clone_dtoh(&solo).context("reading the solo outputs")?;
         let mismatches = grouped.iter().zip(&solo).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        let x_host = s.clone_dtoh(&x).context("reading the inputs")?;
+        let checked = (0..CPU_ROWS.min(rows))
+            .map(|k| {
+                let r = k * rows / CPU_ROWS.min(rows);
+                let row = s.clone_dtoh(&w.slice(r * cols..(r + 1) * cols)).context("reading a row of the matrix")?;
+                Ok((r, row))
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
         Ok(BatchReport {
             mismatches,
             not_finite: grouped.iter().filter(|v| !v.is_finite()).count(),
-            cpu_rel_err: cpu_rel_err(&w_host, &x_host, &grouped, *self),
+            cpu_rel_err: cpu_rel_err(&checked, &x_host, &grouped, *self),
             grouped_us,
             solo_us,
             passes: vectors.div_ceil(group_of(cols)),
@@ -163,18 +167,16 @@ impl BatchGemv {
     }
 }
 
-/// The relative error of `y` against f64 products over [`CPU_ROWS`] rows spread over the matrix, for
-/// every vector.
-fn cpu_rel_err(w: &[bf16], x: &[bf16], y: &[f32], shape: BatchGemv) -> Option<f64> {
+/// The relative error of `y` against f64 products over the `checked` rows (index, elements) of the
+/// matrix, for every vector.
+fn cpu_rel_err(checked: &[(usize, Vec<bf16>)], x: &[bf16], y: &[f32], shape: BatchGemv) -> Option<f64> {
     let BatchGemv { rows, cols, vectors } = shape;
     let (mut got, mut want) = (Vec::new(), Vec::new());
-    for k in 0..CPU_ROWS.min(rows) {
-        let r = k * rows / CPU_ROWS.min(rows);
+    for (r, row) in checked {
         for b in 0..vectors {
-            let row = &w[r * cols..(r + 1) * cols];
             let input = &x[b * cols..(b + 1) * cols];
             want.push(row.iter().zip(input).map(|(a, c)| a.to_f64() * c.to_f64()).sum::<f64>() as f32);
-            got.push(y[b * rows + r]);
+            got.push(y[b * rows + *r]);
         }
     }
     spec::gates::rel_err(&got, &want)
@@ -222,10 +224,11 @@ mod tests {
                 (0..8).map(|c| w[r * 8 + c].to_f32() * x[b * 8 + c].to_f32()).sum()
             })
             .collect();
-        assert!(cpu_rel_err(&w, &x, &y, shape).unwrap() <= CPU_TOL);
+        let checked: Vec<_> = (0..4).map(|r| (r, w[r * 8..(r + 1) * 8].to_vec())).collect();
+        assert!(cpu_rel_err(&checked, &x, &y, shape).unwrap() <= CPU_TOL);
         y[5] += 0.5;
-        assert!(cpu_rel_err(&w, &x, &y, shape).unwrap() > CPU_TOL);
+        assert!(cpu_rel_err(&checked, &x, &y, shape).unwrap() > CPU_TOL);
         y[5] = f32::NAN;
-        assert_eq!(cpu_rel_err(&w, &x, &y, shape), None);
+        assert_eq!(cpu_rel_err(&checked, &x, &y, shape), None);
     }
 }

@@ -42,6 +42,12 @@ pub const GATHER: &str = "gather_rows_u4";
 /// the reductions' scratch), rounded up: the LM head's partials take what is left.
 const STATIC_SMEM_ALLOWANCE: usize = 1024;
 
+/// Rows of partials (WARPS f32 each) the shared memory holds beside the ring and the static variables.
+fn partial_rows_room(dev: &Device) -> usize {
+    (dev.facts().max_smem_optin_bytes.max(0) as usize).saturating_sub(RING_BYTES as usize + STATIC_SMEM_ALLOWANCE)
+        / (WARPS as usize * 4)
+}
+
 /// Threads per block of the packing gather.
 pub const GATHER_BLOCK: u32 = 256;
 
@@ -734,9 +740,7 @@ impl Submission for Megakernel {
             .unwrap_or(0);
         // A model's LM head streams its rows through the partials a chunk at a time: a block's whole
         // share where the shared memory holds it.
-        let most_rows = (dev.facts().max_smem_optin_bytes.max(0) as usize)
-            .saturating_sub(RING_BYTES as usize + STATIC_SMEM_ALLOWANCE)
-            / (WARPS as usize * 4);
+        let most_rows = partial_rows_room(dev);
         let head_rows = self.head_vocab.map(|vocab| vocab.div_ceil(grid as usize).min(most_rows).max(1));
         let qkv_rows = if self.qk_norm { qkv_head_rows(&rows, cfg.hd) } else { 0 };
         let red_rows = layer_rows.max(head_rows.unwrap_or(0)).max(qkv_rows);
