@@ -181,6 +181,10 @@ __device__ inline BlockSet blocks_of(const int64_t* row) {
 struct OpRow {
     const int64_t* words;
     const int64_t* table;
+    // Byte offsets of the lane a batch step runs the row for (run_batch), zero elsewhere: `act` to every
+    // activation buffer the row names (each lane has its own arena of them), `cache` to the caches (each
+    // sequence its own; zero for the positions of one prompt's chunk).
+    int64_t act, cache;
     __device__ int64_t operator[](int i) const { return words[i]; }
 };
 __device__ inline BlockSet blocks_of(const OpRow& op) { return blocks_of(op.words); }
@@ -189,6 +193,15 @@ __device__ inline BlockSet blocks_of(const OpRow& op) { return blocks_of(op.word
 __device__ inline int64_t layer_address(const OpRow& op, int word) {
     return op.table == nullptr ? op[word] : resolve(op[word], op.table);
 }
+// Activation buffer `word` of `op`, for the lane it runs for.
+template <typename T>
+__device__ inline T* act_ptr(const OpRow& op, int word) { return reinterpret_cast<T*>(op[word] + op.act); }
+// An optional activation buffer (a partial sums' operand, 0 where the row has none): null stays null.
+template <typename T>
+__device__ inline T* part_ptr(const OpRow& op, int word) { return reinterpret_cast<T*>(op[word] + (op[word] != 0 ? op.act : 0)); }
+// Cache `word` of `op`'s layer, for the sequence of the lane it runs for.
+template <typename T>
+__device__ inline T* cache_ptr(const OpRow& op, int word) { return reinterpret_cast<T*>(layer_address(op, word) + op.cache); }
 
 // This block's place among the phase's blocks (blocks before `first` wrap to large ranks).
 __device__ inline uint32_t rank(const BlockSet& b) { return (blockIdx.x - b.first) / b.stride; }
@@ -264,7 +277,8 @@ struct Slice {
     uint32_t vpt;   // vectors per thread, ceil(vecs / THREADS)
 };
 
-__device__ inline bool owns(const Slice& s, uint32_t v) { return threadIdx.x + v * THREADS < s.vecs; }
+// Whether thread t's v-th vector of the slice is in the row.
+__device__ inline bool owns(const Slice& s, uint32_t v, uint32_t t = threadIdx.x) { return t + v * THREADS < s.vecs; }
 
 // This block's rows of a GEMV with `rows` rows run by `set`: an even share, in whole units of `unit`
 // rows (pairs; or a Qkv phase's whole heads where the layer has q/k norms, qkv_unit).
@@ -491,7 +505,7 @@ struct RowStream {
         constexpr uint32_t N = R * G;
         const uint32_t t = threadIdx.x % (THREADS / slices), sub = threadIdx.x / (THREADS / slices), lane = threadIdx.x % WARP;
         const uint32_t warp = t / WARP, mask = scatter_mask<N>(), per_slice = STAGE_ROWS / slices;
-        if (n * G > part.rows || live > G || per_slice % R != 0) __trap();  // the caller sizes these
+        if (n * live > part.rows || live > G || per_slice % R != 0) __trap();  // the caller sizes these
         for (uint32_t st = 0; st < nstages; ++st) {
             const uint4* slot = next_stage(ring, st);
             const uint32_t count = stage_count(st), pairs = stage_pairs(count);
@@ -541,6 +555,59 @@ __device__ void with_stream(const bf16* w, uint32_t cols, uint32_t r0, uint32_t 
     }
 }
 
+// Vectors one stream serves at most: a batch's sequences, or a prompt chunk's positions.
+constexpr uint32_t MAX_BATCH = 8;
+// Vectors a thread holds at once for rows of VPT vectors per thread: MAX_BATCH 16-byte vectors of
+// input, widened to 64 f32 registers; the whole batch at VPT 1 (rows up to 4096). A batch larger
+// than its group takes a pass over the weights per group.
+template <uint32_t VPT>
+__host__ __device__ constexpr uint32_t group_of() { return VPT >= MAX_BATCH ? 1 : MAX_BATCH / VPT; }
+
+// Slices of the block that run a stage's rows side by side (RowStream::run_group): for rows of at most
+// THREADS vectors, as many as leave each slice the warps run() has with columns (a power of two), at
+// most a stage's rows; else one.
+__device__ inline uint32_t row_slices(uint32_t vecs, uint32_t stage_rows) {
+    if (vecs > THREADS) return 1;
+    uint32_t warps = 1;
+    while (warps * WARP < vecs) warps *= 2;
+    return min(WARPS / warps, stage_rows);
+}
+
+// A group's inputs for RowStream::run_group<G, R>, widened once: h[p] holds vector p ^ (scatter_mask<R
+// G>() % G) as thread t holds it (input(g, t), a Slice, for g < live; zero past live). Each thread loads
+// its own order of vectors from memory, so that every place of h is a register the compiler names.
+template <uint32_t VPT, uint32_t G, uint32_t R, typename In>
+__device__ inline void group_inputs(float (&h)[G][VPT][VEC], uint32_t live, uint32_t t, In input) {
+    const uint32_t order = scatter_mask<R * G>() % G;
+#pragma unroll
+    for (uint32_t p = 0; p < G; ++p) {
+        const uint32_t g = p ^ order;
+        const Slice s = g < live ? input(g, t) : Slice{};
+#pragma unroll
+        for (uint32_t v = 0; v < VPT; ++v) widen8(g < live ? s.h[v] : make_uint4(0, 0, 0, 0), h[p][v]);
+    }
+}
+
+// Calls f(PerSum<R>{}) for run_group's rows per reduce_scatter R: two where each slice has an even
+// number of a stage's rows, else one.
+template <uint32_t R>
+struct PerSum {
+    static constexpr uint32_t value = R;
+};
+template <uint32_t STAGE_ROWS, typename F>
+__device__ void with_rows_per_sum(uint32_t slices, F f) {
+    if constexpr (STAGE_ROWS % 2 == 0) {
+        if ((STAGE_ROWS / slices) % 2 == 0) return f(PerSum<2>{});
+    }
+    f(PerSum<1>{});
+}
+
+// Zeroes the row partials: the warps a slice of run_group leaves without columns never write theirs,
+// which must read +0.0 as run()'s column-less warps write them. Call after every read of them before.
+__device__ inline void zero_partials(const Partials& part) {
+    for (uint32_t i = threadIdx.x; i < part.rows * WARPS; i += THREADS) part.red[i] = 0.0f;
+}
+
 // The GEMV of a phase: matrix, row length and rows, as the program row names them.
 struct Gemv {
     const bf16* w;
@@ -583,13 +650,27 @@ __device__ inline uint32_t qkv_unit(const OpRow& op, const bf16* qk_norms) {
     return op[0] == OP_QKV && qk_norms != nullptr ? (uint32_t)op[qkv::Hd] : 2;
 }
 
-__device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_norms) {
+// Lanes of a batch step's group (lanes_gemv): as many as the group holds (G, group_of) and the
+// partials fit for a unit of rows each; at least one where the launcher sized the partials.
+__device__ inline uint32_t lanes_per_group(uint32_t G, uint32_t unit, uint32_t part_rows) { return min(G, part_rows / unit); }
+// Rows of a chunk of a group of `live` lanes: as many whole units as their partials fit.
+__device__ inline uint32_t chunk_rows(uint32_t live, uint32_t unit, uint32_t part_rows) { return part_rows / live / unit * unit; }
+
+// For a batch step of `lanes` lanes (0: a decode step) with partials of `part_rows` rows, the first
+// stream is its first group's first chunk (lanes_gemv); a decode step's is the block's rows.
+__device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_norms, uint32_t lanes = 0, uint32_t part_rows = 0) {
     Gemv g;
     if (!gemv_of(op, g)) return;
     if (threadIdx.x == 0) set_row_source(op);
+    const uint32_t unit = qkv_unit(op, qk_norms);
     uint32_t r0, r1;
-    block_rows(g.rows, blocks_of(op), r0, r1, qkv_unit(op, qk_norms));
-    with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) { stream.prime(ring); });
+    block_rows(g.rows, blocks_of(op), r0, r1, unit);
+    with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) {
+        if (lanes == 0) return stream.prime(ring);
+        using Stream = decltype(stream);
+        const uint32_t live = max(1u, min(lanes_per_group(group_of<Stream::VECS_PER_THREAD>(), unit, part_rows), lanes));
+        Stream(g.w, stream.vecs, r0, min(r1, r0 + chunk_rows(live, unit, part_rows)), g.in_place).prime(ring);
+    });
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit).
@@ -616,27 +697,38 @@ __device__ inline float row_sum(const float* red, uint32_t r) {
     return total;
 }
 
-// A slice of a vector in global memory written earlier in this launch.
-__device__ inline Slice load_slice(const bf16* v, uint32_t len) {
+// A slice of a vector in global memory written earlier in this launch, as thread t holds it (t is this
+// thread but where a batch's rows run side by side: RowStream::run_group).
+__device__ inline Slice load_slice(const bf16* v, uint32_t len, uint32_t t = threadIdx.x) {
     Slice s;
     s.vecs = len / VEC;
     s.vpt = (s.vecs + THREADS - 1) / THREADS;
 #pragma unroll
-    for (uint32_t j = 0; j < MAX_VPT; ++j) s.h[j] = owns(s, j) ? load_cg(v, threadIdx.x + j * THREADS) : make_uint4(0, 0, 0, 0);
+    for (uint32_t j = 0; j < MAX_VPT; ++j) s.h[j] = owns(s, j, t) ? load_cg(v, t + j * THREADS) : make_uint4(0, 0, 0, 0);
     return s;
 }
 
-// rmsnorm(x, g) as a slice: every block computes the same sum of squares in the same order.
-__device__ inline Slice rmsnorm_slice(const bf16* x, const bf16* g, uint32_t d, float eps) {
-    Slice s = load_slice(x, d);
+// The inverse root of the mean square of the block's slice of x (d elements), in every thread: every
+// block computes the same sum in the same order.
+__device__ inline float slice_inv_rms(const Slice& s, uint32_t d, float eps) {
     float acc = 0.0f;
 #pragma unroll
     for (uint32_t j = 0; j < MAX_VPT; ++j) acc = sumsq8(s.h[j], acc);  // zero vectors add nothing
-    const float r = inv_rms(__fdiv_rn(block_reduce(acc, Add{}), (float)d), eps);
+    return inv_rms(__fdiv_rn(block_reduce(acc, Add{}), (float)d), eps);
+}
+
+// The slice s of thread t scaled by r and the norm's weights g.
+__device__ inline void scale_slice(Slice& s, const bf16* g, float r, uint32_t t = threadIdx.x) {
 #pragma unroll
     for (uint32_t j = 0; j < MAX_VPT; ++j) {
-        if (owns(s, j)) s.h[j] = rms_scale8(s.h[j], __ldg(reinterpret_cast<const uint4*>(g) + threadIdx.x + j * THREADS), r);
+        if (owns(s, j, t)) s.h[j] = rms_scale8(s.h[j], __ldg(reinterpret_cast<const uint4*>(g) + t + j * THREADS), r);
     }
+}
+
+// rmsnorm(x, g) as a slice.
+__device__ inline Slice rmsnorm_slice(const bf16* x, const bf16* g, uint32_t d, float eps) {
+    Slice s = load_slice(x, d);
+    scale_slice(s, g, slice_inv_rms(s, d, eps));
     return s;
 }
 
@@ -651,60 +743,74 @@ __device__ inline float preload(const bf16* v, uint32_t n) { return threadIdx.x 
 // Phases
 // ---------------------------------------------------------------------------------------------------
 
-// h = rmsnorm(x); [q|k|v] = W h over pair-interleaved rows; rope q and k; append k and v at pos.
-__device__ void phase_qkv(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
-    const uint32_t d = (uint32_t)op[qkv::D], n_q = (uint32_t)op[qkv::NQ], n_kv = (uint32_t)op[qkv::NKv];
-    const uint32_t hd = (uint32_t)op[qkv::Hd], max_seq = (uint32_t)op[qkv::MaxSeq], half = hd / 2;
-    const float eps = __int_as_float((int)op[qkv::EpsBits]);
-    bf16* q_out = reinterpret_cast<bf16*>(op[qkv::QOut]);
-    bf16* k_cache = reinterpret_cast<bf16*>(layer_address(op, qkv::KCache));
-    bf16* v_cache = reinterpret_cast<bf16*>(layer_address(op, qkv::VCache));
-    const float* cos_row = reinterpret_cast<const float*>(op[qkv::Cos]) + (size_t)pos * half;
-    const float* sin_row = reinterpret_cast<const float*>(op[qkv::Sin]) + (size_t)pos * half;
+// Where a Qkv phase's epilogue writes for position pos (the lane's q and its sequence's caches), and
+// the rows of cos and sin it rotates by; resolved before the stream, as the phase's first loads.
+struct QkvOut {
+    bf16 *q, *k_cache, *v_cache;
+    const float *cos_row, *sin_row;
+};
+__device__ inline QkvOut qkv_out(const OpRow& op, uint32_t pos) {
+    const uint32_t half = (uint32_t)op[qkv::Hd] / 2;
+    return {act_ptr<bf16>(op, qkv::QOut), cache_ptr<bf16>(op, qkv::KCache), cache_ptr<bf16>(op, qkv::VCache),
+            reinterpret_cast<const float*>(op[qkv::Cos]) + (size_t)pos * half, reinterpret_cast<const float*>(op[qkv::Sin]) + (size_t)pos * half};
+}
 
-    // Pair p of the packed matrix is (row i, row i + hd/2) of one head: q heads, then k, then v.
-    const uint32_t q_pairs = n_q * half, k_pairs = n_kv * half;
+// The RoPE factors of this thread's first pair of a Qkv phase's rows [r0, r1), loaded before the
+// stream (see preload); zero for a thread without pairs or whose first pair is v's.
+struct RopeFirst {
+    float cos, sin;
+};
+__device__ inline RopeFirst rope_first(const OpRow& op, const QkvOut& out, uint32_t r0, uint32_t r1) {
+    const uint32_t half = (uint32_t)op[qkv::Hd] / 2, q_pairs = (uint32_t)op[qkv::NQ] * half, k_pairs = (uint32_t)op[qkv::NKv] * half;
     const auto rope_index = [&](uint32_t gp) { return (gp < q_pairs ? gp : gp - q_pairs) % half; };
-    uint32_t r0, r1;
-    gemv_rows(op, r0, r1);
-    // The rope factors of this thread's first pair, loaded before the stream (see preload).
-    float first_cos = 0.0f, first_sin = 0.0f;
+    RopeFirst first{0.0f, 0.0f};
     if (threadIdx.x < (r1 - r0) / 2 && r0 / 2 + threadIdx.x < q_pairs + k_pairs) {
-        first_cos = cos_row[rope_index(r0 / 2 + threadIdx.x)];
-        first_sin = sin_row[rope_index(r0 / 2 + threadIdx.x)];
+        first.cos = out.cos_row[rope_index(r0 / 2 + threadIdx.x)];
+        first.sin = out.sin_row[rope_index(r0 / 2 + threadIdx.x)];
     }
-    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), d, eps);
-    gemv_phase(op, s, ring, part, r0, r1);
+    return first;
+}
 
+// The end of a Qkv phase: the sums of rows [r0, r1) in `part`, pair p of the packed matrix being
+// (row i, row i + hd/2) of one head (q heads, then k, then v): q's pairs rotated into q, k's rotated
+// into the K cache at pos, v's stored into the V cache at pos.
+__device__ inline void qkv_epilogue(const OpRow& op, uint32_t pos, const QkvOut& out, const Partials& part, uint32_t r0, uint32_t r1, RopeFirst first) {
+    const uint32_t hd = (uint32_t)op[qkv::Hd], max_seq = (uint32_t)op[qkv::MaxSeq], half = hd / 2;
+    const uint32_t q_pairs = (uint32_t)op[qkv::NQ] * half, k_pairs = (uint32_t)op[qkv::NKv] * half;
     for (uint32_t p = threadIdx.x; p < (r1 - r0) / 2; p += THREADS) {
         const uint32_t gp = r0 / 2 + p;
         const float a = bf(row_sum(part.red, 2 * p)), b = bf(row_sum(part.red, 2 * p + 1));
         if (gp < q_pairs + k_pairs) {
             const bool is_q = gp < q_pairs;
             const uint32_t j = is_q ? gp : gp - q_pairs, head = j / half, i = j % half;
-            bf16* dst = is_q ? q_out + (size_t)head * hd : k_cache + ((size_t)head * max_seq + pos) * hd;
-            const bool first = p == threadIdx.x;
-            rope_pair(a, b, first ? first_cos : cos_row[i], first ? first_sin : sin_row[i], &dst[i], &dst[i + half]);
+            bf16* dst = is_q ? out.q + (size_t)head * hd : out.k_cache + ((size_t)head * max_seq + pos) * hd;
+            const bool at_first = p == threadIdx.x;
+            rope_pair(a, b, at_first ? first.cos : out.cos_row[i], at_first ? first.sin : out.sin_row[i], &dst[i], &dst[i + half]);
         } else {
             const uint32_t j = gp - q_pairs - k_pairs, head = j / half, i = j % half;
-            bf16* dst = v_cache + ((size_t)head * max_seq + pos) * hd;
+            bf16* dst = out.v_cache + ((size_t)head * max_seq + pos) * hd;
             dst[i] = __float2bfloat16_rn(a);
             dst[i + half] = __float2bfloat16_rn(b);
         }
     }
 }
 
-// Qkv of a layer with Qwen3's per-head q/k norms (`norms`: q's hd weights, then k's): as phase_qkv,
-// each block with whole heads (qkv_unit), q's and k's heads normalised before RoPE. The row sums as
-// rounded and each head's inverse root go to the ring's shared memory (free: the stream is done); each
-// pair is then scaled as the layer's norms scale (rms_scale) and rotated; v's heads are stored as they
-// are. Everything after the stream is read again from the row, so that no register holds it across.
-__device__ void phase_qkv_normed(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part, const bf16* norms) {
+// h = rmsnorm(x); [q|k|v] = W h over pair-interleaved rows; rope q and k; append k and v at pos.
+__device__ void phase_qkv(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
+    const uint32_t d = (uint32_t)op[qkv::D];
+    const float eps = __int_as_float((int)op[qkv::EpsBits]);
+    const QkvOut out = qkv_out(op, pos);
     uint32_t r0, r1;
-    gemv_rows(op, r0, r1, norms);
-    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), (uint32_t)op[qkv::D], __int_as_float((int)op[qkv::EpsBits]));
+    gemv_rows(op, r0, r1);
+    const RopeFirst first = rope_first(op, out, r0, r1);
+    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), d, eps);
     gemv_phase(op, s, ring, part, r0, r1);
+    qkv_epilogue(op, pos, out, part, r0, r1, first);
+}
 
+// The end of phase_qkv_normed: the sums of rows [r0, r1) in `part`, the ring's shared memory as
+// scratch (the stream is done).
+__device__ void qkv_normed_epilogue(const OpRow& op, uint32_t pos, const Ring& ring, const Partials& part, const bf16* norms, uint32_t r0, uint32_t r1) {
     const uint32_t hd = (uint32_t)op[qkv::Hd], half = hd / 2, max_seq = (uint32_t)op[qkv::MaxSeq], n = r1 - r0;
     const uint32_t q_pairs = (uint32_t)op[qkv::NQ] * half, k_pairs = (uint32_t)op[qkv::NKv] * half;
     const uint32_t warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -726,7 +832,7 @@ __device__ void phase_qkv_normed(const OpRow& op, const bf16* x, uint32_t pos, R
         const float a = vals[2 * p], b = vals[2 * p + 1];
         if (gp >= q_pairs + k_pairs) {
             const uint32_t j = gp - q_pairs - k_pairs, head = j / half, i = j % half;
-            bf16* dst = reinterpret_cast<bf16*>(layer_address(op, qkv::VCache)) + ((size_t)head * max_seq + pos) * hd;
+            bf16* dst = cache_ptr<bf16>(op, qkv::VCache) + ((size_t)head * max_seq + pos) * hd;
             dst[i] = __float2bfloat16_rn(a);
             dst[i + half] = __float2bfloat16_rn(b);
             continue;
@@ -735,11 +841,23 @@ __device__ void phase_qkv_normed(const OpRow& op, const bf16* x, uint32_t pos, R
         const uint32_t j = is_q ? gp : gp - q_pairs, head = j / half, i = j % half;
         const bf16* g = norms + (is_q ? 0 : hd);
         const float r = inv[p / half];  // the block's heads start at its first row
-        bf16* dst = is_q ? reinterpret_cast<bf16*>(op[qkv::QOut]) + (size_t)head * hd
-                         : reinterpret_cast<bf16*>(layer_address(op, qkv::KCache)) + ((size_t)head * max_seq + pos) * hd;
+        bf16* dst = is_q ? act_ptr<bf16>(op, qkv::QOut) + (size_t)head * hd : cache_ptr<bf16>(op, qkv::KCache) + ((size_t)head * max_seq + pos) * hd;
         rope_pair(__bfloat162float(rms_scale(a, r, __bfloat162float(g[i]))), __bfloat162float(rms_scale(b, r, __bfloat162float(g[i + half]))),
                   cos_row[i], sin_row[i], &dst[i], &dst[i + half]);
     }
+}
+
+// Qkv of a layer with Qwen3's per-head q/k norms (`norms`: q's hd weights, then k's): as phase_qkv,
+// each block with whole heads (qkv_unit), q's and k's heads normalised before RoPE. The row sums as
+// rounded and each head's inverse root go to the ring's shared memory (free: the stream is done); each
+// pair is then scaled as the layer's norms scale (rms_scale) and rotated; v's heads are stored as they
+// are. Everything after the stream is read again from the row, so that no register holds it across.
+__device__ void phase_qkv_normed(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part, const bf16* norms) {
+    uint32_t r0, r1;
+    gemv_rows(op, r0, r1, norms);
+    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), (uint32_t)op[qkv::D], __int_as_float((int)op[qkv::EpsBits]));
+    gemv_phase(op, s, ring, part, r0, r1);
+    qkv_normed_epilogue(op, pos, ring, part, norms, r0, r1);
 }
 
 // A team of TEAM_THREADS threads of the block, synchronised by its own named barrier.
@@ -840,14 +958,18 @@ __device__ void combine(const Team& team, uint32_t kv, uint32_t n_splits, uint32
 struct AttnItems {
     BlockSet set;
     uint32_t chunk, n_chunks, span, splits, count;
-    __device__ AttnItems(const OpRow& op, uint32_t pos) : set(blocks_of(op)), chunk((uint32_t)op[attn::Chunk]), n_chunks(pos / chunk + 1) {
+    // The team of the phase that takes item 0 (a batch step's later lanes run beside the first's).
+    uint32_t base;
+    __device__ AttnItems(const OpRow& op, uint32_t pos, uint32_t base_ = 0)
+        : set(blocks_of(op)), chunk((uint32_t)op[attn::Chunk]), n_chunks(pos / chunk + 1), base(base_) {
         const uint32_t n_kv = (uint32_t)op[attn::NKv], teams = set.count * TEAMS;
         const uint32_t most = n_kv >= teams ? 1 : min(min(teams / n_kv, ATTN_MAX_SPLITS), n_chunks);
         span = (n_chunks + most - 1) / most;
         splits = (n_chunks + span - 1) / span;
         count = n_kv * splits;
     }
-    __device__ uint32_t first(const Team& team) const { return rank(set) * TEAMS + team.id; }
+    // A team before `base` wraps to an item past count: it has none.
+    __device__ uint32_t first(const Team& team) const { return rank(set) * TEAMS + team.id - base; }
     __device__ uint32_t stride() const { return set.count * TEAMS; }
     // The first slot of item i's split, and its chunks [chunk_begin, chunk_end).
     __device__ uint32_t chunk_begin(uint32_t i) const { return i % splits * span; }
@@ -884,8 +1006,8 @@ struct AttnSmem {
 constexpr uint32_t NO_ROW = UINT32_MAX;
 __device__ void load_chunk(const Team& team, const OpRow& op, const AttnSmem& sm, uint32_t b, uint32_t kv, uint32_t first,
                            uint32_t len, uint32_t chunk, uint32_t skip) {
-    const bf16* k_cache = reinterpret_cast<const bf16*>(layer_address(op, attn::KCache));
-    const bf16* v_cache = reinterpret_cast<const bf16*>(layer_address(op, attn::VCache));
+    const bf16* k_cache = cache_ptr<const bf16>(op, attn::KCache);
+    const bf16* v_cache = cache_ptr<const bf16>(op, attn::VCache);
     const uint32_t hd = (uint32_t)op[attn::Hd], row_vecs = hd / VEC, row = hd + KS_PAD;
     const size_t at = ((size_t)kv * (uint32_t)op[attn::MaxSeq] + first) * hd;
     for (uint32_t i = team.t; i < chunk * row_vecs; i += TEAM_THREADS) {
@@ -938,17 +1060,17 @@ __device__ void prime_inputs(const OpRow& op, const Ring& ring, uint32_t pos, co
 // chunks (flash-decoding); then, with one split per head, the output, and with several, the combine
 // of the head's partials into a (see AttnItems). Each KV chunk is loaded once for all of its query
 // heads, the next chunk's copies in flight while this one is scored (chunk c0 + i of an item in buffer
-// i % ATTN_BUFFERS). The block ran prime_attention for this phase (prime_inputs), so each team's first
-// item's first chunks lack only the row at pos.
-__device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem) {
-    const bf16* q = reinterpret_cast<const bf16*>(op[attn::Q]);
-    float* part_o = reinterpret_cast<float*>(op[attn::PartO]);
-    float* part_ml = reinterpret_cast<float*>(op[attn::PartMl]);
-    unsigned* counters = reinterpret_cast<unsigned*>(op[attn::Counters]);
-    bf16* a_out = reinterpret_cast<bf16*>(op[attn::AOut]);
+// i % ATTN_BUFFERS). Where the block ran prime_attention for this phase and lane (`primed`: always but for
+// a batch step's later lanes), each team's first item's first chunks lack only the row at pos.
+__device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem, bool primed_first, uint32_t team_base = 0) {
+    const bf16* q = act_ptr<const bf16>(op, attn::Q);
+    float* part_o = act_ptr<float>(op, attn::PartO);
+    float* part_ml = act_ptr<float>(op, attn::PartMl);
+    unsigned* counters = act_ptr<unsigned>(op, attn::Counters);
+    bf16* a_out = act_ptr<bf16>(op, attn::AOut);
     const uint32_t n_q = (uint32_t)op[attn::NQ], n_kv = (uint32_t)op[attn::NKv], hd = (uint32_t)op[attn::Hd];
     const uint32_t max_seq = (uint32_t)op[attn::MaxSeq], group = n_q / n_kv, per_head = group * hd;
-    const AttnItems items(op, pos);
+    const AttnItems items(op, pos, team_base);
     const uint32_t chunk = items.chunk, splits = items.splits;
     // The partials' room per head: as many splits as the deepest slot can need (lib.rs allocates it).
     const uint32_t max_splits = min((max_seq + chunk - 1) / chunk, ATTN_MAX_SPLITS);
@@ -967,7 +1089,7 @@ __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem) {
     for (uint32_t item = items.first(team); item < items.count; item += items.stride()) {
         const uint32_t kv = item / splits, split = item % splits;
         const uint32_t c0 = items.chunk_begin(item), c1 = items.chunk_end(item);
-        const bool primed = item == items.first(team);
+        const bool primed = primed_first && item == items.first(team);
         // The queries (and, primed, the row at pos) join the chunk loads' groups: the first chunk's
         // wait is for all of them.
         for (uint32_t i = t; i < group * row_vecs; i += TEAM_THREADS) {
@@ -984,8 +1106,8 @@ __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem) {
                 if (r >= min(chunk, pos + 1 - first)) continue;
                 const size_t at = ((size_t)kv * max_seq + pos) * row_vecs;
                 for (uint32_t i = t; i < row_vecs; i += TEAM_THREADS) {
-                    cp_async16(reinterpret_cast<uint4*>(sm.ks(c - c0) + r * row) + i, reinterpret_cast<const uint4*>(layer_address(op, attn::KCache)) + at + i);
-                    cp_async16(reinterpret_cast<uint4*>(sm.vs(c - c0) + r * row) + i, reinterpret_cast<const uint4*>(layer_address(op, attn::VCache)) + at + i);
+                    cp_async16(reinterpret_cast<uint4*>(sm.ks(c - c0) + r * row) + i, cache_ptr<const uint4>(op, attn::KCache) + at + i);
+                    cp_async16(reinterpret_cast<uint4*>(sm.vs(c - c0) + r * row) + i, cache_ptr<const uint4>(op, attn::VCache) + at + i);
                 }
             }
             cp_async_commit();
@@ -1169,57 +1291,80 @@ __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem) {
 // go to part_out; or a middle part, whose products are added to part_in's and go to part_out (the same
 // rows of the same buffer, on the same block); or the last, whose products are added to part_in's
 // before rounding. The O projection and Down are this GEMV.
+// Where a residual GEMV's rows [r0, r1) end (see residual_gemv), and this thread's first row's residual
+// and partial sum, loaded before the stream (see preload).
+struct ResidualOut {
+    const bf16* residual;
+    bf16* dst;
+    const float* part_in;
+    float* part_out;
+    float first_res, first_part;
+};
+__device__ inline ResidualOut residual_out(const bf16* residual, bf16* dst, const float* part_in, float* part_out, uint32_t r0, uint32_t r1) {
+    const float first_res = part_out == nullptr ? preload(residual + r0, r1 - r0) : 0.0f;
+    const float first_part = part_in != nullptr && threadIdx.x < r1 - r0 ? __ldcg(part_in + r0 + threadIdx.x) : 0.0f;
+    return {residual, dst, part_in, part_out, first_res, first_part};
+}
+
+// The end of a residual GEMV: the sums of rows [r0, r1) in `part`, added to part_in's where it has one,
+// to part_out, or rounded and added to the residual into dst.
+__device__ inline void residual_epilogue(const ResidualOut& o, const Partials& part, uint32_t r0, uint32_t r1) {
+    for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
+        const bool first = r == threadIdx.x;
+        const float y = row_sum(part.red, r);
+        const float sum = o.part_in == nullptr ? y : __fadd_rn(first ? o.first_part : __ldcg(o.part_in + r0 + r), y);
+        if (o.part_out != nullptr) {
+            o.part_out[r0 + r] = sum;
+            continue;
+        }
+        const float res = first ? o.first_res : __bfloat162float(__ldcg(o.residual + r0 + r));
+        o.dst[r0 + r] = add_round(res, bf(sum));
+    }
+}
+
 __device__ void residual_gemv(const OpRow& op, const bf16* v, uint32_t cols, const bf16* residual, bf16* dst,
                               const float* part_in, float* part_out, Ring& ring, Partials part) {
     uint32_t r0, r1;
     gemv_rows(op, r0, r1);
-    const float first_res = part_out == nullptr ? preload(residual + r0, r1 - r0) : 0.0f;
-    const float first_part = part_in != nullptr && threadIdx.x < r1 - r0 ? __ldcg(part_in + r0 + threadIdx.x) : 0.0f;
+    const ResidualOut o = residual_out(residual, dst, part_in, part_out, r0, r1);
     const Slice s = load_slice(v, cols);
     gemv_phase(op, s, ring, part, r0, r1);
-    for (uint32_t r = threadIdx.x; r < r1 - r0; r += THREADS) {
-        const bool first = r == threadIdx.x;
-        const float y = row_sum(part.red, r);
-        const float sum = part_in == nullptr ? y : __fadd_rn(first ? first_part : __ldcg(part_in + r0 + r), y);
-        if (part_out != nullptr) {
-            part_out[r0 + r] = sum;
-            continue;
-        }
-        const float res = first ? first_res : __bfloat162float(__ldcg(residual + r0 + r));
-        dst[r0 + r] = add_round(res, bf(sum));
-    }
+    residual_epilogue(o, part, r0, r1);
 }
 
 // x1 = x + Wo a over the columns the row names: all of them; or those of the first half of the KV
 // groups (f32 products to PartOut); or those of the second half, added to PartIn's, which the first
 // half's blocks wrote (this phase waits for theirs).
 __device__ void phase_oproj(const OpRow& op, const bf16* x, Ring& ring, Partials part) {
-    residual_gemv(op, reinterpret_cast<const bf16*>(op[oproj::A]), (uint32_t)op[oproj::Cols], x,
-                  reinterpret_cast<bf16*>(op[oproj::X1Out]), reinterpret_cast<const float*>(op[oproj::PartIn]),
-                  reinterpret_cast<float*>(op[oproj::PartOut]), ring, part);
+    residual_gemv(op, act_ptr<const bf16>(op, oproj::A), (uint32_t)op[oproj::Cols], x, act_ptr<bf16>(op, oproj::X1Out),
+                  part_ptr<const float>(op, oproj::PartIn), part_ptr<float>(op, oproj::PartOut), ring, part);
+}
+
+// The end of a GateUp phase: act = silu(gate) * up from the sums of rows [r0, r1) in `part`.
+__device__ inline void gateup_epilogue(bf16* act, const Partials& part, uint32_t r0, uint32_t r1) {
+    for (uint32_t p = threadIdx.x; p < (r1 - r0) / 2; p += THREADS) {
+        act[r0 / 2 + p] = silu_mul(bf(row_sum(part.red, 2 * p)), bf(row_sum(part.red, 2 * p + 1)));
+    }
 }
 
 // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2) over gate/up-interleaved rows.
 __device__ void phase_gateup(const OpRow& op, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[gateup::D];
     const float eps = __int_as_float((int)op[gateup::EpsBits]);
-    bf16* act = reinterpret_cast<bf16*>(op[gateup::ActOut]);
-    const Slice s = rmsnorm_slice(reinterpret_cast<const bf16*>(op[gateup::X1]), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, eps);
+    bf16* act = act_ptr<bf16>(op, gateup::ActOut);
+    const Slice s = rmsnorm_slice(act_ptr<const bf16>(op, gateup::X1), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, eps);
     uint32_t r0, r1;
     gemv_rows(op, r0, r1);
     gemv_phase(op, s, ring, part, r0, r1);
-    for (uint32_t p = threadIdx.x; p < (r1 - r0) / 2; p += THREADS) {
-        act[r0 / 2 + p] = silu_mul(bf(row_sum(part.red, 2 * p)), bf(row_sum(part.red, 2 * p + 1)));
-    }
+    gateup_epilogue(act, part, r0, r1);
 }
 
 // out = x1 + Wd act over the columns of act the row names: all of them; or a part of them (f32 products
 // to PartOut, added to PartIn's where the row names them; the last part rounds). Every part runs on the
 // same blocks with the same rows, so a block adds the partials it wrote itself: program order, no wait.
 __device__ void phase_down(const OpRow& op, bf16* out, Ring& ring, Partials part) {
-    residual_gemv(op, reinterpret_cast<const bf16*>(op[down::Act]), (uint32_t)op[down::Cols],
-                  reinterpret_cast<const bf16*>(op[down::X1]), out, reinterpret_cast<const float*>(op[down::PartIn]),
-                  reinterpret_cast<float*>(op[down::PartOut]), ring, part);
+    residual_gemv(op, act_ptr<const bf16>(op, down::Act), (uint32_t)op[down::Cols], act_ptr<const bf16>(op, down::X1), out,
+                  part_ptr<const float>(op, down::PartIn), part_ptr<float>(op, down::PartOut), ring, part);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1254,7 +1399,7 @@ struct Walk {
     uint32_t phases, layers;
     __device__ const int64_t* row(uint32_t f) const { return program.words + (size_t)(f % phases) * PROGRAM_ROW_WORDS; }
     // Phase f's row for its layer (one layer: the rows hold its addresses, no table).
-    __device__ OpRow op(uint32_t f) const { return OpRow{row(f), TABLES == 1 ? nullptr : program.tables[f / phases]}; }
+    __device__ OpRow op(uint32_t f) const { return OpRow{row(f), TABLES == 1 ? nullptr : program.tables[f / phases], 0, 0}; }
     // The first phase in [f, end) that this block runs (end if none).
     __device__ uint32_t next_own(uint32_t f, uint32_t end) const {
         while (f < end && !runs(blocks_of(row(f)))) ++f;
@@ -1331,7 +1476,7 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
             if (model != nullptr && model->qk_norms[l] != nullptr) phase_qkv_normed(op, x_l, io.pos, ring, part, model->qk_norms[l]);
             else phase_qkv(op, x_l, io.pos, ring, part);
             break;
-        case OP_ATTENTION: phase_attention(op, io.pos, ring.data); break;
+        case OP_ATTENTION: phase_attention(op, io.pos, ring.data, true); break;
         case OP_O_PROJ: phase_oproj(op, x_l, ring, part); break;
         case OP_GATE_UP: phase_gateup(op, ring, part); break;
         case OP_DOWN: phase_down(op, out_l, ring, part); break;
@@ -1549,6 +1694,336 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
 }
 
 // ---------------------------------------------------------------------------------------------------
+// A batch step: up to MAX_BATCH lanes (the sequences of a batch, or the positions of one prompt's
+// chunk) through one step of the model, the weights streamed once per group of lanes, each lane's
+// values bitwise those of its own decode step
+// ---------------------------------------------------------------------------------------------------
+
+// A batch step's own arguments (mirrored by BatchArgs in megakernel/src/model/gpu.rs). Lane b decodes
+// token[b] at position pos[b] of sequence seq[b]: its activation buffers are lane 0's (the program's)
+// plus b act_stride bytes, its caches sequence 0's plus seq[b] cache_stride bytes. Lanes of one sequence
+// hold consecutive positions in lane order (a chunk of its prompt): a lane's attention reads what the
+// lanes before it wrote in the same Qkv phase, which every block has finished first.
+struct BatchArgs {
+    int64_t act_stride;
+    int64_t cache_stride;
+    int32_t* next;  // (lanes): each lane's greedy token, -1 when every logit was NaN
+    uint32_t lanes;
+    uint32_t token[MAX_BATCH];
+    uint32_t pos[MAX_BATCH];
+    uint32_t seq[MAX_BATCH];
+};
+constexpr uint32_t BATCH_ARGS_BYTES = 3 * 8 + 4 + 3 * MAX_BATCH * 4 + 4;
+static_assert(sizeof(BatchArgs) == BATCH_ARGS_BYTES, "BatchArgs must have the layout megakernel/src/model/gpu.rs gives it");
+
+// `op` as it runs for lane b.
+__device__ inline OpRow lane_op(OpRow op, const BatchArgs& ba, uint32_t b) {
+    op.act = (int64_t)b * ba.act_stride;
+    op.cache = (int64_t)ba.seq[b] * ba.cache_stride;
+    return op;
+}
+
+// Where lane b's layers read and write: layer 0 reads its token's embedding row, layer l > 0 the lane's
+// row l - 1 of hidden; the last layer writes the lane's row of out, the others their row of hidden.
+struct BatchIo {
+    const bf16* embed;
+    bf16* out;     // (lanes, d)
+    bf16* hidden;  // (lanes, layers - 1, d)
+    uint32_t d, layers;
+    __device__ const bf16* x(const BatchArgs& ba, uint32_t b, uint32_t l) const {
+        return l == 0 ? embed + (size_t)ba.token[b] * d : hidden + ((size_t)b * (layers - 1) + l - 1) * d;
+    }
+    __device__ bf16* y(uint32_t b, uint32_t l) const { return l + 1 == layers ? out + (size_t)b * d : hidden + ((size_t)b * (layers - 1) + l) * d; }
+};
+
+// Each lane's inverse root for its norm (lane_norms), in shared memory: a thread's group holds the lanes
+// in its own order (group_inputs). And each lane's warp partials of its sum of squares, one array for
+// every caller (declared in the template, each instance would have its own).
+__shared__ float lane_inv_rms[MAX_BATCH];
+__shared__ float lane_sums[MAX_BATCH][WARPS];
+
+// Every lane's inverse root of the mean square of x(b) (d elements) into lane_inv_rms, each sum of
+// squares the one rmsnorm_slice takes (every thread its own vectors, block_reduce's order). Every thread
+// calls it; the caller has finished every read of lane_inv_rms before.
+template <typename X>
+__device__ void lane_norms(uint32_t lanes, uint32_t d, float eps, X x) {
+    const uint32_t warp = threadIdx.x / WARP;
+    // block_reduce's sum for every lane at once: each warp's butterfly, then the warps' partials in warp
+    // order.
+#pragma unroll
+    for (uint32_t b = 0; b < MAX_BATCH; ++b) {
+        if (b >= lanes) break;
+        const Slice s = load_slice(x(b), d);
+        float acc = 0.0f;
+#pragma unroll
+        for (uint32_t j = 0; j < MAX_VPT; ++j) acc = sumsq8(s.h[j], acc);  // zero vectors add nothing
+        acc = warp_reduce(acc, Add{});
+        if (threadIdx.x % WARP == 0) lane_sums[b][warp] = acc;
+    }
+    __syncthreads();  // every lane's warp partials are written
+    if (threadIdx.x < lanes) {
+        float total = lane_sums[threadIdx.x][0];
+        for (uint32_t w = 1; w < WARPS; ++w) total += lane_sums[threadIdx.x][w];
+        lane_inv_rms[threadIdx.x] = inv_rms(__fdiv_rn(total, (float)d), eps);
+    }
+    __syncthreads();  // every lane's root is in shared memory (and the partials read before a later call)
+}
+
+// rmsnorm(x, g) for lane b as thread t holds it (load_slice), its root from lane_norms.
+__device__ inline Slice lane_rmsnorm(const bf16* x, const bf16* g, uint32_t d, uint32_t b, uint32_t t) {
+    Slice s = load_slice(x, d, t);
+    scale_slice(s, g, lane_inv_rms[b], t);
+    return s;
+}
+
+// Lanes [b0, b0 + live) of `all`'s rows through run_group<G, R> in `slices` (row_slices), in streams
+// of `chunk` rows: input(b, t) is lane b's input as thread t holds it (no block-wide step: each thread
+// takes the lanes in its own order), epilogue(b, part, c0, c1) ends lane b's rows [c0, c1) from their
+// partials. The first stream's first stages are in the ring unless `prime_first`.
+template <uint32_t VPT, uint32_t G, uint32_t R, typename In, typename Out>
+__device__ void lanes_group(const RowStream<VPT>& all, uint32_t b0, uint32_t live, uint32_t chunk, uint32_t slices, bool prime_first, Ring& ring, Partials part,
+                            In input, Out epilogue) {
+    float h[G][VPT][VEC];
+    group_inputs<VPT, G, R>(h, live, threadIdx.x % (THREADS / slices), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
+    const uint32_t end = all.r0 + all.n;
+    for (uint32_t c0 = all.r0; c0 < end; c0 += chunk) {
+        const uint32_t c1 = min(c0 + chunk, end);
+        const RowStream<VPT> stream(all.w, all.vecs, c0, c1, all.in_place);
+        // The ring is free: the stream before and its epilogues (Qwen3's uses the ring's memory) ended on
+        // a __syncthreads.
+        if (c0 != all.r0 || prime_first) stream.prime(ring);
+        stream.template run_group<G, R>(h, live, slices, ring, part);
+        for (uint32_t g = 0; g < live; ++g) {
+            epilogue(b0 + g, Partials{part.red + (size_t)g * (c1 - c0) * WARPS, c1 - c0}, c0, c1);
+            // The next lane's epilogue, the next stream and its partials come after every read of these.
+            __syncthreads();
+        }
+    }
+}
+
+// Phase `op`'s GEMV for lanes [0, lanes) over this block's rows [r0, r1) in units of `unit` rows, as
+// lanes_group: the weights streamed once per group of lanes (lanes_per_group), each group's rows in
+// chunks whose partials fit (chunk_rows). The first group's first chunk is in the ring (prime_phase with
+// the lanes); every later stream primes its own.
+template <typename In, typename Out>
+__device__ void lanes_gemv(const OpRow& op, uint32_t lanes, uint32_t unit, uint32_t r0, uint32_t r1, Ring& ring, Partials part, In input, Out epilogue) {
+    Gemv gemv;
+    if (!gemv_of(op, gemv)) __trap();
+    with_stream(gemv.w, gemv.cols, r0, r1, gemv.in_place, [&](auto all) {
+        constexpr uint32_t VPT = decltype(all)::VECS_PER_THREAD, G = group_of<VPT>(), STAGE_ROWS = decltype(all)::STAGE_ROWS;
+        const uint32_t fit = lanes_per_group(G, unit, part.rows), slices = row_slices(all.vecs, STAGE_ROWS);
+        if (fit == 0) __trap();  // the launcher sizes the partials for a unit of rows of every phase
+        if (slices > 1) zero_partials(part);  // the phase before's epilogue ended on a __syncthreads
+        for (uint32_t b0 = 0; b0 < lanes; b0 += fit) {
+            const uint32_t live = min(fit, lanes - b0);
+            with_rows_per_sum<STAGE_ROWS>(slices, [&](auto per_sum) {
+                lanes_group<VPT, G, decltype(per_sum)::value>(all, b0, live, chunk_rows(live, unit, part.rows), slices, b0 > 0, ring, part, input, epilogue);
+            });
+        }
+    });
+}
+
+// A residual GEMV phase (the O projection, Down) for every lane, as residual_gemv for each: lane b's
+// input vector at operand `in` of its row (`cols` long), its residual and destination residual(b) and
+// dst(b), its partial sums at operands part_in and part_out.
+template <typename Res, typename Dst>
+__device__ void batch_residual(const OpRow& op, const BatchArgs& ba, int in, int cols, int part_in, int part_out, Res residual, Dst dst, Ring& ring, Partials part) {
+    uint32_t r0, r1;
+    gemv_rows(op, r0, r1);
+    lanes_gemv(
+        op, ba.lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), in), (uint32_t)op[cols], t); },
+        [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
+            const OpRow lop = lane_op(op, ba, b);
+            residual_epilogue(residual_out(residual(b), dst(b), part_ptr<const float>(lop, part_in), part_ptr<float>(lop, part_out), c0, c1), p, c0, c1);
+        });
+}
+
+// Phase `op` of a batch step for every lane (`l` its layer): the GEMV phases through lanes_gemv, with
+// each lane's input and epilogue those of the decode step's phase; attention lane after lane.
+__device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, const BatchArgs& ba, const BatchIo& io, Ring& ring, Partials part) {
+    const uint32_t lanes = ba.lanes;
+    uint32_t r0, r1;
+    switch (op[0]) {
+        case OP_NOP: break;
+        case OP_QKV: {
+            const bf16* norms = m.qk_norms[l];
+            gemv_rows(op, r0, r1, norms);
+            const uint32_t d = (uint32_t)op[qkv::D];
+            lane_norms(lanes, d, __int_as_float((int)op[qkv::EpsBits]), [&](uint32_t b) { return io.x(ba, b, l); });
+            const auto input = [&](uint32_t b, uint32_t t) { return lane_rmsnorm(io.x(ba, b, l), reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), d, b, t); };
+            const uint32_t unit = qkv_unit(op, norms);
+            if (norms != nullptr) {
+                lanes_gemv(op, lanes, unit, r0, r1, ring, part, input,
+                           [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(lane_op(op, ba, b), ba.pos[b], ring, p, norms, c0, c1); });
+            } else {
+                lanes_gemv(op, lanes, unit, r0, r1, ring, part, input, [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
+                    const OpRow lop = lane_op(op, ba, b);
+                    const QkvOut out = qkv_out(lop, ba.pos[b]);
+                    qkv_epilogue(lop, ba.pos[b], out, p, c0, c1, rope_first(lop, out, c0, c1));
+                });
+            }
+            break;
+        }
+        case OP_ATTENTION: {
+            // Each lane has its own partials and counters, so a team of one lane never meets another
+            // lane's arrivals. Where every lane's items fit the teams, the lanes run side by side, lane b's
+            // items on the teams after the lanes before it (each item its own team, as a head's splits
+            // must all run at once: AttnItems); else lane after lane over all of them. Lane 0's first
+            // chunks were primed (batch_prime) on the teams a decode step gives them either way.
+            uint32_t total = 0;
+            for (uint32_t b = 0; b < lanes; ++b) total += AttnItems(op, ba.pos[b]).count;
+            const bool side_by_side = total <= blocks_of(op).count * TEAMS;
+            for (uint32_t b = 0, base = 0; b < lanes; ++b) {
+                phase_attention(lane_op(op, ba, b), ba.pos[b], ring.data, b == 0, side_by_side ? base : 0);
+                base += AttnItems(op, ba.pos[b]).count;
+            }
+            break;
+        }
+        case OP_O_PROJ:
+            batch_residual(
+                op, ba, oproj::A, oproj::Cols, oproj::PartIn, oproj::PartOut, [&](uint32_t b) { return io.x(ba, b, l); },
+                [&](uint32_t b) { return act_ptr<bf16>(lane_op(op, ba, b), oproj::X1Out); }, ring, part);
+            break;
+        case OP_GATE_UP: {
+            const uint32_t d = (uint32_t)op[gateup::D];
+            const auto x1 = [&](uint32_t b) { return act_ptr<const bf16>(lane_op(op, ba, b), gateup::X1); };
+            lane_norms(lanes, d, __int_as_float((int)op[gateup::EpsBits]), x1);
+            gemv_rows(op, r0, r1);
+            lanes_gemv(
+                op, lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return lane_rmsnorm(x1(b), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, b, t); },
+                [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { gateup_epilogue(act_ptr<bf16>(lane_op(op, ba, b), gateup::ActOut), p, c0, c1); });
+            break;
+        }
+        case OP_DOWN:
+            batch_residual(
+                op, ba, down::Act, down::Cols, down::PartIn, down::PartOut, [&](uint32_t b) { return act_ptr<const bf16>(lane_op(op, ba, b), down::X1); },
+                [&](uint32_t b) { return io.y(b, l); }, ring, part);
+            break;
+        default: __trap();  // an unknown opcode is a broken program
+    }
+}
+
+// Lanes a group of the LM head holds (group_of for rows of d).
+__device__ inline uint32_t head_group(uint32_t d) { return max(1u, MAX_BATCH / ((d / VEC + THREADS - 1) / THREADS)); }
+
+// The LM head's rows [r0, r1) of this block for lanes [b0, b0 + live) through run_group<G, R>: each
+// lane's logits (its row of m.logits) from rmsnorm of its row of out, and its best row into
+// candidates[lane][block]. The rows go through the partials in chunks of part.rows / G, the first one
+// in the ring already, each next one primed while the one before is summed.
+template <uint32_t VPT, uint32_t G, uint32_t R>
+__device__ void head_lanes(const ModelArgs& m, const bf16* out, uint32_t d, uint32_t b0, uint32_t live, uint32_t slices, uint32_t r0, uint32_t r1,
+                           Ring& ring, Partials part) {
+    const uint32_t chunk = part.rows / G, vecs = d / VEC;
+    float h[G][VPT][VEC];
+    group_inputs<VPT, G, R>(h, live, threadIdx.x % (THREADS / slices), [&](uint32_t g, uint32_t t) { return lane_rmsnorm(out + (size_t)(b0 + g) * d, m.final_norm, d, b0 + g, t); });
+    uint64_t best[G] = {};
+    for (uint32_t c0 = r0; c0 < r1; c0 += chunk) {
+        const uint32_t c1 = min(c0 + chunk, r1);
+        RowStream<VPT>(m.head, vecs, c0, c1, false).template run_group<G, R>(h, live, slices, ring, part);
+        // The ring is free: run_group ended on a __syncthreads after its last read of it.
+        if (c1 < r1) RowStream<VPT>(m.head, vecs, c1, min(c1 + chunk, r1), false).prime(ring);
+#pragma unroll
+        for (uint32_t g = 0; g < G; ++g) {
+            if (g >= live) continue;
+            float* logits = m.logits + (size_t)(b0 + g) * m.vocab;
+            for (uint32_t r = threadIdx.x; r < c1 - c0; r += THREADS) {
+                const float v = row_sum(part.red + (size_t)g * (c1 - c0) * WARPS, r);
+                logits[c0 + r] = v;
+                best[g] = max(best[g], logit_key(v, c0 + r));
+            }
+        }
+        __syncthreads();  // every read of the partials comes before the next chunk's stream writes them
+    }
+#pragma unroll
+    for (uint32_t g = 0; g < G; ++g) {
+        if (g >= live) continue;
+        const uint64_t key = block_max_u64(best[g]);
+        if (threadIdx.x == 0) m.candidates[(size_t)(b0 + g) * gridDim.x + blockIdx.x] = key;
+    }
+}
+
+// The LM head for every lane (head_lanes), a group of lanes at a time: the first group's first chunk was
+// primed before the head's wait (prime_head), each later group streams the rows again.
+__device__ void batch_head(const ModelArgs& m, const BatchArgs& ba, const bf16* out, uint32_t d, Ring& ring, Partials part) {
+    uint32_t r0, r1;
+    head_rows(m.vocab, r0, r1);
+    with_stream(m.head, d, r0, r1, false, [&](auto all) {
+        constexpr uint32_t VPT = decltype(all)::VECS_PER_THREAD, G = group_of<VPT>(), STAGE_ROWS = decltype(all)::STAGE_ROWS;
+        const uint32_t slices = row_slices(all.vecs, STAGE_ROWS);
+        if (slices > 1) zero_partials(part);  // the last layer's phases ended on a __syncthreads
+        lane_norms(ba.lanes, d, __int_as_float((int)m.eps_bits), [&](uint32_t b) { return out + (size_t)b * d; });
+        for (uint32_t b0 = 0; b0 < ba.lanes; b0 += G) {
+            // The ring is free: the group before ended on a __syncthreads after its last read of it.
+            if (b0 > 0) RowStream<VPT>(m.head, all.vecs, r0, min(r0 + part.rows / G, r1), false).prime(ring);
+            with_rows_per_sum<STAGE_ROWS>(slices, [&](auto per_sum) {
+                head_lanes<VPT, G, decltype(per_sum)::value>(m, out, d, b0, min(G, ba.lanes - b0), slices, r0, r1, ring, part);
+            });
+        }
+    });
+}
+
+// Block 0: each lane's greedy token, once every block has counted its head phase (the `heads`-th): the
+// maximum of the lane's candidates, as next_token takes it.
+__device__ inline void batch_tokens(const ModelArgs& m, const BatchArgs& ba, const unsigned* phase_done, uint32_t heads) {
+    if (threadIdx.x == 0) {
+        // Acquire: the candidates are read only after every block's count was seen.
+        while ((int)(ld_acquire(&phase_done[HEAD_COUNTER]) - gridDim.x * heads) < 0) __nanosleep(64);
+    }
+    __syncthreads();  // the rest of the block waits for thread 0 to see every count
+    const uint32_t warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    for (uint32_t b = warp; b < ba.lanes; b += WARPS) {
+        uint64_t best = 0;
+        for (uint32_t k = lane; k < gridDim.x; k += WARP) best = max(best, (uint64_t)__ldcg(reinterpret_cast<const unsigned long long*>(m.candidates) + (size_t)b * gridDim.x + k));
+        best = warp_max_u64(best);
+        if (lane == 0) ba.next[b] = best == 0 ? -1 : (int32_t)(UINT32_MAX - (uint32_t)best);
+    }
+}
+
+// Before the wait of phase f of a batch step, what does not depend on the step (as prime_inputs): a GEMV
+// phase's first stream of lanes_gemv, or lane 0's first cached rows for its attention.
+__device__ inline void batch_prime(const Walk<PROGRAM_MAX_LAYERS>& walk, uint32_t f, const ModelArgs& m, const BatchArgs& ba, const Ring& ring, const Partials& part) {
+    const OpRow op = lane_op(walk.op(f), ba, 0);
+    if (op[0] == OP_ATTENTION) prime_attention(op, ba.pos[0], ring.data);
+    else prime_phase(op, ring, m.qk_norms[f / walk.phases], ba.lanes, part.rows);
+}
+
+// One step of every lane of `ba` through the model, in one launch: the stack's phases as run_model runs
+// a position's (each phase for every lane before it counts done), then the head for every lane and,
+// in block 0, each lane's greedy token. The model's positions, tokens, done counts and end-of-sequence
+// tokens are not read: a batch step is one step, its lanes given.
+__device__ __forceinline__ void run_batch(const Program<PROGRAM_MAX_LAYERS>& program, const ModelArgs& m, const BatchArgs& ba, uint32_t phases, uint32_t layers,
+                                          bf16* out, bf16* hidden, uint32_t d, uint32_t step, unsigned* phase_done, uint32_t red_rows) {
+    __shared__ uint64_t full[STAGES];
+    Ring ring = start_ring(full);
+    const Partials part = row_partials(red_rows);
+    // The launcher checks these.
+    if (phases > PROGRAM_MAX_PHASES || layers > PROGRAM_MAX_LAYERS || ba.lanes == 0 || ba.lanes > MAX_BATCH) __trap();
+    for (uint32_t b = 0; b < ba.lanes; ++b) {
+        if (ba.pos[b] >= m.max_seq || ba.token[b] >= m.vocab) __trap();
+    }
+    if (threadIdx.x == 0) trace_row = nullptr;  // a batch step is not traced
+    const Walk<PROGRAM_MAX_LAYERS> walk{program, phases, layers};
+    const BatchIo io{m.embed, out, hidden, d, layers};
+    const uint32_t per_step = phases * layers;
+    uint32_t f = walk.next_own(0, per_step);
+    if (f < per_step) batch_prime(walk, f, m, ba, ring, part);
+    while (f < per_step) {
+        const OpRow op = walk.op(f);
+        wait_for(program.words, (uint64_t)op[ROW_WAITS], phase_done, step, layers, f / phases, f >= phases);
+        batch_phase(op, f / phases, m, ba, io, ring, part);
+        finish_phase(phase_done, f % phases);
+        f = walk.next_own(f + 1, per_step);
+        if (f < per_step) batch_prime(walk, f, m, ba, ring, part);
+    }
+    prime_head(m, d, ring, part.rows / head_group(d));
+    // Every row of the last layer, as the layer before the head: every lane's output is whole.
+    wait_for(program.words, ((1ull << phases) - 1) << PREV_LAYER_WAITS, phase_done, step, layers, layers, true);
+    batch_head(m, ba, out, d, ring, part);
+    finish_phase(phase_done, HEAD_COUNTER);
+    if (blockIdx.x == 0) batch_tokens(m, ba, phase_done, m.heads_before + 1);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Kernels
 // ---------------------------------------------------------------------------------------------------
 
@@ -1581,32 +2056,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(c
     run_model(program, model, phases, layers, out, hidden, d, step, phase_done, red_rows);
 }
 
+// One step of up to MAX_BATCH lanes of a model, in one launch (run_batch).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_batch_bf16(const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program,
+                                                                                     const __grid_constant__ ModelArgs model, const __grid_constant__ BatchArgs batch,
+                                                                                     uint32_t phases, uint32_t layers,
+                                                                                     bf16* __restrict__ out,     /* (lanes, d) */
+                                                                                     bf16* __restrict__ hidden,  /* (lanes, layers - 1, d); null for one layer */
+                                                                                     uint32_t d, uint32_t step,  /* steps run before this launch */
+                                                                                     unsigned* __restrict__ phase_done, /* (PROGRAM_MAX_PHASES + 1) */
+                                                                                     uint32_t red_rows) {
+    run_batch(program, model, batch, phases, layers, out, hidden, d, step, phase_done, red_rows);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Several vectors through one stream (the first piece of batched decode and chunked prefill)
 // ---------------------------------------------------------------------------------------------------
 
-// Vectors one stream serves at most: a batch's sequences, or a prompt chunk's positions.
-constexpr uint32_t MAX_BATCH = 8;
-// Vectors a thread holds at once for rows of VPT vectors per thread: MAX_BATCH 16-byte vectors of
-// input, widened to 64 f32 registers; the whole batch at VPT 1 (rows up to 4096). A batch larger
-// than its group takes a pass over the weights per group.
-template <uint32_t VPT>
-__host__ __device__ constexpr uint32_t group_of() { return VPT >= MAX_BATCH ? 1 : MAX_BATCH / VPT; }
 
 // y[b][r] for this block's rows [c0, c1) of the stream's matrix, from the partials of `live` vectors.
 __device__ inline void store_rows(float* y, uint32_t rows, uint32_t b0, uint32_t live, uint32_t c0, uint32_t c1, const Partials& part) {
     const uint32_t n = c1 - c0;
     for (uint32_t i = threadIdx.x; i < live * n; i += THREADS) y[(size_t)(b0 + i / n) * rows + c0 + i % n] = row_sum(part.red, i);
-}
-
-// Slices of the block that run a stage's rows side by side (RowStream::run_group): for rows of at most
-// THREADS vectors, as many as leave each slice the warps run() has with columns (a power of two), at
-// most a stage's rows; else one.
-__device__ inline uint32_t row_slices(uint32_t vecs, uint32_t stage_rows) {
-    if (vecs > THREADS) return 1;
-    uint32_t warps = 1;
-    while (warps * WARP < vecs) warps *= 2;
-    return min(WARPS / warps, stage_rows);
 }
 
 // Vectors x[b0, b0 + live) against this block's rows [r0, r1) of w through run_group<G, R> in `slices`:
@@ -1615,16 +2085,9 @@ __device__ inline uint32_t row_slices(uint32_t vecs, uint32_t stage_rows) {
 template <uint32_t VPT, uint32_t G, uint32_t R>
 __device__ void grouped_chunks(const bf16* w, uint32_t rows, uint32_t cols, const bf16* x, uint32_t b0, uint32_t live, float* y,
                                uint32_t r0, uint32_t r1, uint32_t slices, Ring& ring, Partials part) {
-    const uint32_t vecs = cols / VEC, t = threadIdx.x % (THREADS / slices), order = scatter_mask<R * G>() % G;
+    const uint32_t vecs = cols / VEC;
     float h[G][VPT][VEC];
-#pragma unroll
-    for (uint32_t p = 0; p < G; ++p) {
-#pragma unroll
-        for (uint32_t v = 0; v < VPT; ++v) {
-            const uint32_t vec = t + v * THREADS, g = p ^ order;
-            widen8(g < live && vec < vecs ? load_cg(x + (size_t)(b0 + g) * cols, vec) : make_uint4(0, 0, 0, 0), h[p][v]);
-        }
-    }
+    group_inputs<VPT, G, R>(h, live, threadIdx.x % (THREADS / slices), [&](uint32_t g, uint32_t t) { return load_slice(x + (size_t)(b0 + g) * cols, cols, t); });
     const uint32_t chunk = part.rows / G;
     for (uint32_t c0 = r0; c0 < r1; c0 += chunk) {
         const uint32_t c1 = min(c0 + chunk, r1);
@@ -1642,16 +2105,11 @@ __device__ void batch_pass_grouped(const bf16* w, uint32_t rows, uint32_t cols, 
                                    uint32_t r0, uint32_t r1, Ring& ring, Partials part) {
     constexpr uint32_t G = group_of<VPT>(), STAGE_ROWS = RowStream<VPT>::STAGE_ROWS;
     const uint32_t slices = row_slices(cols / VEC, STAGE_ROWS);
-    // The partials of the warps a slice leaves out stay +0.0, as run()'s column-less warps write them;
-    // after every read of the partials before.
-    __syncthreads();
-    if (slices > 1) {
-        for (uint32_t i = threadIdx.x; i < part.rows * WARPS; i += THREADS) part.red[i] = 0.0f;
-    }
-    if constexpr (STAGE_ROWS % 2 == 0) {
-        if ((STAGE_ROWS / slices) % 2 == 0) return grouped_chunks<VPT, G, 2>(w, rows, cols, x, b0, live, y, r0, r1, slices, ring, part);
-    }
-    grouped_chunks<VPT, G, 1>(w, rows, cols, x, b0, live, y, r0, r1, slices, ring, part);
+    __syncthreads();  // every read of the partials before is done
+    if (slices > 1) zero_partials(part);
+    with_rows_per_sum<STAGE_ROWS>(slices, [&](auto per_sum) {
+        grouped_chunks<VPT, G, decltype(per_sum)::value>(w, rows, cols, x, b0, live, y, r0, r1, slices, ring, part);
+    });
 }
 
 // Vector x[b] alone against this block's rows [r0, r1) of w, through run() as every phase streams.

@@ -44,8 +44,45 @@ const STATIC_SMEM_ALLOWANCE: usize = 1024;
 
 /// Rows of partials (WARPS f32 each) the shared memory holds beside the ring and the static variables.
 fn partial_rows_room(dev: &Device) -> usize {
-    (dev.facts().max_smem_optin_bytes.max(0) as usize).saturating_sub(RING_BYTES as usize + STATIC_SMEM_ALLOWANCE)
+    rows_beside(dev, STATIC_SMEM_ALLOWANCE)
+}
+
+/// Rows of partials the shared memory holds beside the ring and `static_bytes` of static variables.
+fn rows_beside(dev: &Device, static_bytes: usize) -> usize {
+    (dev.facts().max_smem_optin_bytes.max(0) as usize).saturating_sub(RING_BYTES as usize + static_bytes)
         / (WARPS as usize * 4)
+}
+
+/// The batch step's kernel, its partials all the room the ring leaves (at least the `red_rows` a block
+/// of any layer phase needs for one lane).
+fn batch_kernel(dev: &Device, red_rows: usize) -> Result<BatchKernel, SubmissionError> {
+    let func = dev.function(&MEGAKERNEL, "megakernel_model_batch_bf16")?;
+    let static_bytes = func.shared_size_bytes().context("reading the batch step's static shared memory")?;
+    let rows = rows_beside(dev, static_bytes.max(0) as usize);
+    if rows < red_rows {
+        return Err(SubmissionError::Unsupported(format!(
+            "the batch step's partials hold {rows} rows beside its ring; a phase's block needs {red_rows}"
+        )));
+    }
+    let smem = RING_BYTES + rows as u32 * WARPS * 4;
+    fit_one_block(&func, smem, "the batch step")?;
+    Ok(BatchKernel { func, smem, red_rows: rows as u32 })
+}
+
+/// Raises `func`'s dynamic shared memory to `smem` bytes and checks that a block of it fits an SM
+/// (`what` names the kernel in the errors).
+fn fit_one_block(func: &CudaFunction, smem: u32, what: &str) -> Result<(), SubmissionError> {
+    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+        .context(format!("raising {what}'s shared memory limit"))?;
+    let per_sm = func
+        .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None)
+        .context(format!("reading {what}'s occupancy"))?;
+    if per_sm == 0 {
+        return Err(SubmissionError::Unsupported(format!(
+            "{what} cannot fit one block of {THREADS} threads and {smem} bytes of shared memory on an SM"
+        )));
+    }
+    Ok(())
 }
 
 /// Threads per block of the packing gather.
@@ -179,10 +216,79 @@ struct Built {
     /// counts a model's head phases.
     phase_done: CudaSlice<u32>,
     cursor: StepCursor,
+    /// Bytes between the lanes' arenas of activation buffers (`LaneArena`).
+    act_stride: u64,
+    /// A model's batch step (`model::GpuModel::decode_batch`).
+    batch: Option<BatchKernel>,
     // Owned for the program's pointers to stay valid.
-    _buffers: Vec<CudaSlice<bf16>>,
-    _tables: Vec<CudaSlice<f32>>,
-    _counters: CudaSlice<u32>,
+    _packed: Vec<CudaSlice<bf16>>,
+    _rope: [CudaSlice<f32>; 2],
+    _arena: CudaSlice<u8>,
+}
+
+/// The batch step's kernel (`megakernel_model_batch_bf16`): its row partials take all the shared
+/// memory the ring leaves, so that a group of lanes fits as many rows as it can.
+struct BatchKernel {
+    func: CudaFunction,
+    smem: u32,
+    red_rows: u32,
+}
+
+/// Where a lane's activation buffers lie in its arena (byte offsets, each 256-aligned), and the arena's
+/// size: lane b's are lane 0's (the program's) plus b strides, as the batch step reads them.
+struct LaneArena {
+    q: usize,
+    a: usize,
+    x1: usize,
+    act: usize,
+    part_o: usize,
+    part_ml: usize,
+    counters: usize,
+    x1_part: usize,
+    down_part: usize,
+    stride: usize,
+}
+
+impl LaneArena {
+    fn of(cfg: &Config) -> LaneArena {
+        let partials = program::max_splits(cfg) * cfg.n_kv * cfg.group();
+        let sizes = [
+            2 * cfg.q_dim(),
+            2 * cfg.q_dim(),
+            2 * cfg.d,
+            2 * cfg.ffn,
+            4 * partials * cfg.hd,
+            4 * partials * 2,
+            // Arrivals and departures per KV head (see phase_attention).
+            4 * 2 * cfg.n_kv,
+            4 * cfg.d,
+            4 * cfg.d,
+        ];
+        let mut at = [0usize; 10];
+        for (i, bytes) in sizes.iter().enumerate() {
+            at[i + 1] = at[i] + bytes.next_multiple_of(256);
+        }
+        let [q, a, x1, act, part_o, part_ml, counters, x1_part, down_part, stride] = at;
+        LaneArena { q, a, x1, act, part_o, part_ml, counters, x1_part, down_part, stride }
+    }
+
+    /// Lane 0's buffers in the arena at `base`, beside the RoPE tables.
+    fn buffers(&self, base: u64, cos: u64, sin: u64) -> Buffers {
+        let at = |offset: usize| base + offset as u64;
+        Buffers {
+            q: at(self.q),
+            cos,
+            sin,
+            part_o: at(self.part_o),
+            part_ml: at(self.part_ml),
+            counters: at(self.counters),
+            a: at(self.a),
+            x1_part: at(self.x1_part),
+            x1: at(self.x1),
+            act: at(self.act),
+            down_part: at(self.down_part),
+        }
+    }
 }
 
 pub struct Megakernel {
@@ -689,28 +795,12 @@ impl Submission for Megakernel {
         };
         let (cos, sin) =
             (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
-        let zeros = |n: usize| s.alloc_zeros::<bf16>(n).context("allocating megakernel scratch");
-        let (q, a, x1, act) = (zeros(cfg.q_dim())?, zeros(cfg.q_dim())?, zeros(cfg.d)?, zeros(cfg.ffn)?);
-        let partials = program::max_splits(cfg) * cfg.n_kv * cfg.group();
-        let part_o = s.alloc_zeros::<f32>(partials * cfg.hd).context("allocating attention partials")?;
-        let part_ml = s.alloc_zeros::<f32>(partials * 2).context("allocating attention partials")?;
-        // Arrivals and departures per KV head (see phase_attention).
-        let counters = s.alloc_zeros::<u32>(2 * cfg.n_kv).context("allocating attention counters")?;
-        let x1_part = s.alloc_zeros::<f32>(cfg.d).context("allocating the O projection's partials")?;
-        let down_part = s.alloc_zeros::<f32>(cfg.d).context("allocating Down's partials")?;
-        let buffers = Buffers {
-            q: device_address(dev, &q),
-            cos: device_address(dev, &cos),
-            sin: device_address(dev, &sin),
-            part_o: device_address(dev, &part_o),
-            part_ml: device_address(dev, &part_ml),
-            counters: device_address(dev, &counters),
-            a: device_address(dev, &a),
-            x1_part: device_address(dev, &x1_part),
-            x1: device_address(dev, &x1),
-            act: device_address(dev, &act),
-            down_part: device_address(dev, &down_part),
-        };
+        // A model's batch step gives each lane its own arena of the activation buffers.
+        let lanes = if self.head_vocab.is_some() { batch::MAX_BATCH } else { 1 };
+        let lane = LaneArena::of(cfg);
+        let arena =
+            s.alloc_zeros::<u8>(lanes * lane.stride).context("allocating the megakernel's activation buffers")?;
+        let buffers = lane.buffers(device_address(dev, &arena), device_address(dev, &cos), device_address(dev, &sin));
         let rows = program::compile(cfg, &buffers, grid, layout);
         if rows.len() > program::MAX_PHASES {
             return Err(SubmissionError::Unsupported(format!(
@@ -751,16 +841,12 @@ impl Submission for Megakernel {
                 dev.facts().max_smem_optin_bytes
             )));
         }
-        func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .context("raising the megakernel's shared memory limit")?;
-        let per_sm = func
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None)
-            .context("reading occupancy")?;
-        if per_sm == 0 {
-            return Err(SubmissionError::Unsupported(format!(
-                "the megakernel cannot fit one block of {THREADS} threads and {smem} bytes of shared memory on an SM"
-            )));
-        }
+        fit_one_block(&func, smem, "the megakernel")?;
+        // The batch step chunks the head's rows to fit; its layer phases need a unit of rows of a block.
+        let batch = match self.head_vocab {
+            Some(_) => Some(batch_kernel(dev, layer_rows.max(qkv_rows))?),
+            None => None,
+        };
         let plan = rows
             .iter()
             .map(|r| PhasePlan {
@@ -785,9 +871,11 @@ impl Submission for Megakernel {
             // One more for a model's head phase (the kernel's HEAD_COUNTER).
             phase_done: s.alloc_zeros::<u32>(program::MAX_PHASES + 1).context("allocating the phase counters")?,
             cursor: StepCursor::default(),
-            _buffers: packed.into_iter().chain([q, a, x1, act]).collect(),
-            _tables: vec![cos, sin, part_o, part_ml, x1_part, down_part],
-            _counters: counters,
+            act_stride: lane.stride as u64,
+            batch,
+            _packed: packed,
+            _rope: [cos, sin],
+            _arena: arena,
         });
         Ok(())
     }
@@ -820,6 +908,35 @@ mod tests {
     const PB_PAD: usize = 8;
     /// Chunk buffers per attention team.
     const ATTN_BUFFERS: usize = 2;
+
+    #[test]
+    fn a_lanes_buffers_are_aligned_apart_and_within_its_stride() {
+        for cfg in [Config::graded(), Config::small(), Config { n_kv: 1, hd: 48, ..Config::tiny() }] {
+            let lane = LaneArena::of(&cfg);
+            let partials = program::max_splits(&cfg) * cfg.n_kv * cfg.group();
+            let mut spans = [
+                (lane.q, 2 * cfg.q_dim()),
+                (lane.a, 2 * cfg.q_dim()),
+                (lane.x1, 2 * cfg.d),
+                (lane.act, 2 * cfg.ffn),
+                (lane.part_o, 4 * partials * cfg.hd),
+                (lane.part_ml, 4 * partials * 2),
+                (lane.counters, 4 * 2 * cfg.n_kv),
+                (lane.x1_part, 4 * cfg.d),
+                (lane.down_part, 4 * cfg.d),
+            ];
+            spans.sort();
+            assert!(spans.iter().all(|&(at, _)| at.is_multiple_of(256)));
+            assert!(spans.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0), "{spans:?} overlap");
+            let (last, bytes) = spans[spans.len() - 1];
+            assert!(last + bytes <= lane.stride && lane.stride.is_multiple_of(256));
+            let b = lane.buffers(1 << 20, 7, 9);
+            assert_eq!(
+                (b.q, b.counters, b.cos, b.sin),
+                ((1 << 20) + lane.q as u64, (1 << 20) + lane.counters as u64, 7, 9)
+            );
+        }
+    }
 
     #[test]
     fn constants_mirror_the_kernel() {

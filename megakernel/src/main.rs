@@ -12,7 +12,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand, ValueEnum};
 use cuda::{Context, Device};
 use megakernel::batch::BatchGemv;
-use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Stop, Text, argmax, gpu};
+use megakernel::model::{CpuModel, GpuModel, Lane, ModelConfig, ModelWeights, Stop, Text, argmax, gpu};
 use spec::rng::{bits, stream_key};
 
 #[derive(Parser)]
@@ -65,16 +65,24 @@ enum Command {
         /// Timed launches; the median is reported.
         #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
         reps: u32,
+        /// Sequences decoded together by batch steps, each step one launch for all of them (1: none),
+        /// and the prompt's chunk for the chunked prefill's timing.
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=gpu::MAX_BATCH as i64))]
+        batch: u32,
     },
     /// Check the GPU against the CPU model on random tokens: each position's logits, the kernel's
-    /// greedy token against the argmax of its logits, and a generation in one launch against a launch
-    /// per token. Ends with an 'N passed, M failed' line; exit status 1 on a failure.
+    /// greedy token against the argmax of its logits, a generation in one launch against a launch per
+    /// token; and batch steps against decode steps, bitwise: a prompt in chunks, and several sequences
+    /// decoded together. Ends with an 'N passed, M failed' line; exit status 1 on a failure.
     Check {
         #[command(flatten)]
         model: ModelArgs,
         /// Positions to decode.
         #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(2..))]
         positions: u32,
+        /// Sequences of the batched decode's check (each joins a step after the one before).
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..=gpu::MAX_BATCH as i64))]
+        batch: u32,
         /// The random tokens' seed (default: from the clock, printed).
         #[arg(long)]
         seed: Option<u64>,
@@ -168,8 +176,10 @@ fn main() -> ExitCode {
 fn run(command: Command) -> Result<bool, Failure> {
     match command {
         Command::Generate { model, prompt, max_new } => generate(&model, &prompt, max_new as usize).map(|()| true),
-        Command::Bench { model, tokens, reps } => bench(&model, tokens as usize, reps as usize).map(|()| true),
-        Command::Check { model, positions, seed } => check(&model, positions as usize, seed),
+        Command::Bench { model, tokens, reps, batch } => {
+            bench(&model, tokens as usize, reps as usize, batch as usize).map(|()| true)
+        }
+        Command::Check { model, positions, batch, seed } => check(&model, positions as usize, batch as usize, seed),
         Command::Logits { model, tokens, on } => logits(&model, &tokens, on).map(|()| true),
         Command::BatchGemv { cols, vectors, mib, reps, seed, device } => {
             batch_gemv(&cols, &vectors, mib, reps as usize, seed, device)
@@ -201,14 +211,15 @@ fn read_model(
     Ok((cfg, weights))
 }
 
-/// The model read (see read_model) and uploaded.
+/// The model read (see read_model) and uploaded with caches for `sequences` sequences.
 fn load(
     args: &ModelArgs,
+    sequences: usize,
     accept: impl Fn(&ModelConfig) -> Result<(), Failure>,
 ) -> Result<(Device, GpuModel, ModelConfig, ModelWeights), Failure> {
     let (cfg, weights) = read_model(&args.model, accept)?;
     let dev = Device::open(args.device)?;
-    let model = GpuModel::new(&dev, &cfg, &weights, args.context as usize, &mut |s| progress(s))?;
+    let model = GpuModel::new(&dev, &cfg, &weights, args.context as usize, sequences, &mut |s| progress(s))?;
     progress("");
     eprintln!("{}", summary(&cfg, &model));
     Ok((dev, model, cfg, weights))
@@ -234,7 +245,7 @@ fn summary(cfg: &ModelConfig, model: &GpuModel) -> String {
 
 fn generate(args: &ModelArgs, prompt: &str, max_new: usize) -> Result<(), Failure> {
     let text = Text::read(&args.model)?;
-    let (dev, mut model, cfg, _) = load(args, |cfg| match cfg.eos.len() {
+    let (dev, mut model, cfg, _) = load(args, 1, |cfg| match cfg.eos.len() {
         n if n > gpu::MAX_EOS => {
             Err(format!("config.json names {n} end-of-sequence tokens; the kernel stops at {}", gpu::MAX_EOS).into())
         }
@@ -283,8 +294,8 @@ fn copy_bandwidth(dev: &Device) -> Result<f64, Failure> {
     Ok(2.0 * BYTES as f64 / (median(times) / 1e3))
 }
 
-fn bench(args: &ModelArgs, tokens: usize, reps: usize) -> Result<(), Failure> {
-    let (dev, mut model, cfg, _) = load(args, |_| Ok(()))?;
+fn bench(args: &ModelArgs, tokens: usize, reps: usize, batch: usize) -> Result<(), Failure> {
+    let (dev, mut model, cfg, _) = load(args, batch, |_| Ok(()))?;
     let tokens = tokens.min(model.context());
     let bandwidth = copy_bandwidth(&dev)?;
     // Positions 0 .. tokens, each a decode step with the LM head.
@@ -322,6 +333,62 @@ fn bench(args: &ModelArgs, tokens: usize, reps: usize) -> Result<(), Failure> {
     ] {
         out!("{what:<44} {ms:>10.3} {:>9.1} {:>9.3}", 1e3 / ms, ms / floor_ms);
     }
+    if batch > 1 {
+        bench_batch(&dev, &mut model, cfg.bos.unwrap_or(0), tokens, reps, batch, one_launch)?;
+    }
+    Ok(())
+}
+
+/// The batch steps' timing: `batch` sequences decoded together from position 0, greedily, one launch a
+/// step (kernel time by events, summed over the steps; median of `reps`), beside `one_launch` ms per
+/// token of a single sequence; and a prompt of `tokens` random tokens prefilled in chunks of `batch`
+/// positions, beside the same prompt in one launch position by position (`generate` of one token).
+fn bench_batch(
+    dev: &Device,
+    model: &mut GpuModel,
+    start: u32,
+    tokens: usize,
+    reps: usize,
+    batch: usize,
+    one_launch: f64,
+) -> Result<(), Failure> {
+    let decode = |model: &mut GpuModel| -> Result<f64, Failure> {
+        let (mut next, mut ms) = (vec![start; batch], 0.0);
+        for pos in 0..tokens {
+            let lanes: Vec<Lane> = (0..batch).map(|seq| Lane { seq, token: next[seq], pos }).collect();
+            ms += f64::from(model.decode_batch(dev, &lanes)?);
+            next = model.batch_next(dev, batch)?.into_iter().map(|t| t.unwrap_or(0)).collect();
+        }
+        Ok(ms / (tokens * batch) as f64)
+    };
+    decode(model)?; // warm-up
+    let batched = median((0..reps).map(|_| decode(model)).collect::<Result<_, _>>()?);
+    out!(
+        "{:<44} {batched:>10.3} {:>9.1}   ({:.2}x the throughput of one sequence)",
+        format!("{batch} sequences, a launch per step (kernel time)"),
+        1e3 / batched,
+        one_launch / batched
+    );
+    let prompt = tokens_from(clock_seed(), tokens, model.vocab());
+    let chunked = |model: &mut GpuModel| -> Result<f64, Failure> {
+        let mut ms = 0.0;
+        for (c, chunk) in prompt.chunks(batch).enumerate() {
+            ms += f64::from(model.decode_batch(dev, &Lane::chunk(0, c * batch, chunk))?);
+        }
+        Ok(ms)
+    };
+    chunked(model)?; // warm-up
+    let in_chunks = median((0..reps).map(|_| chunked(model)).collect::<Result<_, _>>()?);
+    let by_position = median(
+        (0..reps)
+            .map(|_| model.generate(dev, &prompt, 1, &[]).map(|g| f64::from(g.kernel_ms)))
+            .collect::<Result<_, _>>()?,
+    );
+    out!(
+        "prefill of {tokens} tokens: {in_chunks:.3} ms in chunks of {batch} (a launch each), {by_position:.3} ms position by \
+         position in one launch ({:.2}x)",
+        by_position / in_chunks
+    );
     Ok(())
 }
 
@@ -339,8 +406,8 @@ fn rel_err(out: &[f32], reference: &[f32]) -> f64 {
     spec::gates::rel_err(out, reference).unwrap_or(f64::INFINITY)
 }
 
-fn check(args: &ModelArgs, positions: usize, seed: Option<u64>) -> Result<bool, Failure> {
-    let (dev, mut model, cfg, weights) = load(args, |_| Ok(()))?;
+fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) -> Result<bool, Failure> {
+    let (dev, mut model, cfg, weights) = load(args, batch, |_| Ok(()))?;
     let positions = positions.min(model.context());
     let seed = seed.unwrap_or_else(clock_seed);
     out!("seed {seed} (--seed {seed} repeats it), {positions} positions");
@@ -403,8 +470,90 @@ fn check(args: &ModelArgs, positions: usize, seed: Option<u64>) -> Result<bool, 
         bitwise,
         format!("position {last}'s logits the same bits from a decode step and from a generation's launch"),
     );
+    // The tokens again as a prompt in chunks of MAX_BATCH positions, a batch step each: every position's
+    // logits the bits of its decode step above.
+    let mut differ = Vec::new();
+    for (c, chunk) in tokens.chunks(gpu::MAX_BATCH).enumerate() {
+        model.decode_batch(&dev, &Lane::chunk(0, c * gpu::MAX_BATCH, chunk))?;
+        for (i, logits) in model.batch_logits(&dev, chunk.len())?.iter().enumerate() {
+            let pos = c * gpu::MAX_BATCH + i;
+            if !same_bits(logits, &gpu_logits[pos]) {
+                differ.push(pos);
+            }
+        }
+    }
+    verdict(
+        differ.is_empty(),
+        format!(
+            "a prompt of {positions} tokens in chunks of {}: every position's logits the bits of its decode step{}",
+            gpu::MAX_BATCH,
+            if differ.is_empty() { String::new() } else { format!(" (not at positions {differ:?})") }
+        ),
+    );
+    let Batched { differ: bitwise, greedy, steps } = check_batched_decode(&dev, &mut model, seed, positions, batch)?;
+    verdict(
+        bitwise.is_empty(),
+        format!(
+            "{batch} sequences decoded together ({steps} steps of 1 to {batch} lanes, sequence b joining at step b): \
+             every lane's logits the bits of its sequence's own decode steps{}",
+            if bitwise.is_empty() { String::new() } else { format!(" (not at (sequence, position) {bitwise:?})") }
+        ),
+    );
+    verdict(greedy, "every lane's greedy token of those steps the argmax of its logits".into());
     out!("{passed} passed, {failed} failed");
     Ok(failed == 0)
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// What `check_batched_decode` found.
+struct Batched {
+    /// The (sequence, position) pairs whose logits differ from the decode step's in any bit.
+    differ: Vec<(usize, usize)>,
+    /// Whether every lane's greedy token was its logits' argmax.
+    greedy: bool,
+    /// The batch steps run.
+    steps: usize,
+}
+
+/// `batch` sequences of `positions / 2` random tokens each (at least 2), decoded together by batch
+/// steps, sequence b joining at step b (so the lanes' positions differ, and their count grows and
+/// shrinks); then each sequence alone by decode steps.
+fn check_batched_decode(
+    dev: &Device,
+    model: &mut GpuModel,
+    seed: u64,
+    positions: usize,
+    batch: usize,
+) -> Result<Batched, Failure> {
+    let len = (positions / 2).max(2);
+    let seqs: Vec<Vec<u32>> =
+        (0..batch).map(|b| tokens_from(seed.wrapping_add(1 + b as u64), len, model.vocab())).collect();
+    let mut batched: Vec<Vec<Vec<f32>>> = vec![Vec::new(); batch];
+    let (mut greedy, steps) = (true, len + batch - 1);
+    for k in 0..steps {
+        let lanes: Vec<Lane> = (0..batch)
+            .filter(|&b| k >= b && k - b < len)
+            .map(|b| Lane { seq: b, token: seqs[b][k - b], pos: k - b })
+            .collect();
+        model.decode_batch(dev, &lanes)?;
+        let next = model.batch_next(dev, lanes.len())?;
+        for ((lane, logits), next) in lanes.iter().zip(model.batch_logits(dev, lanes.len())?).zip(next) {
+            greedy &= next.map(|t| t as usize) == argmax(&logits);
+            batched[lane.seq].push(logits);
+        }
+    }
+    let mut differ = Vec::new();
+    for (b, tokens) in seqs.iter().enumerate() {
+        for (pos, &t) in tokens.iter().enumerate() {
+            if !same_bits(&model.decode_step(dev, t, pos)?, &batched[b][pos]) {
+                differ.push((b, pos));
+            }
+        }
+    }
+    Ok(Batched { differ, greedy, steps })
 }
 
 fn logits(args: &ModelArgs, tokens: &[u32], on: On) -> Result<(), Failure> {
@@ -417,7 +566,7 @@ fn logits(args: &ModelArgs, tokens: &[u32], on: On) -> Result<(), Failure> {
         }
         On::Gpu => {
             let dev = Device::open(args.device)?;
-            let mut model = GpuModel::new(&dev, &cfg, &weights, tokens.len(), &mut |_| ())?;
+            let mut model = GpuModel::new(&dev, &cfg, &weights, tokens.len(), 1, &mut |_| ())?;
             tokens.iter().enumerate().map(|(pos, &t)| model.decode_step(&dev, t, pos)).collect::<Result<_, _>>()?
         }
     };
@@ -509,6 +658,10 @@ mod tests {
             &["logits", "--model", "m"],
             &["logits", "--model", "m", "--tokens", "1,x"],
             &["logits", "--model", "m", "--tokens", "1", "--on", "tpu"],
+            &["check", "--model", "m", "--batch", "1"],
+            &["check", "--model", "m", "--batch", "9"],
+            &["bench", "--model", "m", "--batch", "0"],
+            &["bench", "--model", "m", "--batch", "9"],
         ] {
             assert!(parse(bad).is_err(), "{bad:?} parsed");
         }

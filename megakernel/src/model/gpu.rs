@@ -20,6 +20,9 @@ use crate::{Megakernel, Mode, Param, THREADS, program};
 /// End-of-sequence tokens a launch stops at, at most (the kernel's `MODEL_MAX_EOS`).
 pub const MAX_EOS: usize = 4;
 
+/// Lanes of a batch step at most (the kernel's `MAX_BATCH`).
+pub const MAX_BATCH: usize = crate::batch::MAX_BATCH;
+
 /// The model kernel's own arguments, laid out as `struct ModelArgs` in `kernels/megakernel.cu`.
 #[derive(Clone, Copy)]
 #[repr(C)]
@@ -50,6 +53,72 @@ const _: () = assert!(std::mem::size_of::<ModelArgs>() == MODEL_ARGS_BYTES);
 // SAFETY: plain old data of the layout `struct ModelArgs` declares (u64 words, then u32 words; no
 // padding, checked by the size above).
 unsafe impl DeviceRepr for ModelArgs {}
+
+/// A batch step's own arguments, laid out as `struct BatchArgs` in `kernels/megakernel.cu`.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct BatchArgs {
+    act_stride: i64,
+    cache_stride: i64,
+    next: u64,
+    lanes: u32,
+    token: [u32; MAX_BATCH],
+    pos: [u32; MAX_BATCH],
+    seq: [u32; MAX_BATCH],
+    _pad: u32,
+}
+
+/// `sizeof(BatchArgs)` in the kernel (its `BATCH_ARGS_BYTES`).
+const BATCH_ARGS_BYTES: usize = 3 * 8 + 4 + 3 * MAX_BATCH * 4 + 4;
+const _: () = assert!(std::mem::size_of::<BatchArgs>() == BATCH_ARGS_BYTES);
+
+// SAFETY: plain old data of the layout `struct BatchArgs` declares (three 8-byte words, then u32 words,
+// the last padding made explicit; checked by the size above).
+unsafe impl DeviceRepr for BatchArgs {}
+
+/// One lane of a batch step: `token` at position `pos` of sequence `seq`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lane {
+    pub seq: usize,
+    pub token: u32,
+    pub pos: usize,
+}
+
+impl Lane {
+    /// The lanes of a chunk of sequence `seq`'s prompt: `tokens` at positions `pos0, pos0 + 1, ...`.
+    pub fn chunk(seq: usize, pos0: usize, tokens: &[u32]) -> Vec<Lane> {
+        tokens.iter().enumerate().map(|(i, &token)| Lane { seq, token, pos: pos0 + i }).collect()
+    }
+}
+
+/// Why `lanes` cannot be one batch step of a model of `sequences` sequences, `context` positions and
+/// `vocab` tokens; `None` when they can. Lanes of one sequence must hold consecutive positions in lane
+/// order (a lane's attention reads what the lanes before it wrote).
+pub fn batch_refusal(lanes: &[Lane], sequences: usize, context: usize, vocab: usize) -> Option<String> {
+    if lanes.is_empty() || lanes.len() > MAX_BATCH {
+        return Some(format!("a batch step of {} lanes: 1 to {MAX_BATCH}", lanes.len()));
+    }
+    for (i, l) in lanes.iter().enumerate() {
+        if l.seq >= sequences {
+            return Some(format!("lane {i}'s sequence {} is past the model's {sequences}", l.seq));
+        }
+        if l.pos >= context {
+            return Some(format!("lane {i}'s position {} is past the caches' {context}", l.pos));
+        }
+        if l.token as usize >= vocab {
+            return Some(format!("lane {i}'s token {} is outside the vocabulary of {vocab}", l.token));
+        }
+        if let Some((j, before)) = lanes[..i].iter().enumerate().rev().find(|(_, b)| b.seq == l.seq)
+            && before.pos + 1 != l.pos
+        {
+            return Some(format!(
+                "lanes of sequence {} must hold consecutive positions in lane order: lane {j} has {}, lane {i} {}",
+                l.seq, before.pos, l.pos
+            ));
+        }
+    }
+    None
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuModelError {
@@ -95,10 +164,18 @@ pub struct GpuModel {
     embed: CudaSlice<bf16>,
     norm: CudaSlice<bf16>,
     head: Option<CudaSlice<bf16>>,
+    /// Sequences with their own caches, for batch steps (sequence 0's are the decode's).
+    sequences: usize,
+    /// `(MAX_BATCH, vocab)`: a decode's logits, or each lane's of a batch step.
     logits: CudaSlice<f32>,
+    /// `(MAX_BATCH, grid)`: each block's best row, per lane.
     candidates: CudaSlice<u64>,
     tokens: CudaSlice<i32>,
     done: CudaSlice<u32>,
+    /// `(MAX_BATCH)`: each lane's greedy token after a batch step.
+    next: CudaSlice<i32>,
+    /// `(MAX_BATCH, d)` and `(MAX_BATCH, layers - 1, d)`: each lane's last layer's output and hidden
+    /// states.
     out: CudaSlice<bf16>,
     hidden: Option<CudaSlice<bf16>>,
     /// Qwen3: each layer's q and k norm weights, one after the other (`hd` each); empty without them.
@@ -109,18 +186,23 @@ pub struct GpuModel {
 }
 
 impl GpuModel {
-    /// Uploads the model with caches of `context` positions (at most the model's own) and compiles its
-    /// stack; `progress` hears what it is doing.
+    /// Uploads the model with caches of `context` positions (at most the model's own) for `sequences`
+    /// sequences (1 to [`MAX_BATCH`]: a batch step's) and compiles its stack; `progress` hears what it
+    /// is doing.
     pub fn new(
         dev: &Device,
         cfg: &ModelConfig,
         weights: &ModelWeights,
         context: usize,
+        sequences: usize,
         progress: &mut dyn FnMut(&str),
     ) -> Result<GpuModel, GpuModelError> {
         let layer = Config { max_seq_len: context.min(cfg.layer.max_seq_len), ..cfg.layer.clone() };
         if layer.max_seq_len == 0 {
             return Err(GpuModelError::Refused("a context of 0 positions".into()));
+        }
+        if sequences == 0 || sequences > MAX_BATCH {
+            return Err(GpuModelError::Refused(format!("{sequences} sequences: 1 to {MAX_BATCH}")));
         }
         let s = dev.stream();
         let up = |v: &[bf16], what: &str| s.clone_htod(v).context(format!("uploading {what}"));
@@ -129,7 +211,9 @@ impl GpuModel {
             progress(&format!("uploading layer {} of {}", l + 1, weights.layers.len()));
             layers.push(DeviceWeights::try_from_fn(|t| up(w.get(t), &format!("layer {l}'s {t:?}")))?);
         }
-        let cache = |what: &str| s.alloc_zeros::<bf16>(layer.cache_elems()).context(format!("allocating {what}"));
+        // Each layer's caches of every sequence in one piece, sequence 0's first (the program's).
+        let cache =
+            |what: &str| s.alloc_zeros::<bf16>(sequences * layer.cache_elems()).context(format!("allocating {what}"));
         let mut caches = (0..layers.len())
             .map(|_| Ok(DeviceCache { k: cache("a K cache")?, v: cache("a V cache")? }))
             .collect::<Result<Vec<_>, CudaError>>()?;
@@ -149,12 +233,16 @@ impl GpuModel {
         let grid = mk.launch_shape().expect("built").0 as usize;
         let row = |n: usize, what: &str| s.alloc_zeros::<bf16>(n).context(format!("allocating {what}"));
         Ok(GpuModel {
-            logits: s.alloc_zeros::<f32>(cfg.vocab).context("allocating the logits")?,
-            candidates: s.alloc_zeros::<u64>(grid).context("allocating the head's candidates")?,
+            sequences,
+            logits: s.alloc_zeros::<f32>(MAX_BATCH * cfg.vocab).context("allocating the logits")?,
+            candidates: s.alloc_zeros::<u64>(MAX_BATCH * grid).context("allocating the head's candidates")?,
             tokens: s.alloc_zeros::<i32>(layer.max_seq_len + 1).context("allocating the tokens")?,
             done: s.alloc_zeros::<u32>(2).context("allocating the launch's counts")?,
-            out: row(layer.d, "the last layer's output")?,
-            hidden: (layers.len() > 1).then(|| row((layers.len() - 1) * layer.d, "the hidden states")).transpose()?,
+            next: s.alloc_zeros::<i32>(MAX_BATCH).context("allocating the batch's tokens")?,
+            out: row(MAX_BATCH * layer.d, "the last layer's output")?,
+            hidden: (layers.len() > 1)
+                .then(|| row(MAX_BATCH * (layers.len() - 1) * layer.d, "the hidden states"))
+                .transpose()?,
             qk_norms,
             cfg: cfg.clone(),
             layer,
@@ -190,7 +278,77 @@ impl GpuModel {
 
     /// The logits of the last position the last launch decoded.
     pub fn last_logits(&self, dev: &Device) -> Result<Vec<f32>, GpuModelError> {
-        Ok(dev.stream().clone_dtoh(&self.logits).context("reading the logits")?)
+        Ok(dev.stream().clone_dtoh(&self.logits.slice(..self.cfg.vocab)).context("reading the logits")?)
+    }
+
+    /// The vocabulary's size.
+    pub fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    /// Sequences with their own caches (batch steps' `Lane::seq`).
+    pub fn sequences(&self) -> usize {
+        self.sequences
+    }
+
+    /// One step of every lane in one launch (a batch's sequences, or a prompt's chunk, or both), each
+    /// lane's logits and greedy token bitwise those of its own decode step (`decode_step` at the lane's
+    /// position, over the same sequence's earlier tokens), the weights streamed once per group of
+    /// lanes. Returns the kernel's time in ms; `batch_logits` and `batch_next` read the results.
+    pub fn decode_batch(&mut self, dev: &Device, lanes: &[Lane]) -> Result<f32, GpuModelError> {
+        if let Some(why) = batch_refusal(lanes, self.sequences, self.context(), self.cfg.vocab) {
+            return Err(GpuModelError::Refused(why));
+        }
+        let mut batch = BatchArgs {
+            act_stride: 0,
+            cache_stride: (self.layer.cache_elems() * 2) as i64,
+            next: device_address(dev, &self.next),
+            lanes: lanes.len() as u32,
+            token: [0; MAX_BATCH],
+            pos: [0; MAX_BATCH],
+            seq: [0; MAX_BATCH],
+            _pad: 0,
+        };
+        for (i, l) in lanes.iter().enumerate() {
+            (batch.token[i], batch.pos[i], batch.seq[i]) = (l.token, l.pos as u32, l.seq as u32);
+        }
+        let args = self.model_args(dev, 0, 0, 1, &[]);
+        let b = self.mk.built.as_mut().expect("GpuModel::new built the stack");
+        batch.act_stride = b.act_stride as i64;
+        let Param::Model(program) = &b.program else { unreachable!("GpuModel::new built the stack for a model") };
+        let k = b.batch.as_ref().expect("a model's stack has the batch step");
+        let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
+        let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: k.smem };
+        let mut l = dev.stream().launch_builder(&k.func);
+        l.arg(&**program).arg(&args).arg(&batch).arg(&b.phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
+        l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&k.red_rows);
+        // SAFETY: megakernel_model_batch_bf16(program and model as for the model kernel (launch); batch:
+        // BatchArgs by value, 1 to MAX_BATCH lanes, each token in the vocabulary, position within the
+        // caches and sequence within those allocated (sequences x cache_elems per layer's K and V, at
+        // cache_stride), lanes of a sequence consecutive (batch_refusal); act_stride the arena's lane
+        // stride, MAX_BATCH lanes allocated (build_stack for a model); next (MAX_BATCH); phases, layers,
+        // out (MAX_BATCH, d), hidden (MAX_BATCH, layers - 1, d) or null, d, step, phase_done (MAX_PHASES
+        // + 1), red_rows the batch kernel's); the grid is co-resident (the cooperative launch fails
+        // rather than run otherwise), smem as batch_kernel sized it.
+        let ms = dev.time_ms(|| unsafe { l.launch_cooperative(cfg) }.map(drop).context("launching the batch step"))?;
+        // One step of the program and one head phase.
+        b.cursor.step = b.cursor.step.wrapping_add(1);
+        b.heads = b.heads.wrapping_add(1);
+        Ok(ms)
+    }
+
+    /// The logits of the first `lanes` lanes of the last batch step.
+    pub fn batch_logits(&self, dev: &Device, lanes: usize) -> Result<Vec<Vec<f32>>, GpuModelError> {
+        let all =
+            dev.stream().clone_dtoh(&self.logits.slice(..lanes * self.cfg.vocab)).context("reading the logits")?;
+        Ok(all.chunks(self.cfg.vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// The greedy tokens of the first `lanes` lanes of the last batch step (`None` where every logit was
+    /// NaN).
+    pub fn batch_next(&self, dev: &Device, lanes: usize) -> Result<Vec<Option<u32>>, GpuModelError> {
+        let next = dev.stream().clone_dtoh(&self.next.slice(..lanes)).context("reading the batch's tokens")?;
+        Ok(next.into_iter().map(|t| u32::try_from(t).ok()).collect())
     }
 
     /// Runs `prompt` from position 0 and generates up to `max_new` tokens greedily, stopping at one of
@@ -257,6 +415,36 @@ impl GpuModel {
         }
     }
 
+    /// The model kernel's arguments for positions `pos0 .. prompt_end` given and up to `max_new` tokens
+    /// generated, stopping at `eos` (a batch step reads only the model's addresses and sizes).
+    fn model_args(&self, dev: &Device, pos0: usize, prompt_end: usize, max_new: usize, eos: &[u32]) -> ModelArgs {
+        let mut eos_words = [0u32; MAX_EOS];
+        eos_words[..eos.len()].copy_from_slice(eos);
+        let mut qk_norms = [0u64; program::MAX_STACK_LAYERS];
+        for (word, norms) in qk_norms.iter_mut().zip(&self.qk_norms) {
+            *word = device_address(dev, norms);
+        }
+        ModelArgs {
+            embed: device_address(dev, &self.embed),
+            final_norm: device_address(dev, &self.norm),
+            head: device_address(dev, self.head.as_ref().unwrap_or(&self.embed)),
+            logits: device_address(dev, &self.logits),
+            candidates: device_address(dev, &self.candidates),
+            tokens: device_address(dev, &self.tokens),
+            done: device_address(dev, &self.done),
+            vocab: self.cfg.vocab as u32,
+            pos0: pos0 as u32,
+            prompt_end: prompt_end as u32,
+            max_new: max_new.min(u32::MAX as usize) as u32,
+            max_seq: self.layer.max_seq_len as u32,
+            heads_before: self.mk.built.as_ref().expect("GpuModel::new built the stack").heads,
+            eps_bits: self.layer.eps.to_bits(),
+            eos_count: eos.len() as u32,
+            eos: eos_words,
+            qk_norms,
+        }
+    }
+
     /// One launch of the model kernel from position `pos0`, the tokens from there `given`; returns the
     /// positions it ran, the tokens it generated and the kernel's time in ms.
     fn launch(
@@ -271,33 +459,9 @@ impl GpuModel {
         let given_i32: Vec<i32> = given.iter().map(|&t| t as i32).collect();
         s.memcpy_htod(&given_i32, &mut self.tokens.slice_mut(pos0..pos0 + given.len()))
             .context("uploading the tokens")?;
-        let mut eos_words = [0u32; MAX_EOS];
-        eos_words[..eos.len()].copy_from_slice(eos);
-        let mut qk_norms = [0u64; program::MAX_STACK_LAYERS];
-        for (word, norms) in qk_norms.iter_mut().zip(&self.qk_norms) {
-            *word = device_address(dev, norms);
-        }
+        let args = self.model_args(dev, pos0, pos0 + given.len(), max_new, eos);
         let b = self.mk.built.as_mut().expect("GpuModel::new built the stack");
         let Param::Model(program) = &b.program else { unreachable!("GpuModel::new built the stack for a model") };
-        let args = ModelArgs {
-            embed: device_address(dev, &self.embed),
-            final_norm: device_address(dev, &self.norm),
-            head: device_address(dev, self.head.as_ref().unwrap_or(&self.embed)),
-            logits: device_address(dev, &self.logits),
-            candidates: device_address(dev, &self.candidates),
-            tokens: device_address(dev, &self.tokens),
-            done: device_address(dev, &self.done),
-            vocab: self.cfg.vocab as u32,
-            pos0: pos0 as u32,
-            prompt_end: (pos0 + given.len()) as u32,
-            max_new: max_new.min(u32::MAX as usize) as u32,
-            max_seq: self.layer.max_seq_len as u32,
-            heads_before: b.heads,
-            eps_bits: self.layer.eps.to_bits(),
-            eos_count: eos.len() as u32,
-            eos: eos_words,
-            qk_norms,
-        };
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
         let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
         let mut l = s.launch_builder(&b.func);
@@ -331,8 +495,35 @@ mod tests {
             "const bf16* qk_norms[PROGRAM_MAX_LAYERS];".to_string(),
             "const bf16* embed;".to_string(),
             "uint32_t eos[MODEL_MAX_EOS];".to_string(),
+            format!("constexpr uint32_t MAX_BATCH = {MAX_BATCH};"),
+            "constexpr uint32_t BATCH_ARGS_BYTES = 3 * 8 + 4 + 3 * MAX_BATCH * 4 + 4;".to_string(),
+            "int64_t act_stride;\n    int64_t cache_stride;\n    int32_t* next;".to_string(),
+            "uint32_t token[MAX_BATCH];\n    uint32_t pos[MAX_BATCH];\n    uint32_t seq[MAX_BATCH];".to_string(),
         ] {
             assert!(CU.contains(&line), "kernels/megakernel.cu lacks `{line}`");
+        }
+    }
+
+    #[test]
+    fn batch_steps_are_refused_naming_the_lane_and_what_is_wrong() {
+        let lane = |seq, token, pos| Lane { seq, token, pos };
+        let refusal = |lanes: &[Lane]| batch_refusal(lanes, 3, 100, 50);
+        // Taken: sequences side by side at any positions, and a chunk of one sequence beside them.
+        assert_eq!(refusal(&[lane(0, 1, 7), lane(1, 2, 0), lane(2, 49, 99)]), None);
+        assert_eq!(refusal(&[lane(1, 1, 4), lane(0, 3, 9), lane(1, 2, 5), lane(1, 0, 6)]), None);
+        assert_eq!(refusal(&Lane::chunk(2, 92, &[1; MAX_BATCH])), None);
+        for (lanes, needle) in [
+            (vec![], "0 lanes: 1 to 8"),
+            (vec![lane(0, 1, 0); MAX_BATCH + 1], "9 lanes: 1 to 8"),
+            (vec![lane(0, 1, 0), lane(3, 1, 0)], "lane 1's sequence 3 is past the model's 3"),
+            (vec![lane(1, 1, 100)], "lane 0's position 100 is past the caches' 100"),
+            (vec![lane(2, 50, 0)], "lane 0's token 50 is outside the vocabulary of 50"),
+            (vec![lane(1, 1, 4), lane(0, 1, 0), lane(1, 1, 6)], "lane 0 has 4, lane 2 6"),
+            (vec![lane(1, 1, 4), lane(1, 1, 4)], "lane 0 has 4, lane 1 4"),
+            (vec![lane(1, 1, 5), lane(1, 1, 4)], "lane 0 has 5, lane 1 4"),
+        ] {
+            let why = refusal(&lanes).unwrap_or_else(|| panic!("{lanes:?} taken"));
+            assert!(why.contains(needle), "{why}");
         }
     }
 }

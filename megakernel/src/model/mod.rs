@@ -2,7 +2,8 @@
 //! directory (`hf`) with its tokenizer (`text`); its decode step on the CPU (`cpu`: the token's
 //! embedding, every decoder layer as the golden model computes it, the final norm, the LM head in f32
 //! and a greedy argmax with a fixed tie rule); and the same on the GPU in one launch of the model
-//! kernel, for a decode step or a whole generation (`gpu`), checked against the CPU side (the
+//! kernel, for a decode step, a whole generation or a batch step of several sequences or prompt
+//! positions (`gpu`), checked against the CPU side (the
 //! `megakernel check` command).
 
 pub mod cpu;
@@ -11,7 +12,7 @@ pub mod hf;
 pub mod text;
 
 pub use cpu::{CpuModel, argmax};
-pub use gpu::{Generation, GpuModel, GpuModelError, Stop};
+pub use gpu::{Generation, GpuModel, GpuModelError, Lane, Stop};
 pub use hf::{ModelConfig, ModelError, ModelWeights};
 pub use text::Text;
 
