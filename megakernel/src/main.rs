@@ -55,7 +55,8 @@ enum Command {
         max_new: u32,
     },
     /// Time the decode: ms per token of a generation in one launch, and of a launch per token, against
-    /// the model's copy floor (its bytes per token over the measured device-to-device copy bandwidth).
+    /// the model's copy floor (its bytes per token over the measured device-to-device copy bandwidth);
+    /// then `--batch` sequences decoded together, and a prompt prefilled `--batch` positions a launch.
     Bench {
         #[command(flatten)]
         model: ModelArgs,
