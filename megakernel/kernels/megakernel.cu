@@ -1823,21 +1823,6 @@ __device__ void lanes_gemv(const OpRow& op, uint32_t lanes, uint32_t unit, uint3
     });
 }
 
-// A residual GEMV phase (the O projection, Down) for every lane, as residual_gemv for each: lane b's
-// input vector at operand `in` of its row (`cols` long), its residual and destination residual(b) and
-// dst(b), its partial sums at operands part_in and part_out.
-template <typename Res, typename Dst>
-__device__ void batch_residual(const OpRow& op, const BatchArgs& ba, int in, int cols, int part_in, int part_out, Res residual, Dst dst, Ring& ring, Partials part) {
-    uint32_t r0, r1;
-    gemv_rows(op, r0, r1);
-    lanes_gemv(
-        op, ba.lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), in), (uint32_t)op[cols], t); },
-        [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
-            const OpRow lop = lane_op(op, ba, b);
-            residual_epilogue(residual_out(residual(b), dst(b), part_ptr<const float>(lop, part_in), part_ptr<float>(lop, part_out), c0, c1), p, c0, c1);
-        });
-}
-
 // Phase `op` of a batch step for every lane (`l` its layer): the GEMV phases through lanes_gemv, with
 // each lane's input and epilogue those of the decode step's phase; attention lane after lane.
 __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, const BatchArgs& ba, const BatchIo& io, Ring& ring, Partials part) {
@@ -1879,10 +1864,17 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
             }
             break;
         }
+        // The O projection and Down written out apiece: folded into one function taking their residual
+        // and destination as lambdas, ptxas gave this kernel a 504-byte stack frame for 448 and more
+        // spill loads, a build not run on the GPU.
         case OP_O_PROJ:
-            batch_residual(
-                op, ba, oproj::A, oproj::Cols, oproj::PartIn, oproj::PartOut, [&](uint32_t b) { return io.x(ba, b, l); },
-                [&](uint32_t b) { return act_ptr<bf16>(lane_op(op, ba, b), oproj::X1Out); }, ring, part);
+            gemv_rows(op, r0, r1);
+            lanes_gemv(
+                op, lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), oproj::A), (uint32_t)op[oproj::Cols], t); },
+                [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
+                    const OpRow lop = lane_op(op, ba, b);
+                    residual_epilogue(residual_out(io.x(ba, b, l), act_ptr<bf16>(lop, oproj::X1Out), part_ptr<const float>(lop, oproj::PartIn), part_ptr<float>(lop, oproj::PartOut), c0, c1), p, c0, c1);
+                });
             break;
         case OP_GATE_UP: {
             const uint32_t d = (uint32_t)op[gateup::D];
@@ -1895,9 +1887,13 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
             break;
         }
         case OP_DOWN:
-            batch_residual(
-                op, ba, down::Act, down::Cols, down::PartIn, down::PartOut, [&](uint32_t b) { return act_ptr<const bf16>(lane_op(op, ba, b), down::X1); },
-                [&](uint32_t b) { return io.y(b, l); }, ring, part);
+            gemv_rows(op, r0, r1);
+            lanes_gemv(
+                op, lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), down::Act), (uint32_t)op[down::Cols], t); },
+                [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
+                    const OpRow lop = lane_op(op, ba, b);
+                    residual_epilogue(residual_out(act_ptr<const bf16>(lop, down::X1), io.y(b, l), part_ptr<const float>(lop, down::PartIn), part_ptr<float>(lop, down::PartOut), c0, c1), p, c0, c1);
+                });
             break;
         default: __trap();  // an unknown opcode is a broken program
     }

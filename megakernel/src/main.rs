@@ -466,7 +466,7 @@ fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) ->
     let last = positions - 1;
     model.generate(&dev, &tokens[..=last], 1, &[])?;
     let again = model.last_logits(&dev)?;
-    let bitwise = gpu_logits[last].iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
+    let bitwise = same_bits(&gpu_logits[last], &again);
     verdict(
         bitwise,
         format!("position {last}'s logits the same bits from a decode step and from a generation's launch"),
