@@ -398,25 +398,47 @@ __device__ inline float reduce_scatter(float (&v)[N]) {
     return sum;
 }
 
+// Slices of the block that run a group's stage side by side (RowStream::run_group), for rows of `vecs`
+// 16-byte vectors: for rows of at most THREADS vectors, as many as leave each slice the warps a whole
+// block would have with columns (a power of two); else one. The stage then holds that many times the
+// rows, so that narrow rows fill it as wide ones do, and every warp has columns.
+__device__ inline uint32_t row_slices(uint32_t vecs) {
+    if (vecs > THREADS) return 1;
+    uint32_t warps = 1;
+    while (warps * WARP < vecs) warps *= 2;
+    return WARPS / warps;
+}
+
+// The thread whose columns this thread takes in a stream of rows of `cols` (row_slices): itself in the
+// first slice, its counterpart there in the others.
+__device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x % (THREADS / row_slices(cols / VEC)); }
+
 // A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
-// thread; each stage is STAGE_ROWS consecutive rows, one bulk copy from a packed matrix (or a few, one
-// per run, from the handed layout: see RowSource).
+// thread; each stage is SLICE_ROWS consecutive rows per slice of the block, one bulk copy from a packed
+// matrix (or a few, one per run, from the handed layout: see RowSource). A decode step's stream (run)
+// has one slice; a group's (run_group, `group`) runs in row_slices, so that its narrow rows fill the
+// stages. Not the decode step's: its input queues behind the stages primed before it, and full stages
+// (twice or four times the bytes primed below 4096 columns) made Llama-3.2-1B 23% slower on the H200,
+// where a group gained (docs/perf.md, "Full stages for the batch step").
 template <uint32_t VPT>
 struct RowStream {
     static constexpr uint32_t VECS_PER_THREAD = VPT;
-    static constexpr uint32_t STAGE_ROWS = STAGE_BYTES / 16 / (THREADS * VPT) > 0 ? STAGE_BYTES / 16 / (THREADS * VPT) : 1;
-    static_assert(STAGE_ROWS * THREADS * VPT * 16 <= STAGE_BYTES, "a row must fit a ring stage");
+    static constexpr uint32_t SLICE_ROWS = STAGE_BYTES / 16 / (THREADS * VPT) > 0 ? STAGE_BYTES / 16 / (THREADS * VPT) : 1;
+    static_assert(SLICE_ROWS * THREADS * VPT * 16 <= STAGE_BYTES, "a row must fit a ring stage");
+    // Rows per reduce_scatter in run_group: two where a slice's rows pair up.
+    static constexpr uint32_t ROWS_PER_SUM = SLICE_ROWS % 2 == 0 ? 2 : 1;
     const bf16* w;  // (rows, vecs * VEC)
-    uint32_t vecs, r0, n, nstages;
+    uint32_t vecs, r0, n, slices, stage_rows, nstages;
     // Whether row_source may name an in-place source: false in the one-layer kernel, where the compiler
     // then drops every read of it (they cost the graded layer 10 us, docs/perf.md).
     bool in_place;
 
-    __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_, bool in_place_)
-        : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), nstages((r1_ - r0_ + STAGE_ROWS - 1) / STAGE_ROWS), in_place(in_place_) {}
+    __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_, bool in_place_, bool group = false)
+        : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), slices(group ? row_slices(vecs_) : 1), stage_rows(SLICE_ROWS * slices),
+          nstages((r1_ - r0_ + stage_rows - 1) / stage_rows), in_place(in_place_) {}
 
-    __device__ const bf16* stage_rows(uint32_t st) const { return w + (size_t)(r0 + st * STAGE_ROWS) * vecs * VEC; }
-    __device__ unsigned stage_bytes(uint32_t st) const { return min(STAGE_ROWS, n - st * STAGE_ROWS) * vecs * 16; }
+    __device__ const bf16* stage_src(uint32_t st) const { return w + (size_t)(r0 + st * stage_rows) * vecs * VEC; }
+    __device__ uint32_t stage_count(uint32_t st) const { return min(stage_rows, n - st * stage_rows); }
 
     // Thread 0 starts the copy of stage st into its slot. The slot's previous contents must be dead:
     // the callers reach this only after a __syncthreads that follows every read of them.
@@ -424,14 +446,14 @@ struct RowStream {
         if (threadIdx.x != 0 || st >= nstages) return;
         const uint32_t k = ring.seq + st;
         uint4* slot = ring.data + (k % STAGES) * (STAGE_BYTES / 16);
-        mbar_expect_tx(&ring.full[k % STAGES], stage_bytes(st));
+        mbar_expect_tx(&ring.full[k % STAGES], stage_count(st) * vecs * 16);
         if (in_place && row_source.kind != SOURCE_PACKED) {
-            gather_stage(row_source, slot, r0 + st * STAGE_ROWS, min(STAGE_ROWS, n - st * STAGE_ROWS), vecs * 16, &ring.full[k % STAGES]);
+            gather_stage(row_source, slot, r0 + st * stage_rows, stage_count(st), vecs * 16, &ring.full[k % STAGES]);
             return;
         }
         // Evict-first: each weight is read once a step, so its lines should not push out the cache and
         // the activations, which are read again (docs/perf.md measured it).
-        bulk_copy(slot, stage_rows(st), stage_bytes(st), &ring.full[k % STAGES], l2_evict_first());
+        bulk_copy(slot, stage_src(st), stage_count(st) * vecs * 16, &ring.full[k % STAGES], l2_evict_first());
     }
 
     // The first STAGES - 1 stages. Weights do not depend on anything the layer computes, so this runs
@@ -450,23 +472,22 @@ struct RowStream {
         return ring.data + (k % STAGES) * (STAGE_BYTES / 16);
     }
 
-    // Stage st's rows, and its pairs when grouped (0 otherwise): a grouped stage holds its pairs' first
-    // rows, then their second rows, so slot row i is the stage's row slot_row(i, pairs): pair i % pairs's
-    // member i / pairs.
-    __device__ uint32_t stage_count(uint32_t st) const { return min(STAGE_ROWS, n - st * STAGE_ROWS); }
+    // A grouped stage's pairs (0 otherwise): it holds its pairs' first rows, then their second rows, so
+    // slot row i is the stage's row slot_row(i, pairs): pair i % pairs's member i / pairs.
     __device__ uint32_t stage_pairs(uint32_t count) const { return in_place && row_source.grouped ? count / 2 : 0; }
     __device__ static uint32_t slot_row(uint32_t i, uint32_t pairs) { return pairs == 0 ? i : 2 * (i % pairs) + i / pairs; }
 
-    // red[r - r0][warp] = the warp's partial dot product of row r with the slice; needs prime() first.
-    // Advances ring.seq past this stream's stages.
+    // red[r - r0][warp] = the warp's partial dot product of row r with the slice, for a stream of one
+    // slice; needs prime() first. Advances ring.seq past this stream's stages.
     __device__ void run(const Slice& s, Ring& ring, Partials part) const {
         const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
-        if (n > part.rows) __trap();  // the launcher sized red for fewer rows than this block got
+        // The launcher sized red for fewer rows than this block got; or a group's stream (group_stream).
+        if (n > part.rows || slices != 1) __trap();
         for (uint32_t st = 0; st < nstages; ++st) {
             const uint4* slot = next_stage(ring, st);
-            float acc[STAGE_ROWS];
+            float acc[SLICE_ROWS];
 #pragma unroll
-            for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
+            for (uint32_t i = 0; i < SLICE_ROWS; ++i) {
                 acc[i] = 0.0f;
 #pragma unroll
                 for (uint32_t v = 0; v < VPT; ++v) {
@@ -475,13 +496,13 @@ struct RowStream {
             }
             // Independent butterflies, one per row, so their shuffles overlap.
 #pragma unroll
-            for (uint32_t i = 0; i < STAGE_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
+            for (uint32_t i = 0; i < SLICE_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
             if (lane == 0) {
                 const uint32_t count = stage_count(st), pairs = stage_pairs(count);
 #pragma unroll
-                for (uint32_t i = 0; i < STAGE_ROWS; ++i) {
+                for (uint32_t i = 0; i < SLICE_ROWS; ++i) {
                     const uint32_t r = slot_row(i, pairs);
-                    if (i < count) part.red[(st * STAGE_ROWS + r) * WARPS + warp] = acc[i];
+                    if (i < count) part.red[(st * SLICE_ROWS + r) * WARPS + warp] = acc[i];
                 }
             }
         }
@@ -489,10 +510,10 @@ struct RowStream {
         __syncthreads();  // every warp's partials are in red before any thread adds them up
     }
 
-    // Several input vectors against the same rows, the weights read once for all of them, R rows and
-    // G vectors per reduce_scatter (N = R G values). The block runs a stage's rows in `slices` side by
-    // side (rows short enough to leave warps without columns: row_slices), slice s taking slot rows s,
-    // s + slices, ...; its thread t' = t % (THREADS / slices) does what thread t' of run() does.
+    // Several input vectors against the same rows, the weights read once for all of them, R =
+    // ROWS_PER_SUM rows and G vectors per reduce_scatter (N = R G values). The block runs a stage's rows
+    // in `slices` side by side (a group stream's, row_slices), slice s taking slot rows s, s + slices,
+    // ...; its thread t' = t % (THREADS / slices) does what thread t' of run() does.
     // h[p] holds vector p ^ (scatter_mask<N>() % G)'s elements as a Slice would (16-byte vector t' + v
     // THREADS at h[p][v]), widened to f32 once; the lane takes row position rp from slot row rp ^
     // (scatter_mask<N>() / G), so that value rp G + p is reduce_scatter's. red[(g n + r - r0)][warp]
@@ -500,16 +521,16 @@ struct RowStream {
     // columns are the caller's to zero (their +0.0 partials). Each vector's products, their order per
     // thread (dot8's), its butterfly and row_sum's warp order are run()'s, so each vector's sums are
     // bitwise those of run() alone, whatever the other vectors are. Needs prime(); advances ring.seq.
-    template <uint32_t G, uint32_t R>
-    __device__ void run_group(const float (&h)[G][VPT][VEC], uint32_t live, uint32_t slices, Ring& ring, Partials part) const {
-        constexpr uint32_t N = R * G;
+    template <uint32_t G>
+    __device__ void run_group(const float (&h)[G][VPT][VEC], uint32_t live, Ring& ring, Partials part) const {
+        constexpr uint32_t R = ROWS_PER_SUM, N = R * G;
         const uint32_t t = threadIdx.x % (THREADS / slices), sub = threadIdx.x / (THREADS / slices), lane = threadIdx.x % WARP;
-        const uint32_t warp = t / WARP, mask = scatter_mask<N>(), per_slice = STAGE_ROWS / slices;
-        if (n * live > part.rows || live > G || per_slice % R != 0) __trap();  // the caller sizes these
+        const uint32_t warp = t / WARP, mask = scatter_mask<N>();
+        if (n * live > part.rows || live > G) __trap();  // the caller sizes these
         for (uint32_t st = 0; st < nstages; ++st) {
             const uint4* slot = next_stage(ring, st);
             const uint32_t count = stage_count(st), pairs = stage_pairs(count);
-            for (uint32_t j = 0; j < per_slice; j += R) {
+            for (uint32_t j = 0; j < SLICE_ROWS; j += R) {
                 float acc[N];
 #pragma unroll
                 for (uint32_t k = 0; k < N; ++k) acc[k] = 0.0f;
@@ -531,13 +552,19 @@ struct RowStream {
                 }
                 const float sum = reduce_scatter<N>(acc);
                 const uint32_t g = mask % G, i = sub + slices * (j + mask / G);
-                if (lane % (WARP / N) == 0 && g < live && i < count) part.red[(g * n + st * STAGE_ROWS + slot_row(i, pairs)) * WARPS + warp] = sum;
+                if (lane % (WARP / N) == 0 && g < live && i < count) part.red[(g * n + st * stage_rows + slot_row(i, pairs)) * WARPS + warp] = sum;
             }
         }
         ring.seq += nstages;
         __syncthreads();  // every warp's partials are in red before any thread adds them up
     }
 };
+
+// A stream of rows [r0, r1) for run_group (RowStream's `group`).
+template <uint32_t VPT>
+__device__ inline RowStream<VPT> group_stream(const bf16* w, uint32_t vecs, uint32_t r0, uint32_t r1, bool in_place) {
+    return RowStream<VPT>(w, vecs, r0, r1, in_place, true);
+}
 
 // Calls f(RowStream<VPT>) for the VPT of rows of `cols` bf16: the loops above unroll at compile time.
 template <typename F>
@@ -563,22 +590,13 @@ constexpr uint32_t MAX_BATCH = 8;
 template <uint32_t VPT>
 __host__ __device__ constexpr uint32_t group_of() { return VPT >= MAX_BATCH ? 1 : MAX_BATCH / VPT; }
 
-// Slices of the block that run a stage's rows side by side (RowStream::run_group): for rows of at most
-// THREADS vectors, as many as leave each slice the warps run() has with columns (a power of two), at
-// most a stage's rows; else one.
-__device__ inline uint32_t row_slices(uint32_t vecs, uint32_t stage_rows) {
-    if (vecs > THREADS) return 1;
-    uint32_t warps = 1;
-    while (warps * WARP < vecs) warps *= 2;
-    return min(WARPS / warps, stage_rows);
-}
-
-// A group's inputs for RowStream::run_group<G, R>, widened once: h[p] holds vector p ^ (scatter_mask<R
-// G>() % G) as thread t holds it (input(g, t), a Slice, for g < live; zero past live). Each thread loads
-// its own order of vectors from memory, so that every place of h is a register the compiler names.
-template <uint32_t VPT, uint32_t G, uint32_t R, typename In>
+// A group's inputs for RowStream<VPT>::run_group<G>, R its ROWS_PER_SUM, widened once: h[p] holds
+// vector p ^ (scatter_mask<R G>() % G) as thread t holds it (input(g, t), a Slice, for g < live; zero
+// past live). Each thread loads its own order of vectors from memory, so that every place of h is a
+// register the compiler names.
+template <uint32_t VPT, uint32_t G, typename In>
 __device__ inline void group_inputs(float (&h)[G][VPT][VEC], uint32_t live, uint32_t t, In input) {
-    const uint32_t order = scatter_mask<R * G>() % G;
+    const uint32_t order = scatter_mask<RowStream<VPT>::ROWS_PER_SUM * G>() % G;
 #pragma unroll
     for (uint32_t p = 0; p < G; ++p) {
         const uint32_t g = p ^ order;
@@ -586,20 +604,6 @@ __device__ inline void group_inputs(float (&h)[G][VPT][VEC], uint32_t live, uint
 #pragma unroll
         for (uint32_t v = 0; v < VPT; ++v) widen8(g < live ? s.h[v] : make_uint4(0, 0, 0, 0), h[p][v]);
     }
-}
-
-// Calls f(PerSum<R>{}) for run_group's rows per reduce_scatter R: two where each slice has an even
-// number of a stage's rows, else one.
-template <uint32_t R>
-struct PerSum {
-    static constexpr uint32_t value = R;
-};
-template <uint32_t STAGE_ROWS, typename F>
-__device__ void with_rows_per_sum(uint32_t slices, F f) {
-    if constexpr (STAGE_ROWS % 2 == 0) {
-        if ((STAGE_ROWS / slices) % 2 == 0) return f(PerSum<2>{});
-    }
-    f(PerSum<1>{});
 }
 
 // Zeroes the row partials: the warps a slice of run_group leaves without columns never write theirs,
@@ -669,7 +673,7 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
         if (lanes == 0) return stream.prime(ring);
         using Stream = decltype(stream);
         const uint32_t live = max(1u, min(lanes_per_group(group_of<Stream::VECS_PER_THREAD>(), unit, part_rows), lanes));
-        Stream(g.w, stream.vecs, r0, min(r1, r0 + chunk_rows(live, unit, part_rows)), g.in_place).prime(ring);
+        group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, min(r1, r0 + chunk_rows(live, unit, part_rows)), g.in_place).prime(ring);
     });
 }
 
@@ -743,6 +747,9 @@ __device__ inline float preload(const bf16* v, uint32_t n) { return threadIdx.x 
 // Phases
 // ---------------------------------------------------------------------------------------------------
 
+// The GEMV phases are forced inline into the program runner: as a call, ptxas saves the caller's
+// registers around it (the model kernel spilled 120 bytes when the inliner left phase_gateup out).
+
 // Where a Qkv phase's epilogue writes for position pos (the lane's q and its sequence's caches), and
 // the rows of cos and sin it rotates by; resolved before the stream, as the phase's first loads.
 struct QkvOut {
@@ -796,7 +803,7 @@ __device__ inline void qkv_epilogue(const OpRow& op, uint32_t pos, const QkvOut&
 }
 
 // h = rmsnorm(x); [q|k|v] = W h over pair-interleaved rows; rope q and k; append k and v at pos.
-__device__ void phase_qkv(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
+__device__ __forceinline__ void phase_qkv(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[qkv::D];
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
     const QkvOut out = qkv_out(op, pos);
@@ -852,7 +859,7 @@ __device__ void qkv_normed_epilogue(const OpRow& op, uint32_t pos, const Ring& r
 // rounded and each head's inverse root go to the ring's shared memory (free: the stream is done); each
 // pair is then scaled as the layer's norms scale (rms_scale) and rotated; v's heads are stored as they
 // are. Everything after the stream is read again from the row, so that no register holds it across.
-__device__ void phase_qkv_normed(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part, const bf16* norms) {
+__device__ __forceinline__ void phase_qkv_normed(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part, const bf16* norms) {
     uint32_t r0, r1;
     gemv_rows(op, r0, r1, norms);
     const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), (uint32_t)op[qkv::D], __int_as_float((int)op[qkv::EpsBits]));
@@ -1335,7 +1342,7 @@ __device__ void residual_gemv(const OpRow& op, const bf16* v, uint32_t cols, con
 // x1 = x + Wo a over the columns the row names: all of them; or those of the first half of the KV
 // groups (f32 products to PartOut); or those of the second half, added to PartIn's, which the first
 // half's blocks wrote (this phase waits for theirs).
-__device__ void phase_oproj(const OpRow& op, const bf16* x, Ring& ring, Partials part) {
+__device__ __forceinline__ void phase_oproj(const OpRow& op, const bf16* x, Ring& ring, Partials part) {
     residual_gemv(op, act_ptr<const bf16>(op, oproj::A), (uint32_t)op[oproj::Cols], x, act_ptr<bf16>(op, oproj::X1Out),
                   part_ptr<const float>(op, oproj::PartIn), part_ptr<float>(op, oproj::PartOut), ring, part);
 }
@@ -1348,7 +1355,7 @@ __device__ inline void gateup_epilogue(bf16* act, const Partials& part, uint32_t
 }
 
 // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2) over gate/up-interleaved rows.
-__device__ void phase_gateup(const OpRow& op, Ring& ring, Partials part) {
+__device__ __forceinline__ void phase_gateup(const OpRow& op, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[gateup::D];
     const float eps = __int_as_float((int)op[gateup::EpsBits]);
     bf16* act = act_ptr<bf16>(op, gateup::ActOut);
@@ -1362,7 +1369,7 @@ __device__ void phase_gateup(const OpRow& op, Ring& ring, Partials part) {
 // out = x1 + Wd act over the columns of act the row names: all of them; or a part of them (f32 products
 // to PartOut, added to PartIn's where the row names them; the last part rounds). Every part runs on the
 // same blocks with the same rows, so a block adds the partials it wrote itself: program order, no wait.
-__device__ void phase_down(const OpRow& op, bf16* out, Ring& ring, Partials part) {
+__device__ __forceinline__ void phase_down(const OpRow& op, bf16* out, Ring& ring, Partials part) {
     residual_gemv(op, act_ptr<const bf16>(op, down::Act), (uint32_t)op[down::Cols], act_ptr<const bf16>(op, down::X1), out,
                   part_ptr<const float>(op, down::PartIn), part_ptr<float>(op, down::PartOut), ring, part);
 }
@@ -1556,16 +1563,17 @@ __device__ inline void head_rows(uint32_t vocab, uint32_t& r0, uint32_t& r1) {
     r1 = (uint32_t)((uint64_t)vocab * (blockIdx.x + 1) / gridDim.x);
 }
 
-// Starts streaming the head's rows [r0, r1) (at most the partials' rows) into the ring.
-__device__ inline void prime_head_rows(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t r0, uint32_t r1) {
-    with_stream(m.head, d, r0, r1, false, [&](auto stream) { stream.prime(ring); });
+// Starts streaming the head's rows [r0, r1) (at most the partials' rows) into the ring, for run() or
+// for run_group (`group`, RowStream's).
+__device__ inline void prime_head_rows(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t r0, uint32_t r1, bool group = false) {
+    with_stream(m.head, d, r0, r1, false, [&](auto stream) { decltype(stream)(m.head, stream.vecs, r0, r1, false, group).prime(ring); });
 }
 
-// The head's first weights, before the head waits for the last layer.
-__device__ inline void prime_head(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t chunk_rows) {
+// The head's first weights, before the head waits for the last layer (`group` as for prime_head_rows).
+__device__ inline void prime_head(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t chunk_rows, bool group = false) {
     uint32_t r0, r1;
     head_rows(m.vocab, r0, r1);
-    prime_head_rows(m, d, ring, r0, min(r0 + chunk_rows, r1));
+    prime_head_rows(m, d, ring, r0, min(r0 + chunk_rows, r1), group);
 }
 
 // logits = head rmsnorm(y, final_norm) over this block's rows, f32 (each row's warp partials summed in
@@ -1776,23 +1784,23 @@ __device__ inline Slice lane_rmsnorm(const bf16* x, const bf16* g, uint32_t d, u
     return s;
 }
 
-// Lanes [b0, b0 + live) of `all`'s rows through run_group<G, R> in `slices` (row_slices), in streams
-// of `chunk` rows: input(b, t) is lane b's input as thread t holds it (no block-wide step: each thread
-// takes the lanes in its own order), epilogue(b, part, c0, c1) ends lane b's rows [c0, c1) from their
-// partials. The first stream's first stages are in the ring unless `prime_first`.
-template <uint32_t VPT, uint32_t G, uint32_t R, typename In, typename Out>
-__device__ void lanes_group(const RowStream<VPT>& all, uint32_t b0, uint32_t live, uint32_t chunk, uint32_t slices, bool prime_first, Ring& ring, Partials part,
-                            In input, Out epilogue) {
+// Lanes [b0, b0 + live) of `all`'s rows through run_group<G>, in group streams of `chunk` rows:
+// input(b, t) is lane b's input as thread t holds it (no block-wide step: each thread takes the lanes
+// in its own order), epilogue(b, part, c0, c1) ends lane b's rows [c0, c1) from their partials. The
+// first stream's first stages are in the ring unless `prime_first`.
+template <uint32_t VPT, uint32_t G, typename In, typename Out>
+__device__ void lanes_group(const RowStream<VPT>& all, uint32_t b0, uint32_t live, uint32_t chunk, bool prime_first, Ring& ring, Partials part, In input,
+                            Out epilogue) {
     float h[G][VPT][VEC];
-    group_inputs<VPT, G, R>(h, live, threadIdx.x % (THREADS / slices), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
+    group_inputs<VPT, G>(h, live, column_thread(all.vecs * VEC), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
     const uint32_t end = all.r0 + all.n;
     for (uint32_t c0 = all.r0; c0 < end; c0 += chunk) {
         const uint32_t c1 = min(c0 + chunk, end);
-        const RowStream<VPT> stream(all.w, all.vecs, c0, c1, all.in_place);
+        const RowStream<VPT> stream = group_stream<VPT>(all.w, all.vecs, c0, c1, all.in_place);
         // The ring is free: the stream before and its epilogues (Qwen3's uses the ring's memory) ended on
         // a __syncthreads.
         if (c0 != all.r0 || prime_first) stream.prime(ring);
-        stream.template run_group<G, R>(h, live, slices, ring, part);
+        stream.template run_group<G>(h, live, ring, part);
         for (uint32_t g = 0; g < live; ++g) {
             epilogue(b0 + g, Partials{part.red + (size_t)g * (c1 - c0) * WARPS, c1 - c0}, c0, c1);
             // The next lane's epilogue, the next stream and its partials come after every read of these.
@@ -1810,15 +1818,13 @@ __device__ void lanes_gemv(const OpRow& op, uint32_t lanes, uint32_t unit, uint3
     Gemv gemv;
     if (!gemv_of(op, gemv)) __trap();
     with_stream(gemv.w, gemv.cols, r0, r1, gemv.in_place, [&](auto all) {
-        constexpr uint32_t VPT = decltype(all)::VECS_PER_THREAD, G = group_of<VPT>(), STAGE_ROWS = decltype(all)::STAGE_ROWS;
-        const uint32_t fit = lanes_per_group(G, unit, part.rows), slices = row_slices(all.vecs, STAGE_ROWS);
+        constexpr uint32_t VPT = decltype(all)::VECS_PER_THREAD, G = group_of<VPT>();
+        const uint32_t fit = lanes_per_group(G, unit, part.rows);
         if (fit == 0) __trap();  // the launcher sizes the partials for a unit of rows of every phase
-        if (slices > 1) zero_partials(part);  // the phase before's epilogue ended on a __syncthreads
+        if (row_slices(all.vecs) > 1) zero_partials(part);  // the phase before's epilogue ended on a __syncthreads
         for (uint32_t b0 = 0; b0 < lanes; b0 += fit) {
             const uint32_t live = min(fit, lanes - b0);
-            with_rows_per_sum<STAGE_ROWS>(slices, [&](auto per_sum) {
-                lanes_group<VPT, G, decltype(per_sum)::value>(all, b0, live, chunk_rows(live, unit, part.rows), slices, b0 > 0, ring, part, input, epilogue);
-            });
+            lanes_group<VPT, G>(all, b0, live, chunk_rows(live, unit, part.rows), b0 > 0, ring, part, input, epilogue);
         }
     });
 }
@@ -1902,22 +1908,22 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
 // Lanes a group of the LM head holds (group_of for rows of d).
 __device__ inline uint32_t head_group(uint32_t d) { return max(1u, MAX_BATCH / ((d / VEC + THREADS - 1) / THREADS)); }
 
-// The LM head's rows [r0, r1) of this block for lanes [b0, b0 + live) through run_group<G, R>: each
+// The LM head's rows [r0, r1) of this block for lanes [b0, b0 + live) through run_group<G>: each
 // lane's logits (its row of m.logits) from rmsnorm of its row of out, and its best row into
 // candidates[lane][block]. The rows go through the partials in chunks of part.rows / G, the first one
 // in the ring already, each next one primed while the one before is summed.
-template <uint32_t VPT, uint32_t G, uint32_t R>
-__device__ void head_lanes(const ModelArgs& m, const bf16* out, uint32_t d, uint32_t b0, uint32_t live, uint32_t slices, uint32_t r0, uint32_t r1,
+template <uint32_t VPT, uint32_t G>
+__device__ void head_lanes(const ModelArgs& m, const bf16* out, uint32_t d, uint32_t b0, uint32_t live, uint32_t r0, uint32_t r1,
                            Ring& ring, Partials part) {
     const uint32_t chunk = part.rows / G, vecs = d / VEC;
     float h[G][VPT][VEC];
-    group_inputs<VPT, G, R>(h, live, threadIdx.x % (THREADS / slices), [&](uint32_t g, uint32_t t) { return lane_rmsnorm(out + (size_t)(b0 + g) * d, m.final_norm, d, b0 + g, t); });
+    group_inputs<VPT, G>(h, live, column_thread(d), [&](uint32_t g, uint32_t t) { return lane_rmsnorm(out + (size_t)(b0 + g) * d, m.final_norm, d, b0 + g, t); });
     uint64_t best[G] = {};
     for (uint32_t c0 = r0; c0 < r1; c0 += chunk) {
         const uint32_t c1 = min(c0 + chunk, r1);
-        RowStream<VPT>(m.head, vecs, c0, c1, false).template run_group<G, R>(h, live, slices, ring, part);
+        group_stream<VPT>(m.head, vecs, c0, c1, false).template run_group<G>(h, live, ring, part);
         // The ring is free: run_group ended on a __syncthreads after its last read of it.
-        if (c1 < r1) RowStream<VPT>(m.head, vecs, c1, min(c1 + chunk, r1), false).prime(ring);
+        if (c1 < r1) group_stream<VPT>(m.head, vecs, c1, min(c1 + chunk, r1), false).prime(ring);
 #pragma unroll
         for (uint32_t g = 0; g < G; ++g) {
             if (g >= live) continue;
@@ -1944,16 +1950,13 @@ __device__ void batch_head(const ModelArgs& m, const BatchArgs& ba, const bf16* 
     uint32_t r0, r1;
     head_rows(m.vocab, r0, r1);
     with_stream(m.head, d, r0, r1, false, [&](auto all) {
-        constexpr uint32_t VPT = decltype(all)::VECS_PER_THREAD, G = group_of<VPT>(), STAGE_ROWS = decltype(all)::STAGE_ROWS;
-        const uint32_t slices = row_slices(all.vecs, STAGE_ROWS);
-        if (slices > 1) zero_partials(part);  // the last layer's phases ended on a __syncthreads
+        constexpr uint32_t VPT = decltype(all)::VECS_PER_THREAD, G = group_of<VPT>();
+        if (row_slices(all.vecs) > 1) zero_partials(part);  // the last layer's phases ended on a __syncthreads
         lane_norms(ba.lanes, d, __int_as_float((int)m.eps_bits), [&](uint32_t b) { return out + (size_t)b * d; });
         for (uint32_t b0 = 0; b0 < ba.lanes; b0 += G) {
             // The ring is free: the group before ended on a __syncthreads after its last read of it.
-            if (b0 > 0) RowStream<VPT>(m.head, all.vecs, r0, min(r0 + part.rows / G, r1), false).prime(ring);
-            with_rows_per_sum<STAGE_ROWS>(slices, [&](auto per_sum) {
-                head_lanes<VPT, G, decltype(per_sum)::value>(m, out, d, b0, min(G, ba.lanes - b0), slices, r0, r1, ring, part);
-            });
+            if (b0 > 0) group_stream<VPT>(m.head, all.vecs, r0, min(r0 + part.rows / G, r1), false).prime(ring);
+            head_lanes<VPT, G>(m, out, d, b0, min(G, ba.lanes - b0), r0, r1, ring, part);
         }
     });
 }
@@ -2011,7 +2014,7 @@ __device__ __forceinline__ void run_batch(const Program<PROGRAM_MAX_LAYERS>& pro
         f = walk.next_own(f + 1, per_step);
         if (f < per_step) batch_prime(walk, f, m, ba, ring, part);
     }
-    prime_head(m, d, ring, part.rows / head_group(d));
+    prime_head(m, d, ring, part.rows / head_group(d), true);
     // Every row of the last layer, as the layer before the head: every lane's output is whole.
     wait_for(program.words, ((1ull << phases) - 1) << PREV_LAYER_WAITS, phase_done, step, layers, layers, true);
     batch_head(m, ba, out, d, ring, part);
@@ -2075,37 +2078,32 @@ __device__ inline void store_rows(float* y, uint32_t rows, uint32_t b0, uint32_t
     for (uint32_t i = threadIdx.x; i < live * n; i += THREADS) y[(size_t)(b0 + i / n) * rows + c0 + i % n] = row_sum(part.red, i);
 }
 
-// Vectors x[b0, b0 + live) against this block's rows [r0, r1) of w through run_group<G, R> in `slices`:
+// Vectors x[b0, b0 + live) against this block's rows [r0, r1) of w through run_group<G>:
 // each thread's inputs loaded in the lanes' order, the rows in chunks whose partials fit, each chunk
 // streamed once.
-template <uint32_t VPT, uint32_t G, uint32_t R>
+template <uint32_t VPT, uint32_t G>
 __device__ void grouped_chunks(const bf16* w, uint32_t rows, uint32_t cols, const bf16* x, uint32_t b0, uint32_t live, float* y,
-                               uint32_t r0, uint32_t r1, uint32_t slices, Ring& ring, Partials part) {
+                               uint32_t r0, uint32_t r1, Ring& ring, Partials part) {
     const uint32_t vecs = cols / VEC;
     float h[G][VPT][VEC];
-    group_inputs<VPT, G, R>(h, live, threadIdx.x % (THREADS / slices), [&](uint32_t g, uint32_t t) { return load_slice(x + (size_t)(b0 + g) * cols, cols, t); });
+    group_inputs<VPT, G>(h, live, column_thread(cols), [&](uint32_t g, uint32_t t) { return load_slice(x + (size_t)(b0 + g) * cols, cols, t); });
     const uint32_t chunk = part.rows / G;
     for (uint32_t c0 = r0; c0 < r1; c0 += chunk) {
         const uint32_t c1 = min(c0 + chunk, r1);
-        const RowStream<VPT> stream(w, vecs, c0, c1, false);
+        const RowStream<VPT> stream = group_stream<VPT>(w, vecs, c0, c1, false);
         stream.prime(ring);
-        stream.template run_group<G, R>(h, live, slices, ring, part);
+        stream.template run_group<G>(h, live, ring, part);
         store_rows(y, rows, b0, live, c0, c1, part);  // the next run's first __syncthreads follows these reads
     }
 }
 
-// Vectors x[b0, b0 + live) against this block's rows [r0, r1) of w, G = group_of<VPT>() at a time, two
-// rows per reduce_scatter where each slice has an even number of a stage's rows.
+// Vectors x[b0, b0 + live) against this block's rows [r0, r1) of w, G = group_of<VPT>() at a time.
 template <uint32_t VPT>
 __device__ void batch_pass_grouped(const bf16* w, uint32_t rows, uint32_t cols, const bf16* x, uint32_t b0, uint32_t live, float* y,
                                    uint32_t r0, uint32_t r1, Ring& ring, Partials part) {
-    constexpr uint32_t G = group_of<VPT>(), STAGE_ROWS = RowStream<VPT>::STAGE_ROWS;
-    const uint32_t slices = row_slices(cols / VEC, STAGE_ROWS);
     __syncthreads();  // every read of the partials before is done
-    if (slices > 1) zero_partials(part);
-    with_rows_per_sum<STAGE_ROWS>(slices, [&](auto per_sum) {
-        grouped_chunks<VPT, G, decltype(per_sum)::value>(w, rows, cols, x, b0, live, y, r0, r1, slices, ring, part);
-    });
+    if (row_slices(cols / VEC) > 1) zero_partials(part);
+    grouped_chunks<VPT, group_of<VPT>()>(w, rows, cols, x, b0, live, y, r0, r1, ring, part);
 }
 
 // Vector x[b] alone against this block's rows [r0, r1) of w, through run() as every phase streams.

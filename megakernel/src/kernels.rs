@@ -9,7 +9,7 @@ cuda::embed_kernels!(
           the layer kernels' does; kept in shared memory, one register still spills around the phases (4 bytes \
           stored, 8 loaded, once per phase); every variant tried kept it or spilled more (docs/model.md)",
     },
-    cuda::kernels::Spills { function: "megakernel_model_batch_bf16", bytes: 512, why: BATCH_SPILLS },
+    cuda::kernels::Spills { function: "megakernel_model_batch_bf16", bytes: 640, why: BATCH_SPILLS },
     cuda::kernels::Spills { function: "batch_phase", bytes: 3072, why: BATCH_SPILLS },
     cuda::kernels::Spills { function: "batch_head", bytes: 512, why: BATCH_SPILLS }
 );
@@ -18,5 +18,5 @@ cuda::embed_kernels!(
 #[cfg(test)]
 const BATCH_SPILLS: &str = "a batch step holds a group's inputs, up to 64 f32 a thread, beside a phase's state at the 128 \
                             registers a 512-thread block has; ptxas keeps its GEMV phases as calls and saves registers \
-                            around them. Measured as it is (docs/model.md): 8 sequences decode at 2.8-3.1x the \
+                            around them. Measured as it is (docs/model.md): 8 sequences decode at 2.7-3.1x the \
                             throughput of one; the decode step's kernels do not spill";
