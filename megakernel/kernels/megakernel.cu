@@ -418,8 +418,8 @@ __device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x % (
 // matrix (or a few, one per run, from the handed layout: see RowSource). A decode step's stream (run)
 // has one slice; a group's (run_group, `group`) runs in row_slices, so that its narrow rows fill the
 // stages. Not the decode step's: its input queues behind the stages primed before it, and full stages
-// (twice or four times the bytes primed below 4096 columns) made Llama-3.2-1B 23% slower on the H200,
-// where a group gained (docs/perf.md, "Full stages for the batch step").
+// with the whole ring primed (up to six times the bytes primed below 4096 columns) made Llama-3.2-1B
+// 23% slower on the H200, where a group gained (docs/perf.md, "Full stages for the batch step").
 template <uint32_t VPT>
 struct RowStream {
     static constexpr uint32_t VECS_PER_THREAD = VPT;
@@ -567,17 +567,18 @@ __device__ inline RowStream<VPT> group_stream(const bf16* w, uint32_t vecs, uint
 }
 
 // Calls f(RowStream<VPT>) for the VPT of rows of `cols` bf16: the loops above unroll at compile time.
+// `group`: a stream for run_group (RowStream's).
 template <typename F>
-__device__ void with_stream(const bf16* w, uint32_t cols, uint32_t r0, uint32_t r1, bool in_place, F f) {
+__device__ void with_stream(const bf16* w, uint32_t cols, uint32_t r0, uint32_t r1, bool in_place, F f, bool group = false) {
     const uint32_t vecs = cols / VEC;
     switch ((vecs + THREADS - 1) / THREADS) {
-        case 1: f(RowStream<1>(w, vecs, r0, r1, in_place)); break;
-        case 2: f(RowStream<2>(w, vecs, r0, r1, in_place)); break;
-        case 3: f(RowStream<3>(w, vecs, r0, r1, in_place)); break;
-        case 4: f(RowStream<4>(w, vecs, r0, r1, in_place)); break;
-        case 5: f(RowStream<5>(w, vecs, r0, r1, in_place)); break;
-        case 6: f(RowStream<6>(w, vecs, r0, r1, in_place)); break;
-        case 7: f(RowStream<7>(w, vecs, r0, r1, in_place)); break;
+        case 1: f(RowStream<1>(w, vecs, r0, r1, in_place, group)); break;
+        case 2: f(RowStream<2>(w, vecs, r0, r1, in_place, group)); break;
+        case 3: f(RowStream<3>(w, vecs, r0, r1, in_place, group)); break;
+        case 4: f(RowStream<4>(w, vecs, r0, r1, in_place, group)); break;
+        case 5: f(RowStream<5>(w, vecs, r0, r1, in_place, group)); break;
+        case 6: f(RowStream<6>(w, vecs, r0, r1, in_place, group)); break;
+        case 7: f(RowStream<7>(w, vecs, r0, r1, in_place, group)); break;
         default: __trap();  // the launcher refuses rows longer than MAX_VPT vectors per thread
     }
 }
@@ -1566,7 +1567,7 @@ __device__ inline void head_rows(uint32_t vocab, uint32_t& r0, uint32_t& r1) {
 // Starts streaming the head's rows [r0, r1) (at most the partials' rows) into the ring, for run() or
 // for run_group (`group`, RowStream's).
 __device__ inline void prime_head_rows(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t r0, uint32_t r1, bool group = false) {
-    with_stream(m.head, d, r0, r1, false, [&](auto stream) { decltype(stream)(m.head, stream.vecs, r0, r1, false, group).prime(ring); });
+    with_stream(m.head, d, r0, r1, false, [&](auto stream) { stream.prime(ring); }, group);
 }
 
 // The head's first weights, before the head waits for the last layer (`group` as for prime_head_rows).
