@@ -613,6 +613,31 @@ __device__ inline void zero_partials(const Partials& part) {
     for (uint32_t i = threadIdx.x; i < part.rows * WARPS; i += THREADS) part.red[i] = 0.0f;
 }
 
+// Lanes [b0, b0 + live) of `all`'s rows through run_group<G>, in group streams of `chunk` rows:
+// input(b, t) is lane b's input as thread t holds it (no block-wide step: each thread takes the lanes
+// in its own order), epilogue(b, part, c0, c1) ends lane b's rows [c0, c1) from their partials. The
+// first stream's first stages are in the ring unless `prime_first`.
+template <uint32_t VPT, uint32_t G, typename In, typename Out>
+__device__ void lanes_group(const RowStream<VPT>& all, uint32_t b0, uint32_t live, uint32_t chunk, bool prime_first, Ring& ring, Partials part, In input,
+                            Out epilogue) {
+    float h[G][VPT][VEC];
+    group_inputs<VPT, G>(h, live, column_thread(all.vecs * VEC), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
+    const uint32_t end = all.r0 + all.n;
+    for (uint32_t c0 = all.r0; c0 < end; c0 += chunk) {
+        const uint32_t c1 = min(c0 + chunk, end);
+        const RowStream<VPT> stream = group_stream<VPT>(all.w, all.vecs, c0, c1, all.in_place);
+        // The ring is free: the stream before and its epilogues (Qwen3's uses the ring's memory) ended on
+        // a __syncthreads.
+        if (c0 != all.r0 || prime_first) stream.prime(ring);
+        stream.template run_group<G>(h, live, ring, part);
+        for (uint32_t g = 0; g < live; ++g) {
+            epilogue(b0 + g, Partials{part.red + (size_t)g * (c1 - c0) * WARPS, c1 - c0}, c0, c1);
+            // The next lane's epilogue, the next stream and its partials come after every read of these.
+            __syncthreads();
+        }
+    }
+}
+
 // The GEMV of a phase: matrix, row length and rows, as the program row names them.
 struct Gemv {
     const bf16* w;
@@ -655,6 +680,13 @@ __device__ inline uint32_t qkv_unit(const OpRow& op, const bf16* qk_norms) {
     return op[0] == OP_QKV && qk_norms != nullptr ? (uint32_t)op[qkv::Hd] : 2;
 }
 
+// Whether a decode step's Qkv phase with q/k norms streams as a group of one (phase_qkv_normed): where
+// its rows of d columns run in slices, so that its stages are full. The phase runs on the few blocks
+// that hold whole heads (32 of 132 at Qwen3-0.6B), each streaming many stages, and the bytes a stage
+// holds limit how fast: 16 KB at d 1024 in one slice, 64 KB in four. The vector's products, sums and
+// rounding are run()'s (run_group), so every output keeps its bits.
+__device__ inline bool normed_group(uint32_t d) { return row_slices(d / VEC) > 1; }
+
 // Lanes of a batch step's group (lanes_gemv): as many as the group holds (G, group_of) and the
 // partials fit for a unit of rows each; at least one where the launcher sized the partials.
 __device__ inline uint32_t lanes_per_group(uint32_t G, uint32_t unit, uint32_t part_rows) { return min(G, part_rows / unit); }
@@ -671,8 +703,10 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     uint32_t r0, r1;
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
     with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) {
-        if (lanes == 0) return stream.prime(ring);
         using Stream = decltype(stream);
+        // A decode step's Qkv with q/k norms may stream as a group of one (normed_group).
+        if (lanes == 0 && (unit == 2 || !normed_group(g.cols))) return stream.prime(ring);
+        if (lanes == 0) return group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, r1, g.in_place).prime(ring);
         const uint32_t live = max(1u, min(lanes_per_group(group_of<Stream::VECS_PER_THREAD>(), unit, part_rows), lanes));
         group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, min(r1, r0 + chunk_rows(live, unit, part_rows)), g.in_place).prime(ring);
     });
@@ -715,11 +749,13 @@ __device__ inline Slice load_slice(const bf16* v, uint32_t len, uint32_t t = thr
 
 // The inverse root of the mean square of the block's slice of x (d elements), in every thread: every
 // block computes the same sum in the same order.
-__device__ inline float slice_inv_rms(const Slice& s, uint32_t d, float eps) {
+// `counted`: whether this thread's vectors count (a thread holding another's copy adds +0.0, as a thread
+// without vectors does).
+__device__ inline float slice_inv_rms(const Slice& s, uint32_t d, float eps, bool counted = true) {
     float acc = 0.0f;
 #pragma unroll
     for (uint32_t j = 0; j < MAX_VPT; ++j) acc = sumsq8(s.h[j], acc);  // zero vectors add nothing
-    return inv_rms(__fdiv_rn(block_reduce(acc, Add{}), (float)d), eps);
+    return inv_rms(__fdiv_rn(block_reduce(counted ? acc : 0.0f, Add{}), (float)d), eps);
 }
 
 // The slice s of thread t scaled by r and the norm's weights g.
@@ -860,12 +896,28 @@ __device__ void qkv_normed_epilogue(const OpRow& op, uint32_t pos, const Ring& r
 // rounded and each head's inverse root go to the ring's shared memory (free: the stream is done); each
 // pair is then scaled as the layer's norms scale (rms_scale) and rotated; v's heads are stored as they
 // are. Everything after the stream is read again from the row, so that no register holds it across.
+// Rows of at most 2048 columns stream as a group of one, in full stages (normed_group).
 __device__ __forceinline__ void phase_qkv_normed(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part, const bf16* norms) {
     uint32_t r0, r1;
     gemv_rows(op, r0, r1, norms);
-    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), (uint32_t)op[qkv::D], __int_as_float((int)op[qkv::EpsBits]));
-    gemv_phase(op, s, ring, part, r0, r1);
-    qkv_normed_epilogue(op, pos, ring, part, norms, r0, r1);
+    const uint32_t d = (uint32_t)op[qkv::D];
+    const float eps = __int_as_float((int)op[qkv::EpsBits]);
+    const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm));
+    const auto epilogue = [&](uint32_t, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(op, pos, ring, p, norms, c0, c1); };
+    if (!normed_group(d)) {
+        gemv_phase(op, rmsnorm_slice(x, g, d, eps), ring, part, r0, r1);
+        epilogue(0, part, r0, r1);
+        return;
+    }
+    // Each thread holds the vectors of the thread whose columns it takes (column_thread); the norm's sum
+    // counts the first slice's, which are every thread's own (see normed_group).
+    const uint32_t t = column_thread(d);
+    Slice s = load_slice(x, d, t);
+    scale_slice(s, g, slice_inv_rms(s, d, eps, threadIdx.x == t), t);
+    Gemv w;
+    if (!gemv_of(op, w)) __trap();
+    zero_partials(part);  // the phase before ended on a __syncthreads
+    lanes_group<1, 1>(RowStream<1>(w.w, d / VEC, r0, r1, w.in_place), 0, 1, r1 - r0, false, ring, part, [&](uint32_t, uint32_t) { return s; }, epilogue);
 }
 
 // A team of TEAM_THREADS threads of the block, synchronised by its own named barrier.
@@ -1465,11 +1517,10 @@ constexpr uint32_t MODEL_ARGS_BYTES = 7 * 8 + 12 * 4 + PROGRAM_MAX_LAYERS * 8;
 static_assert(sizeof(ModelArgs) == MODEL_ARGS_BYTES, "ModelArgs must have the layout megakernel/src/model/gpu.rs gives it");
 // Runs phase f of the step on this block, which runs it: waits for the phases it depends on (those of
 // the layer before too when `chained`, see wait_for), does its share, counts it done. `trace_at`: the
-// phase's stamps, or null. `model`: the model kernel's arguments (null in the layer kernels, whose
-// layers have no q/k norms).
+// phase's stamps, or null. `qk_norms`: the layer's q/k norm weights (a model's with them), or null.
 template <uint32_t TABLES>
 __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, bool chained, const StepIo& io, unsigned* phase_done,
-                                          Ring& ring, const Partials& part, uint64_t* trace_at, const ModelArgs* model) {
+                                          Ring& ring, const Partials& part, uint64_t* trace_at, const bf16* qk_norms) {
     const OpRow op = walk.op(f);
     const uint32_t l = f / walk.phases;
     wait_for(walk.program.words, (uint64_t)op[ROW_WAITS], phase_done, io.step, walk.layers, l, chained);
@@ -1481,7 +1532,7 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
     switch (op[0]) {
         case OP_NOP: break;
         case OP_QKV:
-            if (model != nullptr && model->qk_norms[l] != nullptr) phase_qkv_normed(op, x_l, io.pos, ring, part, model->qk_norms[l]);
+            if (qk_norms != nullptr) phase_qkv_normed(op, x_l, io.pos, ring, part, qk_norms);
             else phase_qkv(op, x_l, io.pos, ring, part);
             break;
         case OP_ATTENTION: phase_attention(op, io.pos, ring.data, true); break;
@@ -1638,6 +1689,7 @@ __device__ inline bool is_eos(const ModelArgs& m, int32_t token) {
 // caches' end. Steps chain as a stack's layers do: a position's first layer waits for the phases of
 // the position before's last layer that it would wait for in a stack, and its Qkv waits for the whole
 // of the Down before it, so every block has finished the step before (and read its token) first.
+template <bool QK_NORM>
 __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& program, const ModelArgs& m, uint32_t phases, uint32_t layers,
                                           bf16* out, bf16* hidden, uint32_t d, uint32_t step, unsigned* phase_done, uint32_t red_rows) {
     __shared__ uint64_t full[STAGES];
@@ -1648,6 +1700,8 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
     if (threadIdx.x == 0) trace_row = nullptr;  // a model launch is not traced
     const Walk<PROGRAM_MAX_LAYERS> walk{program, phases, layers};
     const uint32_t per_step = phases * layers;
+    // Phase f's q/k norm weights: null at compile time in the instance for models without them.
+    const auto norms = [&](uint32_t f) -> const bf16* { return QK_NORM ? m.qk_norms[f / phases] : nullptr; };
     // The loop's state in shared memory, written by thread 0 between barriers: this step's io, the next
     // token, and the head phases run (the tokens generated are its offset from m.heads_before). Held
     // in registers across the phases (where the layer kernels' io is in their parameters), it spilled
@@ -1661,12 +1715,12 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
     }
     __syncthreads();  // the first step's io is written
     uint32_t f = walk.next_own(0, per_step);
-    if (f < per_step) prime_inputs(walk.op(f), ring, io.pos, m.qk_norms[f / phases]);
+    if (f < per_step) prime_inputs(walk.op(f), ring, io.pos, norms(f));
     for (;;) {
         while (f < per_step) {
-            run_phase(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, nullptr, &m);
+            run_phase(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, nullptr, norms(f));
             f = walk.next_own(f + 1, per_step);
-            if (f < per_step) prime_inputs(walk.op(f), ring, io.pos, m.qk_norms[f / phases]);
+            if (f < per_step) prime_inputs(walk.op(f), ring, io.pos, norms(f));
         }
         const uint32_t pos = io.pos;
         bool stop = false;
@@ -1694,7 +1748,7 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
         __syncthreads();  // the next step's io is written
         // The next position's first weights (the ring is free: the last phase ended on finish_phase).
         f = walk.next_own(0, per_step);
-        if (f < per_step) prime_inputs(walk.op(f), ring, pos + 1, m.qk_norms[f / phases]);
+        if (f < per_step) prime_inputs(walk.op(f), ring, pos + 1, norms(f));
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         m.done[0] = io.step - step + 1;
@@ -1783,31 +1837,6 @@ __device__ inline Slice lane_rmsnorm(const bf16* x, const bf16* g, uint32_t d, u
     Slice s = load_slice(x, d, t);
     scale_slice(s, g, lane_inv_rms[b], t);
     return s;
-}
-
-// Lanes [b0, b0 + live) of `all`'s rows through run_group<G>, in group streams of `chunk` rows:
-// input(b, t) is lane b's input as thread t holds it (no block-wide step: each thread takes the lanes
-// in its own order), epilogue(b, part, c0, c1) ends lane b's rows [c0, c1) from their partials. The
-// first stream's first stages are in the ring unless `prime_first`.
-template <uint32_t VPT, uint32_t G, typename In, typename Out>
-__device__ void lanes_group(const RowStream<VPT>& all, uint32_t b0, uint32_t live, uint32_t chunk, bool prime_first, Ring& ring, Partials part, In input,
-                            Out epilogue) {
-    float h[G][VPT][VEC];
-    group_inputs<VPT, G>(h, live, column_thread(all.vecs * VEC), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
-    const uint32_t end = all.r0 + all.n;
-    for (uint32_t c0 = all.r0; c0 < end; c0 += chunk) {
-        const uint32_t c1 = min(c0 + chunk, end);
-        const RowStream<VPT> stream = group_stream<VPT>(all.w, all.vecs, c0, c1, all.in_place);
-        // The ring is free: the stream before and its epilogues (Qwen3's uses the ring's memory) ended on
-        // a __syncthreads.
-        if (c0 != all.r0 || prime_first) stream.prime(ring);
-        stream.template run_group<G>(h, live, ring, part);
-        for (uint32_t g = 0; g < live; ++g) {
-            epilogue(b0 + g, Partials{part.red + (size_t)g * (c1 - c0) * WARPS, c1 - c0}, c0, c1);
-            // The next lane's epilogue, the next stream and its partials come after every read of these.
-            __syncthreads();
-        }
-    }
 }
 
 // Phase `op`'s GEMV for lanes [0, lanes) over this block's rows [r0, r1) in units of `unit` rows, as
@@ -2045,16 +2074,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(MEGAKER
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_stack_bf16(MEGAKERNEL_PARAMS(PROGRAM_MAX_LAYERS)) {
     run_program<PROGRAM_MAX_LAYERS>(MEGAKERNEL_ARGS);
 }
-// A model's positions from pos0 on, in one launch (run_model).
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program,
-                                                                               const __grid_constant__ ModelArgs model, uint32_t phases, uint32_t layers,
-                                                                               bf16* __restrict__ out,     /* (d) */
-                                                                               bf16* __restrict__ hidden,  /* (layers - 1, d); null for one layer */
-                                                                               uint32_t d, uint32_t step,  /* steps run before this launch */
-                                                                               unsigned* __restrict__ phase_done, /* (PROGRAM_MAX_PHASES + 1) */
-                                                                               uint32_t red_rows) {
-    run_model(program, model, phases, layers, out, hidden, d, step, phase_done, red_rows);
-}
+// A model's positions from pos0 on, in one launch (run_model). Two instances, for models with per-head
+// q/k norms (Qwen3) and without: with the norms' group stream in the one kernel, the rest of its
+// machine code moved and Llama-3.2-1B decoded 3.5% slower, SmolLM2-360M 2.3% (docs/perf.md).
+#define MODEL_PARAMS                                                                                                          \
+    const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program, const __grid_constant__ ModelArgs model, uint32_t phases, \
+        uint32_t layers, bf16* __restrict__ out,    /* (d) */                                                               \
+        bf16* __restrict__ hidden,                   /* (layers - 1, d); null for one layer */                              \
+        uint32_t d, uint32_t step,                   /* steps run before this launch */                                     \
+        unsigned* __restrict__ phase_done,           /* (PROGRAM_MAX_PHASES + 1) */                                         \
+        uint32_t red_rows
+#define MODEL_ARGS program, model, phases, layers, out, hidden, d, step, phase_done, red_rows
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(MODEL_PARAMS) { run_model<false>(MODEL_ARGS); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_bf16(MODEL_PARAMS) { run_model<true>(MODEL_ARGS); }
 
 // One step of up to MAX_BATCH lanes of a model, in one launch (run_batch).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_batch_bf16(const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program,

@@ -177,11 +177,13 @@ impl Param {
         }
     }
 
-    /// The kernel of `kernels/megakernel.cu` that takes this parameter block.
-    fn kernel(&self) -> &'static str {
+    /// The kernel of `kernels/megakernel.cu` that takes this parameter block; a model's has an instance
+    /// for layers with per-head q/k norms (`qk_norm`) and one for layers without.
+    fn kernel(&self, qk_norm: bool) -> &'static str {
         match self {
             Param::One(_) => "megakernel_bf16",
             Param::Stack(_) => "megakernel_stack_bf16",
+            Param::Model(_) if qk_norm => "megakernel_model_qk_norm_bf16",
             Param::Model(_) => "megakernel_model_bf16",
         }
     }
@@ -821,7 +823,7 @@ impl Submission for Megakernel {
             _ => ProgramParam::new(&rows, &tables).map(Param::Stack),
         }
         .expect("rows and tables within the parameter block (checked above)");
-        let func = dev.function(&MEGAKERNEL, param.kernel())?;
+        let func = dev.function(&MEGAKERNEL, param.kernel(self.qk_norm))?;
         // The most rows any block gets in any GEMV phase (over the phase's own blocks).
         let layer_rows = rows
             .iter()

@@ -1,8 +1,9 @@
 //! A model on the GPU, in one kernel. The checkpoint's weights are uploaded once and its stack compiled
-//! into the megakernel's program; the model kernel (`megakernel_model_bf16`) then runs every position
-//! of a decode step or of a whole generation in one launch: the token's embedding row into the first
-//! layer, every layer, the final norm, the LM head (f32 logits) and the greedy token, chosen in the
-//! kernel with the CPU model's tie rule (`cpu::argmax`).
+//! into the megakernel's program; the model kernel (`megakernel_model_bf16`, or its instance for layers
+//! with q/k norms, `megakernel_model_qk_norm_bf16`) then runs every position of a decode step or of a
+//! whole generation in one launch: the token's embedding row into the first layer, every layer, the
+//! final norm, the LM head (f32 logits) and the greedy token, chosen in the kernel with the CPU model's
+//! tie rule (`cpu::argmax`).
 
 use std::time::{Duration, Instant};
 
@@ -467,12 +468,13 @@ impl GpuModel {
         let mut l = s.launch_builder(&b.func);
         l.arg(&**program).arg(&args).arg(&b.phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
-        // SAFETY: megakernel_model_bf16(program: Program<MAX_STACK_LAYERS> by value, model: ModelArgs by
-        // value (its buffers allocated above: logits (vocab), candidates (grid), tokens (max_seq + 1),
-        // done (2)), phases, layers, out (d), hidden ((layers - 1) x d or null for one layer), d, step,
-        // phase_done (MAX_PHASES + 1), red_rows); pos0 < prompt_end <= max_seq and max_new >= 1
-        // (checked by the callers); the grid is co-resident (occupancy-sized; the cooperative launch
-        // fails rather than run otherwise), smem as build_stack sized it with the head's rows.
+        // SAFETY: megakernel_model_bf16 and megakernel_model_qk_norm_bf16 take (program:
+        // Program<MAX_STACK_LAYERS> by value, model: ModelArgs by value (its buffers allocated above:
+        // logits (vocab), candidates (grid), tokens (max_seq + 1), done (2)), phases, layers, out (d),
+        // hidden ((layers - 1) x d or null for one layer), d, step, phase_done (MAX_PHASES + 1),
+        // red_rows); pos0 < prompt_end <= max_seq and max_new >= 1 (checked by the callers); the grid
+        // is co-resident (occupancy-sized; the cooperative launch fails rather than run otherwise), smem
+        // as build_stack sized it with the head's rows.
         let ms =
             dev.time_ms(|| unsafe { l.launch_cooperative(cfg) }.map(drop).context("launching the model kernel"))?;
         let done = s.clone_dtoh(&self.done).context("reading what the launch ran")?;
