@@ -415,11 +415,13 @@ __device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x % (
 
 // A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
 // thread; each stage is SLICE_ROWS consecutive rows per slice of the block, one bulk copy from a packed
-// matrix (or a few, one per run, from the handed layout: see RowSource). A decode step's stream (run)
+// matrix (or a few, one per run, from the handed layout: see RowSource). A layer kernel's stream (run)
 // has one slice; a group's (run_group, `group`) runs in row_slices, so that its narrow rows fill the
-// stages. Not the decode step's: its input queues behind the stages primed before it, and full stages
-// with the whole ring primed (up to six times the bytes primed below 4096 columns) made Llama-3.2-1B
-// 23% slower on the H200, where a group gained (docs/perf.md, "Full stages for the batch step").
+// stages, and so does a model's decode step where its rows run in slices (a group of one: stream_phase).
+// What a decode step primes before its wait decides: its input queues behind those bytes, and full
+// stages with the whole ring primed (up to six times the bytes primed below 4096 columns) made
+// Llama-3.2-1B 23% slower on the H200; full stages with one primed (SOLO_PRIMED), 11% faster
+// (docs/perf.md, "Full stages for the batch step" and E3).
 template <uint32_t VPT>
 struct RowStream {
     static constexpr uint32_t VECS_PER_THREAD = VPT;
@@ -566,6 +568,19 @@ __device__ inline RowStream<VPT> group_stream(const bf16* w, uint32_t vecs, uint
     return RowStream<VPT>(w, vecs, r0, r1, in_place, true);
 }
 
+// A model's decode step streams rows that run in slices as a group of one (stream_phase's SLICED), in
+// full stages, of which it issues SOLO_PRIMED before the wait (prime_solo): as many bytes as the two
+// stages of one slice a layer kernel primes at 2048 columns, so that the input after the wait queues
+// behind no more than before. The rest of the first STAGES - 1 go as the stream starts (start_solo).
+// Two primed full stages made Llama-3.2-1B 4% slower than one (docs/perf.md, E3).
+constexpr uint32_t SOLO_PRIMED = 1;
+__device__ inline void prime_solo(const RowStream<1>& stream, const Ring& ring) {
+    for (uint32_t st = 0; st < SOLO_PRIMED; ++st) stream.issue(ring, st);
+}
+__device__ inline void start_solo(const RowStream<1>& stream, const Ring& ring) {
+    for (uint32_t st = SOLO_PRIMED; st < STAGES - 1; ++st) stream.issue(ring, st);
+}
+
 // Calls f(RowStream<VPT>) for the VPT of rows of `cols` bf16: the loops above unroll at compile time.
 // `group`: a stream for run_group (RowStream's).
 template <typename F>
@@ -695,6 +710,7 @@ __device__ inline uint32_t chunk_rows(uint32_t live, uint32_t unit, uint32_t par
 
 // For a batch step of `lanes` lanes (0: a decode step) with partials of `part_rows` rows, the first
 // stream is its first group's first chunk (lanes_gemv); a decode step's is the block's rows.
+template <bool SLICED = false>
 __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_norms, uint32_t lanes = 0, uint32_t part_rows = 0) {
     Gemv g;
     if (!gemv_of(op, g)) return;
@@ -704,7 +720,9 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
     with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) {
         using Stream = decltype(stream);
-        // A decode step's Qkv with q/k norms may stream as a group of one (normed_group).
+        // A decode step's Qkv with q/k norms may stream as a group of one (normed_group), and in the model
+        // kernel every phase whose rows run in slices (stream_phase's SLICED).
+        if (lanes == 0 && SLICED && unit == 2 && row_slices(stream.vecs) > 1) return prime_solo(group_stream<1>(g.w, stream.vecs, r0, r1, g.in_place), ring);
         if (lanes == 0 && (unit == 2 || !normed_group(g.cols))) return stream.prime(ring);
         if (lanes == 0) return group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, r1, g.in_place).prime(ring);
         const uint32_t live = max(1u, min(lanes_per_group(group_of<Stream::VECS_PER_THREAD>(), unit, part_rows), lanes));
@@ -727,6 +745,24 @@ __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials
     stamp(TRACE_INPUT);
     with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) { stream.run(s, ring, part); });
     stamp(TRACE_STREAMED);
+}
+
+// gemv_phase against the input as thread t holds it (input(t), a Slice); where SLICED (the model
+// kernel) and the rows run in slices (at most 2048 columns), as a group of one in full stages
+// (prime_solo), each thread holding the input of the thread whose columns it takes (column_thread).
+// The vector's products, sums and rounding are run()'s (run_group), so every output keeps its bits.
+template <bool SLICED, typename In>
+__device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
+    Gemv g;
+    if (SLICED && gemv_of(op, g) && row_slices(g.cols / VEC) > 1) {
+        const Slice s = input(column_thread(g.cols));
+        const RowStream<1> stream = group_stream<1>(g.w, g.cols / VEC, r0, r1, g.in_place);
+        start_solo(stream, ring);
+        zero_partials(part);  // the phase before ended on a __syncthreads
+        lanes_group<1, 1>(stream, 0, 1, r1 - r0, false, ring, part, [&](uint32_t, uint32_t) { return s; }, [](uint32_t, const Partials&, uint32_t, uint32_t) {});
+        return;
+    }
+    gemv_phase(op, input(threadIdx.x), ring, part, r0, r1);
 }
 
 // The sum of row r's warp partials, in warp order.
@@ -766,10 +802,11 @@ __device__ inline void scale_slice(Slice& s, const bf16* g, float r, uint32_t t 
     }
 }
 
-// rmsnorm(x, g) as a slice.
-__device__ inline Slice rmsnorm_slice(const bf16* x, const bf16* g, uint32_t d, float eps) {
-    Slice s = load_slice(x, d);
-    scale_slice(s, g, slice_inv_rms(s, d, eps));
+// rmsnorm(x, g) as a slice, as thread t holds it (this thread's, or in a group stream the one whose
+// columns it takes: the norm's sum then counts the first slice's threads, which are every thread's own).
+__device__ inline Slice rmsnorm_slice(const bf16* x, const bf16* g, uint32_t d, float eps, uint32_t t = threadIdx.x) {
+    Slice s = load_slice(x, d, t);
+    scale_slice(s, g, slice_inv_rms(s, d, eps, threadIdx.x == t), t);
     return s;
 }
 
@@ -840,6 +877,7 @@ __device__ inline void qkv_epilogue(const OpRow& op, uint32_t pos, const QkvOut&
 }
 
 // h = rmsnorm(x); [q|k|v] = W h over pair-interleaved rows; rope q and k; append k and v at pos.
+template <bool SLICED>
 __device__ __forceinline__ void phase_qkv(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[qkv::D];
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
@@ -847,8 +885,8 @@ __device__ __forceinline__ void phase_qkv(const OpRow& op, const bf16* x, uint32
     uint32_t r0, r1;
     gemv_rows(op, r0, r1);
     const RopeFirst first = rope_first(op, out, r0, r1);
-    const Slice s = rmsnorm_slice(x, reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), d, eps);
-    gemv_phase(op, s, ring, part, r0, r1);
+    const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm));
+    stream_phase<SLICED>(op, [&](uint32_t t) { return rmsnorm_slice(x, g, d, eps, t); }, ring, part, r0, r1);
     qkv_epilogue(op, pos, out, part, r0, r1, first);
 }
 
@@ -909,11 +947,8 @@ __device__ __forceinline__ void phase_qkv_normed(const OpRow& op, const bf16* x,
         epilogue(0, part, r0, r1);
         return;
     }
-    // Each thread holds the vectors of the thread whose columns it takes (column_thread); the norm's sum
-    // counts the first slice's, which are every thread's own (see normed_group).
-    const uint32_t t = column_thread(d);
-    Slice s = load_slice(x, d, t);
-    scale_slice(s, g, slice_inv_rms(s, d, eps, threadIdx.x == t), t);
+    // Each thread holds the vectors of the thread whose columns it takes.
+    const Slice s = rmsnorm_slice(x, g, d, eps, column_thread(d));
     Gemv w;
     if (!gemv_of(op, w)) __trap();
     zero_partials(part);  // the phase before ended on a __syncthreads
@@ -1110,9 +1145,10 @@ __device__ void prime_attention(const OpRow& op, uint32_t pos, uint4* smem) {
 // Starts loading what phase `op` reads that no phase of this step writes, before the block waits for
 // the phases it depends on: a GEMV phase's first weights, or an attention phase's cached rows.
 // `qk_norms`: the layer's q/k norm weights, or null (see qkv_unit).
+template <bool SLICED>
 __device__ void prime_inputs(const OpRow& op, const Ring& ring, uint32_t pos, const bf16* qk_norms) {
     if (op[0] == OP_ATTENTION) prime_attention(op, pos, ring.data);
-    else prime_phase(op, ring, qk_norms);
+    else prime_phase<SLICED>(op, ring, qk_norms);
 }
 
 // Attention: work item (KV head, split of its chunks) -> for each query head of the group, the
@@ -1382,21 +1418,22 @@ __device__ inline void residual_epilogue(const ResidualOut& o, const Partials& p
     }
 }
 
+template <bool SLICED>
 __device__ void residual_gemv(const OpRow& op, const bf16* v, uint32_t cols, const bf16* residual, bf16* dst,
                               const float* part_in, float* part_out, Ring& ring, Partials part) {
     uint32_t r0, r1;
     gemv_rows(op, r0, r1);
     const ResidualOut o = residual_out(residual, dst, part_in, part_out, r0, r1);
-    const Slice s = load_slice(v, cols);
-    gemv_phase(op, s, ring, part, r0, r1);
+    stream_phase<SLICED>(op, [&](uint32_t t) { return load_slice(v, cols, t); }, ring, part, r0, r1);
     residual_epilogue(o, part, r0, r1);
 }
 
 // x1 = x + Wo a over the columns the row names: all of them; or those of the first half of the KV
 // groups (f32 products to PartOut); or those of the second half, added to PartIn's, which the first
 // half's blocks wrote (this phase waits for theirs).
+template <bool SLICED>
 __device__ __forceinline__ void phase_oproj(const OpRow& op, const bf16* x, Ring& ring, Partials part) {
-    residual_gemv(op, act_ptr<const bf16>(op, oproj::A), (uint32_t)op[oproj::Cols], x, act_ptr<bf16>(op, oproj::X1Out),
+    residual_gemv<SLICED>(op, act_ptr<const bf16>(op, oproj::A), (uint32_t)op[oproj::Cols], x, act_ptr<bf16>(op, oproj::X1Out),
                   part_ptr<const float>(op, oproj::PartIn), part_ptr<float>(op, oproj::PartOut), ring, part);
 }
 
@@ -1408,22 +1445,32 @@ __device__ inline void gateup_epilogue(bf16* act, const Partials& part, uint32_t
 }
 
 // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2) over gate/up-interleaved rows.
+template <bool SLICED>
 __device__ __forceinline__ void phase_gateup(const OpRow& op, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[gateup::D];
     const float eps = __int_as_float((int)op[gateup::EpsBits]);
     bf16* act = act_ptr<bf16>(op, gateup::ActOut);
-    const Slice s = rmsnorm_slice(act_ptr<const bf16>(op, gateup::X1), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, eps);
+    const bf16* x1 = act_ptr<const bf16>(op, gateup::X1);
+    const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm));
     uint32_t r0, r1;
-    gemv_rows(op, r0, r1);
-    gemv_phase(op, s, ring, part, r0, r1);
+    if (SLICED) {
+        gemv_rows(op, r0, r1);
+        stream_phase<SLICED>(op, [&](uint32_t t) { return rmsnorm_slice(x1, g, d, eps, t); }, ring, part, r0, r1);
+    } else {
+        // The norm's loads before the rows' arithmetic, as the layer kernels were measured.
+        const Slice s = rmsnorm_slice(x1, g, d, eps);
+        gemv_rows(op, r0, r1);
+        gemv_phase(op, s, ring, part, r0, r1);
+    }
     gateup_epilogue(act, part, r0, r1);
 }
 
 // out = x1 + Wd act over the columns of act the row names: all of them; or a part of them (f32 products
 // to PartOut, added to PartIn's where the row names them; the last part rounds). Every part runs on the
 // same blocks with the same rows, so a block adds the partials it wrote itself: program order, no wait.
+template <bool SLICED>
 __device__ __forceinline__ void phase_down(const OpRow& op, bf16* out, Ring& ring, Partials part) {
-    residual_gemv(op, act_ptr<const bf16>(op, down::Act), (uint32_t)op[down::Cols], act_ptr<const bf16>(op, down::X1), out,
+    residual_gemv<SLICED>(op, act_ptr<const bf16>(op, down::Act), (uint32_t)op[down::Cols], act_ptr<const bf16>(op, down::X1), out,
                   part_ptr<const float>(op, down::PartIn), part_ptr<float>(op, down::PartOut), ring, part);
 }
 
@@ -1518,7 +1565,9 @@ static_assert(sizeof(ModelArgs) == MODEL_ARGS_BYTES, "ModelArgs must have the la
 // Runs phase f of the step on this block, which runs it: waits for the phases it depends on (those of
 // the layer before too when `chained`, see wait_for), does its share, counts it done. `trace_at`: the
 // phase's stamps, or null. `qk_norms`: the layer's q/k norm weights (a model's with them), or null.
-template <uint32_t TABLES>
+// SLICED: narrow rows stream as groups of one (stream_phase), in the model kernel; the layer and stack
+// kernels keep their measured machine code.
+template <uint32_t TABLES, bool SLICED>
 __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, bool chained, const StepIo& io, unsigned* phase_done,
                                           Ring& ring, const Partials& part, uint64_t* trace_at, const bf16* qk_norms) {
     const OpRow op = walk.op(f);
@@ -1533,12 +1582,12 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
         case OP_NOP: break;
         case OP_QKV:
             if (qk_norms != nullptr) phase_qkv_normed(op, x_l, io.pos, ring, part, qk_norms);
-            else phase_qkv(op, x_l, io.pos, ring, part);
+            else phase_qkv<SLICED>(op, x_l, io.pos, ring, part);
             break;
         case OP_ATTENTION: phase_attention(op, io.pos, ring.data, true); break;
-        case OP_O_PROJ: phase_oproj(op, x_l, ring, part); break;
-        case OP_GATE_UP: phase_gateup(op, ring, part); break;
-        case OP_DOWN: phase_down(op, out_l, ring, part); break;
+        case OP_O_PROJ: phase_oproj<SLICED>(op, x_l, ring, part); break;
+        case OP_GATE_UP: phase_gateup<SLICED>(op, ring, part); break;
+        case OP_DOWN: phase_down<SLICED>(op, out_l, ring, part); break;
         default: __trap();  // an unknown opcode is a broken program
     }
     finish_phase(phase_done, f % walk.phases);
@@ -1565,12 +1614,12 @@ __device__ __forceinline__ void run_program(const Program<TABLES>& program, uint
     const uint32_t traced = phase_end - phase_begin;
     uint32_t f = walk.next_own(phase_begin, phase_end);
     // Each phase's first weights stream in before it waits (see finish_phase).
-    if (f < phase_end) prime_inputs(walk.op(f), ring, pos, nullptr);
+    if (f < phase_end) prime_inputs<false>(walk.op(f), ring, pos, nullptr);
     while (f < phase_end) {
-        run_phase(walk, f, f >= phases, io, phase_done, ring, part,
+        run_phase<TABLES, false>(walk, f, f >= phases, io, phase_done, ring, part,
                   trace == nullptr ? nullptr : trace + ((size_t)blockIdx.x * traced + (f - phase_begin)) * TRACE_STAMPS, nullptr);
         f = walk.next_own(f + 1, phase_end);
-        if (f < phase_end) prime_inputs(walk.op(f), ring, pos, nullptr);
+        if (f < phase_end) prime_inputs<false>(walk.op(f), ring, pos, nullptr);
     }
 }
 
@@ -1715,12 +1764,12 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
     }
     __syncthreads();  // the first step's io is written
     uint32_t f = walk.next_own(0, per_step);
-    if (f < per_step) prime_inputs(walk.op(f), ring, io.pos, norms(f));
+    if (f < per_step) prime_inputs<true>(walk.op(f), ring, io.pos, norms(f));
     for (;;) {
         while (f < per_step) {
-            run_phase(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, nullptr, norms(f));
+            run_phase<PROGRAM_MAX_LAYERS, true>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, nullptr, norms(f));
             f = walk.next_own(f + 1, per_step);
-            if (f < per_step) prime_inputs(walk.op(f), ring, io.pos, norms(f));
+            if (f < per_step) prime_inputs<true>(walk.op(f), ring, io.pos, norms(f));
         }
         const uint32_t pos = io.pos;
         bool stop = false;
@@ -1748,7 +1797,7 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
         __syncthreads();  // the next step's io is written
         // The next position's first weights (the ring is free: the last phase ended on finish_phase).
         f = walk.next_own(0, per_step);
-        if (f < per_step) prime_inputs(walk.op(f), ring, pos + 1, norms(f));
+        if (f < per_step) prime_inputs<true>(walk.op(f), ring, pos + 1, norms(f));
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         m.done[0] = io.step - step + 1;
