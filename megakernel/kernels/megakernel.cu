@@ -1738,7 +1738,7 @@ __device__ inline bool is_eos(const ModelArgs& m, int32_t token) {
 // caches' end. Steps chain as a stack's layers do: a position's first layer waits for the phases of
 // the position before's last layer that it would wait for in a stack, and its Qkv waits for the whole
 // of the Down before it, so every block has finished the step before (and read its token) first.
-template <bool QK_NORM>
+template <bool QK_NORM, bool SLICED>
 __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& program, const ModelArgs& m, uint32_t phases, uint32_t layers,
                                           bf16* out, bf16* hidden, uint32_t d, uint32_t step, unsigned* phase_done, uint32_t red_rows) {
     __shared__ uint64_t full[STAGES];
@@ -1764,12 +1764,12 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
     }
     __syncthreads();  // the first step's io is written
     uint32_t f = walk.next_own(0, per_step);
-    if (f < per_step) prime_inputs<true>(walk.op(f), ring, io.pos, norms(f));
+    if (f < per_step) prime_inputs<SLICED>(walk.op(f), ring, io.pos, norms(f));
     for (;;) {
         while (f < per_step) {
-            run_phase<PROGRAM_MAX_LAYERS, true>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, nullptr, norms(f));
+            run_phase<PROGRAM_MAX_LAYERS, SLICED>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, nullptr, norms(f));
             f = walk.next_own(f + 1, per_step);
-            if (f < per_step) prime_inputs<true>(walk.op(f), ring, io.pos, norms(f));
+            if (f < per_step) prime_inputs<SLICED>(walk.op(f), ring, io.pos, norms(f));
         }
         const uint32_t pos = io.pos;
         bool stop = false;
@@ -1797,7 +1797,7 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
         __syncthreads();  // the next step's io is written
         // The next position's first weights (the ring is free: the last phase ended on finish_phase).
         f = walk.next_own(0, per_step);
-        if (f < per_step) prime_inputs<true>(walk.op(f), ring, pos + 1, norms(f));
+        if (f < per_step) prime_inputs<SLICED>(walk.op(f), ring, pos + 1, norms(f));
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         m.done[0] = io.step - step + 1;
@@ -2123,9 +2123,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(MEGAKER
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_stack_bf16(MEGAKERNEL_PARAMS(PROGRAM_MAX_LAYERS)) {
     run_program<PROGRAM_MAX_LAYERS>(MEGAKERNEL_ARGS);
 }
-// A model's positions from pos0 on, in one launch (run_model). Two instances, for models with per-head
-// q/k norms (Qwen3) and without: with the norms' group stream in the one kernel, the rest of its
-// machine code moved and Llama-3.2-1B decoded 3.5% slower, SmolLM2-360M 2.3% (docs/perf.md).
+// A model's positions from pos0 on, in one launch (run_model). Three instances, each the machine code
+// measured for its models (code a model does not run still moves ptxas's allocation and schedule of
+// what it runs; docs/perf.md): for layers with per-head q/k norms (Qwen3); for layers without them
+// whose rows are all too wide for slices (row_slices; Llama-3.1-8B decoded 2.7% slower with the sliced
+// code in its kernel); and for the rest, whose narrow rows stream as groups of one (SLICED).
 #define MODEL_PARAMS                                                                                                          \
     const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program, const __grid_constant__ ModelArgs model, uint32_t phases, \
         uint32_t layers, bf16* __restrict__ out,    /* (d) */                                                               \
@@ -2134,8 +2136,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_stack_bf16(M
         unsigned* __restrict__ phase_done,           /* (PROGRAM_MAX_PHASES + 1) */                                         \
         uint32_t red_rows
 #define MODEL_ARGS program, model, phases, layers, out, hidden, d, step, phase_done, red_rows
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(MODEL_PARAMS) { run_model<false>(MODEL_ARGS); }
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_bf16(MODEL_PARAMS) { run_model<true>(MODEL_ARGS); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(MODEL_PARAMS) { run_model<false, false>(MODEL_ARGS); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_bf16(MODEL_PARAMS) { run_model<false, true>(MODEL_ARGS); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_bf16(MODEL_PARAMS) { run_model<true, true>(MODEL_ARGS); }
 
 // One step of up to MAX_BATCH lanes of a model, in one launch (run_batch).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_batch_bf16(const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program,

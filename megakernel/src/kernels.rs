@@ -3,6 +3,7 @@
 
 cuda::embed_kernels!(
     cuda::kernels::Spills { function: "megakernel_model_bf16", bytes: 8, why: MODEL_SPILLS },
+    cuda::kernels::Spills { function: "megakernel_model_sliced_bf16", bytes: 8, why: MODEL_SPILLS },
     cuda::kernels::Spills {
         function: "megakernel_model_qk_norm_bf16",
         bytes: 40,

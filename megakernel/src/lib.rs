@@ -36,6 +36,16 @@ const ATTN_MAX_HD: usize = 256;
 const ATTN_MAX_GROUP: usize = 16;
 /// Stamps per block and phase in a trace (`trace_step`): start, input ready, stream done, end.
 pub const TRACE_STAMPS: usize = 4;
+/// The widest GEMV rows that the kernel runs in slices of the block (`row_slices`: half a block's
+/// 16-byte vectors of 8 bf16): a model with such rows gets the model kernel's sliced instance
+/// (`Param::kernel`). Choosing by a wrong width would cost speed, never a bit of the output.
+const SLICED_MAX_COLS: usize = THREADS as usize / 2 * 8;
+/// Whether some GEMV of the layer has rows of at most SLICED_MAX_COLS columns: Qkv's and GateUp's have
+/// d, the O projection's q_dim, Down's ffn.
+fn has_narrow_rows(cfg: &Config) -> bool {
+    [cfg.d, cfg.q_dim(), cfg.ffn].into_iter().min().unwrap_or(0) <= SLICED_MAX_COLS
+}
+
 /// The row gather of `kernels/megakernel.cu` that packs weights (the red team packs cache rows with it).
 pub const GATHER: &str = "gather_rows_u4";
 /// Static shared memory the kernels declare beside the dynamic (the ring's barriers, the row source,
@@ -177,13 +187,16 @@ impl Param {
         }
     }
 
-    /// The kernel of `kernels/megakernel.cu` that takes this parameter block; a model's has an instance
-    /// for layers with per-head q/k norms (`qk_norm`) and one for layers without.
-    fn kernel(&self, qk_norm: bool) -> &'static str {
+    /// The kernel of `kernels/megakernel.cu` that takes this parameter block. A model's has three
+    /// instances, each the machine code measured for its models: for layers with per-head q/k norms
+    /// (`qk_norm`), for layers with rows of at most SLICED_MAX_COLS columns (`narrow`: they stream in
+    /// full stages as groups of one), and for the rest.
+    fn kernel(&self, qk_norm: bool, narrow: bool) -> &'static str {
         match self {
             Param::One(_) => "megakernel_bf16",
             Param::Stack(_) => "megakernel_stack_bf16",
             Param::Model(_) if qk_norm => "megakernel_model_qk_norm_bf16",
+            Param::Model(_) if narrow => "megakernel_model_sliced_bf16",
             Param::Model(_) => "megakernel_model_bf16",
         }
     }
@@ -823,7 +836,7 @@ impl Submission for Megakernel {
             _ => ProgramParam::new(&rows, &tables).map(Param::Stack),
         }
         .expect("rows and tables within the parameter block (checked above)");
-        let func = dev.function(&MEGAKERNEL, param.kernel(self.qk_norm))?;
+        let func = dev.function(&MEGAKERNEL, param.kernel(self.qk_norm, has_narrow_rows(cfg)))?;
         // The most rows any block gets in any GEMV phase (over the phase's own blocks).
         let layer_rows = rows
             .iter()
@@ -938,6 +951,19 @@ mod tests {
                 ((1 << 20) + lane.q as u64, (1 << 20) + lane.counters as u64, 7, 9)
             );
         }
+    }
+
+    #[test]
+    fn narrow_rows_are_those_that_run_in_slices() {
+        let with = |d, nq, hd, ffn| Config { d, n_q: nq, hd, ffn, ..Config::graded() };
+        // SmolLM2-360M, Llama-3.2-1B (d 2048, the widest rows in slices), Qwen3-0.6B's O (q_dim 2048).
+        assert!(has_narrow_rows(&with(960, 15, 64, 2560)));
+        assert!(has_narrow_rows(&with(2048, 32, 64, 8192)));
+        assert!(has_narrow_rows(&with(1024, 16, 128, 3072)));
+        // Llama-3.1-8B, Llama-3.2-3B (3072 wide), the graded layer: no row in slices.
+        assert!(!has_narrow_rows(&with(4096, 32, 128, 14336)));
+        assert!(!has_narrow_rows(&with(3072, 24, 128, 8192)));
+        assert!(!has_narrow_rows(&Config::graded()));
     }
 
     #[test]

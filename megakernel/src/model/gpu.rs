@@ -1,7 +1,7 @@
 //! A model on the GPU, in one kernel. The checkpoint's weights are uploaded once and its stack compiled
-//! into the megakernel's program; the model kernel (`megakernel_model_bf16`, or its instance for layers
-//! with q/k norms, `megakernel_model_qk_norm_bf16`) then runs every position of a decode step or of a
-//! whole generation in one launch: the token's embedding row into the first layer, every layer, the
+//! into the megakernel's program; the model kernel (`megakernel_model_bf16`, or its instance for narrow
+//! rows or for layers with q/k norms: `Param::kernel`) then runs every position of a decode step or of
+//! a whole generation in one launch: the token's embedding row into the first layer, every layer, the
 //! final norm, the LM head (f32 logits) and the greedy token, chosen in the kernel with the CPU model's
 //! tie rule (`cpu::argmax`).
 
@@ -468,7 +468,7 @@ impl GpuModel {
         let mut l = s.launch_builder(&b.func);
         l.arg(&**program).arg(&args).arg(&b.phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
-        // SAFETY: megakernel_model_bf16 and megakernel_model_qk_norm_bf16 take (program:
+        // SAFETY: megakernel_model_bf16 and its instances take (program:
         // Program<MAX_STACK_LAYERS> by value, model: ModelArgs by value (its buffers allocated above:
         // logits (vocab), candidates (grid), tokens (max_seq + 1), done (2)), phases, layers, out (d),
         // hidden ((layers - 1) x d or null for one layer), d, step, phase_done (MAX_PHASES + 1),
