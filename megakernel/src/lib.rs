@@ -956,7 +956,7 @@ mod tests {
     #[test]
     fn narrow_rows_are_those_that_run_in_slices() {
         let with = |d, nq, hd, ffn| Config { d, n_q: nq, hd, ffn, ..Config::graded() };
-        // SmolLM2-360M, Llama-3.2-1B (d 2048, the widest rows in slices), Qwen3-0.6B's O (q_dim 2048).
+        // SmolLM2-360M, Llama-3.2-1B (d 2048, the widest rows in slices), Qwen3-0.6B.
         assert!(has_narrow_rows(&with(960, 15, 64, 2560)));
         assert!(has_narrow_rows(&with(2048, 32, 64, 8192)));
         assert!(has_narrow_rows(&with(1024, 16, 128, 3072)));
