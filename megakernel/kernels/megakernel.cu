@@ -409,6 +409,9 @@ __device__ inline uint32_t row_slices(uint32_t vecs) {
     return WARPS / warps;
 }
 
+// Whether rows of `cols` bf16 run in more than one slice (at most 2048 columns).
+__device__ inline bool in_slices(uint32_t cols) { return row_slices(cols / VEC) > 1; }
+
 // The thread whose columns this thread takes in a stream of rows of `cols` (row_slices): itself in the
 // first slice, its counterpart there in the others.
 __device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x % (THREADS / row_slices(cols / VEC)); }
@@ -653,6 +656,16 @@ __device__ void lanes_group(const RowStream<VPT>& all, uint32_t b0, uint32_t liv
     }
 }
 
+// A decode step's rows through run_group as a group of one, the input `s` as column_thread holds it:
+// full stages where the rows run in slices, each output's products, sums and rounding run()'s, so its
+// bits too. `stream` (the block's rows) has its first STAGES - 1 stages issued; epilogue(0, part, r0,
+// r1) ends it. The phase before ended on a __syncthreads, so the partials are free to zero.
+template <typename Out>
+__device__ __forceinline__ void solo_group(const RowStream<1>& stream, const Slice& s, Ring& ring, Partials part, Out epilogue) {
+    zero_partials(part);
+    lanes_group<1, 1>(stream, 0, 1, stream.n, false, ring, part, [&](uint32_t, uint32_t) { return s; }, epilogue);
+}
+
 // The GEMV of a phase: matrix, row length and rows, as the program row names them.
 struct Gemv {
     const bf16* w;
@@ -695,13 +708,6 @@ __device__ inline uint32_t qkv_unit(const OpRow& op, const bf16* qk_norms) {
     return op[0] == OP_QKV && qk_norms != nullptr ? (uint32_t)op[qkv::Hd] : 2;
 }
 
-// Whether a decode step's Qkv phase with q/k norms streams as a group of one (phase_qkv_normed): where
-// its rows of d columns run in slices, so that its stages are full. The phase runs on the few blocks
-// that hold whole heads (32 of 132 at Qwen3-0.6B), each streaming many stages, and the bytes a stage
-// holds limit how fast: 16 KB at d 1024 in one slice, 64 KB in four. The vector's products, sums and
-// rounding are run()'s (run_group), so every output keeps its bits.
-__device__ inline bool normed_group(uint32_t d) { return row_slices(d / VEC) > 1; }
-
 // Lanes of a batch step's group (lanes_gemv): as many as the group holds (G, group_of) and the
 // partials fit for a unit of rows each; at least one where the launcher sized the partials.
 __device__ inline uint32_t lanes_per_group(uint32_t G, uint32_t unit, uint32_t part_rows) { return min(G, part_rows / unit); }
@@ -720,10 +726,10 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
     with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) {
         using Stream = decltype(stream);
-        // A decode step's Qkv with q/k norms may stream as a group of one (normed_group), and in the model
-        // kernel every phase whose rows run in slices (stream_phase's SLICED).
+        // A decode step: run()'s stages; or, where its rows run in slices, a group of one's, in the model
+        // kernel (stream_phase's SLICED, one stage primed) and in Qwen3's Qkv (phase_qkv_normed, two).
         if (lanes == 0 && SLICED && unit == 2 && row_slices(stream.vecs) > 1) return prime_solo(group_stream<1>(g.w, stream.vecs, r0, r1, g.in_place), ring);
-        if (lanes == 0 && (unit == 2 || !normed_group(g.cols))) return stream.prime(ring);
+        if (lanes == 0 && (unit == 2 || !in_slices(g.cols))) return stream.prime(ring);
         if (lanes == 0) return group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, r1, g.in_place).prime(ring);
         const uint32_t live = max(1u, min(lanes_per_group(group_of<Stream::VECS_PER_THREAD>(), unit, part_rows), lanes));
         group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, min(r1, r0 + chunk_rows(live, unit, part_rows)), g.in_place).prime(ring);
@@ -754,12 +760,12 @@ __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials
 template <bool SLICED, typename In>
 __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
+    // in_slices(g.cols), spelled out: called here it changed the measured kernels' PTX.
     if (SLICED && gemv_of(op, g) && row_slices(g.cols / VEC) > 1) {
         const Slice s = input(column_thread(g.cols));
         const RowStream<1> stream = group_stream<1>(g.w, g.cols / VEC, r0, r1, g.in_place);
         start_solo(stream, ring);
-        zero_partials(part);  // the phase before ended on a __syncthreads
-        lanes_group<1, 1>(stream, 0, 1, r1 - r0, false, ring, part, [&](uint32_t, uint32_t) { return s; }, [](uint32_t, const Partials&, uint32_t, uint32_t) {});
+        solo_group(stream, s, ring, part, [](uint32_t, const Partials&, uint32_t, uint32_t) {});  // the caller's epilogue follows
         return;
     }
     gemv_phase(op, input(threadIdx.x), ring, part, r0, r1);
@@ -934,7 +940,10 @@ __device__ void qkv_normed_epilogue(const OpRow& op, uint32_t pos, const Ring& r
 // rounded and each head's inverse root go to the ring's shared memory (free: the stream is done); each
 // pair is then scaled as the layer's norms scale (rms_scale) and rotated; v's heads are stored as they
 // are. Everything after the stream is read again from the row, so that no register holds it across.
-// Rows of at most 2048 columns stream as a group of one, in full stages (normed_group).
+// Where the rows run in slices (at most 2048 columns) they stream as a group of one in full stages
+// (solo_group), two of them primed: the phase runs on the few blocks that hold whole heads (32 of 132
+// at Qwen3-0.6B), each streaming many stages, and the bytes a stage holds limit how fast (16 KB at d
+// 1024 in one slice, 64 KB in four).
 __device__ __forceinline__ void phase_qkv_normed(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part, const bf16* norms) {
     uint32_t r0, r1;
     gemv_rows(op, r0, r1, norms);
@@ -942,7 +951,7 @@ __device__ __forceinline__ void phase_qkv_normed(const OpRow& op, const bf16* x,
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
     const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm));
     const auto epilogue = [&](uint32_t, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(op, pos, ring, p, norms, c0, c1); };
-    if (!normed_group(d)) {
+    if (!in_slices(d)) {
         gemv_phase(op, rmsnorm_slice(x, g, d, eps), ring, part, r0, r1);
         epilogue(0, part, r0, r1);
         return;
@@ -951,8 +960,7 @@ __device__ __forceinline__ void phase_qkv_normed(const OpRow& op, const bf16* x,
     const Slice s = rmsnorm_slice(x, g, d, eps, column_thread(d));
     Gemv w;
     if (!gemv_of(op, w)) __trap();
-    zero_partials(part);  // the phase before ended on a __syncthreads
-    lanes_group<1, 1>(RowStream<1>(w.w, d / VEC, r0, r1, w.in_place), 0, 1, r1 - r0, false, ring, part, [&](uint32_t, uint32_t) { return s; }, epilogue);
+    solo_group(group_stream<1>(w.w, d / VEC, r0, r1, w.in_place), s, ring, part, epilogue);
 }
 
 // A team of TEAM_THREADS threads of the block, synchronised by its own named barrier.
