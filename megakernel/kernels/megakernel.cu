@@ -1679,10 +1679,24 @@ __device__ inline void prime_head_rows(const ModelArgs& m, uint32_t d, const Rin
 }
 
 // The head's first weights, before the head waits for the last layer (`group` as for prime_head_rows).
+// SOLO: for phase_head_solo, its first SOLO_PRIMED stages, as a decode phase's (prime_solo).
+template <bool SOLO = false>
 __device__ inline void prime_head(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t chunk_rows, bool group = false) {
     uint32_t r0, r1;
     head_rows(m.vocab, r0, r1);
+    if (SOLO) return prime_solo(group_stream<1>(m.head, d / VEC, r0, min(r0 + chunk_rows, r1), false), ring);
     prime_head_rows(m, d, ring, r0, min(r0 + chunk_rows, r1), group);
+}
+
+// The logits of head rows [c0, c1) from their sums in `part` (each row's warp partials in warp order),
+// into m.logits, and the best of them and `best` (logit_key).
+__device__ inline uint64_t head_logits(const ModelArgs& m, const Partials& part, uint32_t c0, uint32_t c1, uint64_t best) {
+    for (uint32_t r = threadIdx.x; r < c1 - c0; r += THREADS) {
+        const float v = row_sum(part.red, r);
+        m.logits[c0 + r] = v;
+        best = max(best, logit_key(v, c0 + r));
+    }
+    return best;
 }
 
 // logits = head rmsnorm(y, final_norm) over this block's rows, f32 (each row's warp partials summed in
@@ -1700,11 +1714,37 @@ __device__ void phase_head(const ModelArgs& m, const bf16* y, uint32_t d, Ring& 
         if (c1 < r1) prime_head_rows(m, d, ring, c1, min(c1 + part.rows, r1));
         // The next chunk's run starts with a __syncthreads before it writes red, so these reads of it
         // come first.
-        for (uint32_t r = threadIdx.x; r < c1 - c0; r += THREADS) {
-            const float v = row_sum(part.red, r);
-            m.logits[c0 + r] = v;
-            best = max(best, logit_key(v, c0 + r));
-        }
+        best = head_logits(m, part, c0, c1, best);
+    }
+    best = block_max_u64(best);
+    if (threadIdx.x == 0) m.candidates[blockIdx.x] = best;
+}
+
+// phase_head where rows of d run in slices, in the model kernel's instance for q/k norms: the rows
+// stream as a group of one in full stages (run_group, each logit's bits run()'s), SOLO_PRIMED of the
+// first ones primed before the wait (prime_head<true>). In one slice a stage of Qwen3-0.6B's head holds
+// 16 KB, two of them in flight, and the head streams well under the copy rate: this made Qwen3-0.6B
+// 8% faster. In the instance for narrow rows its code (inlined or called) moved ptxas's allocation of
+// the rest to 88 bytes of spills, which cost TinyLlama-1.1B 5.5% and left Llama-3.2-1B, whose head is
+// 4x larger, 1.7% faster: not there (docs/perf.md, the ninth session).
+__device__ void phase_head_solo(const ModelArgs& m, const bf16* y, uint32_t d, Ring& ring, Partials part) {
+    float h[1][1][VEC];
+    // The partials of the warps a slice leaves without columns must read +0.0 (zero_partials); the
+    // last layer's phase ended on a __syncthreads.
+    zero_partials(part);
+    group_inputs<1, 1>(h, 1, column_thread(d), [&](uint32_t, uint32_t t) { return rmsnorm_slice(y, m.final_norm, d, __int_as_float((int)m.eps_bits), t); });
+    uint32_t r0, r1;
+    head_rows(m.vocab, r0, r1);
+    uint64_t best = 0;
+    for (uint32_t c0 = r0; c0 < r1; c0 += part.rows) {
+        const uint32_t c1 = min(c0 + part.rows, r1);
+        const RowStream<1> stream = group_stream<1>(m.head, d / VEC, c0, c1, false);
+        if (c0 == r0) start_solo(stream, ring);
+        stream.run_group<1>(h, 1, ring, part);
+        // The ring is free: the stream ended on a __syncthreads after its last read of it.
+        if (c1 < r1) prime_head_rows(m, d, ring, c1, min(c1 + part.rows, r1), true);
+        // The next chunk's stream starts with a __syncthreads before it writes red, so these reads come first.
+        best = head_logits(m, part, c0, c1, best);
     }
     best = block_max_u64(best);
     if (threadIdx.x == 0) m.candidates[blockIdx.x] = best;
@@ -1782,10 +1822,14 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
         const uint32_t pos = io.pos;
         bool stop = false;
         if (pos + 1 >= m.prompt_end) {
-            prime_head(m, d, ring, part.rows);
+            // The q/k-norm instance streams the head in full stages where rows of d run in slices
+            // (phase_head_solo says why that instance alone).
+            if (QK_NORM && in_slices(d)) prime_head<true>(m, d, ring, part.rows);
+            else prime_head(m, d, ring, part.rows);
             // Every row of the last layer, as the layer before the head: its output is whole.
             wait_for(program.words, ((1ull << phases) - 1) << PREV_LAYER_WAITS, phase_done, io.step, layers, layers, true);
-            phase_head(m, out, d, ring, part);
+            if (QK_NORM && in_slices(d)) phase_head_solo(m, out, d, ring, part);
+            else phase_head(m, out, d, ring, part);
             finish_phase(phase_done, HEAD_COUNTER);
             const int32_t next = next_token(m, phase_done, heads + 1);
             // Only this block writes generated tokens, and no block reads them: each has its own copy.
@@ -2135,7 +2179,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_stack_bf16(M
 // measured for its models (code a model does not run still moves ptxas's allocation and schedule of
 // what it runs; docs/perf.md): for layers with per-head q/k norms (Qwen3); for layers without them
 // whose rows are all too wide for slices (row_slices; Llama-3.1-8B decoded 2.7% slower with the sliced
-// code in its kernel); and for the rest, whose narrow rows stream as groups of one (SLICED).
+// code in its kernel); and for the rest, whose narrow rows stream as groups of one (SLICED). In the
+// q/k-norm instance the LM head streams as a group of one too (phase_head_solo).
 #define MODEL_PARAMS                                                                                                          \
     const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program, const __grid_constant__ ModelArgs model, uint32_t phases, \
         uint32_t layers, bf16* __restrict__ out,    /* (d) */                                                               \
