@@ -658,12 +658,13 @@ __device__ void lanes_group(const RowStream<VPT>& all, uint32_t b0, uint32_t liv
 
 // A decode step's rows through run_group as a group of one, the input `s` as column_thread holds it:
 // full stages where the rows run in slices, each output's products, sums and rounding run()'s, so its
-// bits too. `stream` (the block's rows) has its first STAGES - 1 stages issued; epilogue(0, part, r0,
-// r1) ends it. The phase before ended on a __syncthreads, so the partials are free to zero.
+// bits too. `stream` (the block's rows) has its first STAGES - 1 stages issued; they go in chunks of
+// `chunk` rows (as many as the partials hold), epilogue(0, part, c0, c1) ending each. The phase before
+// ended on a __syncthreads, so the partials are free to zero.
 template <typename Out>
-__device__ __forceinline__ void solo_group(const RowStream<1>& stream, const Slice& s, Ring& ring, Partials part, Out epilogue) {
+__device__ __forceinline__ void solo_group(const RowStream<1>& stream, const Slice& s, uint32_t chunk, Ring& ring, Partials part, Out epilogue) {
     zero_partials(part);
-    lanes_group<1, 1>(stream, 0, 1, stream.n, false, ring, part, [&](uint32_t, uint32_t) { return s; }, epilogue);
+    lanes_group<1, 1>(stream, 0, 1, chunk, false, ring, part, [&](uint32_t, uint32_t) { return s; }, epilogue);
 }
 
 // The GEMV of a phase: matrix, row length and rows, as the program row names them.
@@ -765,7 +766,7 @@ __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ri
         const Slice s = input(column_thread(g.cols));
         const RowStream<1> stream = group_stream<1>(g.w, g.cols / VEC, r0, r1, g.in_place);
         start_solo(stream, ring);
-        solo_group(stream, s, ring, part, [](uint32_t, const Partials&, uint32_t, uint32_t) {});  // the caller's epilogue follows
+        solo_group(stream, s, stream.n, ring, part, [](uint32_t, const Partials&, uint32_t, uint32_t) {});  // the caller's epilogue follows
         return;
     }
     gemv_phase(op, input(threadIdx.x), ring, part, r0, r1);
@@ -960,7 +961,7 @@ __device__ __forceinline__ void phase_qkv_normed(const OpRow& op, const bf16* x,
     const Slice s = rmsnorm_slice(x, g, d, eps, column_thread(d));
     Gemv w;
     if (!gemv_of(op, w)) __trap();
-    solo_group(group_stream<1>(w.w, d / VEC, r0, r1, w.in_place), s, ring, part, epilogue);
+    solo_group(group_stream<1>(w.w, d / VEC, r0, r1, w.in_place), s, r1 - r0, ring, part, epilogue);
 }
 
 // A team of TEAM_THREADS threads of the block, synchronised by its own named barrier.
@@ -1679,13 +1680,17 @@ __device__ inline void prime_head_rows(const ModelArgs& m, uint32_t d, const Rin
 }
 
 // The head's first weights, before the head waits for the last layer (`group` as for prime_head_rows).
-// SOLO: for phase_head_solo, its first SOLO_PRIMED stages, as a decode phase's (prime_solo).
-template <bool SOLO = false>
 __device__ inline void prime_head(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t chunk_rows, bool group = false) {
     uint32_t r0, r1;
     head_rows(m.vocab, r0, r1);
-    if (SOLO) return prime_solo(group_stream<1>(m.head, d / VEC, r0, min(r0 + chunk_rows, r1), false), ring);
     prime_head_rows(m, d, ring, r0, min(r0 + chunk_rows, r1), group);
+}
+
+// This block's rows of the LM head as one group-of-one stream (phase_head_solo).
+__device__ inline RowStream<1> head_solo_stream(const ModelArgs& m, uint32_t d) {
+    uint32_t r0, r1;
+    head_rows(m.vocab, r0, r1);
+    return group_stream<1>(m.head, d / VEC, r0, r1, false);
 }
 
 // The logits of head rows [c0, c1) from their sums in `part` (each row's warp partials in warp order),
@@ -1721,31 +1726,19 @@ __device__ void phase_head(const ModelArgs& m, const bf16* y, uint32_t d, Ring& 
 }
 
 // phase_head where rows of d run in slices, in the model kernel's instance for q/k norms: the rows
-// stream as a group of one in full stages (run_group, each logit's bits run()'s), SOLO_PRIMED of the
-// first ones primed before the wait (prime_head<true>). In one slice a stage of Qwen3-0.6B's head holds
-// 16 KB, two of them in flight, and the head streams well under the copy rate: this made Qwen3-0.6B
-// 8% faster. In the instance for narrow rows its code (inlined or called) moved ptxas's allocation of
-// the rest to 88 bytes of spills, which cost TinyLlama-1.1B 5.5% and left Llama-3.2-1B, whose head is
-// 4x larger, 1.7% faster: not there (docs/perf.md, the ninth session).
+// stream as a group of one in full stages (solo_group, each logit's bits run()'s), in chunks the
+// partials hold, SOLO_PRIMED stages primed before the wait (prime_solo of head_solo_stream). In one
+// slice a stage of Qwen3-0.6B's head holds 16 KB, two of them in flight, and the head streams well
+// under the copy rate: this made Qwen3-0.6B 8% faster. In the instance for narrow rows its code
+// (inlined or called) moved ptxas's allocation of the rest to 88 bytes of spills, which cost
+// TinyLlama-1.1B 5.5% and left Llama-3.2-1B, whose head is 4x larger, 1.7% faster: not there
+// (docs/perf.md, the ninth session).
 __device__ void phase_head_solo(const ModelArgs& m, const bf16* y, uint32_t d, Ring& ring, Partials part) {
-    float h[1][1][VEC];
-    // The partials of the warps a slice leaves without columns must read +0.0 (zero_partials); the
-    // last layer's phase ended on a __syncthreads.
-    zero_partials(part);
-    group_inputs<1, 1>(h, 1, column_thread(d), [&](uint32_t, uint32_t t) { return rmsnorm_slice(y, m.final_norm, d, __int_as_float((int)m.eps_bits), t); });
-    uint32_t r0, r1;
-    head_rows(m.vocab, r0, r1);
+    const Slice s = rmsnorm_slice(y, m.final_norm, d, __int_as_float((int)m.eps_bits), column_thread(d));
+    const RowStream<1> all = head_solo_stream(m, d);
+    start_solo(all, ring);
     uint64_t best = 0;
-    for (uint32_t c0 = r0; c0 < r1; c0 += part.rows) {
-        const uint32_t c1 = min(c0 + part.rows, r1);
-        const RowStream<1> stream = group_stream<1>(m.head, d / VEC, c0, c1, false);
-        if (c0 == r0) start_solo(stream, ring);
-        stream.run_group<1>(h, 1, ring, part);
-        // The ring is free: the stream ended on a __syncthreads after its last read of it.
-        if (c1 < r1) prime_head_rows(m, d, ring, c1, min(c1 + part.rows, r1), true);
-        // The next chunk's stream starts with a __syncthreads before it writes red, so these reads come first.
-        best = head_logits(m, part, c0, c1, best);
-    }
+    solo_group(all, s, part.rows, ring, part, [&](uint32_t, const Partials& p, uint32_t c0, uint32_t c1) { best = head_logits(m, p, c0, c1, best); });
     best = block_max_u64(best);
     if (threadIdx.x == 0) m.candidates[blockIdx.x] = best;
 }
@@ -1824,7 +1817,7 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
         if (pos + 1 >= m.prompt_end) {
             // The q/k-norm instance streams the head in full stages where rows of d run in slices
             // (phase_head_solo says why that instance alone).
-            if (QK_NORM && in_slices(d)) prime_head<true>(m, d, ring, part.rows);
+            if (QK_NORM && in_slices(d)) prime_solo(head_solo_stream(m, d), ring);
             else prime_head(m, d, ring, part.rows);
             // Every row of the last layer, as the layer before the head: its output is whole.
             wait_for(program.words, ((1ull << phases) - 1) << PREV_LAYER_WAITS, phase_done, io.step, layers, layers, true);

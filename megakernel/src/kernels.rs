@@ -28,4 +28,4 @@ const MODEL_SPILLS: &str = "the model kernel's per-position state (its io, token
 const BATCH_SPILLS: &str = "a batch step holds a group's inputs, up to 64 f32 a thread, beside a phase's state at the 128 \
                             registers a 512-thread block has; ptxas keeps its GEMV phases as calls and saves registers \
                             around them. Measured as it is (docs/model.md): 8 sequences decode at 2.7-3.1x the \
-                            throughput of one; the decode step's kernels spill at most 40 bytes";
+                            throughput of one; the decode step's kernels spill at most 200 bytes";
