@@ -241,19 +241,22 @@ __device__ inline void count_done(unsigned* phase_done, uint32_t p) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The phase trace (`grader profile`)
+// The phase trace (`grader profile`, and `megakernel bench --trace` in the model kernel's traced
+// instances)
 // ---------------------------------------------------------------------------------------------------
 
 // The stamps of a phase: when the block starts its work (its dependencies met); for a GEMV phase, when
-// its input is in registers (norm or load done) and when its stream's last stage is reduced; and when
-// the whole block has finished the phase. The gap to the block's next phase's start is waiting.
+// its input is in registers (norm or load done) and when its stream's last stage is reduced (in the
+// model kernel's traced instances, an attention phase's thread 0 too: when its team's first chunk has
+// landed and when its item's last chunk is summed); and when the whole block has finished the phase.
+// The gap to the block's next phase's start is waiting.
 constexpr uint32_t TRACE_START = 0;
 constexpr uint32_t TRACE_INPUT = 1;
 constexpr uint32_t TRACE_STREAMED = 2;
 constexpr uint32_t TRACE_END = 3;
 constexpr uint32_t TRACE_STAMPS = 4;
 
-// Where this block's stamps of the current phase go (null in every graded launch). In shared memory,
+// Where this block's stamps of the current phase go (null in every graded or timed launch). In shared memory,
 // not a parameter of every phase function, so that tracing costs the stream no register.
 __shared__ uint64_t* trace_row;
 
@@ -754,19 +757,28 @@ __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials
     stamp(TRACE_STREAMED);
 }
 
+// A traced instance's TRACE_INPUT: thread 0 stamps once its vectors of the input have landed (the
+// empty asm reads one, so the stamp waits for the load).
+__device__ inline void stamp_input(const Slice& s) {
+    asm volatile("" ::"r"(s.h[0].x));
+    stamp(TRACE_INPUT);
+}
+
 // gemv_phase against the input as thread t holds it (input(t), a Slice); where SLICED (the model
 // kernel) and the rows run in slices (at most 2048 columns), as a group of one in full stages
 // (prime_solo), each thread holding the input of the thread whose columns it takes (column_thread).
 // The vector's products, sums and rounding are run()'s (run_group), so every output keeps its bits.
-template <bool SLICED, typename In>
+template <bool SLICED, bool TRACED = false, typename In>
 __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
     // in_slices(g.cols), spelled out: called here it changed the measured kernels' PTX.
     if (SLICED && gemv_of(op, g) && row_slices(g.cols / VEC) > 1) {
         const Slice s = input(column_thread(g.cols));
+        if (TRACED) stamp_input(s);
         const RowStream<1> stream = group_stream<1>(g.w, g.cols / VEC, r0, r1, g.in_place);
         start_solo(stream, ring);
         solo_group(stream, s, stream.n, ring, part, [](uint32_t, const Partials&, uint32_t, uint32_t) {});  // the caller's epilogue follows
+        if (TRACED) stamp(TRACE_STREAMED);
         return;
     }
     gemv_phase(op, input(threadIdx.x), ring, part, r0, r1);
@@ -884,7 +896,7 @@ __device__ inline void qkv_epilogue(const OpRow& op, uint32_t pos, const QkvOut&
 }
 
 // h = rmsnorm(x); [q|k|v] = W h over pair-interleaved rows; rope q and k; append k and v at pos.
-template <bool SLICED>
+template <bool SLICED, bool TRACED = false>
 __device__ __forceinline__ void phase_qkv(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[qkv::D];
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
@@ -893,7 +905,7 @@ __device__ __forceinline__ void phase_qkv(const OpRow& op, const bf16* x, uint32
     gemv_rows(op, r0, r1);
     const RopeFirst first = rope_first(op, out, r0, r1);
     const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm));
-    stream_phase<SLICED>(op, [&](uint32_t t) { return rmsnorm_slice(x, g, d, eps, t); }, ring, part, r0, r1);
+    stream_phase<SLICED, TRACED>(op, [&](uint32_t t) { return rmsnorm_slice(x, g, d, eps, t); }, ring, part, r0, r1);
     qkv_epilogue(op, pos, out, part, r0, r1, first);
 }
 
@@ -945,13 +957,17 @@ __device__ void qkv_normed_epilogue(const OpRow& op, uint32_t pos, const Ring& r
 // (solo_group), two of them primed: the phase runs on the few blocks that hold whole heads (32 of 132
 // at Qwen3-0.6B), each streaming many stages, and the bytes a stage holds limit how fast (16 KB at d
 // 1024 in one slice, 64 KB in four).
+template <bool TRACED = false>
 __device__ __forceinline__ void phase_qkv_normed(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part, const bf16* norms) {
     uint32_t r0, r1;
     gemv_rows(op, r0, r1, norms);
     const uint32_t d = (uint32_t)op[qkv::D];
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
     const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm));
-    const auto epilogue = [&](uint32_t, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(op, pos, ring, p, norms, c0, c1); };
+    const auto epilogue = [&](uint32_t, const Partials& p, uint32_t c0, uint32_t c1) {
+        if (TRACED) stamp(TRACE_STREAMED);
+        qkv_normed_epilogue(op, pos, ring, p, norms, c0, c1);
+    };
     if (!in_slices(d)) {
         gemv_phase(op, rmsnorm_slice(x, g, d, eps), ring, part, r0, r1);
         epilogue(0, part, r0, r1);
@@ -959,6 +975,7 @@ __device__ __forceinline__ void phase_qkv_normed(const OpRow& op, const bf16* x,
     }
     // Each thread holds the vectors of the thread whose columns it takes.
     const Slice s = rmsnorm_slice(x, g, d, eps, column_thread(d));
+    if (TRACED) stamp_input(s);
     Gemv w;
     if (!gemv_of(op, w)) __trap();
     solo_group(group_stream<1>(w.w, d / VEC, r0, r1, w.in_place), s, r1 - r0, ring, part, epilogue);
@@ -1167,6 +1184,9 @@ __device__ void prime_inputs(const OpRow& op, const Ring& ring, uint32_t pos, co
 // heads, the next chunk's copies in flight while this one is scored (chunk c0 + i of an item in buffer
 // i % ATTN_BUFFERS). Where the block ran prime_attention for this phase and lane (`primed`: always but for
 // a batch step's later lanes), each team's first item's first chunks lack only the row at pos.
+// TRACED: thread 0 stamps when its team's first chunk has landed (TRACE_INPUT) and when its item's
+// last chunk is summed (TRACE_STREAMED).
+template <bool TRACED = false>
 __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem, bool primed_first, uint32_t team_base = 0) {
     const bf16* q = act_ptr<const bf16>(op, attn::Q);
     float* part_o = act_ptr<float>(op, attn::PartO);
@@ -1233,6 +1253,7 @@ __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem, bool
             if (c + 1 < c1 && !(primed && c == c0)) cp_async_wait_group<1>();
             else cp_async_wait_group<0>();
             team.sync();  // the chunk, the queries and the running statistics are in shared memory
+            if (TRACED && c == c0) stamp(TRACE_INPUT);
             // Scores S^T = K Q^T on the tensor cores: A = K (16 slots x 16 of the head dimension, by
             // ldmatrix), B = Q^T (16 x 8 query heads; heads past the group zero). Warp w takes the
             // (slot tile, head tile) units w, w + TEAM_WARPS, ...; the even and odd steps along the head
@@ -1336,6 +1357,7 @@ __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem, bool
             }
         }
 
+        if (TRACED) stamp(TRACE_STREAMED);
         // Calls f(head, dimension, value) for each element of the numerator this lane holds.
         const auto each_output = [&](auto f) {
 #pragma unroll
@@ -1427,22 +1449,22 @@ __device__ inline void residual_epilogue(const ResidualOut& o, const Partials& p
     }
 }
 
-template <bool SLICED>
+template <bool SLICED, bool TRACED = false>
 __device__ void residual_gemv(const OpRow& op, const bf16* v, uint32_t cols, const bf16* residual, bf16* dst,
                               const float* part_in, float* part_out, Ring& ring, Partials part) {
     uint32_t r0, r1;
     gemv_rows(op, r0, r1);
     const ResidualOut o = residual_out(residual, dst, part_in, part_out, r0, r1);
-    stream_phase<SLICED>(op, [&](uint32_t t) { return load_slice(v, cols, t); }, ring, part, r0, r1);
+    stream_phase<SLICED, TRACED>(op, [&](uint32_t t) { return load_slice(v, cols, t); }, ring, part, r0, r1);
     residual_epilogue(o, part, r0, r1);
 }
 
 // x1 = x + Wo a over the columns the row names: all of them; or those of the first half of the KV
 // groups (f32 products to PartOut); or those of the second half, added to PartIn's, which the first
 // half's blocks wrote (this phase waits for theirs).
-template <bool SLICED>
+template <bool SLICED, bool TRACED = false>
 __device__ __forceinline__ void phase_oproj(const OpRow& op, const bf16* x, Ring& ring, Partials part) {
-    residual_gemv<SLICED>(op, act_ptr<const bf16>(op, oproj::A), (uint32_t)op[oproj::Cols], x, act_ptr<bf16>(op, oproj::X1Out),
+    residual_gemv<SLICED, TRACED>(op, act_ptr<const bf16>(op, oproj::A), (uint32_t)op[oproj::Cols], x, act_ptr<bf16>(op, oproj::X1Out),
                   part_ptr<const float>(op, oproj::PartIn), part_ptr<float>(op, oproj::PartOut), ring, part);
 }
 
@@ -1454,7 +1476,7 @@ __device__ inline void gateup_epilogue(bf16* act, const Partials& part, uint32_t
 }
 
 // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2) over gate/up-interleaved rows.
-template <bool SLICED>
+template <bool SLICED, bool TRACED = false>
 __device__ __forceinline__ void phase_gateup(const OpRow& op, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[gateup::D];
     const float eps = __int_as_float((int)op[gateup::EpsBits]);
@@ -1464,7 +1486,7 @@ __device__ __forceinline__ void phase_gateup(const OpRow& op, Ring& ring, Partia
     uint32_t r0, r1;
     if (SLICED) {
         gemv_rows(op, r0, r1);
-        stream_phase<SLICED>(op, [&](uint32_t t) { return rmsnorm_slice(x1, g, d, eps, t); }, ring, part, r0, r1);
+        stream_phase<SLICED, TRACED>(op, [&](uint32_t t) { return rmsnorm_slice(x1, g, d, eps, t); }, ring, part, r0, r1);
     } else {
         // The norm's loads before the rows' arithmetic, as the layer kernels were measured.
         const Slice s = rmsnorm_slice(x1, g, d, eps);
@@ -1477,9 +1499,9 @@ __device__ __forceinline__ void phase_gateup(const OpRow& op, Ring& ring, Partia
 // out = x1 + Wd act over the columns of act the row names: all of them; or a part of them (f32 products
 // to PartOut, added to PartIn's where the row names them; the last part rounds). Every part runs on the
 // same blocks with the same rows, so a block adds the partials it wrote itself: program order, no wait.
-template <bool SLICED>
+template <bool SLICED, bool TRACED = false>
 __device__ __forceinline__ void phase_down(const OpRow& op, bf16* out, Ring& ring, Partials part) {
-    residual_gemv<SLICED>(op, act_ptr<const bf16>(op, down::Act), (uint32_t)op[down::Cols], act_ptr<const bf16>(op, down::X1), out,
+    residual_gemv<SLICED, TRACED>(op, act_ptr<const bf16>(op, down::Act), (uint32_t)op[down::Cols], act_ptr<const bf16>(op, down::X1), out,
                   part_ptr<const float>(op, down::PartIn), part_ptr<float>(op, down::PartOut), ring, part);
 }
 
@@ -1576,7 +1598,7 @@ static_assert(sizeof(ModelArgs) == MODEL_ARGS_BYTES, "ModelArgs must have the la
 // phase's stamps, or null. `qk_norms`: the layer's q/k norm weights (a model's with them), or null.
 // SLICED: narrow rows stream as groups of one (stream_phase), in the model kernel; the layer and stack
 // kernels keep their measured machine code.
-template <uint32_t TABLES, bool SLICED>
+template <uint32_t TABLES, bool SLICED, bool TRACED = false>
 __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, bool chained, const StepIo& io, unsigned* phase_done,
                                           Ring& ring, const Partials& part, uint64_t* trace_at, const bf16* qk_norms) {
     const OpRow op = walk.op(f);
@@ -1590,13 +1612,13 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
     switch (op[0]) {
         case OP_NOP: break;
         case OP_QKV:
-            if (qk_norms != nullptr) phase_qkv_normed(op, x_l, io.pos, ring, part, qk_norms);
-            else phase_qkv<SLICED>(op, x_l, io.pos, ring, part);
+            if (qk_norms != nullptr) phase_qkv_normed<TRACED>(op, x_l, io.pos, ring, part, qk_norms);
+            else phase_qkv<SLICED, TRACED>(op, x_l, io.pos, ring, part);
             break;
-        case OP_ATTENTION: phase_attention(op, io.pos, ring.data, true); break;
-        case OP_O_PROJ: phase_oproj<SLICED>(op, x_l, ring, part); break;
-        case OP_GATE_UP: phase_gateup<SLICED>(op, ring, part); break;
-        case OP_DOWN: phase_down<SLICED>(op, out_l, ring, part); break;
+        case OP_ATTENTION: phase_attention<TRACED>(op, io.pos, ring.data, true); break;
+        case OP_O_PROJ: phase_oproj<SLICED, TRACED>(op, x_l, ring, part); break;
+        case OP_GATE_UP: phase_gateup<SLICED, TRACED>(op, ring, part); break;
+        case OP_DOWN: phase_down<SLICED, TRACED>(op, out_l, ring, part); break;
         default: __trap();  // an unknown opcode is a broken program
     }
     finish_phase(phase_done, f % walk.phases);
@@ -1779,15 +1801,19 @@ __device__ inline bool is_eos(const ModelArgs& m, int32_t token) {
 // caches' end. Steps chain as a stack's layers do: a position's first layer waits for the phases of
 // the position before's last layer that it would wait for in a stack, and its Qkv waits for the whole
 // of the Down before it, so every block has finished the step before (and read its token) first.
-template <bool QK_NORM, bool SLICED>
+// TRACED: the instance stamps into `trace` (null in the others) each block's phases at every position
+// the launch runs, (positions, gridDim.x, layers * phases + 1, TRACE_STAMPS), the head's last (zero for
+// the phases and stamps a block does not take).
+template <bool QK_NORM, bool SLICED, bool TRACED>
 __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& program, const ModelArgs& m, uint32_t phases, uint32_t layers,
-                                          bf16* out, bf16* hidden, uint32_t d, uint32_t step, unsigned* phase_done, uint32_t red_rows) {
+                                          bf16* out, bf16* hidden, uint32_t d, uint32_t step, unsigned* phase_done, uint32_t red_rows,
+                                          uint64_t* trace) {
     __shared__ uint64_t full[STAGES];
     Ring ring = start_ring(full);
     const Partials part = row_partials(red_rows);
     // The launcher checks these.
     if (phases > PROGRAM_MAX_PHASES || layers > PROGRAM_MAX_LAYERS || m.pos0 >= m.prompt_end || m.prompt_end > m.max_seq || m.max_new == 0) __trap();
-    if (threadIdx.x == 0) trace_row = nullptr;  // a model launch is not traced
+    if (threadIdx.x == 0) trace_row = nullptr;  // set per phase in the traced instances only
     const Walk<PROGRAM_MAX_LAYERS> walk{program, phases, layers};
     const uint32_t per_step = phases * layers;
     // Phase f's q/k norm weights: null at compile time in the instance for models without them.
@@ -1804,11 +1830,15 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
         heads = m.heads_before;
     }
     __syncthreads();  // the first step's io is written
+    // Where this block's stamps of phase f (per_step: the head) of the running position go.
+    const auto trace_at = [&](uint32_t f) -> uint64_t* {
+        return !TRACED ? nullptr : trace + (((size_t)(io.step - step) * gridDim.x + blockIdx.x) * (per_step + 1) + f) * TRACE_STAMPS;
+    };
     uint32_t f = walk.next_own(0, per_step);
     if (f < per_step) prime_inputs<SLICED>(walk.op(f), ring, io.pos, norms(f));
     for (;;) {
         while (f < per_step) {
-            run_phase<PROGRAM_MAX_LAYERS, SLICED>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, nullptr, norms(f));
+            run_phase<PROGRAM_MAX_LAYERS, SLICED, TRACED>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, trace_at(f), norms(f));
             f = walk.next_own(f + 1, per_step);
             if (f < per_step) prime_inputs<SLICED>(walk.op(f), ring, io.pos, norms(f));
         }
@@ -1820,7 +1850,9 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
             if (QK_NORM && in_slices(d)) prime_solo(head_solo_stream(m, d), ring);
             else prime_head(m, d, ring, part.rows);
             // Every row of the last layer, as the layer before the head: its output is whole.
+            if (TRACED && threadIdx.x == 0) trace_row = trace_at(per_step);
             wait_for(program.words, ((1ull << phases) - 1) << PREV_LAYER_WAITS, phase_done, io.step, layers, layers, true);
+            if (TRACED) stamp(TRACE_START);
             if (QK_NORM && in_slices(d)) phase_head_solo(m, out, d, ring, part);
             else phase_head(m, out, d, ring, part);
             finish_phase(phase_done, HEAD_COUNTER);
@@ -2182,9 +2214,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_stack_bf16(M
         unsigned* __restrict__ phase_done,           /* (PROGRAM_MAX_PHASES + 1) */                                         \
         uint32_t red_rows
 #define MODEL_ARGS program, model, phases, layers, out, hidden, d, step, phase_done, red_rows
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(MODEL_PARAMS) { run_model<false, false>(MODEL_ARGS); }
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_bf16(MODEL_PARAMS) { run_model<false, true>(MODEL_ARGS); }
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_bf16(MODEL_PARAMS) { run_model<true, true>(MODEL_ARGS); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(MODEL_PARAMS) { run_model<false, false, false>(MODEL_ARGS, nullptr); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_bf16(MODEL_PARAMS) { run_model<false, true, false>(MODEL_ARGS, nullptr); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_bf16(MODEL_PARAMS) { run_model<true, true, false>(MODEL_ARGS, nullptr); }
+// The same three with every block stamping the global timer around each phase of every position
+// (`megakernel bench --trace`): for reading where a token's time goes, not for timing, as their machine
+// code is not the instances' above.
+#define MODEL_TRACE_PARAMS MODEL_PARAMS, uint64_t* __restrict__ trace /* (positions, gridDim.x, layers * phases + 1, TRACE_STAMPS) */
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_traced_bf16(MODEL_TRACE_PARAMS) { run_model<false, false, true>(MODEL_ARGS, trace); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_traced_bf16(MODEL_TRACE_PARAMS) { run_model<false, true, true>(MODEL_ARGS, trace); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_traced_bf16(MODEL_TRACE_PARAMS) { run_model<true, true, true>(MODEL_ARGS, trace); }
 
 // One step of up to MAX_BATCH lanes of a model, in one launch (run_batch).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_batch_bf16(const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program,

@@ -11,6 +11,9 @@ cuda::embed_kernels!(
           beside the q/k norms' epilogue: 88 bytes stored and 200 loaded (28 and 40 before the head's); measured as it \
           is, Qwen3-0.6B decodes 8% faster than without the head's group (docs/perf.md, the ninth session)",
     },
+    cuda::kernels::Spills { function: "megakernel_model_traced_bf16", bytes: 256, why: TRACED_SPILLS },
+    cuda::kernels::Spills { function: "megakernel_model_sliced_traced_bf16", bytes: 256, why: TRACED_SPILLS },
+    cuda::kernels::Spills { function: "megakernel_model_qk_norm_traced_bf16", bytes: 256, why: TRACED_SPILLS },
     cuda::kernels::Spills { function: "megakernel_model_batch_bf16", bytes: 640, why: BATCH_SPILLS },
     cuda::kernels::Spills { function: "batch_phase", bytes: 3072, why: BATCH_SPILLS },
     cuda::kernels::Spills { function: "batch_head", bytes: 512, why: BATCH_SPILLS }
@@ -29,3 +32,9 @@ const BATCH_SPILLS: &str = "a batch step holds a group's inputs, up to 64 f32 a 
                             registers a 512-thread block has; ptxas keeps its GEMV phases as calls and saves registers \
                             around them. Measured as it is (docs/model.md): 8 sequences decode at 2.7-3.1x the \
                             throughput of one; the decode step's kernels spill at most 200 bytes";
+
+/// Why the model kernel's traced instances may spill.
+#[cfg(test)]
+const TRACED_SPILLS: &str = "a traced instance computes where each phase's stamps go beside the model kernel's state \
+                             (4 to 88 bytes stored, 8 to 208 loaded); it runs for `megakernel bench --trace`, to \
+                             read where a token's time goes, never for a timed figure";

@@ -190,14 +190,18 @@ impl Param {
     /// The kernel of `kernels/megakernel.cu` that takes this parameter block. A model's has three
     /// instances, each the machine code measured for its models: for layers with per-head q/k norms
     /// (`qk_norm`), for layers with rows of at most SLICED_MAX_COLS columns (`narrow`: they stream in
-    /// full stages as groups of one), and for the rest.
-    fn kernel(&self, qk_norm: bool, narrow: bool) -> &'static str {
-        match self {
-            Param::One(_) => "megakernel_bf16",
-            Param::Stack(_) => "megakernel_stack_bf16",
-            Param::Model(_) if qk_norm => "megakernel_model_qk_norm_bf16",
-            Param::Model(_) if narrow => "megakernel_model_sliced_bf16",
-            Param::Model(_) => "megakernel_model_bf16",
+    /// full stages as groups of one), and for the rest; each with a traced twin (`traced`: every block
+    /// stamps its phases, `model::GpuModel::trace`).
+    fn kernel(&self, qk_norm: bool, narrow: bool, traced: bool) -> &'static str {
+        match (self, traced) {
+            (Param::One(_), _) => "megakernel_bf16",
+            (Param::Stack(_), _) => "megakernel_stack_bf16",
+            (Param::Model(_), false) if qk_norm => "megakernel_model_qk_norm_bf16",
+            (Param::Model(_), false) if narrow => "megakernel_model_sliced_bf16",
+            (Param::Model(_), false) => "megakernel_model_bf16",
+            (Param::Model(_), true) if qk_norm => "megakernel_model_qk_norm_traced_bf16",
+            (Param::Model(_), true) if narrow => "megakernel_model_sliced_traced_bf16",
+            (Param::Model(_), true) => "megakernel_model_traced_bf16",
         }
     }
 }
@@ -222,6 +226,8 @@ struct Built {
     d: u32,
     plan: Vec<PhasePlan>,
     func: CudaFunction,
+    /// A model's traced kernel (`Param::kernel`'s `traced`).
+    traced: Option<CudaFunction>,
     grid: u32,
     smem: u32,
     red_rows: u32,
@@ -836,7 +842,8 @@ impl Submission for Megakernel {
             _ => ProgramParam::new(&rows, &tables).map(Param::Stack),
         }
         .expect("rows and tables within the parameter block (checked above)");
-        let func = dev.function(&MEGAKERNEL, param.kernel(self.qk_norm, has_narrow_rows(cfg)))?;
+        let kernel = |traced| dev.function(&MEGAKERNEL, param.kernel(self.qk_norm, has_narrow_rows(cfg), traced));
+        let func = kernel(false)?;
         // The most rows any block gets in any GEMV phase (over the phase's own blocks).
         let layer_rows = rows
             .iter()
@@ -857,6 +864,14 @@ impl Submission for Megakernel {
             )));
         }
         fit_one_block(&func, smem, "the megakernel")?;
+        let traced = match &param {
+            Param::Model(_) => {
+                let traced = kernel(true)?;
+                fit_one_block(&traced, smem, "the traced model kernel")?;
+                Some(traced)
+            }
+            _ => None,
+        };
         // The batch step chunks the head's rows to fit; its layer phases need a unit of rows of a block.
         let batch = match self.head_vocab {
             Some(_) => Some(batch_kernel(dev, layer_rows.max(qkv_rows))?),
@@ -879,6 +894,7 @@ impl Submission for Megakernel {
             d: cfg.d as u32,
             plan,
             func,
+            traced,
             grid,
             smem,
             red_rows: red_rows as u32,

@@ -12,7 +12,9 @@ use std::time::Instant;
 use clap::{Parser, Subcommand, ValueEnum};
 use cuda::{Context, Device};
 use megakernel::batch::BatchGemv;
-use megakernel::model::{CpuModel, GpuModel, Lane, ModelConfig, ModelWeights, Stop, Text, argmax, gpu};
+use megakernel::model::{
+    CpuModel, GpuModel, Lane, ModelConfig, ModelTrace, ModelWeights, PhaseShare, Stop, Text, argmax, gpu,
+};
 use spec::rng::{bits, stream_key};
 
 #[derive(Parser)]
@@ -70,6 +72,12 @@ enum Command {
         /// and the prompt's chunk for the chunked prefill's timing.
         #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=gpu::MAX_BATCH as i64))]
         batch: u32,
+        /// Then run the generation once more in the model kernel's traced instance (every block stamps
+        /// the global timer around each phase) and print where a token's time goes: per kind of phase,
+        /// its time on the critical path as the hand-off from the phase before, the median block's work
+        /// and what the blocks later than the median add.
+        #[arg(long)]
+        trace: bool,
     },
     /// Check the GPU against the CPU model on random tokens: each position's logits, the kernel's
     /// greedy token against the argmax of its logits, a generation in one launch against a launch per
@@ -177,8 +185,8 @@ fn main() -> ExitCode {
 fn run(command: Command) -> Result<bool, Failure> {
     match command {
         Command::Generate { model, prompt, max_new } => generate(&model, &prompt, max_new as usize).map(|()| true),
-        Command::Bench { model, tokens, reps, batch } => {
-            bench(&model, tokens as usize, reps as usize, batch as usize).map(|()| true)
+        Command::Bench { model, tokens, reps, batch, trace } => {
+            bench(&model, tokens as usize, reps as usize, batch as usize, trace).map(|()| true)
         }
         Command::Check { model, positions, batch, seed } => check(&model, positions as usize, batch as usize, seed),
         Command::Logits { model, tokens, on } => logits(&model, &tokens, on).map(|()| true),
@@ -295,7 +303,7 @@ fn copy_bandwidth(dev: &Device) -> Result<f64, Failure> {
     Ok(2.0 * BYTES as f64 / (median(times) / 1e3))
 }
 
-fn bench(args: &ModelArgs, tokens: usize, reps: usize, batch: usize) -> Result<(), Failure> {
+fn bench(args: &ModelArgs, tokens: usize, reps: usize, batch: usize, trace: bool) -> Result<(), Failure> {
     let (dev, mut model, cfg, _) = load(args, batch, |_| Ok(()))?;
     let tokens = tokens.min(model.context());
     let bandwidth = copy_bandwidth(&dev)?;
@@ -337,7 +345,58 @@ fn bench(args: &ModelArgs, tokens: usize, reps: usize, batch: usize) -> Result<(
     if batch > 1 {
         bench_batch(&dev, &mut model, cfg.bos.unwrap_or(0), tokens, reps, batch, one_launch)?;
     }
+    if trace {
+        print_trace(&model.trace(&dev, &start, tokens)?);
+    }
     Ok(())
+}
+
+/// Where a token's time goes in a traced launch (`ModelTrace::shares`).
+fn print_trace(trace: &ModelTrace) {
+    let positions = trace.traced_positions();
+    let Some(shares) = trace.shares() else {
+        out!("the traced launch's stamps are incomplete ({} positions run): nothing to read", trace.positions());
+        return;
+    };
+    out!(
+        "where a token's time goes, traced (us a token, the mean over positions {}..{}; the traced instance's machine code \
+         is not the timed one's):",
+        positions.start,
+        positions.end
+    );
+    out!(
+        "{:<10} {:>6} {:>8} {:>9} {:>13} {:>13}   {}",
+        "phase",
+        "phases",
+        "span",
+        "hand-off",
+        "median block",
+        "later blocks",
+        "a block's input / stream / tail (medians)"
+    );
+    for s in &shares {
+        let parts = s.parts_us.map_or("-".to_string(), |[i, st, t]| format!("{i:.1} / {st:.1} / {t:.1}"));
+        out!(
+            "{:<10} {:>6} {:>8.1} {:>9.1} {:>13.1} {:>13.1}   {parts}",
+            s.what,
+            s.phases,
+            s.span_us,
+            s.handoff_us,
+            s.work_us,
+            s.later_us
+        );
+    }
+    let sum = |f: fn(&PhaseShare) -> f64| shares.iter().map(f).sum::<f64>();
+    out!(
+        "{:<10} {:>6} {:>8.1} {:>9.1} {:>13.1} {:>13.1}   (the traced launch: {:.1} us a position by events)",
+        "all",
+        shares.iter().map(|s| s.phases).sum::<usize>(),
+        sum(|s| s.span_us),
+        sum(|s| s.handoff_us),
+        sum(|s| s.work_us),
+        sum(|s| s.later_us),
+        f64::from(trace.kernel_ms) * 1e3 / trace.positions() as f64
+    );
 }
 
 /// The batch steps' timing: `batch` sequences decoded together from position 0, greedily, one launch a

@@ -16,7 +16,8 @@ use spec::bytes::ByteModel;
 use submission::{Layer, Submission, SubmissionError, device_address};
 
 use super::hf::{ModelConfig, ModelWeights};
-use crate::{Megakernel, Mode, Param, THREADS, program};
+use super::trace::ModelTrace;
+use crate::{Megakernel, Mode, Param, THREADS, TRACE_STAMPS, program};
 
 /// End-of-sequence tokens a launch stops at, at most (the kernel's `MODEL_MAX_EOS`).
 pub const MAX_EOS: usize = 4;
@@ -273,7 +274,7 @@ impl GpuModel {
         if pos >= self.context() {
             return Err(GpuModelError::Refused(format!("position {pos} is past the caches' {}", self.context())));
         }
-        self.launch(dev, pos, &[token], 1, &[])?;
+        self.launch(dev, pos, &[token], 1, &[], None)?;
         self.last_logits(dev)
     }
 
@@ -379,7 +380,7 @@ impl GpuModel {
             )));
         }
         let start = Instant::now();
-        let ([positions, generated], kernel_ms) = self.launch(dev, 0, prompt, max_new, eos)?;
+        let ([positions, generated], kernel_ms) = self.launch(dev, 0, prompt, max_new, eos, None)?;
         let n = prompt.len();
         let mut tokens = vec![0i32; generated as usize];
         let s = dev.stream();
@@ -398,6 +399,32 @@ impl GpuModel {
             _ => Stop::Context,
         };
         Ok(Generation { tokens, stop, positions: positions as usize, elapsed, kernel_ms })
+    }
+
+    /// `generate(prompt, max_new, [])` in the traced instance of the model kernel: every block stamps
+    /// the global timer around each phase of every position (`ModelTrace`). Its machine code is not
+    /// the timed kernel's, so its times say where a token's time goes, not how long it takes.
+    pub fn trace(&mut self, dev: &Device, prompt: &[u32], max_new: usize) -> Result<ModelTrace, GpuModelError> {
+        if prompt.is_empty() || max_new == 0 || prompt.len() > self.context() {
+            return Err(GpuModelError::Refused(format!(
+                "a traced generation of {max_new} tokens after a prompt of {} in caches of {}",
+                prompt.len(),
+                self.context()
+            )));
+        }
+        self.check_tokens(prompt)?;
+        let b = self.mk.built.as_ref().expect("GpuModel::new built the stack");
+        let (grid, layers, per_step) = (b.grid as usize, b.layers as usize, (b.phases * b.layers) as usize + 1);
+        let plan: Vec<_> = b.plan.iter().map(|p| p.op).collect();
+        let positions = (prompt.len() + max_new - 1).min(self.context());
+        let mut stamps = dev
+            .stream()
+            .alloc_zeros::<u64>(positions * grid * per_step * TRACE_STAMPS)
+            .context("allocating the trace")?;
+        let ([ran, _], kernel_ms) = self.launch(dev, 0, prompt, max_new, &[], Some(&mut stamps))?;
+        let mut stamps = dev.stream().clone_dtoh(&stamps).context("reading the trace")?;
+        stamps.truncate(ran as usize * grid * per_step * TRACE_STAMPS);
+        Ok(ModelTrace { stamps, grid, plan, layers, prompt: prompt.len(), kernel_ms })
     }
 
     /// Bytes a decode step at `pos` must move: every layer's (`ByteModel::stack_at`), the LM head and
@@ -447,7 +474,8 @@ impl GpuModel {
     }
 
     /// One launch of the model kernel from position `pos0`, the tokens from there `given`; returns the
-    /// positions it ran, the tokens it generated and the kernel's time in ms.
+    /// positions it ran, the tokens it generated and the kernel's time in ms. With `trace` (room for
+    /// every position the launch may run, zeroed), the traced instance runs and stamps it.
     fn launch(
         &mut self,
         dev: &Device,
@@ -455,6 +483,7 @@ impl GpuModel {
         given: &[u32],
         max_new: usize,
         eos: &[u32],
+        trace: Option<&mut CudaSlice<u64>>,
     ) -> Result<([u32; 2], f32), GpuModelError> {
         let s = dev.stream();
         let given_i32: Vec<i32> = given.iter().map(|&t| t as i32).collect();
@@ -465,14 +494,23 @@ impl GpuModel {
         let Param::Model(program) = &b.program else { unreachable!("GpuModel::new built the stack for a model") };
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
         let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
-        let mut l = s.launch_builder(&b.func);
+        let func = match &trace {
+            Some(_) => b.traced.as_ref().expect("build_stack loads a model's traced kernel"),
+            None => &b.func,
+        };
+        let mut l = s.launch_builder(func);
         l.arg(&**program).arg(&args).arg(&b.phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
+        if let Some(t) = trace {
+            l.arg(t);
+        }
         // SAFETY: megakernel_model_bf16 and its instances take (program:
         // Program<MAX_STACK_LAYERS> by value, model: ModelArgs by value (its buffers allocated above:
         // logits (vocab), candidates (grid), tokens (max_seq + 1), done (2)), phases, layers, out (d),
         // hidden ((layers - 1) x d or null for one layer), d, step, phase_done (MAX_PHASES + 1),
-        // red_rows); pos0 < prompt_end <= max_seq and max_new >= 1 (checked by the callers); the grid
+        // red_rows), and the traced instance a trace of (positions, grid, layers * phases + 1,
+        // TRACE_STAMPS) u64 for every position it may run (`trace`); pos0 < prompt_end <= max_seq and
+        // max_new >= 1 (checked by the callers); the grid
         // is co-resident (occupancy-sized; the cooperative launch fails rather than run otherwise), smem
         // as build_stack sized it with the head's rows.
         let ms =

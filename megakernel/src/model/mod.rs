@@ -4,17 +4,19 @@
 //! and a greedy argmax with a fixed tie rule); and the same on the GPU in one launch of the model
 //! kernel, for a decode step, a whole generation or a batch step of several sequences or prompt
 //! positions (`gpu`), checked against the CPU side (the
-//! `megakernel check` command).
+//! `megakernel check` command); and where a token's time goes in a traced launch (`trace`).
 
 pub mod cpu;
 pub mod gpu;
 pub mod hf;
 pub mod text;
+pub mod trace;
 
 pub use cpu::{CpuModel, argmax};
 pub use gpu::{Generation, GpuModel, GpuModelError, Lane, Stop};
 pub use hf::{ModelConfig, ModelError, ModelWeights};
 pub use text::Text;
+pub use trace::{ModelTrace, PhaseShare};
 
 #[cfg(test)]
 mod tests;

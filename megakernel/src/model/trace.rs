@@ -1,0 +1,225 @@
+//! Where a token's time goes in the model kernel, read from its traced instance (`GpuModel::trace`):
+//! every block stamps the GPU's global timer when it starts a phase (its dependencies met) and when it
+//! has finished it, at every position. A phase's time on the critical path (its span) runs from the
+//! last block's end of the phase before to its own last block's end, and comes apart into the
+//! hand-off (from that end to the median block's start: the release, the poll, the block's barrier),
+//! the median block's work (its start to its end) and the rest, the time the blocks later than the
+//! median add (the slowest block's lead). A GEMV phase's blocks also stamp when their input is in
+//! registers and when their stream is done, which takes the work apart into the input, the stream and
+//! the tail (the epilogue and the block's last barrier).
+
+use spec::bytes::LayerOp;
+
+use crate::TRACE_STAMPS;
+
+/// The stamps of a traced launch and what they are of.
+#[derive(Debug, Clone)]
+pub struct ModelTrace {
+    /// `(positions run, grid, layers * phases + 1, TRACE_STAMPS)` in ns, the head's phase last; zero
+    /// where a block does not run a phase or a stamp is not taken.
+    pub stamps: Vec<u64>,
+    pub grid: usize,
+    /// What each row of the program (one layer's phases) computes.
+    pub plan: Vec<LayerOp>,
+    pub layers: usize,
+    /// The prompt's positions: the head runs from the last of them on.
+    pub prompt: usize,
+    /// The traced launch's kernel time by events.
+    pub kernel_ms: f32,
+}
+
+/// One kind of phase's part of a token, in microseconds summed over its phases of a position, the
+/// mean over the positions traced: `span_us = handoff_us + work_us + later_us`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PhaseShare {
+    pub what: String,
+    /// Phases of this kind per position.
+    pub phases: usize,
+    pub span_us: f64,
+    pub handoff_us: f64,
+    pub work_us: f64,
+    pub later_us: f64,
+    /// A GEMV phase's work as its blocks' medians of input, stream and tail (they need not add up to
+    /// `work_us`, a median of the whole); `None` for phases without those stamps.
+    pub parts_us: Option<[f64; 3]>,
+}
+
+const START: usize = 0;
+const END: usize = TRACE_STAMPS - 1;
+
+impl ModelTrace {
+    /// Phases a position runs, the head's included.
+    fn per_position(&self) -> usize {
+        self.plan.len() * self.layers + 1
+    }
+
+    /// Positions the launch ran.
+    pub fn positions(&self) -> usize {
+        self.stamps.len() / (self.grid * self.per_position() * TRACE_STAMPS).max(1)
+    }
+
+    /// Positions whose every phase follows a head (from the prompt's end on).
+    pub fn traced_positions(&self) -> std::ops::Range<usize> {
+        self.prompt..self.positions()
+    }
+
+    /// The stamps of every block that ran phase `f` of position `p`; `None` if a block took one of
+    /// the start and the end, or its stamps are out of order.
+    fn spans(&self, p: usize, f: usize) -> Option<Vec<[u64; TRACE_STAMPS]>> {
+        let n = self.per_position();
+        let mut spans = Vec::new();
+        for b in 0..self.grid {
+            let s: [u64; TRACE_STAMPS] =
+                self.stamps[((p * self.grid + b) * n + f) * TRACE_STAMPS..][..TRACE_STAMPS].try_into().ok()?;
+            let taken: Vec<u64> = s.iter().copied().filter(|&ns| ns != 0).collect();
+            match (s[START], s[END]) {
+                (0, 0) => {}
+                (start, end) if start != 0 && end != 0 && taken.is_sorted() => spans.push(s),
+                _ => return None,
+            }
+        }
+        Some(spans)
+    }
+
+    /// The kind of phase `f` of a position: its layer operation's name, or the head's.
+    fn kind(&self, f: usize) -> String {
+        match self.plan.get(f % self.plan.len()) {
+            Some(op) if f < self.per_position() - 1 => format!("{op:?}"),
+            _ => "Head".to_string(),
+        }
+    }
+
+    /// Each kind of phase's part of a token (the layer's operations in the program's order, then the
+    /// head), over `traced_positions`; `None` when no position was traced or the stamps are
+    /// incomplete (a phase that no block ran, a block with one stamp of a phase's two).
+    pub fn shares(&self) -> Option<Vec<PhaseShare>> {
+        let positions = self.traced_positions();
+        if positions.is_empty() || self.plan.is_empty() {
+            return None;
+        }
+        let n = self.per_position();
+        let mut kinds: Vec<PhaseShare> = Vec::new();
+        let median = |mut v: Vec<u64>| {
+            v.sort_unstable();
+            v[v.len() / 2]
+        };
+        let us = |ns: i64| ns as f64 / 1e3;
+        // The medians of input, stream and tail over the blocks that stamped all three.
+        let parts = |spans: &[[u64; TRACE_STAMPS]]| -> Option<[f64; 3]> {
+            let inner: Vec<&[u64; TRACE_STAMPS]> = spans.iter().filter(|s| s.iter().all(|&ns| ns != 0)).collect();
+            if inner.is_empty() {
+                return None;
+            }
+            Some([0, 1, 2].map(|i| us(median(inner.iter().map(|s| s[i + 1] - s[i]).collect()) as i64)))
+        };
+        for p in positions.clone() {
+            // The position before's head ended the position before.
+            let mut ended = self.spans(p - 1, n - 1)?.iter().map(|s| s[END]).max()?;
+            for f in 0..n {
+                let spans = self.spans(p, f)?;
+                let last = spans.iter().map(|s| s[END]).max()?;
+                let start = median(spans.iter().map(|s| s[START]).collect());
+                let work = median(spans.iter().map(|s| s[END] - s[START]).collect());
+                let (span, handoff) = (us(last as i64 - ended as i64), us(start as i64 - ended as i64));
+                let what = self.kind(f);
+                let k = match kinds.iter().position(|k| k.what == what) {
+                    Some(k) => k,
+                    None => {
+                        kinds.push(PhaseShare {
+                            what,
+                            phases: 0,
+                            span_us: 0.0,
+                            handoff_us: 0.0,
+                            work_us: 0.0,
+                            later_us: 0.0,
+                            parts_us: parts(&spans).map(|_| [0.0; 3]),
+                        });
+                        kinds.len() - 1
+                    }
+                };
+                let k = &mut kinds[k];
+                if p == positions.start {
+                    k.phases += 1;
+                }
+                k.span_us += span;
+                k.handoff_us += handoff;
+                k.work_us += us(work as i64);
+                k.later_us += span - handoff - us(work as i64);
+                // A kind's parts only where every phase of it at every position has them.
+                k.parts_us = match (k.parts_us, parts(&spans)) {
+                    (Some(sum), Some(add)) => Some([0, 1, 2].map(|i| sum[i] + add[i])),
+                    _ => None,
+                };
+                ended = last;
+            }
+        }
+        let count = positions.len() as f64;
+        for k in &mut kinds {
+            for v in [&mut k.span_us, &mut k.handoff_us, &mut k.work_us, &mut k.later_us] {
+                *v /= count;
+            }
+            if let Some(parts) = &mut k.parts_us {
+                parts.iter_mut().for_each(|v| *v /= count);
+            }
+        }
+        Some(kinds)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A trace of `positions` positions of one layer of [Qkv, Down] on three blocks, each phase taking
+    /// block b (b + 1) `work` ns from `gap` ns after the phase before's last end.
+    fn trace(positions: usize, work: u64, gap: u64) -> ModelTrace {
+        let (grid, n) = (3, 3);
+        let mut stamps = vec![0u64; positions * grid * n * TRACE_STAMPS];
+        let mut ended = 1_000;
+        for p in 0..positions {
+            for f in 0..n {
+                let start = ended + gap;
+                for b in 0..grid {
+                    let at = ((p * grid + b) * n + f) * TRACE_STAMPS;
+                    stamps[at + START] = start;
+                    stamps[at + END] = start + work * (b as u64 + 1);
+                    // Qkv's input takes a sixth of the work, its stream a half.
+                    if f == 0 {
+                        stamps[at + 1] = start + work * (b as u64 + 1) / 6;
+                        stamps[at + 2] = start + work * (b as u64 + 1) * 2 / 3;
+                    }
+                }
+                ended = start + 3 * work;
+            }
+        }
+        ModelTrace { stamps, grid, plan: vec![LayerOp::Qkv, LayerOp::Down], layers: 1, prompt: 1, kernel_ms: 0.0 }
+    }
+
+    #[test]
+    fn a_phase_comes_apart_into_hand_off_median_block_and_later_blocks() {
+        let t = trace(4, 3_000, 1_000);
+        assert_eq!(t.positions(), 4);
+        assert_eq!(t.traced_positions(), 1..4);
+        let shares = t.shares().expect("complete");
+        let names: Vec<&str> = shares.iter().map(|s| s.what.as_str()).collect();
+        assert_eq!(names, ["Qkv", "Down", "Head"]);
+        // The median block works 6 us, the last 3 us longer.
+        for s in &shares {
+            assert_eq!((s.phases, s.span_us, s.handoff_us, s.work_us, s.later_us), (1, 10.0, 1.0, 6.0, 3.0), "{s:?}");
+        }
+        assert_eq!(shares[0].parts_us, Some([1.0, 3.0, 2.0]));
+        assert_eq!(shares[1].parts_us, None);
+    }
+
+    #[test]
+    fn incomplete_stamps_are_not_read() {
+        let mut t = trace(3, 3_000, 1_000);
+        // Block 1 starts phase 1 of position 2 and never ends it.
+        t.stamps[((2 * 3 + 1) * 3 + 1) * TRACE_STAMPS + END] = 0;
+        assert_eq!(t.shares(), None);
+        // A launch of the prompt alone traces no position after a head.
+        let mut t = trace(3, 3_000, 1_000);
+        t.prompt = 3;
+        assert_eq!(t.shares(), None);
+    }
+}
