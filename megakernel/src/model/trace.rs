@@ -58,8 +58,11 @@ impl ModelTrace {
         self.stamps.len() / (self.grid * self.per_position() * TRACE_STAMPS).max(1)
     }
 
-    /// Positions whose every phase follows a head (from the prompt's end on).
+    /// Positions whose every phase follows a head (from the prompt's end on; none without a prompt).
     pub fn traced_positions(&self) -> std::ops::Range<usize> {
+        if self.prompt == 0 {
+            return 0..0;
+        }
         self.prompt..self.positions()
     }
 
@@ -217,9 +220,11 @@ mod tests {
         // Block 1 starts phase 1 of position 2 and never ends it.
         t.stamps[((2 * 3 + 1) * 3 + 1) * TRACE_STAMPS + END] = 0;
         assert_eq!(t.shares(), None);
-        // A launch of the prompt alone traces no position after a head.
+        // A launch of the prompt alone traces no position after a head, nor one without a prompt.
         let mut t = trace(3, 3_000, 1_000);
         t.prompt = 3;
+        assert_eq!(t.shares(), None);
+        t.prompt = 0;
         assert_eq!(t.shares(), None);
     }
 }
