@@ -226,8 +226,8 @@ struct Built {
     d: u32,
     plan: Vec<PhasePlan>,
     func: CudaFunction,
-    /// A model's traced kernel (`Param::kernel`'s `traced`).
-    traced: Option<CudaFunction>,
+    /// A model's traced kernel (`Param::kernel`'s `traced`), loaded by `model::GpuModel::trace`.
+    traced: Option<&'static str>,
     grid: u32,
     smem: u32,
     red_rows: u32,
@@ -842,8 +842,11 @@ impl Submission for Megakernel {
             _ => ProgramParam::new(&rows, &tables).map(Param::Stack),
         }
         .expect("rows and tables within the parameter block (checked above)");
-        let kernel = |traced| dev.function(&MEGAKERNEL, param.kernel(self.qk_norm, has_narrow_rows(cfg), traced));
-        let func = kernel(false)?;
+        let func = dev.function(&MEGAKERNEL, param.kernel(self.qk_norm, has_narrow_rows(cfg), false))?;
+        let traced = match param {
+            Param::Model(_) => Some(param.kernel(self.qk_norm, has_narrow_rows(cfg), true)),
+            _ => None,
+        };
         // The most rows any block gets in any GEMV phase (over the phase's own blocks).
         let layer_rows = rows
             .iter()
@@ -864,14 +867,6 @@ impl Submission for Megakernel {
             )));
         }
         fit_one_block(&func, smem, "the megakernel")?;
-        let traced = match &param {
-            Param::Model(_) => {
-                let traced = kernel(true)?;
-                fit_one_block(&traced, smem, "the traced model kernel")?;
-                Some(traced)
-            }
-            _ => None,
-        };
         // The batch step chunks the head's rows to fit; its layer phases need a unit of rows of a block.
         let batch = match self.head_vocab {
             Some(_) => Some(batch_kernel(dev, layer_rows.max(qkv_rows))?),

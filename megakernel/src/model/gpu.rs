@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cuda::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use cuda::{Context, CudaError, Device};
 use half::bf16;
 use reference::gpu::{DeviceCache, DeviceWeights};
@@ -17,7 +17,7 @@ use submission::{Layer, Submission, SubmissionError, device_address};
 
 use super::hf::{ModelConfig, ModelWeights};
 use super::trace::ModelTrace;
-use crate::{Megakernel, Mode, Param, THREADS, TRACE_STAMPS, program};
+use crate::{MEGAKERNEL, Megakernel, Mode, Param, THREADS, TRACE_STAMPS, fit_one_block, program};
 
 /// End-of-sequence tokens a launch stops at, at most (the kernel's `MODEL_MAX_EOS`).
 pub const MAX_EOS: usize = 4;
@@ -362,23 +362,7 @@ impl GpuModel {
         max_new: usize,
         eos: &[u32],
     ) -> Result<Generation, GpuModelError> {
-        if prompt.is_empty() || max_new == 0 {
-            return Err(GpuModelError::Refused("a generation needs a prompt and at least one new token".into()));
-        }
-        self.check_tokens(prompt)?;
-        if prompt.len() > self.context() {
-            return Err(GpuModelError::Refused(format!(
-                "a prompt of {} tokens is longer than the caches' {} positions",
-                prompt.len(),
-                self.context()
-            )));
-        }
-        if eos.len() > MAX_EOS {
-            return Err(GpuModelError::Refused(format!(
-                "{} end-of-sequence tokens; the kernel stops at {MAX_EOS}",
-                eos.len()
-            )));
-        }
+        self.check_generation(prompt, max_new, eos)?;
         let start = Instant::now();
         let ([positions, generated], kernel_ms) = self.launch(dev, 0, prompt, max_new, eos, None)?;
         let n = prompt.len();
@@ -405,15 +389,11 @@ impl GpuModel {
     /// the global timer around each phase of every position (`ModelTrace`). Its machine code is not
     /// the timed kernel's, so its times say where a token's time goes, not how long it takes.
     pub fn trace(&mut self, dev: &Device, prompt: &[u32], max_new: usize) -> Result<ModelTrace, GpuModelError> {
-        if prompt.is_empty() || max_new == 0 || prompt.len() > self.context() {
-            return Err(GpuModelError::Refused(format!(
-                "a traced generation of {max_new} tokens after a prompt of {} in caches of {}",
-                prompt.len(),
-                self.context()
-            )));
-        }
-        self.check_tokens(prompt)?;
+        self.check_generation(prompt, max_new, &[])?;
         let b = self.mk.built.as_ref().expect("GpuModel::new built the stack");
+        // Loaded here, not with the stack: only a trace runs it.
+        let traced = dev.function(&MEGAKERNEL, b.traced.expect("build_stack names a model's traced kernel"))?;
+        fit_one_block(&traced, b.smem, "the traced model kernel")?;
         let (grid, layers, per_step) = (b.grid as usize, b.layers as usize, (b.phases * b.layers) as usize + 1);
         let plan: Vec<_> = b.plan.iter().map(|p| p.op).collect();
         let positions = (prompt.len() + max_new - 1).min(self.context());
@@ -421,7 +401,7 @@ impl GpuModel {
             .stream()
             .alloc_zeros::<u64>(positions * grid * per_step * TRACE_STAMPS)
             .context("allocating the trace")?;
-        let ([ran, _], kernel_ms) = self.launch(dev, 0, prompt, max_new, &[], Some(&mut stamps))?;
+        let ([ran, _], kernel_ms) = self.launch(dev, 0, prompt, max_new, &[], Some((&traced, &mut stamps)))?;
         let mut stamps = dev.stream().clone_dtoh(&stamps).context("reading the trace")?;
         stamps.truncate(ran as usize * grid * per_step * TRACE_STAMPS);
         Ok(ModelTrace { stamps, grid, plan, layers, prompt: prompt.len(), kernel_ms })
@@ -432,6 +412,29 @@ impl GpuModel {
     pub fn bytes_at(&self, pos: usize) -> u64 {
         let (d, vocab) = (self.layer.d as u64, self.cfg.vocab as u64);
         ByteModel::stack_at(&self.layer, pos).total + 2 * vocab * d + 2 * d + 4 * vocab
+    }
+
+    /// What a launch of `generate` needs: a prompt within the caches and the vocabulary, a new token at
+    /// least, at most [`MAX_EOS`] end-of-sequence tokens.
+    fn check_generation(&self, prompt: &[u32], max_new: usize, eos: &[u32]) -> Result<(), GpuModelError> {
+        if prompt.is_empty() || max_new == 0 {
+            return Err(GpuModelError::Refused("a generation needs a prompt and at least one new token".into()));
+        }
+        self.check_tokens(prompt)?;
+        if prompt.len() > self.context() {
+            return Err(GpuModelError::Refused(format!(
+                "a prompt of {} tokens is longer than the caches' {} positions",
+                prompt.len(),
+                self.context()
+            )));
+        }
+        if eos.len() > MAX_EOS {
+            return Err(GpuModelError::Refused(format!(
+                "{} end-of-sequence tokens; the kernel stops at {MAX_EOS}",
+                eos.len()
+            )));
+        }
+        Ok(())
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<(), GpuModelError> {
@@ -474,8 +477,9 @@ impl GpuModel {
     }
 
     /// One launch of the model kernel from position `pos0`, the tokens from there `given`; returns the
-    /// positions it ran, the tokens it generated and the kernel's time in ms. With `trace` (room for
-    /// every position the launch may run, zeroed), the traced instance runs and stamps it.
+    /// positions it ran, the tokens it generated and the kernel's time in ms. With `trace` (the traced
+    /// instance, and room for every position the launch may run, zeroed), that instance runs and
+    /// stamps it.
     fn launch(
         &mut self,
         dev: &Device,
@@ -483,7 +487,7 @@ impl GpuModel {
         given: &[u32],
         max_new: usize,
         eos: &[u32],
-        trace: Option<&mut CudaSlice<u64>>,
+        trace: Option<(&CudaFunction, &mut CudaSlice<u64>)>,
     ) -> Result<([u32; 2], f32), GpuModelError> {
         let s = dev.stream();
         let given_i32: Vec<i32> = given.iter().map(|&t| t as i32).collect();
@@ -494,14 +498,11 @@ impl GpuModel {
         let Param::Model(program) = &b.program else { unreachable!("GpuModel::new built the stack for a model") };
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
         let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
-        let func = match &trace {
-            Some(_) => b.traced.as_ref().expect("build_stack loads a model's traced kernel"),
-            None => &b.func,
-        };
+        let (func, stamps) = trace.map_or((&b.func, None), |(f, t)| (f, Some(t)));
         let mut l = s.launch_builder(func);
         l.arg(&**program).arg(&args).arg(&b.phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
-        if let Some(t) = trace {
+        if let Some(t) = stamps {
             l.arg(t);
         }
         // SAFETY: megakernel_model_bf16 and its instances take (program:
@@ -510,9 +511,9 @@ impl GpuModel {
         // hidden ((layers - 1) x d or null for one layer), d, step, phase_done (MAX_PHASES + 1),
         // red_rows), and the traced instance a trace of (positions, grid, layers * phases + 1,
         // TRACE_STAMPS) u64 for every position it may run (`trace`); pos0 < prompt_end <= max_seq and
-        // max_new >= 1 (checked by the callers); the grid
-        // is co-resident (occupancy-sized; the cooperative launch fails rather than run otherwise), smem
-        // as build_stack sized it with the head's rows.
+        // max_new >= 1 (checked by the callers); the grid is co-resident (occupancy-sized; the
+        // cooperative launch fails rather than run otherwise), smem as build_stack sized it with the
+        // head's rows.
         let ms =
             dev.time_ms(|| unsafe { l.launch_cooperative(cfg) }.map(drop).context("launching the model kernel"))?;
         let done = s.clone_dtoh(&self.done).context("reading what the launch ran")?;
