@@ -30,6 +30,10 @@ SIZES = {
     "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000, False, 10000.0, None),
     "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256, False, 500000.0, LLAMA3_ROPE),
     "qwen3-0.6b": (1024, 3072, 28, 16, 8, 151936, True, 1000000.0, None, 128),
+    # Llama-3.2-1B's 16 layers and heads (32 query heads of 64, 8 KV heads) over hidden 256 and
+    # intermediate 512: about 3 MB of weights a layer, so a layer's time is its chain of dependent
+    # steps, what it costs beyond its bytes (docs/perf.md, the eleventh session).
+    "chain-1b": (256, 512, 16, 32, 8, 1024, True, 500000.0, None, 64),
 }
 
 

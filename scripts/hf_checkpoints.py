@@ -16,7 +16,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "h
 def model_config(name, shape, context):
     """The config of shape (hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta, rope
     scaling or None[, head size]): a Qwen3Config (with the head size, its q/k norms) for a name that
-    starts with "qwen3", else a LlamaConfig."""
+    starts with "qwen3", else a LlamaConfig (with the head size where given, else hidden / heads)."""
     d, ffn, layers, heads, kv, vocab, tied, theta, scaling, *head_dim = shape
     if scaling is not None:  # transformers wants the scaled context above the original
         context = max(context, 4 * scaling["original_max_position_embeddings"])
@@ -30,7 +30,7 @@ def model_config(name, shape, context):
                   max_position_embeddings=context, rms_norm_eps=1e-5, bos_token_id=BOS, eos_token_id=EOS, **rope)
     if name.startswith("qwen3"):
         return Qwen3Config(head_dim=head_dim[0], use_sliding_window=False, **common)
-    return LlamaConfig(**common)
+    return LlamaConfig(**({"head_dim": head_dim[0]} if head_dim else {}), **common)
 
 
 def save(model, out):

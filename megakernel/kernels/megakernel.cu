@@ -36,6 +36,8 @@
 // Threads per block; one block per SM (__launch_bounds__ below) leaves 128 registers per thread.
 constexpr uint32_t THREADS = 512;
 constexpr uint32_t WARPS = THREADS / WARP;
+constexpr uint32_t THREADS_LOG2 = 9, WARPS_LOG2 = 4;
+static_assert(1u << THREADS_LOG2 == THREADS && 1u << WARPS_LOG2 == WARPS, "the shifts of slices_log2 and run_group");
 // The ring: STAGES slots of STAGE_BYTES, STAGES - 1 of them in flight ahead of use.
 constexpr uint32_t STAGES = 3;
 constexpr uint32_t STAGE_BYTES = 64 * 1024;
@@ -285,10 +287,19 @@ __device__ inline bool owns(const Slice& s, uint32_t v, uint32_t t = threadIdx.x
 
 // This block's rows of a GEMV with `rows` rows run by `set`: an even share, in whole units of `unit`
 // rows (pairs; or a Qkv phase's whole heads where the layer has q/k norms, qkv_unit).
+// A division by a value known only at run time is a chain of some twenty dependent instructions, a
+// 64-bit one a subroutine of hundreds of cycles, and a phase ran several before its first load: so 32
+// bits where the products fit, and shifts for the powers of two below (docs/perf.md, "The index
+// arithmetic").
 __device__ inline void block_rows(uint32_t rows, const BlockSet& set, uint32_t& r0, uint32_t& r1, uint32_t unit) {
-    const uint64_t units = rows / unit;
-    r0 = unit * (uint32_t)(units * rank(set) / set.count);
-    r1 = unit * (uint32_t)(units * (rank(set) + 1) / set.count);
+    const uint32_t units = rows / unit, i = rank(set);
+    if (units <= UINT32_MAX / set.count) {
+        r0 = unit * (units * i / set.count);
+        r1 = unit * (units * (i + 1) / set.count);
+        return;
+    }
+    r0 = unit * (uint32_t)((uint64_t)units * i / set.count);
+    r1 = unit * (uint32_t)((uint64_t)units * (i + 1) / set.count);
 }
 
 // Where a GEMV phase keeps its row partials: red_rows rows of WARPS floats after the ring.
@@ -405,19 +416,21 @@ __device__ inline float reduce_scatter(float (&v)[N]) {
 // 16-byte vectors: for rows of at most THREADS vectors, as many as leave each slice the warps a whole
 // block would have with columns (a power of two); else one. The stage then holds that many times the
 // rows, so that narrow rows fill it as wide ones do, and every warp has columns.
-__device__ inline uint32_t row_slices(uint32_t vecs) {
-    if (vecs > THREADS) return 1;
-    uint32_t warps = 1;
-    while (warps * WARP < vecs) warps *= 2;
-    return WARPS / warps;
+// Its log2 by bit operations: the count is a power of two, so a quotient by it is a shift (see block_rows).
+__device__ inline uint32_t slices_log2(uint32_t vecs) {
+    if (vecs > THREADS) return 0;
+    const uint32_t need = (vecs + WARP - 1) / WARP;                    // warps with columns, at least
+    const uint32_t warps_log2 = need <= 1 ? 0 : 32 - __clz(need - 1);  // the next power of two's
+    return WARPS_LOG2 - warps_log2;
 }
+__device__ inline uint32_t row_slices(uint32_t vecs) { return 1u << slices_log2(vecs); }
 
 // Whether rows of `cols` bf16 run in more than one slice (at most 2048 columns).
 __device__ inline bool in_slices(uint32_t cols) { return row_slices(cols / VEC) > 1; }
 
 // The thread whose columns this thread takes in a stream of rows of `cols` (row_slices): itself in the
 // first slice, its counterpart there in the others.
-__device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x % (THREADS / row_slices(cols / VEC)); }
+__device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x & ((THREADS >> slices_log2(cols / VEC)) - 1); }
 
 // A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
 // thread; each stage is SLICE_ROWS consecutive rows per slice of the block, one bulk copy from a packed
@@ -435,6 +448,8 @@ struct RowStream {
     static_assert(SLICE_ROWS * THREADS * VPT * 16 <= STAGE_BYTES, "a row must fit a ring stage");
     // Rows per reduce_scatter in run_group: two where a slice's rows pair up.
     static constexpr uint32_t ROWS_PER_SUM = SLICE_ROWS % 2 == 0 ? 2 : 1;
+    // So that a stage's rows (SLICE_ROWS times the slices) are a power of two: nstages is a shift.
+    static_assert((SLICE_ROWS & (SLICE_ROWS - 1)) == 0, "a power of two");
     const bf16* w;  // (rows, vecs * VEC)
     uint32_t vecs, r0, n, slices, stage_rows, nstages;
     // Whether row_source may name an in-place source: false in the one-layer kernel, where the compiler
@@ -443,7 +458,7 @@ struct RowStream {
 
     __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_, bool in_place_, bool group = false)
         : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), slices(group ? row_slices(vecs_) : 1), stage_rows(SLICE_ROWS * slices),
-          nstages((r1_ - r0_ + stage_rows - 1) / stage_rows), in_place(in_place_) {}
+          nstages((r1_ - r0_ + stage_rows - 1) >> (31 - __clz(stage_rows))), in_place(in_place_) {}
 
     __device__ const bf16* stage_src(uint32_t st) const { return w + (size_t)(r0 + st * stage_rows) * vecs * VEC; }
     __device__ uint32_t stage_count(uint32_t st) const { return min(stage_rows, n - st * stage_rows); }
@@ -532,7 +547,9 @@ struct RowStream {
     template <uint32_t G>
     __device__ void run_group(const float (&h)[G][VPT][VEC], uint32_t live, Ring& ring, Partials part) const {
         constexpr uint32_t R = ROWS_PER_SUM, N = R * G;
-        const uint32_t t = threadIdx.x % (THREADS / slices), sub = threadIdx.x / (THREADS / slices), lane = threadIdx.x % WARP;
+        // THREADS / slices threads a slice, a power of two: a mask and a shift.
+        const uint32_t per_log2 = THREADS_LOG2 - (31 - __clz(slices));
+        const uint32_t t = threadIdx.x & ((1u << per_log2) - 1), sub = threadIdx.x >> per_log2, lane = threadIdx.x % WARP;
         const uint32_t warp = t / WARP, mask = scatter_mask<N>();
         if (n * live > part.rows || live > G) __trap();  // the caller sizes these
         for (uint32_t st = 0; st < nstages; ++st) {
