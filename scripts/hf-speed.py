@@ -7,7 +7,7 @@ transformers' figure is (T(1 + N tokens) - T(1 token)) / N over greedy generatio
 length, the median of three after warm-up: the decode steps alone, its prefill and set-up left out;
 "compiled" is `generate`'s own torch.compile of the forward, which a static cache turns on.
 
-    python3 scripts/hf-speed.py [PATH_TO_megakernel] [--sizes 1b,8b] [--tokens 128] [--out DIR]
+    python3 scripts/hf-speed.py [PATH_TO_megakernel] [--sizes llama-3.2-1b,llama-3.1-8b] [--tokens 128] [--out DIR]
 
 Needs torch and transformers and an H100/H200.
 """
@@ -63,12 +63,15 @@ def time_generate(model, new, compiled, reps=3):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("binary", nargs="?", default="target/release/megakernel")
-    p.add_argument("--sizes", default="llama-3.2-1b")
+    p.add_argument("--sizes", default="llama-3.2-1b", help="comma-separated, of: " + ", ".join(SIZES))
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--out", default=None)
     p.add_argument("--no-compile", action="store_true", help="skip the compiled figure (compiling takes minutes)")
     p.add_argument("--megakernel-only", action="store_true", help="write the checkpoints and bench only the megakernel")
     args = p.parse_args()
+    unknown = [n for n in args.sizes.split(",") if n not in SIZES]
+    if unknown:
+        p.error(f"unknown size {', '.join(unknown)}; the sizes are {', '.join(SIZES)}")
     root = Path(args.out or tempfile.mkdtemp(prefix="hf-speed-"))
     rows = []
     for name in args.sizes.split(","):
