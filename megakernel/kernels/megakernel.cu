@@ -289,8 +289,8 @@ __device__ inline bool owns(const Slice& s, uint32_t v, uint32_t t = threadIdx.x
 // rows (pairs; or a Qkv phase's whole heads where the layer has q/k norms, qkv_unit).
 // A division by a value known only at run time is a chain of some twenty dependent instructions, a
 // 64-bit one a subroutine of hundreds of cycles, and a phase ran several before its first load: so 32
-// bits where the products fit, and shifts for the powers of two below (docs/perf.md, "The index
-// arithmetic").
+// bits where the products fit, and shifts for the slices' powers of two below (docs/perf.md, "The
+// chain alone, and the index arithmetic").
 __device__ inline void block_rows(uint32_t rows, const BlockSet& set, uint32_t& r0, uint32_t& r1, uint32_t unit) {
     const uint32_t units = rows / unit, i = rank(set);
     if (units <= UINT32_MAX / set.count) {
