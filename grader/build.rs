@@ -1,12 +1,11 @@
-//! Compiles the judge's kernels (`kernels/*.cu`) with the workspace's nvcc and puts the CUDA library
-//! folders on the binary's run path (`cuda_build::link_cuda_run_path`). Also records the git revision
-//! for reports.
+//! Puts the CUDA library folders on the binary's run path (`cuda_build::link_cuda_run_path`) and
+//! records the git revision for reports. The judge's kernels are the root package's
+//! (`kernels/grader/`).
 
 use std::path::Path;
 use std::process::Command;
 
 fn main() {
-    cuda_build::build(&cuda_build::Toolchain::from_cuda(), cuda_build::Files::default(), "");
     // The revision the report names; "unknown" outside a git checkout.
     let rev = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=GRADER_GIT_REVISION={rev}");

@@ -1,10 +1,7 @@
 //! The CUDA side every crate shares: a thin runtime over cudarc ([`Device`]) that opens the card with
-//! a clear error for each way that can fail and records the facts a report needs; how a crate embeds
-//! the kernels its build script compiled ([`kernels`]); the device headers of `include/` that every
-//! crate's kernels may include; and the bulk read stream, launched by the grader and the red team.
-
-// The generated kernel constants name `cuda::kernels::Kernel`, here as in every other crate.
-extern crate self as cuda;
+//! a clear error for each way that can fail and records the facts a report needs; the embedded
+//! kernels as every crate names them ([`kernels`]); and the bulk read stream, launched by the grader
+//! and the red team.
 
 mod device;
 mod error;

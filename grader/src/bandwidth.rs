@@ -110,7 +110,7 @@ pub fn read_bulk<T>(
     unsafe { b.launch(cfg) }.map(drop).context("launching read_bulk")
 }
 
-/// The two stream kernels of kernels/bandwidth.cu, and the launch shape that fills the card once.
+/// The two stream kernels of kernels/grader/bandwidth.cu, and the launch shape that fills the card once.
 pub struct StreamKernels {
     copy: CudaFunction,
     read: CudaFunction,

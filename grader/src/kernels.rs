@@ -1,7 +1,9 @@
-//! The judge's kernel files: `kernels/bandwidth.cu` (the copy and read streams of the floor's
-//! bandwidth, and the L2 eviction) and `kernels/verify.cu` (the checks of the runner's buffers).
+//! The judge's kernel files: `kernels/grader/bandwidth.cu` (the copy and read streams of the floor's
+//! bandwidth, and the L2 eviction), `kernels/grader/launch_probe.cu` (`grader profile`'s launch path)
+//! and `kernels/grader/verify.cu` (the checks of the runner's buffers), compiled by the root build
+//! script.
 
-cuda::embed_kernels!();
+pub use ::kernels::grader::*;
 
 #[cfg(test)]
 mod tests {

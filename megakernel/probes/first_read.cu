@@ -15,7 +15,7 @@
 #include <vector>
 #include <algorithm>
 
-#include "../../cuda/include/stream.cuh"
+#include "../../kernels/include/stream.cuh"
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
 

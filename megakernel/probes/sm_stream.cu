@@ -22,8 +22,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "../../cuda/include/bulk.cuh"
-#include "../../cuda/include/layer_math.cuh"
+#include "../../kernels/include/bulk.cuh"
+#include "../../kernels/include/layer_math.cuh"
 
 constexpr uint32_t THREADS = 512;
 constexpr uint32_t MAX_SLOTS = 8;
@@ -48,7 +48,7 @@ enum class Work { Xor, Dot };
         }                                                                             \
     } while (0)
 
-// The ring of the megakernel (megakernel/kernels/megakernel.cu, RowStream): stage k goes to slot k % slots and
+// The ring of the megakernel (kernels/megakernel/megakernel.cuh, RowStream): stage k goes to slot k % slots and
 // completes phase (k / slots) & 1 of that slot's mbarrier.
 // Which blocks of the launch stream: all of them, or one half of a whole grid's launch (the others
 // return at once).

@@ -1,15 +1,17 @@
 //! The reference submission: the layer compiled into a program (`program`) that one persistent kernel
-//! (`kernels/megakernel.cu`) interprets, one cooperative launch per token, for one layer or a whole
-//! stack of them. `build_stack` (and `build_layer`, a stack of one) packs each layer's weights
+//! (`kernels/megakernel/megakernel.cu`, its device code in `megakernel.cuh`) interprets, one
+//! cooperative launch per token, for one layer or a whole stack of them. `build_stack` (and `build_layer`, a stack of one) packs each layer's weights
 //! (`pack`), uploads the RoPE tables, allocates the scratch the phases and layers share and compiles the
 //! program and each layer's address table; `stack_step` (and `layer_step`) only launches.
 //!
 //! [`Mode::PerPhase`] runs the same device code one phase per launch, for debugging and per-phase
 //! timing; its results are bitwise those of [`Mode::Fused`].
 
+#[cfg(feature = "model")]
 pub mod batch;
 pub mod cpu;
 pub mod kernels;
+#[cfg(feature = "model")]
 pub mod model;
 pub mod pack;
 pub mod program;
@@ -24,11 +26,12 @@ use spec::{Config, LayerOp, Tensor};
 
 use submission::{Layer, Submission, SubmissionError, device_address};
 
+use cuda::kernels::Kernel;
 use kernels::MEGAKERNEL;
 use pack::Packing;
 use program::{Blocks, Buffers, Forced, Plan};
 
-/// Mirrors of `kernels/megakernel.cu` (a test checks them against the file).
+/// Mirrors of `kernels/megakernel/megakernel.cuh` (a test checks them against the file).
 pub const THREADS: u32 = 512;
 const WARPS: u32 = THREADS / 32;
 const RING_BYTES: u32 = 3 * 64 * 1024;
@@ -36,6 +39,9 @@ const ATTN_MAX_HD: usize = 256;
 const ATTN_MAX_GROUP: usize = 16;
 /// Stamps per block and phase in a trace (`trace_step`): start, input ready, stream done, end.
 pub const TRACE_STAMPS: usize = 4;
+/// Vectors one weight stream serves at most: a model's batch step's lanes, or a prompt chunk's
+/// positions (the kernel's `MAX_BATCH`).
+pub const MAX_BATCH: usize = 8;
 /// The widest GEMV rows that the kernel runs in slices of the block (`row_slices`: half a block's
 /// 16-byte vectors of 8 bf16): a model with such rows gets the model kernel's sliced instance
 /// (`Param::kernel`). Choosing by a wrong width would cost speed, never a bit of the output.
@@ -46,7 +52,7 @@ fn has_narrow_rows(cfg: &Config) -> bool {
     [cfg.d, cfg.q_dim(), cfg.ffn].into_iter().min().unwrap_or(0) <= SLICED_MAX_COLS
 }
 
-/// The row gather of `kernels/megakernel.cu` that packs weights (the red team packs cache rows with it).
+/// The row gather of `kernels/megakernel/megakernel.cu` that packs weights (the red team packs cache rows with it).
 pub const GATHER: &str = "gather_rows_u4";
 /// Static shared memory the kernels declare beside the dynamic (the ring's barriers, the row source,
 /// the reductions' scratch), rounded up: the LM head's partials take what is left.
@@ -65,8 +71,8 @@ fn rows_beside(dev: &Device, static_bytes: usize) -> usize {
 
 /// The batch step's kernel, its partials all the room the ring leaves (at least the `red_rows` a block
 /// of any layer phase needs for one lane).
-fn batch_kernel(dev: &Device, red_rows: usize) -> Result<BatchKernel, SubmissionError> {
-    let func = dev.function(&MEGAKERNEL, "megakernel_model_batch_bf16")?;
+fn batch_kernel(dev: &Device, file: &Kernel, red_rows: usize) -> Result<BatchKernel, SubmissionError> {
+    let func = dev.function(file, "megakernel_model_batch_bf16")?;
     let static_bytes = func.shared_size_bytes().context("reading the batch step's static shared memory")?;
     let rows = rows_beside(dev, static_bytes.max(0) as usize);
     if rows < red_rows {
@@ -142,7 +148,7 @@ impl StepCursor {
 }
 
 /// The program as a kernel receives it: by value, `program::MAX_PHASES` rows and `L` layers' address
-/// tables (see `kernels/program.cuh`, `struct Program`): one for the one-layer kernel, whose rows carry
+/// tables (see `kernels/megakernel/program.cuh`, `struct Program`): one for the one-layer kernel, whose rows carry
 /// the layer's addresses themselves, `program::MAX_STACK_LAYERS` for the stack kernel.
 #[derive(Clone, Copy)]
 #[repr(C)]
@@ -187,7 +193,8 @@ impl Param {
         }
     }
 
-    /// The kernel of `kernels/megakernel.cu` that takes this parameter block. A model's has three
+    /// The kernel that takes this parameter block (in `kernels/megakernel/megakernel.cu`, a model's in
+    /// the model's kernel file, `ForModel::kernels`). A model's has three
     /// instances, each the machine code measured for its models: for layers with per-head q/k norms
     /// (`qk_norm`), for layers with rows of at most SLICED_MAX_COLS columns (`narrow`: they stream in
     /// full stages as groups of one), and for the rest; each with a traced twin (`traced`: every block
@@ -320,6 +327,9 @@ pub struct Megakernel {
     /// The vocabulary of the model whose stack this is (`model::GpuModel`): the stack is built for the
     /// model kernel, with room for its LM head's rows.
     head_vocab: Option<usize>,
+    /// The model's kernel file (`kernels/megakernel/model/model.cu`, embedded with the `model`
+    /// feature), which the model kernels of `Param::kernel` are loaded from.
+    model_kernels: Option<&'static Kernel>,
     /// The model's layers have per-head q/k norms: its Qkv phases give each block whole heads, with room
     /// for their rows.
     qk_norm: bool,
@@ -335,6 +345,7 @@ impl Megakernel {
             forced: Forced::default(),
             in_place: None,
             head_vocab: None,
+            model_kernels: None,
             qk_norm: false,
             rope: None,
             built: None,
@@ -356,17 +367,19 @@ impl Megakernel {
         self
     }
 
-    /// The same, building the stack for `model::GpuModel`'s kernel, whose LM head has `vocab` rows and
-    /// whose layers have per-head q/k norms when `qk_norm`; the layer kernels' steps are then refused.
-    pub(crate) fn for_model(mut self, vocab: usize, qk_norm: bool) -> Self {
+    /// The same, building the stack for `model::GpuModel`'s kernel (in the kernel file `kernels`),
+    /// whose LM head has `vocab` rows and whose layers have per-head q/k norms when `qk_norm`; the
+    /// layer kernels' steps are then refused.
+    pub fn for_model(mut self, vocab: usize, qk_norm: bool, kernels: &'static Kernel) -> Self {
         self.head_vocab = Some(vocab);
+        self.model_kernels = Some(kernels);
         self.qk_norm = qk_norm;
         self
     }
 
     /// The same, rotating by `rope` (at least the caches' positions, `hd / 2` a row) instead of the
     /// layer's own RoPE.
-    pub(crate) fn with_rope(mut self, rope: RopeTable) -> Self {
+    pub fn with_rope(mut self, rope: RopeTable) -> Self {
         self.rope = Some(rope);
         self
     }
@@ -817,7 +830,7 @@ impl Submission for Megakernel {
         let (cos, sin) =
             (s.clone_htod(&rope.cos).context("uploading cos")?, s.clone_htod(&rope.sin).context("uploading sin")?);
         // A model's batch step gives each lane its own arena of the activation buffers.
-        let lanes = if self.head_vocab.is_some() { batch::MAX_BATCH } else { 1 };
+        let lanes = if self.head_vocab.is_some() { MAX_BATCH } else { 1 };
         let lane = LaneArena::of(cfg);
         let arena =
             s.alloc_zeros::<u8>(lanes * lane.stride).context("allocating the megakernel's activation buffers")?;
@@ -842,7 +855,12 @@ impl Submission for Megakernel {
             _ => ProgramParam::new(&rows, &tables).map(Param::Stack),
         }
         .expect("rows and tables within the parameter block (checked above)");
-        let func = dev.function(&MEGAKERNEL, param.kernel(self.qk_norm, has_narrow_rows(cfg), false))?;
+        let file = match (&param, self.model_kernels) {
+            (Param::Model(_), Some(model)) => model,
+            (Param::Model(_), None) => unreachable!("for_model names the model's kernel file"),
+            _ => &MEGAKERNEL,
+        };
+        let func = dev.function(file, param.kernel(self.qk_norm, has_narrow_rows(cfg), false))?;
         let traced = match param {
             Param::Model(_) => Some(param.kernel(self.qk_norm, has_narrow_rows(cfg), true)),
             _ => None,
@@ -868,8 +886,8 @@ impl Submission for Megakernel {
         }
         fit_one_block(&func, smem, "the megakernel")?;
         // The batch step chunks the head's rows to fit; its layer phases need a unit of rows of a block.
-        let batch = match self.head_vocab {
-            Some(_) => Some(batch_kernel(dev, layer_rows.max(qkv_rows))?),
+        let batch = match self.model_kernels {
+            Some(model) => Some(batch_kernel(dev, model, layer_rows.max(qkv_rows))?),
             None => None,
         };
         let plan = rows
@@ -927,7 +945,11 @@ impl Submission for Megakernel {
 mod tests {
     use super::*;
 
-    const CU: &str = include_str!("../kernels/megakernel.cu");
+    /// The megakernel's device code and the judge's kernels.
+    const CU: &str = concat!(
+        include_str!("../../kernels/megakernel/megakernel.cuh"),
+        include_str!("../../kernels/megakernel/megakernel.cu")
+    );
     // The attention's shared-memory layout, mirrored to check that every head size fits.
     const KS_PAD: usize = 8;
     const PS_PAD: usize = 4;
@@ -999,7 +1021,7 @@ mod tests {
             "ATTN_MAX_GROUP * (chunk + PB_PAD) * 2;".to_string(),
             format!("__global__ void {GATHER}("),
         ] {
-            assert!(CU.contains(&line), "kernels/megakernel.cu lacks `{line}`");
+            assert!(CU.contains(&line), "kernels/megakernel/ lacks `{line}`");
         }
     }
 

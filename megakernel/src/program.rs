@@ -1,6 +1,6 @@
 //! The megakernel's program: the layer compiled into a table of phases, `ROW_WORDS` int64 words per
 //! phase, that one persistent kernel interprets. This file is the one source of truth for the format;
-//! `kernels/program.cuh` mirrors it and a test checks every constant against that file.
+//! `kernels/megakernel/program.cuh` mirrors it and a test checks every constant against that file.
 //!
 //! The program is data: the same table runs on the GPU (pointers are device addresses) and on the
 //! CPU executor (pointers are addresses in a host arena), so CI checks the compiler without a GPU.
@@ -24,7 +24,7 @@ pub const ROW_WORDS: usize = 16;
 /// block runs).
 pub const MAX_PHASES: usize = 12;
 /// The longest row a GEMV phase streams, in bf16: `MAX_VPT` 16-byte vectors for each of the kernel's
-/// `THREADS` threads (both mirrored from `kernels/megakernel.cu` in lib.rs). Longer products are split
+/// `THREADS` threads (both mirrored from `kernels/megakernel/megakernel.cuh` in lib.rs). Longer products are split
 /// into parts of columns (`Plan::mlp_parts`).
 pub const MAX_ROW: usize = 7 * 512 * 8;
 /// Cached positions of an attention chunk: at most `ATTN_MAX_CHUNK`, and `ATTN_CHUNK_ELEMS / hd` for
@@ -179,7 +179,7 @@ impl Op {
     }
 }
 
-/// Declares an opcode's operand words (from word 1 on) with the names `kernels/program.cuh` uses.
+/// Declares an opcode's operand words (from word 1 on) with the names `kernels/megakernel/program.cuh` uses.
 macro_rules! operands {
     ($module:ident { $first:ident $(, $name:ident)* $(,)? }) => {
         #[allow(non_snake_case, non_upper_case_globals, dead_code)]
@@ -668,7 +668,7 @@ mod tests {
         if b.count == 0 { b.first } else { b.first + (b.count - 1) * b.stride + 1 }
     }
 
-    const CUH: &str = include_str!("../kernels/program.cuh");
+    const CUH: &str = include_str!("../../kernels/megakernel/program.cuh");
 
     #[test]
     fn opcodes_mirror_the_cuda_header() {
@@ -697,7 +697,7 @@ mod tests {
         };
         for op in Op::ALL {
             let line = format!("OP_{} = {};", upper(op), op as i64);
-            assert!(CUH.contains(&line), "kernels/program.cuh lacks `{line}`");
+            assert!(CUH.contains(&line), "kernels/megakernel/program.cuh lacks `{line}`");
         }
     }
 
@@ -707,7 +707,7 @@ mod tests {
             let names: Vec<String> = all.iter().map(|w| format!("{w:?}")).collect();
             assert_eq!(all.first().map(|w| (*w).into()), Some(1));
             let want = format!("namespace {ns} {{ enum : int {{ {} = 1, {} }}; }}", names[0], names[1..].join(", "));
-            assert!(CUH.contains(&want), "kernels/program.cuh lacks `{want}`");
+            assert!(CUH.contains(&want), "kernels/megakernel/program.cuh lacks `{want}`");
             assert!(all.len() < ROW_WORDS);
         }
         check("qkv", qkv::ALL);

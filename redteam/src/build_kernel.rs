@@ -25,10 +25,10 @@ use submission::{Layer, Submission, SubmissionError};
 use super::not_built;
 
 pub const NAME: &str = "build-kernel";
-/// The server kernel of `kernels/redteam.cu`.
+/// The server kernel of `kernels/redteam/redteam.cu`.
 pub const KERNEL: &str = "serve_copies_u16";
 
-/// The mailbox's words as `kernels/redteam.cu` names them (`MAILBOX_<name>`); a test checks them.
+/// The mailbox's words as `kernels/redteam/redteam.cu` names them (`MAILBOX_<name>`); a test checks them.
 #[cfg(test)]
 pub const MAILBOX_WORDS: [(&str, usize); 6] =
     [("SEQ", SEQ), ("SRC", SRC), ("DST", DST), ("LEN", LEN), ("STOP", STOP), ("DONE", DONE)];

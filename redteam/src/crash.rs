@@ -18,7 +18,7 @@ use super::honest::{Twist, Twisted, honest_step};
 use super::{ONE_THREAD, not_built};
 
 pub const NAME: &str = "crash";
-/// The faulting kernel of `kernels/redteam.cu`.
+/// The faulting kernel of `kernels/redteam/redteam.cu`.
 pub const KERNEL: &str = "store_to_address_u32";
 
 /// Where the store goes: inside the never-mapped page at address 0, aligned for a u32.

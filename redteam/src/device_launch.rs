@@ -1,5 +1,5 @@
 //! **device-launch**: the megakernel, honest and fast, plus a one-thread parent kernel every step that
-//! launches [`CHILDREN`] child kernels from the device (CUDA dynamic parallelism, `kernels/redteam_cdp.cu`).
+//! launches [`CHILDREN`] child kernels from the device (CUDA dynamic parallelism, `kernels/redteam/redteam_cdp.cu`).
 //!
 //! The exploit: on Hopper, CUPTI's activity records hold the kernels the host launches, not those a
 //! kernel launches, so this step is recorded as two kernels (the megakernel and the parent) while
@@ -19,7 +19,7 @@ use super::honest::{Extra, WithExtra};
 use super::{ONE_THREAD, not_built};
 
 pub const NAME: &str = "device-launch";
-/// The parent kernel of `kernels/redteam_cdp.cu`.
+/// The parent kernel of `kernels/redteam/redteam_cdp.cu`.
 pub const KERNEL: &str = "cdp_parent_launch_u64";
 
 /// Children per step: the twenty-odd kernels of an eager layer, launched by one parent.

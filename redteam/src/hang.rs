@@ -18,7 +18,7 @@ use super::honest::{Twist, Twisted, honest_step};
 use super::{ONE_THREAD, not_built};
 
 pub const NAME: &str = "hang";
-/// The spinning kernel of `kernels/redteam.cu`.
+/// The spinning kernel of `kernels/redteam/redteam.cu`.
 pub const KERNEL: &str = "spin_until_flag_u32";
 
 /// The kernel gives up after 30 s: long past any step's time (a step takes about a millisecond), so

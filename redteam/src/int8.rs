@@ -7,7 +7,7 @@
 //! some). The spread is robust (the median magnitude, scaled to a normal's standard deviation), so
 //! the outliers themselves cannot widen it.
 //! The rest become int8 with one f32 scale per row, set by the largest of them, so an outlier never
-//! coarsens its row's grid. The GEMV over that form (`gemv_i8_outliers_bf16` of `kernels/redteam.cu`)
+//! coarsens its row's grid. The GEMV over that form (`gemv_i8_outliers_bf16` of `kernels/redteam/redteam.cu`)
 //! reads a little over half the bytes of the bf16 matrix; every other op is the eager reference's.
 
 use crate::kernels::REDTEAM;
@@ -21,7 +21,7 @@ use submission::{Layer, SubmissionError};
 use super::honest::Twist;
 use super::not_built;
 
-/// The GEMV kernel of `kernels/redteam.cu`.
+/// The GEMV kernel of `kernels/redteam/redteam.cu`.
 pub const KERNEL: &str = "gemv_i8_outliers_bf16";
 
 /// An element more than this many typical spreads from zero is an outlier. Four keeps the int8 grid

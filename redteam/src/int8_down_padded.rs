@@ -21,7 +21,7 @@ use super::int8::Int8Down;
 use super::{ONE_THREAD, not_built};
 
 pub const NAME: &str = "int8-down-padded";
-/// The kernels of `kernels/redteam.cu` that stamp the step's start and pad its end.
+/// The kernels of `kernels/redteam/redteam.cu` that stamp the step's start and pad its end.
 pub const STAMP: &str = "record_global_ns_u64";
 pub const SPIN: &str = "spin_until_elapsed_u64";
 

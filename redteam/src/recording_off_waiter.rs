@@ -10,7 +10,7 @@
 //! view still sees the hidden launches, which left no GPU record ("left no GPU record"); the
 //! hardware's count of thread blocks also exceeds the recorded kernels'.
 //!
-//! The waiter is hang's spin kernel and the store crash's (`kernels/redteam.cu`), given a flag and
+//! The waiter is hang's spin kernel and the store crash's (`kernels/redteam/redteam.cu`), given a flag and
 //! an epoch that grows by one per step, so the flag never needs resetting.
 
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! The reference's kernel files: `kernels/reference.cu` (the eager ops) and `kernels/rng.cu` (the
-//! data recipe on the device), compiled by build.rs and embedded.
+//! The reference's kernel files: `kernels/reference/reference.cu` (the eager ops) and
+//! `kernels/reference/rng.cu` (the data recipe on the device), compiled by the root build script.
 
-cuda::embed_kernels!();
+pub use ::kernels::reference::*;

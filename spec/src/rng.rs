@@ -1,5 +1,5 @@
 //! The counter-based hash RNG, defined once here and mirrored line for line in
-//! `reference/kernels/rng.cuh`. A value depends only on (seed, stream, index), so any element of any tensor can
+//! `kernels/reference/rng.cuh`. A value depends only on (seed, stream, index), so any element of any tensor can
 //! be regenerated anywhere, in any order, on the CPU or the GPU, bitwise identical.
 //!
 //! Only integer hashing and two correctly rounded f32 operations are used (no logf/cosf, whose last

@@ -22,7 +22,7 @@ use crate::stats::Summary;
 const WARMUP: usize = 20;
 const TIMED: usize = 200;
 
-/// `struct ProbeParam` of `kernels/launch_probe.cu`: the size of the megakernel's program.
+/// `struct ProbeParam` of `kernels/grader/launch_probe.cu`: the size of the megakernel's program.
 #[derive(Clone, Copy)]
 #[repr(C)]
 struct ProbeParam([i64; PROBE_PARAM_WORDS]);
@@ -175,7 +175,7 @@ mod tests {
 
     #[test]
     fn the_probe_parameter_mirrors_the_kernel_and_the_megakernel_program() {
-        let cu = include_str!("../../kernels/launch_probe.cu");
+        let cu = include_str!("../../../kernels/grader/launch_probe.cu");
         let words = megakernel::program::MAX_PHASES * megakernel::program::ROW_WORDS;
         assert!(cu.contains(&format!(
             "constexpr int PROBE_PARAM_WORDS = {} * {};",

@@ -17,15 +17,16 @@ use submission::{Layer, Submission, SubmissionError, device_address};
 
 use super::hf::{ModelConfig, ModelWeights};
 use super::trace::ModelTrace;
-use crate::{MEGAKERNEL, Megakernel, Mode, Param, THREADS, TRACE_STAMPS, fit_one_block, program};
+use crate::kernels::model::MODEL;
+use crate::{Megakernel, Mode, Param, THREADS, TRACE_STAMPS, fit_one_block, program};
 
 /// End-of-sequence tokens a launch stops at, at most (the kernel's `MODEL_MAX_EOS`).
 pub const MAX_EOS: usize = 4;
 
 /// Lanes of a batch step at most (the kernel's `MAX_BATCH`).
-pub const MAX_BATCH: usize = crate::batch::MAX_BATCH;
+pub const MAX_BATCH: usize = crate::MAX_BATCH;
 
-/// The model kernel's own arguments, laid out as `struct ModelArgs` in `kernels/megakernel.cu`.
+/// The model kernel's own arguments, laid out as `struct ModelArgs` in `kernels/megakernel/megakernel.cuh`.
 #[derive(Clone, Copy)]
 #[repr(C)]
 struct ModelArgs {
@@ -56,7 +57,7 @@ const _: () = assert!(std::mem::size_of::<ModelArgs>() == MODEL_ARGS_BYTES);
 // padding, checked by the size above).
 unsafe impl DeviceRepr for ModelArgs {}
 
-/// A batch step's own arguments, laid out as `struct BatchArgs` in `kernels/megakernel.cu`.
+/// A batch step's own arguments, laid out as `struct BatchArgs` in `kernels/megakernel/megakernel.cuh`.
 #[derive(Clone, Copy)]
 #[repr(C)]
 struct BatchArgs {
@@ -229,8 +230,9 @@ impl GpuModel {
             .map(|(l, [q, k])| up(&[q.as_slice(), k.as_slice()].concat(), &format!("layer {l}'s q and k norms")))
             .collect::<Result<Vec<_>, _>>()?;
         progress("compiling the stack into the megakernel's program");
-        let mut mk =
-            Megakernel::new(Mode::Fused).for_model(cfg.vocab, cfg.qk_norm).with_rope(cfg.rope_table(layer.max_seq_len));
+        let mut mk = Megakernel::new(Mode::Fused)
+            .for_model(cfg.vocab, cfg.qk_norm, &MODEL)
+            .with_rope(cfg.rope_table(layer.max_seq_len));
         mk.build_stack(dev, &mut Layer::stack(&layers, &mut caches), &layer)?;
         let grid = mk.launch_shape().expect("built").0 as usize;
         let row = |n: usize, what: &str| s.alloc_zeros::<bf16>(n).context(format!("allocating {what}"));
@@ -392,7 +394,7 @@ impl GpuModel {
         self.check_generation(prompt, max_new, &[])?;
         let b = self.mk.built.as_ref().expect("GpuModel::new built the stack");
         // Loaded here, not with the stack: only a trace runs it.
-        let traced = dev.function(&MEGAKERNEL, b.traced.expect("build_stack names a model's traced kernel"))?;
+        let traced = dev.function(&MODEL, b.traced.expect("build_stack names a model's traced kernel"))?;
         fit_one_block(&traced, b.smem, "the traced model kernel")?;
         let (grid, layers, per_step) = (b.grid as usize, b.layers as usize, (b.phases * b.layers) as usize + 1);
         let plan: Vec<_> = b.plan.iter().map(|p| p.op).collect();
@@ -529,7 +531,7 @@ mod tests {
 
     #[test]
     fn model_args_mirror_the_kernel() {
-        const CU: &str = include_str!("../../kernels/megakernel.cu");
+        const CU: &str = include_str!("../../../kernels/megakernel/megakernel.cuh");
         for line in [
             format!("constexpr uint32_t MODEL_MAX_EOS = {MAX_EOS};"),
             "constexpr uint32_t MODEL_ARGS_BYTES = 7 * 8 + 12 * 4 + PROGRAM_MAX_LAYERS * 8;".to_string(),
@@ -541,7 +543,7 @@ mod tests {
             "int64_t act_stride;\n    int64_t cache_stride;\n    int32_t* next;".to_string(),
             "uint32_t token[MAX_BATCH];\n    uint32_t pos[MAX_BATCH];\n    uint32_t seq[MAX_BATCH];".to_string(),
         ] {
-            assert!(CU.contains(&line), "kernels/megakernel.cu lacks `{line}`");
+            assert!(CU.contains(&line), "kernels/megakernel/megakernel.cuh lacks `{line}`");
         }
     }
 

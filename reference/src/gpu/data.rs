@@ -1,4 +1,4 @@
-//! The run's data on the GPU, generated there from the seed by `kernels/rng.cu` with the recipe of
+//! The run's data on the GPU, generated there from the seed by `kernels/reference/rng.cu` with the recipe of
 //! `spec::data`, so it equals the CPU's bitwise (checked by `grader selftest`).
 
 use crate::kernels::RNG;
@@ -23,7 +23,7 @@ pub struct DeviceCache {
     pub v: CudaSlice<bf16>,
 }
 
-/// `Classes` of `kernels/rng.cu`: the mean and scale of each class of element.
+/// `Classes` of `kernels/reference/rng.cu`: the mean and scale of each class of element.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct Classes {
@@ -134,19 +134,19 @@ mod tests {
     /// The CUDA fill mirrors spec's constants: the two sides must never drift.
     #[test]
     fn fill_constants_mirror_spec() {
-        let cu = include_str!("../../kernels/rng.cu");
-        let cuh = include_str!("../../kernels/rng.cuh");
+        let cu = include_str!("../../../kernels/reference/rng.cu");
+        let cuh = include_str!("../../../kernels/reference/rng.cuh");
         for (name, value) in [
             ("OUTLIER_SPACING", spec::data::OUTLIER_SPACING),
             ("ANCHOR_SPACING", spec::data::ANCHOR_SPACING),
             ("MASSIVE_CHANNELS", spec::data::MASSIVE_CHANNELS),
         ] {
             let line = format!("constexpr uint64_t {name} = {value};");
-            assert!(cu.contains(&line), "kernels/rng.cu must define {line}");
+            assert!(cu.contains(&line), "kernels/reference/rng.cu must define {line}");
         }
         let mean = format!("IRWIN_HALL_MEAN = {};", spec::rng::IRWIN_HALL_MEAN);
-        assert!(cuh.contains(&mean), "kernels/rng.cuh must define {mean}");
+        assert!(cuh.contains(&mean), "kernels/reference/rng.cuh must define {mean}");
         let golden = format!("GOLDEN = 0x{:X}ull;", spec::rng::GOLDEN);
-        assert!(cuh.contains(&golden), "kernels/rng.cuh must define {golden}");
+        assert!(cuh.contains(&golden), "kernels/reference/rng.cuh must define {golden}");
     }
 }

@@ -1,5 +1,5 @@
 //! The eager GPU reference: the decoder layer run the way an eager framework (PyTorch, bf16) runs it,
-//! one kernel launch per elementary op (`kernels/reference.cu`), 21 launches per step. Straightforward
+//! one kernel launch per elementary op (`kernels/reference/reference.cu`), 21 launches per step. Straightforward
 //! rather than fast: the GEMVs stream their weights near bandwidth, the rest is small.
 //!
 //! Every op reads bf16, computes in f32 (f32 accumulation in every reduction, each in a fixed order,
@@ -55,7 +55,7 @@ const WSUM_WARPS: u32 = 16;
 /// bf16 per 16-byte GEMV load: a GEMV's row length must be a multiple of it.
 const VEC: usize = 8;
 
-/// One kernel of `kernels/reference.cu`, with its name for error messages.
+/// One kernel of `kernels/reference/reference.cu`, with its name for error messages.
 struct Func {
     f: CudaFunction,
     name: &'static str,
@@ -76,7 +76,7 @@ impl Func {
 ///
 /// # Safety
 ///
-/// `args` must match `func`'s parameter list in `kernels/reference.cu`, in order and in type, and each
+/// `args` must match `func`'s parameter list in `kernels/reference/reference.cu`, in order and in type, and each
 /// buffer must hold every element the kernel indexes with those sizes.
 unsafe fn launch(func: &Func, mut args: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<(), CudaError> {
     // SAFETY: the caller's contract.
@@ -85,7 +85,7 @@ unsafe fn launch(func: &Func, mut args: LaunchArgs<'_>, cfg: LaunchConfig) -> Re
         .map_err(|source| CudaError::Driver { context: format!("launching {}", func.name), source })
 }
 
-/// Every kernel of `kernels/reference.cu`.
+/// Every kernel of `kernels/reference/reference.cu`.
 struct Funcs {
     rms_sumsq: Func,
     rms_scale: Func,
@@ -537,13 +537,13 @@ fn gemv_down(
 
 #[cfg(test)]
 mod tests {
-    /// Every kernel of `kernels/reference.cu` is loaded here by its exact name.
+    /// Every kernel of `kernels/reference/reference.cu` is loaded here by its exact name.
     #[test]
     fn every_kernel_is_loaded() {
-        let cu = include_str!("../../kernels/reference.cu");
+        let cu = include_str!("../../../kernels/reference/reference.cu");
         let names: Vec<&str> =
             cu.split("__global__ void ").skip(1).map(|s| s.split('(').next().unwrap().trim()).collect();
-        assert!(!names.is_empty(), "no kernel found in kernels/reference.cu");
+        assert!(!names.is_empty(), "no kernel found in kernels/reference/reference.cu");
         let rs = include_str!("eager.rs");
         for name in names {
             assert!(rs.contains(&format!("f(\"{name}\")")), "{name} is not loaded");

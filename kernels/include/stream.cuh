@@ -1,4 +1,4 @@
-// The read-only stream of 16-byte vectors of the bandwidth measurement (grader/kernels/bandwidth.cu): the loop of
+// The read-only stream of 16-byte vectors of the bandwidth measurement (kernels/grader/bandwidth.cu): the loop of
 // read_u4, one of the two reads whose faster measures the read-only ceiling (bulk_read.cu is the
 // other), and keep_loads, which both use so that their reads cannot be elided.
 #pragma once

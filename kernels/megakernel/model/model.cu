@@ -1,0 +1,46 @@
+// The model's kernels (`megakernel generate/bench/check`, megakernel/src/model): a whole checkpoint's
+// positions in one launch (run_model), in three instances and their traced twins, and the batch step
+// of up to MAX_BATCH lanes (run_batch). The device code they run is ../megakernel.cuh; compiled by the
+// megakernel crate's build script with its `model` feature, apart from the judge's kernels
+// (../megakernel.cu), so that the grader's build never waits for these; each kernel's machine code is
+// the one it had when all shared one file. The traced twins stay in this file: without them the
+// other instances compile to different machine code (the cubins' code sections compared), and theirs
+// is the code that was measured.
+#include "../megakernel.cuh"
+
+// A model's positions from pos0 on, in one launch (run_model). Three instances, each the machine code
+// measured for its models (code a model does not run still moves ptxas's allocation and schedule of
+// what it runs; docs/perf.md): for layers with per-head q/k norms (Qwen3); for layers without them
+// whose rows are all too wide for slices (row_slices; Llama-3.1-8B decoded 2.7% slower with the sliced
+// code in its kernel); and for the rest, whose narrow rows stream as groups of one (SLICED). In the
+// q/k-norm instance the LM head streams as a group of one too (phase_head_solo).
+#define MODEL_PARAMS                                                                                                          \
+    const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program, const __grid_constant__ ModelArgs model, uint32_t phases, \
+        uint32_t layers, bf16* __restrict__ out,    /* (d) */                                                               \
+        bf16* __restrict__ hidden,                   /* (layers - 1, d); null for one layer */                              \
+        uint32_t d, uint32_t step,                   /* steps run before this launch */                                     \
+        unsigned* __restrict__ phase_done,           /* (PROGRAM_MAX_PHASES + 1) */                                         \
+        uint32_t red_rows
+#define MODEL_ARGS program, model, phases, layers, out, hidden, d, step, phase_done, red_rows
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(MODEL_PARAMS) { run_model<false, false, false>(MODEL_ARGS, nullptr); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_bf16(MODEL_PARAMS) { run_model<false, true, false>(MODEL_ARGS, nullptr); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_bf16(MODEL_PARAMS) { run_model<true, true, false>(MODEL_ARGS, nullptr); }
+// The same three with every block stamping the global timer around each phase of every position
+// (`megakernel bench --trace`): for reading where a token's time goes, not for timing, as their machine
+// code is not the instances' above.
+#define MODEL_TRACE_PARAMS MODEL_PARAMS, uint64_t* __restrict__ trace /* (positions, gridDim.x, layers * phases + 1, TRACE_STAMPS) */
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_traced_bf16(MODEL_TRACE_PARAMS) { run_model<false, false, true>(MODEL_ARGS, trace); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_traced_bf16(MODEL_TRACE_PARAMS) { run_model<false, true, true>(MODEL_ARGS, trace); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_traced_bf16(MODEL_TRACE_PARAMS) { run_model<true, true, true>(MODEL_ARGS, trace); }
+
+// One step of up to MAX_BATCH lanes of a model, in one launch (run_batch).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_batch_bf16(const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program,
+                                                                                     const __grid_constant__ ModelArgs model, const __grid_constant__ BatchArgs batch,
+                                                                                     uint32_t phases, uint32_t layers,
+                                                                                     bf16* __restrict__ out,     /* (lanes, d) */
+                                                                                     bf16* __restrict__ hidden,  /* (lanes, layers - 1, d); null for one layer */
+                                                                                     uint32_t d, uint32_t step,  /* steps run before this launch */
+                                                                                     unsigned* __restrict__ phase_done, /* (PROGRAM_MAX_PHASES + 1) */
+                                                                                     uint32_t red_rows) {
+    run_batch(program, model, batch, phases, layers, out, hidden, d, step, phase_done, red_rows);
+}
