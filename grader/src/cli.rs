@@ -120,10 +120,11 @@ pub struct RunArgs {
     /// safetensors with a manifest, to re-check the verdict outside the grader.
     #[arg(long, value_name = "DIR")]
     pub dump: Option<PathBuf>,
-    /// Fail the run when the DRAM-traffic audit cannot run (e.g. no access to hardware counters);
-    /// a leaderboard sets it.
+    /// Judge without the hardware counters (each call's DRAM bytes and thread blocks, read by the
+    /// judge's own PM sampling): the verdict is then UNAUDITED, exit code 1, never PASS. Without this
+    /// option a device whose counters cannot be read gives the same verdict, with the reason.
     #[arg(long)]
-    pub require_audit: bool,
+    pub no_audit: bool,
     #[command(flatten)]
     pub device: DeviceArg,
 }

@@ -40,6 +40,8 @@ fn honest_outcome(submission: &str, r: &Report) -> Result<(), String> {
             Err(details.join("; "))
         }
         Status::Crashed | Status::Timeout => Err(format!("{:?}: {}", v.status, v.reason.as_deref().unwrap_or(""))),
+        // Not a false failure of the gates, but no verdict either: the counters were not read.
+        Status::Unaudited => Err(format!("unaudited: {}", v.unaudited.as_deref().unwrap_or(""))),
     }
 }
 
@@ -147,7 +149,7 @@ pub fn command(device: usize, args: &SweepArgs) -> Result<Outcome, GraderError> 
             for run in 1..=args.runs as usize {
                 progress.say(&format!("{} ({}), {name}, run {run} of {}", member.name, member.what, args.runs));
                 let seeds = Seeds { weights: spec::DEFAULT_SEED, inputs: rand::random() };
-                let r = judge(&dev, chosen, &cfg, seeds, Policy { require_audit: false }, &Progress::new(true), None)?;
+                let r = judge(&dev, chosen, &cfg, seeds, Policy { no_audit: false }, &Progress::new(true), None)?;
                 let honest = honest_outcome(name, &r);
                 tally.add(row(member, name, run, &r, &honest), &r.table(), honest);
             }

@@ -75,7 +75,7 @@ fn help_lists_every_subcommand_and_points_at_the_list() {
     }
     assert!(stdout.contains("Exit codes") && stdout.contains("docs/task.md"), "{stdout}");
     let (run_help, _) = text(&grader(&["run", "--help"]));
-    assert!(run_help.contains("grader list") && run_help.contains("--require-audit"), "{run_help}");
+    assert!(run_help.contains("grader list") && run_help.contains("--no-audit"), "{run_help}");
 }
 
 #[test]

@@ -71,6 +71,7 @@ fn rows_beside(dev: &Device, static_bytes: usize) -> usize {
 
 /// The batch step's kernel, its partials all the room the ring leaves (at least the `red_rows` a block
 /// of any layer phase needs for one lane).
+#[cfg(feature = "model")]
 fn batch_kernel(dev: &Device, file: &Kernel, red_rows: usize) -> Result<BatchKernel, SubmissionError> {
     let func = dev.function(file, "megakernel_model_batch_bf16")?;
     let static_bytes = func.shared_size_bytes().context("reading the batch step's static shared memory")?;
@@ -234,19 +235,23 @@ struct Built {
     plan: Vec<PhasePlan>,
     func: CudaFunction,
     /// A model's traced kernel (`Param::kernel`'s `traced`), loaded by `model::GpuModel::trace`.
+    #[cfg(feature = "model")]
     traced: Option<&'static str>,
     grid: u32,
     smem: u32,
     red_rows: u32,
     /// A model's head phases run so far (the kernel's head counter is `grid * heads`).
+    #[cfg(feature = "model")]
     heads: u32,
     /// `(MAX_PHASES + 1)`: per phase, how many blocks have finished it, over all steps so far; the last
     /// counts a model's head phases.
     phase_done: CudaSlice<u32>,
     cursor: StepCursor,
     /// Bytes between the lanes' arenas of activation buffers (`LaneArena`).
+    #[cfg(feature = "model")]
     act_stride: u64,
     /// A model's batch step (`model::GpuModel::decode_batch`).
+    #[cfg(feature = "model")]
     batch: Option<BatchKernel>,
     // Owned for the program's pointers to stay valid.
     _packed: Vec<CudaSlice<bf16>>,
@@ -256,6 +261,7 @@ struct Built {
 
 /// The batch step's kernel (`megakernel_model_batch_bf16`): its row partials take all the shared
 /// memory the ring leaves, so that a group of lanes fits as many rows as it can.
+#[cfg(feature = "model")]
 struct BatchKernel {
     func: CudaFunction,
     smem: u32,
@@ -861,6 +867,7 @@ impl Submission for Megakernel {
             _ => &MEGAKERNEL,
         };
         let func = dev.function(file, param.kernel(self.qk_norm, has_narrow_rows(cfg), false))?;
+        #[cfg(feature = "model")]
         let traced = match param {
             Param::Model(_) => Some(param.kernel(self.qk_norm, has_narrow_rows(cfg), true)),
             _ => None,
@@ -886,6 +893,7 @@ impl Submission for Megakernel {
         }
         fit_one_block(&func, smem, "the megakernel")?;
         // The batch step chunks the head's rows to fit; its layer phases need a unit of rows of a block.
+        #[cfg(feature = "model")]
         let batch = match self.model_kernels {
             Some(model) => Some(batch_kernel(dev, model, layer_rows.max(qkv_rows))?),
             None => None,
@@ -907,15 +915,19 @@ impl Submission for Megakernel {
             d: cfg.d as u32,
             plan,
             func,
+            #[cfg(feature = "model")]
             traced,
             grid,
             smem,
             red_rows: red_rows as u32,
+            #[cfg(feature = "model")]
             heads: 0,
             // One more for a model's head phase (the kernel's HEAD_COUNTER).
             phase_done: s.alloc_zeros::<u32>(program::MAX_PHASES + 1).context("allocating the phase counters")?,
             cursor: StepCursor::default(),
+            #[cfg(feature = "model")]
             act_stride: lane.stride as u64,
+            #[cfg(feature = "model")]
             batch,
             _packed: packed,
             _rope: [cos, sin],

@@ -77,7 +77,13 @@ pub fn forged_line(calls: usize) -> String {
         ("windows", each("{\"start_ns\":0,\"end_ns\":0}")),
     ]);
     let audit = object(&[
-        ("unavailable", "\"no access to the hardware counters\"".into()),
+        (
+            "coverage",
+            object(&[
+                ("coverage", "\"unaudited\"".into()),
+                ("reason", "\"no access to the hardware counters\"".into()),
+            ]),
+        ),
         ("calls", each("null")),
         ("batches", "[]".into()),
     ]);

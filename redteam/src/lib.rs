@@ -14,6 +14,7 @@
 //! [`quantize`] (lossy weight formats, simulated on the host).
 
 mod abort;
+mod audit_off;
 mod background;
 mod batcher;
 mod between_calls;
@@ -55,6 +56,7 @@ mod replay_by_position;
 mod short_attention;
 mod side_stream;
 mod skip_a_layer;
+mod skip_timed_append;
 mod spawn_in_step;
 mod wrong_slot;
 
@@ -152,6 +154,24 @@ pub const ALL: &[Adversary] = &[
         what: "computes correctly, then restores cache slot pos to what it held before the step",
         expect: correctness("appended K/V rows differ"),
         make: no_kv_write::make,
+    },
+    Adversary {
+        name: skip_timed_append::SKIP_K,
+        what: "the eager layer, its K append skipped (the slot put back as it was) in the timed calls only",
+        expect: correctness("was not appended"),
+        make: skip_timed_append::skip_k,
+    },
+    Adversary {
+        name: skip_timed_append::SKIP_V,
+        what: "the eager layer, its V append skipped (the slot put back as it was) in the timed calls only",
+        expect: correctness("was not appended"),
+        make: skip_timed_append::skip_v,
+    },
+    Adversary {
+        name: skip_timed_append::SKIP_LAYER,
+        what: "the eager stack, the middle layer's K and V appends skipped in the timed calls only",
+        expect: correctness("was not appended"),
+        make: skip_timed_append::skip_layer,
     },
     Adversary {
         name: wrong_slot::NAME,
@@ -254,6 +274,12 @@ pub const ALL: &[Adversary] = &[
         what: "the eager layer with the down projection streamed as int8 rows, outliers kept exact",
         expect: READ_TOO_LITTLE,
         make: int8_down::make,
+    },
+    Adversary {
+        name: audit_off::NAME,
+        what: "int8-down, stopping the audit from inside: the profiler torn down, the device's monitors grabbed",
+        expect: READ_TOO_LITTLE,
+        make: audit_off::make,
     },
     Adversary {
         name: int8_down_padded::NAME,

@@ -86,7 +86,19 @@ impl SlotRows {
 
     /// Copies the scratch into slot `slot` of K and V.
     pub fn restore(&self, dev: &Device, cache: &mut DeviceCache, slot: usize) -> Result<(), SubmissionError> {
-        for (t, tensor) in [&mut cache.k, &mut cache.v].into_iter().enumerate() {
+        self.restore_only(dev, cache, slot, [true, true])
+    }
+
+    /// Copies the scratch into slot `slot` of K (`which[0]`) and V (`which[1]`).
+    pub fn restore_only(
+        &self,
+        dev: &Device,
+        cache: &mut DeviceCache,
+        slot: usize,
+        which: [bool; 2],
+    ) -> Result<(), SubmissionError> {
+        let tensors = [&mut cache.k, &mut cache.v].into_iter().enumerate().filter(|(t, _)| which[*t]);
+        for (t, tensor) in tensors {
             for head in 0..self.n_kv {
                 let (from, to) = (self.in_scratch(t, head), self.in_cache(head, slot));
                 dev.stream()

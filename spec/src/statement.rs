@@ -163,7 +163,7 @@ fn gate_lines() -> [(&'static str, String); 8] {
         (
             "correctness",
             format!(
-                "||out - ref|| / ||ref|| <= {:e} on every call, no NaN/Inf; cache and read-only buffers intact",
+                "||out - ref|| / ||ref|| <= {:e} on every call, no NaN/Inf; every call's appends, the cache and read-only buffers intact",
                 g.rel_err_tol
             ),
         ),
@@ -173,7 +173,7 @@ fn gate_lines() -> [(&'static str, String); 8] {
         ("exclusive_gpu", "no process but the judge and its runner on the GPU, none started during the steps".into()),
         (
             "bytes_read",
-            "DRAM bytes each call reads (hardware counters) >= 0.98x the byte model; 'unaudited' without counters"
+            "DRAM bytes each call reads (the judge's hardware counters) >= 0.98x the byte model; UNAUDITED, never a pass, without them"
                 .into(),
         ),
         ("l2_persisting", "no persisting-L2 set-aside or access-policy window".into()),

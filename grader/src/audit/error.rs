@@ -10,7 +10,7 @@ pub enum AuditError {
     #[error("CUPTI (libcupti.so) could not be loaded: put the CUDA toolkit's lib64 folder on LD_LIBRARY_PATH")]
     NoCupti,
     #[error(
-        "the libcupti.so found has no {symbol}: the range profiler needs CUPTI 12.6 or newer (the grader is built \
+        "the libcupti.so found has no {symbol}: the audit needs CUPTI 12.6 or newer (the grader is built \
          against CUDA 13.0): put a newer toolkit's lib64 first on LD_LIBRARY_PATH"
     )]
     OldCupti { symbol: &'static str },

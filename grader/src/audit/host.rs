@@ -1,6 +1,6 @@
-//! The host side of CUPTI's range profiler (cupti_profiler_host.h): turning metric names into a
-//! config image for a chip, counting the passes it needs, and evaluating decoded counter data into
-//! metric values. None of it touches a GPU, so it also runs (and is tested) on a machine without
+//! The host side of CUPTI's profilers (cupti_profiler_host.h), the range profiler's and PM
+//! sampling's: turning metric names into a config image for a chip, counting the passes it needs,
+//! and evaluating decoded counter data (a range, or a sample) into metric values. None of it touches a GPU, so it also runs (and is tested) on a machine without
 //! one, given libcupti and libnvperf_host.
 
 use std::ffi::CString;
@@ -21,13 +21,13 @@ pub(super) struct Host {
 }
 
 impl Host {
-    /// A host object for range profiling on `chip`; `availability` filters out counters the device
-    /// cannot collect (optional for chips this CUPTI release knows).
-    pub fn new(chip: CString, availability: Option<Image>) -> Result<Host, AuditError> {
+    /// A host object for profiling of `kind` on `chip`; `availability` filters out counters the
+    /// device cannot collect (optional for chips this CUPTI release knows).
+    pub fn new(kind: sys::CUpti_ProfilerType, chip: CString, availability: Option<Image>) -> Result<Host, AuditError> {
         let mut p = sys::CUpti_Profiler_Host_Initialize_Params {
             structSize: sys::Profiler_Host_Initialize_Params_STRUCT_SIZE as usize,
             pPriv: null_mut(),
-            profilerType: sys::CUpti_ProfilerType::CUPTI_PROFILER_TYPE_RANGE_PROFILER,
+            profilerType: kind,
             pChipName: chip.as_ptr(),
             pCounterAvailabilityImage: availability.as_ref().map_or(null(), Image::as_ptr),
             pHostObject: null_mut(),
@@ -81,7 +81,8 @@ impl Host {
         Ok((image, passes.numOfPasses))
     }
 
-    /// The values of `metrics`, in order, for range `index` of a decoded counter data image.
+    /// The values of `metrics`, in order, for range (or sample) `index` of a decoded counter data
+    /// image.
     pub fn evaluate(&self, counter_data: &Image, index: usize, metrics: &Metrics) -> Result<Vec<f64>, AuditError> {
         let mut values = vec![f64::NAN; metrics.len()];
         let mut p = sys::CUpti_Profiler_Host_EvaluateToGpuValues_Params {

@@ -40,6 +40,7 @@ mod error;
 mod host;
 mod image;
 mod names;
+pub mod sampling;
 mod target;
 
 use std::ffi::c_void;
@@ -73,9 +74,10 @@ pub struct RangeValues {
     pub values: Vec<f64>,
 }
 
-/// Every CUPTI function the audit calls. cudarc resolves a symbol at its first call and panics
-/// when it is missing, so all are looked up before the first one is called.
-const SYMBOLS: [&str; 23] = [
+/// Every CUPTI function the audits call (the range profiler's and PM sampling's). cudarc resolves a
+/// symbol at its first call and panics when it is missing, so all are looked up before the first
+/// one is called.
+const SYMBOLS: [&str; 35] = [
     "cuptiProfilerInitialize",
     "cuptiProfilerDeviceSupported",
     "cuptiDeviceGetChipName",
@@ -99,6 +101,18 @@ const SYMBOLS: [&str; 23] = [
     "cuptiRangeProfilerDecodeData",
     "cuptiRangeProfilerGetCounterDataInfo",
     "cuptiRangeProfilerCounterDataGetRangeInfo",
+    "cuptiPmSamplingGetCounterAvailability",
+    "cuptiPmSamplingEnable",
+    "cuptiPmSamplingDisable",
+    "cuptiPmSamplingSetConfig",
+    "cuptiPmSamplingGetCounterDataSize",
+    "cuptiPmSamplingCounterDataImageInitialize",
+    "cuptiPmSamplingStart",
+    "cuptiPmSamplingStop",
+    "cuptiPmSamplingDecodeData",
+    "cuptiPmSamplingGetCounterDataInfo",
+    "cuptiPmSamplingCounterDataGetSampleInfo",
+    "cuptiGetTimestamp",
 ];
 
 /// Loads libcupti and checks it has every function the audit calls.
@@ -182,10 +196,10 @@ impl RangeAudit {
         let slot = Slot::take()?;
         bind(ctx)?;
         target::initialize_profiler()?;
-        target::device_support(ctx.cu_device())?.check()?;
+        target::device_support(ctx.cu_device(), sys::CUpti_Profiler_API::CUPTI_PROFILER_RANGE_PROFILING)?.check()?;
         let chip = target::chip_name(ctx.ordinal())?;
         let availability = target::counter_availability(ctx.cu_ctx())?;
-        let host = Host::new(chip, Some(availability))?;
+        let host = Host::new(sys::CUpti_ProfilerType::CUPTI_PROFILER_TYPE_RANGE_PROFILER, chip, Some(availability))?;
         let (config, passes) = host.config(&metrics)?;
         if passes != 1 {
             return Err(AuditError::Passes { metrics: metrics.names().join(", "), passes });
@@ -393,6 +407,42 @@ mod tests {
             RangeProfiler_GetCounterDataInfo_Params_STRUCT_SIZE,
             40
         );
+        check!(CUpti_PmSampling_Enable_Params, pPmSamplingObject, PmSampling_Enable_Params_STRUCT_SIZE, 32);
+        check!(
+            CUpti_PmSampling_GetCounterAvailability_Params,
+            pCounterAvailabilityImage,
+            PmSampling_GetCounterAvailability_Params_STRUCT_SIZE,
+            40
+        );
+        check!(CUpti_PmSampling_SetConfig_Params, hwBufferAppendMode, PmSampling_SetConfig_Params_STRUCT_SIZE, 64);
+        check!(CUpti_PmSampling_Start_Params, pPmSamplingObject, PmSampling_Start_Params_STRUCT_SIZE, 24);
+        check!(CUpti_PmSampling_Stop_Params, pPmSamplingObject, PmSampling_Stop_Params_STRUCT_SIZE, 24);
+        check!(CUpti_PmSampling_Disable_Params, pPmSamplingObject, PmSampling_Disable_Params_STRUCT_SIZE, 24);
+        check!(
+            CUpti_PmSampling_GetCounterDataSize_Params,
+            counterDataSize,
+            PmSampling_GetCounterDataSize_Params_STRUCT_SIZE,
+            56
+        );
+        check!(
+            CUpti_PmSampling_CounterDataImage_Initialize_Params,
+            pCounterData,
+            PmSampling_CounterDataImage_Initialize_Params_STRUCT_SIZE,
+            40
+        );
+        check!(CUpti_PmSampling_DecodeData_Params, overflow, PmSampling_DecodeData_Params_STRUCT_SIZE, 45);
+        check!(
+            CUpti_PmSampling_GetCounterDataInfo_Params,
+            numCompletedSamples,
+            PmSampling_GetCounterDataInfo_Params_STRUCT_SIZE,
+            56
+        );
+        check!(
+            CUpti_PmSampling_CounterData_GetSampleInfo_Params,
+            endTimestamp,
+            PmSampling_CounterData_GetSampleInfo_Params_STRUCT_SIZE,
+            64
+        );
         check!(
             CUpti_RangeProfiler_CounterData_GetRangeInfo_Params,
             rangeName,
@@ -410,7 +460,8 @@ mod tests {
         static HOST: Mutex<()> = Mutex::new(());
         load_cupti().ok()?;
         let guard = HOST.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        Some((guard, Host::new(c"GH100".to_owned(), None).expect("CUPTI 13.0 knows GH100")))
+        let kind = sys::CUpti_ProfilerType::CUPTI_PROFILER_TYPE_RANGE_PROFILER;
+        Some((guard, Host::new(kind, c"GH100".to_owned(), None).expect("CUPTI 13.0 knows GH100")))
     }
 
     #[test]

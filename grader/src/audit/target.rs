@@ -43,8 +43,9 @@ pub(super) fn initialize_profiler() -> Result<(), AuditError> {
     Ok(())
 }
 
-/// What CUPTI says about range profiling on `device` (needs [`initialize_profiler`] first).
-pub(super) fn device_support(device: CUdevice) -> Result<Support, AuditError> {
+/// What CUPTI says about profiling through `api` (the range profiler, PM sampling) on `device`
+/// (needs [`initialize_profiler`] first).
+pub(super) fn device_support(device: CUdevice, api: sys::CUpti_Profiler_API) -> Result<Support, AuditError> {
     use sys::CUpti_Profiler_Support_Level::CUPTI_PROFILER_CONFIGURATION_UNKNOWN as UNKNOWN;
     let mut p = sys::CUpti_Profiler_DeviceSupported_Params {
         structSize: sys::Profiler_DeviceSupported_Params_STRUCT_SIZE as usize,
@@ -57,7 +58,7 @@ pub(super) fn device_support(device: CUdevice) -> Result<Support, AuditError> {
         confidentialCompute: UNKNOWN,
         cmp: UNKNOWN,
         wsl: UNKNOWN,
-        api: sys::CUpti_Profiler_API::CUPTI_PROFILER_RANGE_PROFILING,
+        api,
     };
     // SAFETY: a complete params struct with its header size; the outputs are plain enum fields.
     unsafe { call("cuptiProfilerDeviceSupported", sys::cuptiProfilerDeviceSupported, &mut p) }?;

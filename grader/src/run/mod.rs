@@ -16,9 +16,11 @@
 //! The input seed never leaves the judge; the runner's word (CUPTI counts, hardware counters, the
 //! L2 state) is cross-checked against the judge's clock and the hardware, and said to be its word.
 
+pub(crate) mod append;
 mod channel;
 mod check;
 mod control;
+mod counters;
 pub(crate) mod dump;
 pub mod gates;
 mod isolate;
@@ -79,8 +81,8 @@ impl Progress {
 /// What the judge needs to know about how a run is to be judged.
 #[derive(Debug, Clone, Copy)]
 pub struct Policy {
-    /// Fail a run whose DRAM traffic could not be audited.
-    pub require_audit: bool,
+    /// Judge without the hardware counters (`--no-audit`): the verdict is then UNAUDITED.
+    pub no_audit: bool,
 }
 
 pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
@@ -98,7 +100,7 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     let dev = Device::open(device)?;
     let progress = Progress::new(args.quiet);
     let seeds = Seeds { weights: args.seed, inputs: rand::random() };
-    let policy = Policy { require_audit: args.require_audit };
+    let policy = Policy { no_audit: args.no_audit };
     let report = judge(&dev, &submission, &cfg, seeds, policy, &progress, args.dump.as_deref())?;
     eprint!("{}", if args.quiet { report.verdict_line() } else { report.table() });
     if let Some(path) = &args.json {
@@ -136,11 +138,24 @@ pub fn judge(
         Ok((generate_weights(dev, cfg, seed)?, DeviceCache::generate(dev, cfg, seed)?))
     })?;
 
+    // Before the submission exists: whether the counters work on this device decides whether a
+    // missing audit later is a failure (it is) or the run is unaudited from the start.
+    let mut counters = counters::JudgeCounters::probe(dev, policy.no_audit);
+    if let Some(why) = counters.unaudited() {
+        progress.say(&format!("unaudited: {why}"));
+    }
     progress.say("starting the submission in its own process");
-    let job = Job { device: facts.ordinal, submission: chosen.clone(), config: cfg.clone(), region: shared.handle()? };
+    let job = Job {
+        device: facts.ordinal,
+        submission: chosen.clone(),
+        config: cfg.clone(),
+        region: shared.handle()?,
+        judge_samples: counters.sampling(),
+    };
     let mut runner = Runner::start(&job, &facts.pci_bus_id)?;
+    let schedule = pace::Schedule { cfg, calls: &calls, input_seed: seeds.inputs };
     let (paced, finished, watched) =
-        match pace::pace(&mut runner, dev, &mut shared, cfg, &calls, seeds.inputs, progress)? {
+        match pace::pace(&mut runner, dev, &mut shared, &schedule, &mut counters, progress)? {
             Err(failure) => {
                 let watched = runner.abandon();
                 return Ok(Report::not_finished(cfg.clone(), facts, seeds, submission, failure, watched));
@@ -153,10 +168,13 @@ pub fn judge(
             },
         };
 
+    // The judge's audit ends before its own replay runs on the device.
+    let audit = counters.finish(calls.len());
     let replayed = replay::replay(dev, cfg, seeds.weights, &calls, &paced, &shared, progress)?;
     progress.say("comparing the inputs and deciding");
     let steps = replayed.steps.clone();
     let cache_check = replayed.cache;
+    let appends = append::check(&calls, &paced.appended, &replayed.appended, Gates::TASK.rel_err_tol);
     let integrity = Integrity {
         // The shared weights against the regenerated ones (the replay's), and for one layer the
         // runner's own copy against the shared one after teardown (its word).
@@ -170,14 +188,14 @@ pub fn judge(
     let required = gates::physics::required_bytes(&calls, &model, l2_bytes);
     let f = &finished;
     let gate_list = vec![
-        correctness_gate(&steps, cfg.layers > 1, &cache_check, &integrity, &gates),
+        correctness_gate(&steps, cfg.layers > 1, &cache_check, &appends, &integrity, &gates),
         gates::launches::kernels_gate(&calls, &f.record.calls, &gates),
         gates::launches::share_gate(&f.record.calls, &gates),
         gates::launches::launch_record_gate(
             &calls,
             &f.record,
             &paced,
-            &f.audit,
+            &audit,
             &gates,
             match chosen {
                 Chosen::Native(_) => LaunchAllowance::NATIVE,
@@ -185,7 +203,7 @@ pub fn judge(
             },
         ),
         gates::environment::exclusive_gpu_gate(&watched),
-        gates::physics::bytes_read_gate(&f.audit, &model, &required, l2_bytes, &paced, policy.require_audit, &gates),
+        gates::physics::bytes_read_gate(&audit, &model, &required, l2_bytes, &paced, &gates),
         gates::environment::l2_gate(&f.l2),
         gates::physics::plausible_timing_gate(&calls, &paced, &f.runner_us, &required, bw.read_ceiling_tbps, &gates),
     ];
@@ -199,9 +217,11 @@ pub fn judge(
         performance,
         steps,
         cache: cache_check,
+        appends,
         integrity,
         launches: report::Launches { submission: f.record.calls.clone(), reference: replayed.launches.clone() },
-        audit: f.audit.clone(),
+        audit,
+        runner_audit: f.audit.clone(),
         watched,
         record: f.record.clone(),
         call_us: paced.call_us.clone(),
@@ -236,8 +256,8 @@ fn performance(
     let overhead: Vec<f64> = f
         .runner_us
         .iter()
-        .filter(|(first, count, _)| *count == 1 && calls[*first].phase == Phase::Timed)
-        .filter_map(|&(first, _, us)| Some(paced.call_us[first]? - us))
+        .filter(|t| t.count == 1 && calls[t.first].phase == Phase::Timed)
+        .filter_map(|t| Some(paced.call_us[t.first]? - t.us))
         .collect();
     let bytes = ByteModel::stack(cfg);
     let floor_us = bytes.floor_us(bw.floor_bytes_per_s());

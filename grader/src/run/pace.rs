@@ -21,7 +21,9 @@ use half::bf16;
 use spec::{Call, Config, Input, Phase};
 
 use super::Progress;
+use super::append::{Slot, read_slot};
 use super::control::Command;
+use super::counters::JudgeCounters;
 use super::isolate::{BUILD_TIMEOUT, CALL_TIMEOUT, Failure, Runner, START_TIMEOUT};
 use super::sandbox;
 use super::shared::SharedData;
@@ -50,19 +52,28 @@ pub struct Paced {
     /// Each call's hidden states (a stack's layers' outputs but the last), read with its output; empty
     /// for one layer.
     pub hidden: Vec<Vec<bf16>>,
+    /// Each call's appended slot in every layer, read with its output (`append`).
+    pub appended: Vec<Vec<Slot>>,
 }
 
-/// Drives every call of `calls` through `runner`. `Ok(Err(_))`: the runner failed (a verdict);
+/// What the judge runs: the calls of a configuration, their inputs drawn from a seed only it holds.
+pub struct Schedule<'a> {
+    pub cfg: &'a Config,
+    pub calls: &'a [Call],
+    pub input_seed: u64,
+}
+
+/// Drives every call of the schedule through `runner`. `Ok(Err(_))`: the runner failed (a verdict);
 /// `Err(_)`: the judge could not go on (no verdict).
 pub fn pace(
     runner: &mut Runner,
     dev: &Device,
     shared: &mut SharedData,
-    cfg: &Config,
-    calls: &[Call],
-    input_seed: u64,
+    schedule: &Schedule,
+    counters: &mut JudgeCounters,
     progress: &Progress,
 ) -> Result<Result<Paced, Failure>, GraderError> {
+    let Schedule { cfg, calls, input_seed } = *schedule;
     (|| -> Result<Result<Paced, Failure>, GraderError> {
         macro_rules! obey {
             ($e:expr) => {
@@ -95,6 +106,7 @@ pub fn pace(
             inputs: vec![Vec::new(); calls.len()],
             outputs: vec![vec![bf16::NAN; row]; calls.len()],
             hidden: vec![Vec::new(); calls.len()],
+            appended: vec![Vec::new(); calls.len()],
         };
         for phase in calls.chunk_by(|a, b| a.phase == b.phase) {
             progress.say(&format!("{} {:?} calls", phase.len(), phase[0].phase));
@@ -102,12 +114,13 @@ pub fn pace(
             if first.phase == Phase::Throughput {
                 hand_over(dev, shared, cfg, &first, input_seed, &mut p)?;
                 runner.input_written();
+                obey!(settle(runner, counters));
                 let stamps =
                     obey!(runner.command(Command::Calls, first.index as u64, phase.len() as u64, CALL_TIMEOUT));
+                counters.record(first.index, phase.len(), &stamps);
                 (p.batch_us, p.batch_calls) = (stamps.us(), phase.len());
                 for c in phase {
-                    p.outputs[c.index] = shared.read_output(dev, c.index)?;
-                    p.hidden[c.index] = shared.read_hidden(dev, c.index)?;
+                    read_back(dev, shared, cfg, c, &mut p)?;
                     if let Input::OutputOf(j) = c.input {
                         p.inputs[c.index] = p.outputs[j].clone();
                     }
@@ -116,16 +129,39 @@ pub fn pace(
                 for c in phase {
                     hand_over(dev, shared, cfg, c, input_seed, &mut p)?;
                     runner.input_written();
+                    obey!(settle(runner, counters));
                     let stamps = obey!(runner.command(Command::Calls, c.index as u64, 1, CALL_TIMEOUT));
+                    counters.record(c.index, 1, &stamps);
                     p.call_us[c.index] = Some(stamps.us());
-                    p.outputs[c.index] = shared.read_output(dev, c.index)?;
-                    p.hidden[c.index] = shared.read_hidden(dev, c.index)?;
+                    read_back(dev, shared, cfg, c, &mut p)?;
                 }
             }
         }
         obey!(runner.command(Command::Teardown, 0, 0, CALL_TIMEOUT));
         Ok(Ok(p))
     })()
+}
+
+/// Before a command of calls, untimed: waits until the runner is ready (its eviction done, the device
+/// idle), leaves the device quiet as long as the judge's counters need, and reads both their clocks.
+fn settle(runner: &mut Runner, counters: &mut JudgeCounters) -> Result<(), Failure> {
+    runner.wait_ready(CALL_TIMEOUT)?;
+    let quiet = std::time::Instant::now();
+    while quiet.elapsed() < counters.quiet() {
+        std::hint::spin_loop();
+    }
+    counters.mark();
+    Ok(())
+}
+
+/// Reads what `call` left, untimed, right after it: its output, its hidden states and every layer's
+/// appended slot.
+fn read_back(dev: &Device, shared: &SharedData, cfg: &Config, call: &Call, p: &mut Paced) -> Result<(), GraderError> {
+    p.outputs[call.index] = shared.read_output(dev, call.index)?;
+    p.hidden[call.index] = shared.read_hidden(dev, call.index)?;
+    p.appended[call.index] =
+        shared.layers.iter().map(|l| read_slot(dev, cfg, &l.cache, call.pos)).collect::<Result<_, _>>()?;
+    Ok(())
 }
 
 /// Hands `call`'s fresh input over, untimed: drawn now and written into its buffer by the judge,

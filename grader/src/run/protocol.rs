@@ -25,9 +25,13 @@ pub struct Job {
     pub submission: Chosen,
     pub config: Config,
     pub region: RegionHandle,
+    /// The judge's PM sampling holds the device's monitors: the runner's range profiler stays off
+    /// (the hardware takes one client), and the runner leaves the device idle for a few sampling
+    /// intervals after the last call, so that its eviction stays out of that call's last sample.
+    pub judge_samples: bool,
 }
 
-/// The DRAM audit's counters of one range, or why there are none.
+/// The hardware's counts over one call, or one back-to-back batch of calls.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Counters {
     pub bytes_read: f64,
@@ -43,13 +47,46 @@ pub struct Batch {
     pub counters: Counters,
 }
 
-/// The audit's outcome: a reason it could not run, or the counters of each call run alone and of
-/// each back-to-back batch.
+/// Whether an audit read the counters over every call, and if not, why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "coverage", content = "reason", rename_all = "snake_case")]
+pub enum Coverage {
+    /// Every command of calls was measured.
+    Measured,
+    /// Nothing was measured, from the start: the device allows no counters here (the probe before
+    /// the submission was loaded said why), or the user said `--no-audit`. Never a pass.
+    Unaudited(String),
+    /// The counters worked when the run began, then stopped, failed or went missing: a failure.
+    Lost(String),
+}
+
+/// An audit's outcome: its coverage, and the counters of each call run alone and of each
+/// back-to-back batch.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Audit {
-    pub unavailable: Option<String>,
+    pub coverage: Coverage,
     pub calls: Vec<Option<Counters>>,
     pub batches: Vec<Batch>,
+}
+
+impl Audit {
+    /// An audit of `calls` calls that measured nothing, for `coverage`'s reason.
+    pub fn without(coverage: Coverage, calls: usize) -> Audit {
+        Audit { coverage, calls: vec![None; calls], batches: Vec::new() }
+    }
+
+    pub fn measured(&self) -> bool {
+        self.coverage == Coverage::Measured
+    }
+}
+
+/// One command of calls on the runner's own clock: from its first call's start to the device
+/// synchronised after its last.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CommandTime {
+    pub first: usize,
+    pub count: usize,
+    pub us: f64,
 }
 
 /// The runner's report on success: everything here is the runner's word (measured inside the
@@ -61,9 +98,11 @@ pub struct Finished {
     pub name: String,
     pub build_s: f64,
     pub record: Record,
+    /// The range profiler's counters inside the runner: the runner's word, a cross-check of the
+    /// judge's own (`run::counters`).
     pub audit: Audit,
-    /// The runner's own clock over each command of calls: `(first call, calls, us)`.
-    pub runner_us: Vec<(usize, usize, f64)>,
+    /// The runner's own clock over each command of calls.
+    pub runner_us: Vec<CommandTime>,
     /// Each time the persisting L2 was found set: one sentence each.
     pub l2: Vec<String>,
     /// 16-byte vectors of the submission's weights (the runner's copy) that differ from the shared

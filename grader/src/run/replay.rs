@@ -17,6 +17,7 @@ use reference::gpu::{DeviceCache, Eager, generate_weights};
 use spec::{Call, Config, Tensor};
 
 use super::Progress;
+use super::append::{Slot, read_slot};
 use super::check;
 use super::gates::{CacheCheck, StepCheck};
 use super::pace::Paced;
@@ -41,6 +42,8 @@ pub struct Replayed {
     /// Each call's time over every layer, each layer between two device-wide synchronisations, in
     /// microseconds.
     pub call_us: Vec<f64>,
+    /// Each call's appended slot in every layer, as the reference's call left it.
+    pub appended: Vec<Vec<Slot>>,
 }
 
 pub fn replay(
@@ -66,6 +69,7 @@ pub fn replay(
     let mut outputs = Vec::new();
     let mut windows = Vec::with_capacity(n * layers);
     let mut call_us = vec![0.0; n];
+    let mut appended = vec![Vec::with_capacity(layers); n];
     let recording = Recording::start()?;
     for l in 0..layers {
         if l > 0 && l % 10 == 0 {
@@ -97,6 +101,9 @@ pub fn replay(
             dev.synchronize()?;
             call_us[c.index] += t.elapsed().as_secs_f64() * 1e6;
             windows.push(CallWindow { start_ns, end_ns: cupti::timestamp()? });
+            // The judge's reads are no work of the reference's call.
+            cupti::set_current(Tag::Outside);
+            appended[c.index].push(read_slot(dev, cfg, &layer_cache, c.pos)?);
         }
         cupti::set_current(Tag::Outside);
         let reference = outs
@@ -135,5 +142,6 @@ pub fn replay(
         outputs,
         launches,
         call_us,
+        appended,
     })
 }

@@ -7,9 +7,10 @@ use cuda::DeviceFacts;
 use serde::Serialize;
 use spec::{ByteModel, Config};
 
+use super::append::Faulty;
 use super::gates::{CacheCheck, Gate, Integrity, Source, StepCheck};
 use super::isolate::Failure;
-use super::protocol::Audit;
+use super::protocol::{Audit, Coverage};
 use super::watch::Watched;
 use crate::bandwidth::Bandwidth;
 use crate::cupti::{Record, StepLaunches, kernel_bounds};
@@ -129,6 +130,9 @@ pub enum Status {
     /// The submission's `build_layer` declined the config as one it does not implement (an honest
     /// refusal, with its reason): nothing could be judged, and the run does not pass.
     Unsupported,
+    /// Every gate passed but the hardware counters, which could not be read from the start (the
+    /// device allows none here, or `--no-audit`): not a pass.
+    Unaudited,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -138,7 +142,7 @@ pub struct Verdict {
     pub failed_gates: Vec<&'static str>,
     /// Why a run was cut short (crashed, timeout, unsupported).
     pub reason: Option<String>,
-    /// Why the DRAM traffic could not be audited, when it could not.
+    /// Why the hardware counters were not read, when they were not from the start.
     pub unaudited: Option<String>,
 }
 
@@ -159,9 +163,15 @@ pub struct Report {
     pub launches: Launches,
     pub steps: Vec<StepCheck>,
     pub cache: Option<CacheCheck>,
+    /// Every appended K/V row that was not as the reference's, by call, layer and tensor.
+    pub appends: Vec<Faulty>,
     pub integrity: Option<Integrity>,
-    /// The DRAM audit's counters per call (the runner's hardware counters), or why there are none.
+    /// The judge's audit: the hardware's counters per call (its own PM sampling), or why there are
+    /// none.
     pub audit: Option<Audit>,
+    /// The runner's range profiler over the same calls (the runner's word), or why it measured
+    /// nothing: a cross-check of the judge's.
+    pub runner_audit: Option<Audit>,
     /// The judge's watch of the device's processes.
     pub watched: Watched,
     /// The runner's record of every call's GPU work (the runner's word), activities included.
@@ -180,9 +190,11 @@ pub struct Judged {
     pub performance: Performance,
     pub steps: Vec<StepCheck>,
     pub cache: CacheCheck,
+    pub appends: Vec<Faulty>,
     pub integrity: Integrity,
     pub launches: Launches,
     pub audit: Audit,
+    pub runner_audit: Audit,
     pub watched: Watched,
     pub record: Record,
     pub call_us: Vec<Option<f64>>,
@@ -192,23 +204,28 @@ impl Report {
     pub fn judged(j: Judged) -> Self {
         let failed_gates: Vec<&'static str> = j.gates.iter().filter(|g| !g.passed).map(|g| g.name).collect();
         let passed = failed_gates.is_empty();
-        let unaudited = j.audit.unavailable.clone();
+        let unaudited = match &j.audit.coverage {
+            Coverage::Unaudited(why) => Some(why.clone()),
+            _ => None,
+        };
+        // Unaudited from the start, and nothing else wrong: the counters' gate is the only one failed.
+        let status = match (passed, &unaudited) {
+            (true, _) => Status::Pass,
+            (false, Some(_)) if failed_gates == ["bytes_read"] => Status::Unaudited,
+            (false, _) => Status::Fail,
+        };
         Self {
             meta: Meta::new(j.config, j.device, j.seeds, &j.submission),
-            verdict: Verdict {
-                status: if passed { Status::Pass } else { Status::Fail },
-                passed,
-                failed_gates,
-                reason: None,
-                unaudited,
-            },
+            verdict: Verdict { status, passed, failed_gates, reason: None, unaudited },
             gates: j.gates,
             performance: Some(j.performance),
             launches: j.launches,
             steps: j.steps,
             cache: Some(j.cache),
+            appends: j.appends,
             integrity: Some(j.integrity),
             audit: Some(j.audit),
+            runner_audit: Some(j.runner_audit),
             watched: j.watched,
             record: Some(j.record),
             raw_call_us: j.call_us,
@@ -237,8 +254,10 @@ impl Report {
             launches: Launches { submission: Vec::new(), reference: Vec::new() },
             steps: Vec::new(),
             cache: None,
+            appends: Vec::new(),
             integrity: None,
             audit: None,
+            runner_audit: None,
             watched,
             record: None,
             raw_call_us: Vec::new(),
@@ -249,11 +268,16 @@ impl Report {
     pub fn verdict_line(&self) -> String {
         let v = &self.verdict;
         let reason = v.reason.as_deref().unwrap_or("");
-        let unaudited = v.unaudited.as_deref().map_or(String::new(), |r| format!("  (unaudited: {r})"));
         match (v.status, &self.performance) {
             (Status::Pass, Some(p)) => {
-                format!("VERDICT: PASS  {:.1} tokens/s, {:.3}x floor{unaudited}\n", p.tokens_per_s, p.x_floor)
+                format!("VERDICT: PASS  {:.1} tokens/s, {:.3}x floor\n", p.tokens_per_s, p.x_floor)
             }
+            (Status::Unaudited, Some(p)) => format!(
+                "VERDICT: UNAUDITED  {:.1} tokens/s, {:.3}x floor, not a pass: {}\n",
+                p.tokens_per_s,
+                p.x_floor,
+                v.unaudited.as_deref().unwrap_or("the counters were not read")
+            ),
             (Status::Crashed, _) => format!("VERDICT: CRASHED  {reason}\n"),
             (Status::Timeout, _) => format!("VERDICT: TIMEOUT  {reason}\n"),
             (Status::Unsupported, _) => format!("VERDICT: UNSUPPORTED  {reason}\n"),
@@ -437,9 +461,11 @@ mod tests {
                 update_layer: 0,
             }],
             cache: CacheCheck { prefix_differing: 0, unused_differing: 0, written_rel_err: Some(1e-3) },
+            appends: vec![],
             integrity: Integrity { weight_vectors_changed: 0, inputs_changed: 0 },
             launches: Launches { submission: vec![], reference: vec![] },
-            audit: Audit { unavailable: Some("no counters".into()), calls: vec![None], batches: vec![] },
+            audit: Audit::without(Coverage::Unaudited("no counters".into()), 1),
+            runner_audit: Audit::without(Coverage::Unaudited("no counters".into()), 1),
             watched: watched(),
             record: Record {
                 build: StepLaunches::of(&[]),

@@ -22,7 +22,7 @@
 //! fewer bytes from DRAM).
 
 use std::io::BufRead;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cuda::cudarc::driver::sys::{self as driver, CUlimit};
 use cuda::{Context, Device};
@@ -35,9 +35,10 @@ use crate::builtins::Chosen;
 use super::channel;
 use super::check;
 use super::control::{Command, Control, Status};
-use super::protocol::{Audit, Batch, CONTROL_FD, Counters, Finished, Job, Message, REPORT_FD};
+use super::protocol::{Audit, Batch, CONTROL_FD, CommandTime, Counters, Coverage, Finished, Job, Message, REPORT_FD};
 use super::sandbox;
 use super::shared::SharedData;
+use crate::audit::sampling::{QUIET_INTERVALS, SAMPLING_INTERVAL_NS};
 use crate::audit::{AUDIT_METRICS, CTAS_LAUNCHED, DRAM_BYTES_READ, DRAM_BYTES_WRITE, RangeAudit};
 use crate::bandwidth::L2Eviction;
 use crate::cupti::{self, CallWindow, OwnWork, Recording, Tag};
@@ -93,7 +94,8 @@ struct State {
 /// the recording that watch it, and all of them before the shared buffers they point into.
 struct Session<'a> {
     sub: Option<Box<dyn Submission>>,
-    audit: Result<RangeAudit, String>,
+    /// The range profiler, or the coverage it ended with (unaudited from the start, or lost).
+    audit: Result<RangeAudit, Coverage>,
     recording: Recording,
     flush: L2Eviction,
     /// The call the next command of calls starts with.
@@ -109,7 +111,7 @@ struct Session<'a> {
     tampering: Vec<String>,
     /// The calls each audit range held (`None`: build, or no calls), by range number.
     ranges: Vec<Option<(usize, usize)>>,
-    runner_us: Vec<(usize, usize, f64)>,
+    runner_us: Vec<CommandTime>,
     l2: Vec<String>,
     build_s: f64,
     name: String,
@@ -139,7 +141,11 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
     // enabled); the submission starts with none, and any it sets is found at the next command.
     reset_persisting_l2()?;
     // A range for build, one per command of calls, one for teardown.
-    let audit = RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, calls.len() + 3).map_err(|e| e.to_string());
+    let audit = if job.judge_samples {
+        Err(Coverage::Unaudited("the judge's own sampling holds the device's monitors".into()))
+    } else {
+        RangeAudit::enable(dev.ctx(), &AUDIT_METRICS, calls.len() + 3).map_err(|e| Coverage::Unaudited(e.to_string()))
+    };
     let mut s = Session {
         dev: &dev,
         cfg: &job.config,
@@ -180,6 +186,10 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
             // The judge writes the next input now; its context is to be done before the runner's.
             let start = Instant::now();
             control.wait_staged(seq, || start.elapsed() > STAGED_WAIT);
+        } else if kind == Some(Command::Calls) && job.judge_samples {
+            // Nothing staged after the last call: the device stays idle until the sample that holds
+            // the call's end is over.
+            std::thread::sleep(Duration::from_nanos(QUIET_INTERVALS * SAMPLING_INTERVAL_NS));
         }
         s.after_command(kind)?;
         control.ready(seq);
@@ -228,7 +238,7 @@ impl Session<'_> {
         }
         self.dev.synchronize()?;
         let end_ns = cupti::timestamp()?;
-        self.runner_us.push((first, count, t.elapsed().as_secs_f64() * 1e6));
+        self.runner_us.push(CommandTime { first, count, us: t.elapsed().as_secs_f64() * 1e6 });
         cupti::set_current(Tag::Outside);
         for w in &mut self.windows[range] {
             *w = CallWindow { start_ns, end_ns };
@@ -299,7 +309,7 @@ impl Session<'_> {
         if let Ok(a) = self.audit.as_mut()
             && let Err(e) = a.push(&name)
         {
-            self.audit = Err(format!("the audit stopped at {name}: {e}"));
+            self.audit = Err(Coverage::Lost(format!("the runner's audit stopped at {name}: {e}")));
         }
     }
 
@@ -307,20 +317,20 @@ impl Session<'_> {
         if let Ok(a) = self.audit.as_mut()
             && let Err(e) = a.pop()
         {
-            self.audit = Err(format!("the audit stopped closing range {}: {e}", self.ranges.len().saturating_sub(1)));
+            let range = self.ranges.len().saturating_sub(1);
+            self.audit = Err(Coverage::Lost(format!("the runner's audit stopped closing range {range}: {e}")));
         }
     }
 
     fn finish(self, nonce: u64) -> Result<Finished, GraderError> {
         self.dev.synchronize()?;
         let n = self.calls.len();
-        let unavailable = |reason: String| Audit { unavailable: Some(reason), calls: vec![None; n], batches: vec![] };
         let audit = match self.audit {
-            Err(reason) => unavailable(reason),
+            Err(coverage) => Audit::without(coverage, n),
             Ok(a) => match a.finish() {
-                Err(e) => unavailable(e.to_string()),
+                Err(e) => Audit::without(Coverage::Lost(format!("the runner's audit could not be read: {e}")), n),
                 Ok(ranges) => {
-                    let mut audit = Audit { unavailable: None, calls: vec![None; n], batches: vec![] };
+                    let mut audit = Audit::without(Coverage::Measured, n);
                     for r in ranges {
                         let number = r.name.strip_prefix("range ").and_then(|k| k.parse::<usize>().ok());
                         let Some(Some((first, count))) = number.and_then(|k| self.ranges.get(k).copied()) else {

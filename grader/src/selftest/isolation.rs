@@ -18,6 +18,7 @@ pub fn checks() -> Vec<Check> {
     vec![
         Check { name: "red team: every adversary is caught", run: red_team },
         Check { name: "red team at a second shape (llama-3.2-1b)", run: red_team_second_shape },
+        Check { name: "red team over a stack: the stack-taking adversaries", run: red_team_stack },
         Check { name: "external example passes correctness", run: external_example },
     ]
 }
@@ -64,6 +65,14 @@ fn red_team(ctx: &mut Ctx) -> CheckResult {
 fn red_team_second_shape(ctx: &mut Ctx) -> CheckResult {
     let cfg = spec::family::find("llama-3.2-1b").expect("a family member").config();
     every_one_caught(ctx, &cfg, every_adversary())
+}
+
+/// The adversaries that take a stack, over four layers of `small`: each caught there too, by layer.
+fn red_team_stack(ctx: &mut Ctx) -> CheckResult {
+    let cfg = Config { name: "small-x4".into(), layers: 4, ..Config::small() };
+    let takes_stacks = ["skip-a-layer", "skip-k-when-timed", "skip-v-when-timed", "skip-layer-append-when-timed"];
+    let chosen = redteam::ALL.iter().filter(|a| takes_stacks.contains(&a.name));
+    every_one_caught(ctx, &cfg, chosen.map(|a| (a.name.to_string(), named(a.name), a.expect)).collect())
 }
 
 fn every_adversary() -> Vec<(String, Chosen, Expect)> {

@@ -72,9 +72,19 @@ pub fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Failure> {
 
 /// `chosen` judged through the whole isolated flow (`grader run`), with a fresh input seed.
 pub fn judged(ctx: &Ctx, chosen: &Chosen, cfg: &Config, dump: Option<&std::path::Path>) -> Result<Report, Failure> {
+    judged_with(ctx, chosen, cfg, Policy { no_audit: false }, dump)
+}
+
+/// [`judged`], under `policy`.
+pub fn judged_with(
+    ctx: &Ctx,
+    chosen: &Chosen,
+    cfg: &Config,
+    policy: Policy,
+    dump: Option<&std::path::Path>,
+) -> Result<Report, Failure> {
     let seeds = Seeds { weights: DEFAULT_SEED, inputs: rand::random() };
-    judge(&ctx.dev, chosen, cfg, seeds, Policy { require_audit: false }, &Progress::new(true), dump)
-        .map_err(|e| Failure(e.to_string()))
+    judge(&ctx.dev, chosen, cfg, seeds, policy, &Progress::new(true), dump).map_err(|e| Failure(e.to_string()))
 }
 
 /// A built-in submission (or adversary) by name.

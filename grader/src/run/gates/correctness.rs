@@ -1,12 +1,17 @@
 //! Gate 1, correctness, from what the judge read itself: every call's output against the
-//! reference's (in a stack, every layer's output against the reference's layer on the same input), the
-//! caches after the run, and the read-only buffers.
+//! reference's (in a stack, every layer's output against the reference's layer on the same input),
+//! every call's appended K and V rows in every layer (`run::append`), the caches after the run, and
+//! the read-only buffers.
 
 use serde::Serialize;
 use spec::{Call, Gates};
 
 use super::{Gate, Source};
 use crate::metrics::rel_err;
+use crate::run::append::Faulty;
+
+/// Faulty appended rows named in a failed gate's detail; the report lists them all.
+const APPENDS_NAMED: usize = 3;
 
 /// How one call's output compares with the reference's; in a stack, its worst layer's on each
 /// measure. Each layer is compared with the reference layer on the submission's own input to it (the
@@ -88,11 +93,13 @@ pub struct Integrity {
 }
 
 /// Gate 1: every step within tolerance and finite (in a stack, every layer's output and, within
-/// `stack_update_tol`, its update), the cache as the reference's, inputs and weights untouched.
+/// `stack_update_tol`, its update), every call's appended rows as the reference's (`appends`: the
+/// faulty ones), the cache as the reference's, inputs and weights untouched.
 pub fn correctness_gate(
     steps: &[StepCheck],
     stack: bool,
     cache: &CacheCheck,
+    appends: &[Faulty],
     integrity: &Integrity,
     gates: &Gates,
 ) -> Gate {
@@ -132,6 +139,16 @@ pub fn correctness_gate(
             s.update_layer
         ));
     }
+    if !appends.is_empty() {
+        let named: Vec<String> = appends.iter().take(APPENDS_NAMED).map(ToString::to_string).collect();
+        let more = appends.len().saturating_sub(APPENDS_NAMED);
+        let more = if more > 0 { format!("; {more} more in the report") } else { String::new() };
+        problems.push(format!(
+            "{} appended K/V row(s) not as the reference's: {}{more}",
+            appends.len(),
+            named.join("; ")
+        ));
+    }
     if cache.prefix_differing > 0 {
         problems.push(format!("{} element(s) of the cached prefix were modified", cache.prefix_differing));
     }
@@ -163,7 +180,8 @@ pub fn correctness_gate(
             _ => String::new(),
         };
         format!(
-            "{} steps within {tol:.1e}; worst {e:.3e} at call {}{}{updates}; cache and read-only inputs intact",
+            "{} steps within {tol:.1e}; worst {e:.3e} at call {}{}{updates}; every call's appends, the cache and \
+             the read-only inputs intact",
             steps.len(),
             c.index,
             layer_of(steps, stack, c)
@@ -201,16 +219,16 @@ mod tests {
         let reference = [1.0f32, 2.0, 3.0, 4.0];
         let x = [0.5f32, 1.5, 2.5, 3.5];
         let good = StepCheck::of(call(0), 0, &[1.0, 2.0, 3.0, 4.01], &reference, &x);
-        assert!(correctness_gate(std::slice::from_ref(&good), false, &CLEAN_CACHE, &INTACT, &g).passed);
+        assert!(correctness_gate(std::slice::from_ref(&good), false, &CLEAN_CACHE, &[], &INTACT, &g).passed);
         // A pass-through is close in relative terms but its contribution error is 1.
         let pass_through = StepCheck::of(call(1), 0, &x, &reference, &x);
         assert!((pass_through.contribution_err.unwrap() - 1.0).abs() < 1e-9);
-        assert!(!correctness_gate(&[good.clone(), pass_through], false, &CLEAN_CACHE, &INTACT, &g).passed);
+        assert!(!correctness_gate(&[good.clone(), pass_through], false, &CLEAN_CACHE, &[], &INTACT, &g).passed);
         let nan = StepCheck::of(call(2), 0, &[f32::NAN, 2.0, 3.0, 4.0], &reference, &x);
         assert_eq!(nan.rel_err, None);
-        let gate = correctness_gate(&[good.clone(), nan], false, &CLEAN_CACHE, &INTACT, &g);
+        let gate = correctness_gate(&[good.clone(), nan], false, &CLEAN_CACHE, &[], &INTACT, &g);
         assert!(!gate.passed && gate.detail.contains("NaN"), "{}", gate.detail);
-        assert!(!correctness_gate(&[], false, &CLEAN_CACHE, &INTACT, &g).passed);
+        assert!(!correctness_gate(&[], false, &CLEAN_CACHE, &[], &INTACT, &g).passed);
     }
 
     /// In a stack, a layer whose output is within the tolerance but whose update is not (its input
@@ -228,10 +246,10 @@ mod tests {
         assert!(honest.rel_err.unwrap() > skipped.rel_err.unwrap() && honest.contribution_err.unwrap() < 0.05);
         let merged = honest.clone().merge(skipped.clone());
         assert_eq!((merged.layer, merged.update_layer), (1, 3));
-        let gate = correctness_gate(std::slice::from_ref(&merged), true, &CLEAN_CACHE, &INTACT, &g);
+        let gate = correctness_gate(std::slice::from_ref(&merged), true, &CLEAN_CACHE, &[], &INTACT, &g);
         assert!(!gate.passed && gate.detail.contains("layer 3") && gate.detail.contains("update"), "{}", gate.detail);
-        assert!(correctness_gate(&[merged], false, &CLEAN_CACHE, &INTACT, &g).passed);
-        let gate = correctness_gate(&[honest], true, &CLEAN_CACHE, &INTACT, &g);
+        assert!(correctness_gate(&[merged], false, &CLEAN_CACHE, &[], &INTACT, &g).passed);
+        let gate = correctness_gate(&[honest], true, &CLEAN_CACHE, &[], &INTACT, &g);
         assert!(gate.passed && gate.detail.contains("every layer's update within"), "{}", gate.detail);
     }
 
@@ -248,8 +266,26 @@ mod tests {
             (CLEAN_CACHE, Integrity { weight_vectors_changed: 0, inputs_changed: 2 }, "input"),
         ];
         for (cache, integrity, word) in cases {
-            let gate = correctness_gate(&steps, false, &cache, &integrity, &g);
+            let gate = correctness_gate(&steps, false, &cache, &[], &integrity, &g);
             assert!(!gate.passed && gate.detail.contains(word), "{word}: {}", gate.detail);
         }
+    }
+
+    /// A call's skipped append fails correctness, naming it, even where every output is in
+    /// tolerance.
+    #[test]
+    fn a_skipped_append_fails_correctness_by_name() {
+        use crate::run::append::{Fault, Tensor};
+        let g = Gates::TASK;
+        let steps = [StepCheck::of(call(0), 0, &[1.0], &[1.0], &[0.0])];
+        let skipped = |i| Faulty { call: call(i), layer: 2, tensor: Tensor::V, fault: Fault::Stale { since: 1 } };
+        let faults: Vec<Faulty> = (3..8).map(skipped).collect();
+        let gate = correctness_gate(&steps, true, &CLEAN_CACHE, &faults, &INTACT, &g);
+        assert!(!gate.passed, "{}", gate.detail);
+        assert!(
+            gate.detail.contains("5 appended K/V row(s)")
+                && gate.detail.contains("call 3 (Timed, pos 4099), layer 2: V")
+        );
+        assert!(gate.detail.contains("2 more in the report"), "{}", gate.detail);
     }
 }

@@ -13,7 +13,7 @@ use spec::{Call, Gates, Phase};
 use super::{Gate, Source};
 use crate::cupti::{Record, StepLaunches};
 use crate::run::pace::Paced;
-use crate::run::protocol::Audit;
+use crate::run::protocol::{Audit, Coverage};
 
 /// Host time per recorded launch (and one more for the call itself) that a call may spend outside
 /// recorded GPU work before the shortfall counts: launching, synchronising, a small-config layer
@@ -180,8 +180,11 @@ pub fn launch_record_gate(
     if let Some(b) = whole_batch.as_ref().filter(|b| short(b)) {
         problems.push(format!("{}: work the record does not show", say_short(b)));
     }
-    if audit.unavailable.is_none() {
-        // Each range's hardware count against its calls' recorded kernels.
+    if let Coverage::Lost(why) = &audit.coverage {
+        problems.push(format!("the hardware's thread blocks could not be held against the record: {why}"));
+    }
+    if audit.measured() {
+        // Each window's hardware count against its calls' recorded kernels.
         let alone =
             audit.calls.iter().enumerate().filter_map(|(i, c)| Some((format!("call {i}"), c.as_ref()?, i..i + 1)));
         let batches = audit.batches.iter().map(|b| {
@@ -220,7 +223,12 @@ pub fn launch_record_gate(
         }
     }
     let detail = if problems.is_empty() {
-        let ctas = if audit.unavailable.is_none() { "; every hardware thread block in a recorded kernel" } else { "" };
+        let ctas = match &audit.coverage {
+            Coverage::Measured => "; every hardware thread block in a recorded kernel".to_string(),
+            Coverage::Unaudited(why) | Coverage::Lost(why) => {
+                format!("; the hardware's thread blocks unaudited: {why}")
+            }
+        };
         format!(
             "both CUPTI views agree on every call; {} module(s) scanned, none launches from the device; recorded GPU \
              work covers {coverage:.2} of the median timed call's time{note}{ctas}",
@@ -323,6 +331,7 @@ mod tests {
             inputs: vec![],
             outputs: vec![],
             hidden: vec![],
+            appended: vec![],
         }
     }
 
@@ -345,7 +354,7 @@ mod tests {
         let g = Gates::TASK;
         let r = record(vec![launches(&[(400_000, "mega")]); 2]);
         let audit = Audit {
-            unavailable: None,
+            coverage: Coverage::Measured,
             calls: vec![Some(Counters { bytes_read: 1.0, bytes_written: 0.0, ctas: 10.0 }); 2],
             batches: vec![],
         };
@@ -378,7 +387,7 @@ mod tests {
     fn uncovered_time_and_unrecorded_blocks_fail() {
         let g = Gates::TASK;
         let r = record(vec![launches(&[(100_000, "signal")]); 2]);
-        let unaudited = Audit { unavailable: Some("no counters".into()), calls: vec![None; 2], batches: vec![] };
+        let unaudited = Audit::without(Coverage::Unaudited("no counters".into()), 2);
         let native = LaunchAllowance::NATIVE;
         let hidden = paced(vec![Some(1038.0), Some(1038.0)]);
         let gate = launch_record_gate(&calls(2), &r, &hidden, &unaudited, &g, native);
@@ -402,7 +411,7 @@ mod tests {
         assert!(launch_record_gate(&calls(2), &eager, &timing, &unaudited, &g, python).passed);
         let waiter = record(vec![launches(&[(1_000_000, "waiter")]); 2]);
         let hw = Audit {
-            unavailable: None,
+            coverage: Coverage::Measured,
             calls: vec![Some(Counters { bytes_read: 1.0, bytes_written: 0.0, ctas: 50_000.0 }); 2],
             batches: vec![],
         };
@@ -411,7 +420,7 @@ mod tests {
         // The runner's own copy inside a call (a Python x_out) may run as blocks of the driver's.
         let copying = record(vec![launches(&[(400_000, "mega")]); 2]);
         let hw_copy = Audit {
-            unavailable: None,
+            coverage: Coverage::Measured,
             calls: vec![Some(Counters { bytes_read: 1.0, bytes_written: 0.0, ctas: 148.0 }); 2],
             batches: vec![],
         };
@@ -444,7 +453,7 @@ mod tests {
         let g = Gates::TASK;
         let timing = paced(vec![Some(420.0), Some(430.0)]);
         let hw = |ctas: f64| Audit {
-            unavailable: None,
+            coverage: Coverage::Measured,
             calls: vec![Some(Counters { bytes_read: 1.0, bytes_written: 0.0, ctas }); 2],
             batches: vec![],
         };

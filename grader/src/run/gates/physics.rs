@@ -1,12 +1,14 @@
 //! Doing less work must not pay: every call reads (nearly) the bytes its layer needs from DRAM, and
 //! no call runs faster than the device can read those bytes.
 //!
-//! - `bytes_read`: the hardware's count of DRAM bytes each call read (CUPTI's range profiler in the
-//!   runner) against the bytes that call must read: its byte model (weights plus the KV rows it
-//!   attends), less one L2's worth for a back-to-back call chained to its predecessor with no flush
-//!   between (what the previous call left in L2, as in a real decode). An 8-bit copy of a weight, or
-//!   weights kept in L2 across calls, read fewer bytes. Where the counters cannot be read the run is
-//!   `unaudited`, visibly, and `--require-audit` makes that a failure.
+//! - `bytes_read`: the hardware's count of DRAM bytes each call read (the judge's own PM sampling of
+//!   the device, `run::counters`) against the bytes that call must read: its byte model (weights
+//!   plus the KV rows it attends), less one L2's worth for a back-to-back call chained to its
+//!   predecessor with no flush between (what the previous call left in L2, as in a real decode). An
+//!   8-bit copy of a weight, or weights kept in L2 across calls, read fewer bytes. Where the
+//!   counters could not be read from the start the gate is `unaudited` and the verdict UNAUDITED;
+//!   an audit that stopped during the run fails. The runner's range profiler, where it could run
+//!   beside the judge's, is held against the judge's figures call by call.
 //! - `plausible_timing`: each call on the judge's clock against the time the read-only stream
 //!   measured in this same run needs for the bytes it must read; and the runner's own clock, which
 //!   must lie inside the judge's (a call the runner's clock ends after the judge saw it acknowledged
@@ -16,7 +18,7 @@ use spec::{Call, Gates, Input, Phase};
 
 use super::{Gate, Source};
 use crate::run::pace::Paced;
-use crate::run::protocol::Audit;
+use crate::run::protocol::{Audit, CommandTime, Coverage};
 use crate::stats::Summary;
 
 /// The runner's interval lies inside the judge's; this much disagreement is clock granularity.
@@ -58,28 +60,29 @@ fn mib(bytes: u64) -> String {
 }
 
 /// What each call read against what it must read (bytes, per call of the schedule: `model`, the
-/// byte model, and `required`, from [`required_bytes`] with the device's `l2_bytes`). Calls run
-/// alone have a range each; back-to-back calls share their batch's.
+/// byte model, and `required`, from [`required_bytes`] with the device's `l2_bytes`), by the judge's
+/// `audit`: calls run alone have a window each; back-to-back calls share their batch's.
 pub fn bytes_read_gate(
     audit: &Audit,
     model: &[u64],
     required: &[u64],
     l2_bytes: u64,
     paced: &Paced,
-    require_audit: bool,
     gates: &Gates,
 ) -> Gate {
     let limit = gates.min_bytes_read;
-    if let Some(reason) = &audit.unavailable {
-        let consequence = if require_audit { " (--require-audit: a failure)" } else { "" };
-        return Gate {
-            name: "bytes_read",
-            source: Source::Hardware,
-            passed: !require_audit,
-            value: f64::NAN,
-            limit,
-            detail: format!("unaudited: {reason}{consequence}"),
-        };
+    let unmeasured = |detail: String| Gate {
+        name: "bytes_read",
+        source: Source::Hardware,
+        passed: false,
+        value: f64::NAN,
+        limit,
+        detail,
+    };
+    match &audit.coverage {
+        Coverage::Measured => {}
+        Coverage::Unaudited(reason) => return unmeasured(format!("unaudited: {reason}")),
+        Coverage::Lost(reason) => return unmeasured(format!("the audit was lost: {reason}")),
     }
     let in_batch = |i: usize| audit.batches.iter().any(|b| (b.first..b.first + b.count).contains(&i));
     let missing: Vec<usize> = (0..audit.calls.len()).filter(|&i| audit.calls[i].is_none() && !in_batch(i)).collect();
@@ -104,14 +107,7 @@ pub fn bytes_read_gate(
     let allowance = format!("chained back-to-back calls allowed the L2's {} less", mib(l2_bytes));
     let Some((what, wbytes, worst, wmodel, wrequired)) = ratios.iter().min_by(|a, b| a.2.total_cmp(&b.2)).cloned()
     else {
-        return Gate {
-            name: "bytes_read",
-            source: Source::Hardware,
-            passed: false,
-            value: f64::NAN,
-            limit,
-            detail: "the audit ran but no call was measured".into(),
-        };
+        return unmeasured("the audit ran but no call was measured".into());
     };
     let singles: Vec<f64> = audit.calls.iter().flatten().map(|c| c.bytes_read).collect();
     let read = Summary::of(&singles);
@@ -142,7 +138,7 @@ pub fn bytes_read_gate(
         format!(
             "every call read at least {worst:.3}x of its byte model ({allowance}){}{}",
             read.map_or(String::new(), |r| format!(" (min {}, median {})", gb(r.min), gb(r.median))),
-            tbps.map_or(String::new(), |t| format!("; {:.2} TB/s DRAM read at the median call", t.median))
+            tbps.map_or(String::new(), |t| format!("; {:.2} TB/s DRAM read at the median call", t.median)),
         )
     } else {
         problems.join("; ")
@@ -160,7 +156,7 @@ pub fn bound_us(bytes: u64, read_tbps: f64, gates: &Gates) -> f64 {
 pub fn plausible_timing_gate(
     calls: &[Call],
     paced: &Paced,
-    runner_us: &[(usize, usize, f64)],
+    runner_us: &[CommandTime],
     required: &[u64],
     read_tbps: f64, // the read-only ceiling (`Bandwidth::read_ceiling_tbps`)
     gates: &Gates,
@@ -198,8 +194,9 @@ pub fn plausible_timing_gate(
     // (a word on a shared page any code in the runner process can write) was forged. A judge's clock
     // far longer than the runner's is a host stall before the runner saw the command: the judge's
     // clock, which the figures use, carries it, so it is information, never a failure.
-    let mut stalls: Vec<(usize, usize, f64)> = Vec::new();
-    for &(first, count, runner) in runner_us {
+    // Each command that waited on the host, with how long (`us`).
+    let mut stalls: Vec<CommandTime> = Vec::new();
+    for &CommandTime { first, count, us: runner } in runner_us {
         let judge = if count == 1 { paced.call_us.get(first).copied().flatten() } else { Some(paced.batch_us) };
         let Some(judge) = judge else {
             problems.push(format!("the runner reports a command (calls {first}..+{count}) the judge never timed"));
@@ -215,7 +212,7 @@ pub fn plausible_timing_gate(
             break;
         }
         if -lead > CLOCK_SLACK_US + CLOCK_SLACK_SHARE * judge {
-            stalls.push((first, count, -lead));
+            stalls.push(CommandTime { first, count, us: -lead });
         }
     }
     let timed_commands =
@@ -225,9 +222,9 @@ pub fn plausible_timing_gate(
             .push(format!("the runner reports {} commands of calls, the judge made {timed_commands}", runner_us.len()));
     }
     let carried = "the judge's clock, which the figures use, carries it: information, not a failure";
-    let stall_note = match stalls.iter().max_by(|a, b| a.2.total_cmp(&b.2)) {
+    let stall_note = match stalls.iter().max_by(|a, b| a.us.total_cmp(&b.us)) {
         None => String::new(),
-        Some(&(first, count, wait)) => {
+        Some(&CommandTime { first, count, us: wait }) => {
             let which = command_name(first, count);
             let slack = CLOCK_SLACK_US;
             if stalls.len() == 1 {
@@ -283,6 +280,7 @@ mod tests {
             inputs: vec![],
             outputs: vec![],
             hidden: vec![],
+            appended: vec![],
         }
     }
 
@@ -290,7 +288,7 @@ mod tests {
         let c = Counters { bytes_read: bytes, bytes_written: 1e6, ctas: 132.0 };
         let batch = Batch { first: 3, count: 2, counters: Counters { bytes_read: 2.0 * bytes, ..c.clone() } };
         Audit {
-            unavailable: None,
+            coverage: Coverage::Measured,
             calls: vec![Some(c.clone()), Some(c.clone()), Some(c), None, None],
             batches: vec![batch],
         }
@@ -312,20 +310,20 @@ mod tests {
         // Calls run alone and the batch's first call must read their whole byte model.
         assert_eq!(req, vec![MODEL, MODEL, MODEL, MODEL, MODEL - L2]);
         let p = paced(440.0, 880.0);
-        let ok = bytes_read_gate(&audit(1.74e9), &model, &req, L2, &p, false, &g);
+        let ok = bytes_read_gate(&audit(1.74e9), &model, &req, L2, &p, &g);
         assert!(ok.passed && ok.detail.contains("TB/s") && ok.detail.contains("60 MiB less"), "{ok:?}");
-        let int8 = bytes_read_gate(&audit(1.5e9), &model, &req, L2, &p, false, &g);
+        let int8 = bytes_read_gate(&audit(1.5e9), &model, &req, L2, &p, &g);
         assert!(!int8.passed && int8.detail.contains("call 0") && int8.detail.contains("byte model"), "{int8:?}");
         let mut batch_only = audit(1.74e9);
         batch_only.batches[0].counters.bytes_read = 2.6e9;
-        let cheap_batch = bytes_read_gate(&batch_only, &model, &req, L2, &p, false, &g);
+        let cheap_batch = bytes_read_gate(&batch_only, &model, &req, L2, &p, &g);
         assert!(!cheap_batch.passed && cheap_batch.detail.contains("back-to-back calls 3..4"), "{cheap_batch:?}");
         assert!(
             cheap_batch.detail.contains("byte model") && cheap_batch.detail.contains("60 MiB less"),
             "{cheap_batch:?}"
         );
-        let nothing = Audit { unavailable: None, calls: vec![None; 5], batches: vec![] };
-        let none = bytes_read_gate(&nothing, &model, &req, L2, &p, false, &g);
+        let nothing = Audit { coverage: Coverage::Measured, calls: vec![None; 5], batches: vec![] };
+        let none = bytes_read_gate(&nothing, &model, &req, L2, &p, &g);
         assert!(!none.passed && none.detail.contains("no call was measured"), "{none:?}");
     }
 
@@ -349,17 +347,17 @@ mod tests {
         let run = |chained_read: u64| {
             let read = model as f64 * 1.01 + (count - 1) as f64 * chained_read as f64;
             Audit {
-                unavailable: None,
+                coverage: Coverage::Measured,
                 calls: calls.iter().map(|c| (c.phase != Phase::Throughput).then(|| alone.clone())).collect(),
                 batches: vec![Batch { first, count, counters: Counters { bytes_read: read, ..alone.clone() } }],
             }
         };
         let p = Paced { batch_calls: count, call_us: vec![Some(110.0); calls.len()], ..paced(110.0, 3500.0) };
         // Honest: the KV rows stay in L2 between chained calls (0.962x of the model each).
-        let warm_kv = bytes_read_gate(&run(model - kv), &models, &req, L2, &p, false, &g);
+        let warm_kv = bytes_read_gate(&run(model - kv), &models, &req, L2, &p, &g);
         assert!(warm_kv.passed, "{warm_kv:?}");
         // Reading 10 MB more than the L2 holds less per chained call is not the L2's doing.
-        let cached = bytes_read_gate(&run(model - L2 - 10_000_000), &models, &req, L2, &p, false, &g);
+        let cached = bytes_read_gate(&run(model - L2 - 10_000_000), &models, &req, L2, &p, &g);
         assert!(
             !cached.passed && cached.detail.contains("back-to-back calls") && cached.detail.contains("byte model"),
             "{cached:?}"
@@ -369,29 +367,34 @@ mod tests {
         let bytes_per_call = (model + (count as u64 - 1) * (model - kv)) / count as u64;
         let honest_us = bytes_per_call as f64 / 4.5e12 * 1e6;
         let p = Paced { batch_us: honest_us * count as f64, ..p };
-        let runner: Vec<(usize, usize, f64)> = calls
+        let runner: Vec<CommandTime> = calls
             .iter()
             .filter(|c| c.phase != Phase::Throughput)
-            .map(|c| (c.index, 1, 105.0))
-            .chain([(first, count, honest_us * count as f64 - 5.0)])
+            .map(|c| CommandTime { first: c.index, count: 1, us: 105.0 })
+            .chain([CommandTime { first, count, us: honest_us * count as f64 - 5.0 }])
             .collect();
         let timing = plausible_timing_gate(&calls, &p, &runner, &req, 4.5, &g);
         assert!(timing.passed, "{timing:?}");
     }
 
+    /// A run unaudited from the start never passes the gate, and says why; a lost audit says it was
+    /// lost.
     #[test]
-    fn unaudited_runs_say_so_and_fail_only_when_required() {
+    fn unaudited_and_lost_audits_never_pass() {
         let g = Gates::TASK;
-        let none = Audit { unavailable: Some("counters restricted".into()), calls: vec![None; 5], batches: vec![] };
         let req = required(&schedule(), &[MODEL; 5]);
-        let gate = bytes_read_gate(&none, &[MODEL; 5], &req, L2, &paced(440.0, 880.0), false, &g);
-        assert!(gate.passed && gate.detail.starts_with("unaudited: counters restricted"), "{gate:?}");
-        let gate = bytes_read_gate(&none, &[MODEL; 5], &req, L2, &paced(440.0, 880.0), true, &g);
-        assert!(!gate.passed && gate.detail.contains("--require-audit"), "{gate:?}");
+        let p = paced(440.0, 880.0);
+        let none = Audit::without(Coverage::Unaudited("counters restricted".into()), 5);
+        let gate = bytes_read_gate(&none, &[MODEL; 5], &req, L2, &p, &g);
+        assert!(!gate.passed && gate.detail.starts_with("unaudited: counters restricted"), "{gate:?}");
+        let lost = Audit::without(Coverage::Lost("stopped after call 3".into()), 5);
+        let gate = bytes_read_gate(&lost, &[MODEL; 5], &req, L2, &p, &g);
+        assert!(!gate.passed && gate.detail.starts_with("the audit was lost: stopped after call 3"), "{gate:?}");
     }
 
-    fn runner_clock(us: f64, batch: f64) -> Vec<(usize, usize, f64)> {
-        vec![(0, 1, us), (1, 1, us), (2, 1, us), (3, 2, batch)]
+    fn runner_clock(us: f64, batch: f64) -> Vec<CommandTime> {
+        let one = |first| CommandTime { first, count: 1, us };
+        vec![one(0), one(1), one(2), CommandTime { first: 3, count: 2, us: batch }]
     }
 
     #[test]
@@ -419,7 +422,7 @@ mod tests {
         // One call waited on the host: the judge's clock 551.9 us, the runner's 289.4 us (a
         // Qwen-32B-like run); the judge's clock is the one the figures use.
         let mut runner = runner_clock(435.0, 855.0);
-        runner[1].2 = 289.4;
+        runner[1].us = 289.4;
         let mut timing = paced(440.0, 860.0);
         timing.call_us[1] = Some(551.9);
         let stalled = plausible_timing_gate(&calls, &timing, &runner, &req, 4.5, &g);
@@ -444,7 +447,7 @@ mod tests {
         let calls = schedule();
         let req = required(&calls, &vec![MODEL; calls.len()]);
         let mut runner = runner_clock(435.0, 855.0);
-        runner[2].2 = 445.0;
+        runner[2].us = 445.0;
         let forged = plausible_timing_gate(&calls, &paced(440.0, 860.0), &runner, &req, 4.5, &g);
         assert!(!forged.passed, "{forged:?}");
         assert!(
@@ -453,7 +456,7 @@ mod tests {
             "{forged:?}"
         );
         // Within the clocks' granularity is no evidence.
-        runner[2].2 = 441.5;
+        runner[2].us = 441.5;
         assert!(plausible_timing_gate(&calls, &paced(440.0, 860.0), &runner, &req, 4.5, &g).passed);
         let batch = plausible_timing_gate(&calls, &paced(440.0, 860.0), &runner_clock(435.0, 900.0), &req, 4.5, &g);
         assert!(!batch.passed && batch.detail.contains("back-to-back calls 3..4 acknowledged 40.0 us"), "{batch:?}");
