@@ -279,7 +279,7 @@ pub fn command(device: usize, args: &BandwidthArgs) -> Result<Outcome, GraderErr
         );
     }
     if let Some(path) = &args.json {
-        crate::write_output(path, &(serde_json::to_string_pretty(&bw).expect("serialises") + "\n"))?;
+        crate::output::write_output(path, &(serde_json::to_string_pretty(&bw).expect("serialises") + "\n"))?;
     }
     Ok(Outcome::Pass)
 }

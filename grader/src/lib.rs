@@ -10,15 +10,13 @@ pub mod error;
 pub mod kernels;
 pub mod launches;
 pub mod metrics;
+pub mod output;
 pub mod preflight;
 pub mod profile;
 pub mod run;
 pub mod selftest;
 pub mod stats;
 pub mod sweep;
-
-use std::io::Write;
-use std::path::Path;
 
 use cli::{Cli, Command};
 use error::{GraderError, Outcome};
@@ -83,14 +81,4 @@ pub fn list() -> String {
         s += &format!("  {:<width$}  {}\n", a.file, a.what);
     }
     s
-}
-
-/// Writes `text` to `path`, or to stdout when the path is `-`.
-pub fn write_output(path: &Path, text: &str) -> Result<(), GraderError> {
-    let err = |source| GraderError::Write { path: path.display().to_string(), source };
-    if path == Path::new("-") {
-        std::io::stdout().write_all(text.as_bytes()).map_err(err)
-    } else {
-        std::fs::write(path, text).map_err(err)
-    }
 }

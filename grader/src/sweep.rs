@@ -156,7 +156,7 @@ pub fn command(device: usize, args: &SweepArgs) -> Result<Outcome, GraderError> 
         }
     }
     if let Some(path) = &args.log {
-        crate::write_output(path, &tally.log)?;
+        crate::output::write_output(path, &tally.log)?;
     }
     eprintln!("\n{}", tally.table.join("\n"));
     println!("{} passed, {} failed", tally.passed, tally.failed);

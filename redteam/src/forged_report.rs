@@ -47,6 +47,12 @@ fn object(fields: &[(&str, String)]) -> String {
 /// A finished report for `calls` calls, one line: every call one kernel with a share of 1, nothing
 /// wrong with the record, the DRAM audit unavailable (which an unaudited run allows).
 pub fn forged_line(calls: usize) -> String {
+    claimed_line(NAME, calls, GUESSED_NONCE, None)
+}
+
+/// [`forged_line`] under `name`, carrying `nonce`, and with `bytes_read` (one figure per call) an audit that says it
+/// measured each call reading exactly that.
+pub(crate) fn claimed_line(name: &str, calls: usize, nonce: u64, bytes_read: Option<&[u64]>) -> String {
     let ns = CLAIMED_KERNEL_NS.to_string();
     let zero = || "0".to_string();
     let step = object(&[
@@ -76,21 +82,40 @@ pub fn forged_line(calls: usize) -> String {
         ("problems", "[]".into()),
         ("windows", each("{\"start_ns\":0,\"end_ns\":0}")),
     ]);
-    let audit = object(&[
-        (
-            "coverage",
+    let audit = match bytes_read {
+        None => object(&[
+            (
+                "coverage",
+                object(&[
+                    ("coverage", "\"unaudited\"".into()),
+                    ("reason", "\"no access to the hardware counters\"".into()),
+                ]),
+            ),
+            ("calls", each("null")),
+            ("batches", "[]".into()),
+        ]),
+        Some(bytes) => {
+            let counters: Vec<String> = bytes
+                .iter()
+                .map(|&b| {
+                    object(&[
+                        ("bytes_read", b.to_string()),
+                        ("bytes_written", zero()),
+                        ("ctas", CLAIMED_CTAS.to_string()),
+                    ])
+                })
+                .collect();
             object(&[
-                ("coverage", "\"unaudited\"".into()),
-                ("reason", "\"no access to the hardware counters\"".into()),
-            ]),
-        ),
-        ("calls", each("null")),
-        ("batches", "[]".into()),
-    ]);
+                ("coverage", object(&[("coverage", "\"measured\"".into())])),
+                ("calls", format!("[{}]", counters.join(","))),
+                ("batches", "[]".into()),
+            ])
+        }
+    };
     let report = object(&[
         ("outcome", "\"finished\"".into()),
-        ("nonce", GUESSED_NONCE.to_string()),
-        ("name", format!("\"{NAME}\"")),
+        ("nonce", nonce.to_string()),
+        ("name", format!("\"{name}\"")),
         ("build_s", "1.0".into()),
         ("record", record),
         ("audit", audit),

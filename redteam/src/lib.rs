@@ -24,6 +24,7 @@ mod crash;
 mod defer_to_teardown;
 mod device_launch;
 mod forged_ack;
+pub mod forged_audit;
 mod forged_report;
 mod graph_of_kernels;
 mod hang;
@@ -346,6 +347,12 @@ pub const ALL: &[Adversary] = &[
         what: "the eager layer, and in teardown a forged report of one kernel per call on the runner's report channel",
         expect: Expect::CrashedFor { word: "report channel" },
         make: forged_report::make,
+    },
+    Adversary {
+        name: forged_audit::NAME,
+        what: "int8-down, and a forged report carrying the judge's nonce: one kernel a call, each call's byte model read",
+        expect: READ_TOO_LITTLE,
+        make: forged_audit::make,
     },
     Adversary {
         name: lookahead::NAME,

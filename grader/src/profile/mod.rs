@@ -110,7 +110,7 @@ pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError
         let profile = stack::measure(&dev, &cfg, args.seed, bw.floor_bytes_per_s(), &progress)?;
         eprint!("{}", profile.table());
         if let Some(path) = &args.json {
-            crate::write_output(path, &(serde_json::to_string_pretty(&profile).expect("serialises") + "\n"))?;
+            crate::output::write_output(path, &(serde_json::to_string_pretty(&profile).expect("serialises") + "\n"))?;
         }
         return Ok(Outcome::Pass);
     }
@@ -132,10 +132,10 @@ pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError
             "megakernel, '{}' config: fused {:.1} us = {:.3}x floor; one row per block, white = waiting",
             profile.config, profile.fused_us.median, profile.fused_x_floor
         );
-        crate::write_output(path, &t.svg(&title))?;
+        crate::output::write_output(path, &t.svg(&title))?;
     }
     if let Some(path) = &args.json {
-        crate::write_output(path, &(serde_json::to_string_pretty(&profile).expect("serialises") + "\n"))?;
+        crate::output::write_output(path, &(serde_json::to_string_pretty(&profile).expect("serialises") + "\n"))?;
     }
     Ok(Outcome::Pass)
 }

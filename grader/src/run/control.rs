@@ -51,6 +51,16 @@ impl Command {
     }
 }
 
+/// A command as the runner reads it off the page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Posted {
+    /// The judge's sequence number, acknowledged with [`Control::ack`].
+    pub seq: u64,
+    pub kind: Option<Command>,
+    pub arg0: u64,
+    pub arg1: u64,
+}
+
 /// The runner's answer to a command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Status {
@@ -143,9 +153,9 @@ impl Control {
 
     // ---- the runner's side ----
 
-    /// Waits for the command after `last_seq`; returns its sequence, kind and arguments. A word
-    /// that names no command is returned as `None` (the judge never writes one).
-    pub fn next_command(&self, last_seq: u64) -> (u64, Option<Command>, u64, u64) {
+    /// Waits for the command after `last_seq`. A word that names no command comes back with kind
+    /// `None` (the judge never writes one).
+    pub fn next_command(&self, last_seq: u64) -> Posted {
         let p = self.page();
         let start = Instant::now();
         loop {
@@ -153,7 +163,12 @@ impl Control {
             let word = p.command.load(Ordering::Acquire);
             if word >> 8 != last_seq {
                 let kind = Command::from_byte((word & 0xff) as u8);
-                return (word >> 8, kind, p.arg0.load(Ordering::Relaxed), p.arg1.load(Ordering::Relaxed));
+                return Posted {
+                    seq: word >> 8,
+                    kind,
+                    arg0: p.arg0.load(Ordering::Relaxed),
+                    arg1: p.arg1.load(Ordering::Relaxed),
+                };
             }
             if start.elapsed() < SPIN_BEFORE_SLEEP {
                 std::hint::spin_loop();
@@ -220,7 +235,7 @@ mod tests {
             let mut last = 0;
             let mut seen = Vec::new();
             loop {
-                let (seq, kind, a0, a1) = runner.next_command(last);
+                let Posted { seq, kind, arg0: a0, arg1: a1 } = runner.next_command(last);
                 last = seq;
                 seen.push((kind, a0, a1));
                 let status = if kind == Some(Command::Teardown) { Status::Failed } else { Status::Ok };
@@ -258,6 +273,23 @@ mod tests {
                 })
                 .is_none()
         );
+    }
+
+    /// forged-audit reads the report's nonce off the page the way the runner does: what it relies on
+    /// is this page's layout and the runner's descriptor numbers.
+    #[test]
+    fn the_red_teams_forger_reads_the_posted_nonce() {
+        use redteam::forged_audit::{CONTROL_FD, REPORT_KIND, posted_nonce};
+        assert_eq!(CONTROL_FD, crate::run::protocol::CONTROL_FD);
+        assert_eq!(REPORT_KIND, Command::Report as u8);
+        let judge = Control::create().unwrap();
+        let page = judge.page() as *const Page as *const AtomicU64;
+        judge.post(7, Command::Teardown, 0, 0);
+        // SAFETY: the page is mapped for as long as `judge` lives.
+        assert_eq!(unsafe { posted_nonce(page) }, None);
+        judge.post(8, Command::Report, 0x5eed_f00d, 0);
+        // SAFETY: as above.
+        assert_eq!(unsafe { posted_nonce(page) }, Some(0x5eed_f00d));
     }
 
     #[test]

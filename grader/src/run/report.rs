@@ -16,8 +16,9 @@ use crate::bandwidth::Bandwidth;
 use crate::cupti::{Record, StepLaunches, kernel_bounds};
 use crate::stats::Summary;
 
-/// Bumped whenever a field changes meaning or goes away.
-pub const SCHEMA_VERSION: u32 = 2;
+/// Bumped whenever a field changes meaning or goes away (3: `audit` is the judge's own sampling,
+/// `runner_audit` the runner's range profiler, `appends` every call's K/V slot, coverage `lost`).
+pub const SCHEMA_VERSION: u32 = 3;
 
 /// The seeds of a run: the weights' is public; the inputs' is drawn fresh and disclosed afterwards.
 #[derive(Debug, Clone, Copy, Serialize)]

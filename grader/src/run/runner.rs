@@ -34,7 +34,7 @@ use crate::builtins::Chosen;
 
 use super::channel;
 use super::check;
-use super::control::{Command, Control, Status};
+use super::control::{Command, Control, Posted, Status};
 use super::protocol::{Audit, Batch, CONTROL_FD, CommandTime, Counters, Coverage, Finished, Job, Message, REPORT_FD};
 use super::sandbox;
 use super::shared::SharedData;
@@ -168,7 +168,7 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
     };
     let mut last = 0;
     loop {
-        let (seq, kind, arg0, arg1) = control.next_command(last);
+        let Posted { seq, kind, arg0, arg1 } = control.next_command(last);
         last = seq;
         state.pending = Some(seq);
         match kind {

@@ -83,9 +83,16 @@ fn every_adversary() -> Vec<(String, Chosen, Expect)> {
 /// The judge and the GPU must still work after each one: the next one shows it.
 pub fn every_one_caught(ctx: &Ctx, cfg: &Config, adversaries: Vec<(String, Chosen, Expect)>) -> CheckResult {
     let mut missed = Vec::new();
-    for (label, chosen, expect) in &adversaries {
+    for (i, (label, chosen, expect)) in adversaries.iter().enumerate() {
+        let start = std::time::Instant::now();
         let r = judged(ctx, chosen, cfg, None)?;
-        if let Err(shown) = caught(&r, *expect) {
+        let outcome = caught(&r, *expect);
+        // One line per adversary as it is judged: the check takes minutes, and a line that names
+        // the last one judged tells where a hang or a lost machine stopped it.
+        let secs = start.elapsed().as_secs_f64();
+        let shown = outcome.as_ref().map_or_else(|s| format!("MISSED: {s}"), |s| format!("caught: {s}"));
+        eprintln!("  [{}/{}] {label} at '{}' {secs:.1}s {shown}", i + 1, adversaries.len(), cfg.name);
+        if let Err(shown) = outcome {
             missed.push(format!("{label} (expected {expect:?}, got {shown})"));
         }
     }

@@ -147,9 +147,14 @@ pub fn command(device: usize, args: &SelftestArgs) -> Result<Outcome, GraderErro
         eprintln!("{line}");
         let _ = writeln!(log, "{line}");
         if result.is_ok() { passed += 1 } else { failed += 1 }
+        // A log file is rewritten after every check, so a run cut short (a timeout, a lost
+        // machine) still leaves the lines of the checks it finished; `-` (stdout) gets it once.
+        if let Some(path) = args.log.as_deref().filter(|p| *p != std::path::Path::new("-")) {
+            crate::output::write_output(path, &log)?;
+        }
     }
-    if let Some(path) = &args.log {
-        crate::write_output(path, &log)?;
+    if let Some(path) = args.log.as_deref().filter(|p| *p == std::path::Path::new("-")) {
+        crate::output::write_output(path, &log)?;
     }
     // The closing line CI and people read: counts only.
     println!("{passed} passed, {failed} failed");
