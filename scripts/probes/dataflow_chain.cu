@@ -1,0 +1,125 @@
+// What a layer's chain of dependencies costs with no weights: Llama-3.2-1B's widths (hidden 2048,
+// ffn 8192, 8 KV heads) on every SM, 16 layers a token, many tokens in one launch. Each task waits
+// for counters, reads its input vector from L2, writes its share of the next one and counts itself
+// done; no block ever waits at a grid barrier. Two graphs (issue 47's plan, docs/perf.md):
+//   phases:   today's structure, five all-to-all hops a layer (every block waits for every block);
+//   dataflow: attention per KV head waits only for its head's QKV blocks, the O projection split by
+//             KV head waits only for its head's attention: three all-to-all hops and two narrow ones.
+// Polling with and without a back-off. Build and run on the GPU:
+//   nvcc -O3 -arch=sm_90a -o dataflow_chain scripts/probes/dataflow_chain.cu && ./dataflow_chain
+#include <cstdio>
+#include <cuda_runtime.h>
+
+constexpr int HIDDEN = 2048, FFN = 8192, KV_HEADS = 8, LAYERS = 16, THREADS = 256;
+constexpr int TOKENS = 200, WARMUP_TOKENS = 20;
+enum Op { QKV, ATTN, OPROJ, GATEUP, DOWN, OPS };
+
+struct Counters { unsigned op[LAYERS][OPS][KV_HEADS]; };
+
+__device__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ void red_release(unsigned* p) { asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory"); }
+
+// Thread 0 waits until *c reaches target (counters only grow: one launch, never reset), then the block.
+__device__ void wait_count(const unsigned* c, unsigned target, bool backoff) {
+    if (threadIdx.x == 0)
+        while ((int)(ld_acquire(c) - target) < 0)
+            if (backoff) __nanosleep(64);
+    __syncthreads();
+}
+// Counts the block done: the bar.sync orders every thread's writes before thread 0's release.
+__device__ void signal(unsigned* c) {
+    __syncthreads();
+    if (threadIdx.x == 0) red_release(c);
+}
+// Reads n floats of src from L2 (.cg: the data changes every step, L1 must not keep it), writes this
+// block's slice of dst: the task's input load and its output, with no weights.
+__device__ void move(const float* src, int n, float* dst, int slice, int slices, int dst_n) {
+    __shared__ float partial[THREADS];
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += THREADS) s += __ldcg(src + i);
+    partial[threadIdx.x] = s;
+    __syncthreads();  // the block's sum must be complete before any thread writes from it
+    const int per = (dst_n + slices - 1) / slices;
+    for (int i = slice * per + threadIdx.x; i < min(dst_n, (slice + 1) * per); i += THREADS)
+        dst[i] = partial[threadIdx.x % 32] * 1e-9f + 1.f;
+}
+
+struct Buffers { float *x, *qkv, *attn, *x1, *act; };
+
+__global__ void chain(Counters* c, Buffers b, int tokens, bool dataflow, bool backoff) {
+    const unsigned blocks = gridDim.x, me = blockIdx.x, per_head = blocks / KV_HEADS;
+    const unsigned head = min(me / per_head, (unsigned)KV_HEADS - 1);
+    const unsigned head_blocks = head == KV_HEADS - 1 ? blocks - per_head * (KV_HEADS - 1) : per_head;
+    const int head_dim = HIDDEN / KV_HEADS;
+    for (int t = 0; t < tokens; ++t)
+        for (int l = 0; l < LAYERS; ++l) {
+            const unsigned n = t + 1;  // this token's count of each counter's completions, in blocks
+            // QKV: every block waits for the whole Down of the layer before (of the token before at 0).
+            if (l > 0) wait_count(&c->op[l - 1][DOWN][0], blocks * n, backoff);
+            else if (t > 0) wait_count(&c->op[LAYERS - 1][DOWN][0], blocks * t, backoff);
+            move(b.x, HIDDEN, b.qkv, me, blocks, 2 * HIDDEN);
+            signal(&c->op[l][QKV][dataflow ? head : 0]);
+            // Attention: its head's QKV blocks (dataflow) or all of them.
+            if (dataflow) wait_count(&c->op[l][QKV][head], head_blocks * n, backoff);
+            else wait_count(&c->op[l][QKV][0], blocks * n, backoff);
+            move(b.qkv + head * head_dim, head_dim, b.attn, me, blocks, HIDDEN);
+            signal(&c->op[l][ATTN][dataflow ? head : 0]);
+            // O projection: split by KV head, it needs only its head's attention (dataflow).
+            if (dataflow) wait_count(&c->op[l][ATTN][head], head_blocks * n, backoff);
+            else wait_count(&c->op[l][ATTN][0], blocks * n, backoff);
+            move(b.attn + (dataflow ? head * head_dim : 0), dataflow ? head_dim : HIDDEN, b.x1, me, blocks, HIDDEN);
+            signal(&c->op[l][OPROJ][0]);
+            // GateUp: rmsnorm of the whole x1 (the head partials summed in index order): all-to-all.
+            wait_count(&c->op[l][OPROJ][0], blocks * n, backoff);
+            move(b.x1, HIDDEN, b.act, me, blocks, FFN);
+            signal(&c->op[l][GATEUP][0]);
+            // Down: the whole activation.
+            wait_count(&c->op[l][GATEUP][0], blocks * n, backoff);
+            move(b.act, FFN, b.x, me, blocks, HIDDEN);
+            signal(&c->op[l][DOWN][0]);
+        }
+}
+
+static float run(Counters* c, Buffers b, int blocks, int tokens, bool dataflow, bool backoff) {
+    cudaMemset(c, 0, sizeof(Counters));
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0), cudaEventCreate(&e1);
+    cudaEventRecord(e0);
+    chain<<<blocks, THREADS>>>(c, b, tokens, dataflow, backoff);
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms = 0.f;
+    cudaEventElapsedTime(&ms, e0, e1);
+    return ms;
+}
+
+int main() {
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    Counters* c;
+    Buffers b;
+    cudaMalloc(&c, sizeof(Counters));
+    for (float** p : {&b.x, &b.qkv, &b.attn, &b.x1, &b.act}) cudaMalloc(p, FFN * 2 * sizeof(float)), cudaMemset(*p, 0, FFN * 2 * sizeof(float));
+    printf("graph     back-off  blocks  us a layer (median of 5; %d tokens x %d layers, less %d tokens)\n", TOKENS, LAYERS, WARMUP_TOKENS);
+    for (int dataflow = 0; dataflow < 2; ++dataflow)
+        for (int backoff = 1; backoff >= 0; --backoff) {
+            float us[5];
+            for (int r = 0; r < 5; ++r) {
+                // The difference of two launch lengths takes out the launch and the first token's ramp.
+                const float full = run(c, b, sms, TOKENS, dataflow, backoff);
+                const float warm = run(c, b, sms, WARMUP_TOKENS, dataflow, backoff);
+                us[r] = (full - warm) * 1e3f / ((TOKENS - WARMUP_TOKENS) * LAYERS);
+            }
+            for (int i = 0; i < 5; ++i)
+                for (int j = i + 1; j < 5; ++j)
+                    if (us[j] < us[i]) { float t = us[i]; us[i] = us[j]; us[j] = t; }
+            printf("%-9s %-9s %6d  %6.2f  [%.2f-%.2f]\n", dataflow ? "dataflow" : "phases", backoff ? "64 ns" : "none", sms, us[2], us[0], us[4]);
+        }
+    const cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) { printf("CUDA error: %s\n", cudaGetErrorString(err)); return 1; }
+    return 0;
+}
