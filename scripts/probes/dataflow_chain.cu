@@ -5,7 +5,7 @@
 //   phases:   today's structure, five all-to-all hops a layer (every block waits for every block);
 //   dataflow: attention per KV head waits only for its head's QKV blocks, the O projection split by
 //             KV head waits only for its head's attention: three all-to-all hops and two narrow ones.
-// Polling with and without a back-off; then the dataflow graph with each task's share of 1B's weights
+// Polling with and without a back-off; then, with and without the waits (what the stream alone takes), the dataflow graph with each task's share of 1B's weights
 // (QKV 12.6 MB, O 8.4, GateUp 67.1, Down 33.6 a layer; 16 layers apart, so L2 holds none): streamed
 // after its wait, or its first PRIME_BYTES copied to shared memory (cp.async) before the wait so that
 // only the rest waits for the input. Build and run on the GPU:
@@ -21,7 +21,12 @@ enum Op { QKV, ATTN, OPROJ, GATEUP, DOWN, OPS };
 __host__ __device__ constexpr size_t op_bytes(int op) {
     return op == QKV ? 2048ull * 3072 * 2 : op == OPROJ ? 2048ull * 2048 * 2 : op == GATEUP ? 2ull * 8192 * 2048 * 2 : op == DOWN ? 8192ull * 2048 * 2 : 0;
 }
-constexpr int UNROLL = 8;  // 16-byte loads in flight per thread: 132 x 256 x 8 x 16 B = 4.3 MB, the HBM's latency x bandwidth
+// 16-byte loads in flight per thread: 132 x 256 x 8 x 16 B = 4.3 MB, the HBM's latency x bandwidth
+// (-DPROBE_UNROLL=16 to try twice that).
+#ifndef PROBE_UNROLL
+#define PROBE_UNROLL 8
+#endif
+constexpr int UNROLL = PROBE_UNROLL;
 
 struct Counters { unsigned op[LAYERS][OPS][KV_HEADS]; };
 
@@ -98,8 +103,9 @@ __device__ void stream(const Share& s, const uint4* smem, float* sink) {
     __syncthreads();  // the shared buffer is reused by the next task's prime
 }
 
-__global__ void chain(Counters* c, Buffers b, int tokens, bool dataflow, bool backoff, bool weights, size_t prime_words) {
+__global__ void chain(Counters* c, Buffers b, int tokens, bool dataflow, bool backoff, bool weights, size_t prime_words, bool waits) {
     extern __shared__ uint4 primed[];
+    const unsigned gate = waits ? 1u : 0u;  // a target of 0 is met at once: the same tasks without their dependencies
     const unsigned blocks = gridDim.x, me = blockIdx.x, per_head = blocks / KV_HEADS;
     const unsigned head = min(me / per_head, (unsigned)KV_HEADS - 1);
     const unsigned head_blocks = head == KV_HEADS - 1 ? blocks - per_head * (KV_HEADS - 1) : per_head;
@@ -110,35 +116,35 @@ __global__ void chain(Counters* c, Buffers b, int tokens, bool dataflow, bool ba
             // QKV: every block waits for the whole Down of the layer before (of the token before at 0).
             Share w = share_of(b, l, QKV, prime_words);
             if (weights) prime(w, primed);
-            if (l > 0) wait_count(&c->op[l - 1][DOWN][0], blocks * n, backoff);
-            else if (t > 0) wait_count(&c->op[LAYERS - 1][DOWN][0], blocks * t, backoff);
+            if (l > 0) wait_count(&c->op[l - 1][DOWN][0], blocks * n * gate, backoff);
+            else if (t > 0) wait_count(&c->op[LAYERS - 1][DOWN][0], blocks * t * gate, backoff);
             if (weights) stream(w, primed, b.sink);
             move(b.x, HIDDEN, b.qkv, me, blocks, 2 * HIDDEN);
             signal(&c->op[l][QKV][dataflow ? head : 0]);
             // Attention: its head's QKV blocks (dataflow) or all of them.
-            if (dataflow) wait_count(&c->op[l][QKV][head], head_blocks * n, backoff);
-            else wait_count(&c->op[l][QKV][0], blocks * n, backoff);
+            if (dataflow) wait_count(&c->op[l][QKV][head], head_blocks * n * gate, backoff);
+            else wait_count(&c->op[l][QKV][0], blocks * n * gate, backoff);
             move(b.qkv + head * head_dim, head_dim, b.attn, me, blocks, HIDDEN);
             signal(&c->op[l][ATTN][dataflow ? head : 0]);
             // O projection: split by KV head, it needs only its head's attention (dataflow).
             w = share_of(b, l, OPROJ, prime_words);
             if (weights) prime(w, primed);
-            if (dataflow) wait_count(&c->op[l][ATTN][head], head_blocks * n, backoff);
-            else wait_count(&c->op[l][ATTN][0], blocks * n, backoff);
+            if (dataflow) wait_count(&c->op[l][ATTN][head], head_blocks * n * gate, backoff);
+            else wait_count(&c->op[l][ATTN][0], blocks * n * gate, backoff);
             if (weights) stream(w, primed, b.sink);
             move(b.attn + (dataflow ? head * head_dim : 0), dataflow ? head_dim : HIDDEN, b.x1, me, blocks, HIDDEN);
             signal(&c->op[l][OPROJ][0]);
             // GateUp: rmsnorm of the whole x1 (the head partials summed in index order): all-to-all.
             w = share_of(b, l, GATEUP, prime_words);
             if (weights) prime(w, primed);
-            wait_count(&c->op[l][OPROJ][0], blocks * n, backoff);
+            wait_count(&c->op[l][OPROJ][0], blocks * n * gate, backoff);
             if (weights) stream(w, primed, b.sink);
             move(b.x1, HIDDEN, b.act, me, blocks, FFN);
             signal(&c->op[l][GATEUP][0]);
             // Down: the whole activation.
             w = share_of(b, l, DOWN, prime_words);
             if (weights) prime(w, primed);
-            wait_count(&c->op[l][GATEUP][0], blocks * n, backoff);
+            wait_count(&c->op[l][GATEUP][0], blocks * n * gate, backoff);
             if (weights) stream(w, primed, b.sink);
             move(b.act, FFN, b.x, me, blocks, HIDDEN);
             signal(&c->op[l][DOWN][0]);
@@ -146,12 +152,12 @@ __global__ void chain(Counters* c, Buffers b, int tokens, bool dataflow, bool ba
 }
 
 static float run(Counters* c, Buffers b, int blocks, int tokens, bool dataflow, bool backoff, bool weights = false,
-                 size_t prime_bytes = 0) {
+                 size_t prime_bytes = 0, bool waits = true) {
     cudaMemset(c, 0, sizeof(Counters));
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     cudaEventRecord(e0);
-    chain<<<blocks, THREADS, prime_bytes>>>(c, b, tokens, dataflow, backoff, weights, prime_bytes / 16);
+    chain<<<blocks, THREADS, prime_bytes>>>(c, b, tokens, dataflow, backoff, weights, prime_bytes / 16, waits);
     cudaEventRecord(e1);
     cudaEventSynchronize(e1);
     float ms = 0.f;
@@ -187,18 +193,19 @@ int main() {
     cudaMemset((void*)b.weights, 0x5a, layer_bytes * LAYERS);
     cudaMalloc(&b.sink, THREADS * sizeof(float));
     cudaFuncSetAttribute(chain, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
-    printf("\nweights (dataflow, no back-off)  us a layer  TB/s  (%.1f MB a layer)\n", layer_bytes / 1e6);
+    printf("\nweights (dataflow, no back-off)            us a layer  TB/s  (%.1f MB a layer)\n", layer_bytes / 1e6);
+    for (int waits = 1; waits >= 0; --waits)
     for (size_t prime_kb : {(size_t)0, (size_t)16, (size_t)64, (size_t)128}) {
         float us[5];
         for (int r = 0; r < 5; ++r) {
-            const float full = run(c, b, sms, TOKENS / 4, true, false, true, prime_kb * 1024);
-            const float warm = run(c, b, sms, WARMUP_TOKENS / 4, true, false, true, prime_kb * 1024);
+            const float full = run(c, b, sms, TOKENS / 4, true, false, true, prime_kb * 1024, waits);
+            const float warm = run(c, b, sms, WARMUP_TOKENS / 4, true, false, true, prime_kb * 1024, waits);
             us[r] = (full - warm) * 1e3f / ((TOKENS - WARMUP_TOKENS) / 4 * LAYERS);
         }
         for (int i = 0; i < 5; ++i)
             for (int j = i + 1; j < 5; ++j)
                 if (us[j] < us[i]) { float t = us[i]; us[i] = us[j]; us[j] = t; }
-        printf("primed %3zu KB a task               %6.2f  %.2f  [%.2f-%.2f]\n", prime_kb, us[2], layer_bytes / (us[2] * 1e6), us[0], us[4]);
+        printf("%-13s primed %3zu KB a task   %6.2f  %.2f  [%.2f-%.2f]\n", waits ? "with waits" : "no waits", prime_kb, us[2], layer_bytes / (us[2] * 1e6), us[0], us[4]);
     }
     const cudaError_t err = cudaDeviceSynchronize();
     if (err != cudaSuccess) { printf("CUDA error: %s\n", cudaGetErrorString(err)); return 1; }
