@@ -2,7 +2,7 @@
 //!
 //! QKV: the q, k and v heads of a range of KV groups as one matrix, each head's rows in RoPE pairs
 //! `(i, i + hd/2)` placed next to each other, so one block computes both rows of a pair and rotates
-//! them itself. The program streams the groups in two halves (see `program::compile`).
+//! them itself. The program streams the groups in one range or two halves (the program's plan).
 //! O projection: the columns of a range of KV groups' query heads, for every row.
 //! Gate/up: gate row r and up row r next to each other, so one block computes `silu(g) * u` itself.
 //! Down: one part of `ffn`'s columns, for every row (the program runs the MLP in parts of `ffn`).
@@ -94,10 +94,17 @@ pub fn gateup(cfg: &Config) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
     Packing { rows: 2 * cfg.ffn, cols: cfg.d, start }
 }
 
-/// Part `k` of `parts` of `Wdown`'s columns (`program::mlp_part`), for every row: the product with that
-/// part of act.
+/// The columns of `ffn` (elements of `act`) part `k` of `parts` covers: whole 16-byte vectors, as even
+/// as they can be.
+pub fn mlp_part(cfg: &Config, parts: usize, k: usize) -> std::ops::Range<usize> {
+    let vecs = cfg.ffn / 8;
+    8 * (vecs * k / parts)..8 * (vecs * (k + 1) / parts)
+}
+
+/// Part `k` of `parts` of `Wdown`'s columns (`mlp_part`), for every row: the product with that part of
+/// act.
 pub fn down(cfg: &Config, parts: usize, k: usize) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
-    let f = crate::program::mlp_part(cfg, parts, k);
+    let f = mlp_part(cfg, parts, k);
     Packing { rows: cfg.d, cols: f.len(), start: move |r| (Tensor::Wdown, r * cfg.ffn + f.start) }
 }
 
@@ -105,30 +112,35 @@ pub fn down(cfg: &Config, parts: usize, k: usize) -> Packing<impl Fn(usize) -> (
 mod tests {
     use super::*;
 
-    /// Every row of every source appears exactly once over the halves, the rows of a half are those
-    /// of its groups' heads, and pairs are (i, i + hd/2) of one head.
+    /// Every row of every source appears exactly once over the groups, whether one range or split in
+    /// two at any KV head; the rows of a range are those of its groups' heads, and pairs are
+    /// (i, i + hd/2) of one head.
     #[test]
     fn packings_are_permutations() {
         for cfg in [Config::small(), Config::graded()] {
-            let mut seen = std::collections::HashSet::new();
-            for g in crate::program::Plan::choose(&cfg, 132).halves(&cfg) {
-                for p in 0..qkv_rows(&cfg, g) {
-                    let (t, r) = qkv_source(&cfg, g, p);
-                    assert!(seen.insert((t, r)), "{}: row {p} repeats", cfg.name);
-                    let head = r / cfg.hd;
-                    let (first, n) = if t == Tensor::Wq { (g.q0(&cfg), g.n_q(&cfg)) } else { (g.kv0, g.n_kv) };
-                    assert!((first..first + n).contains(&head), "{}: {t:?} head {head} outside {g:?}", cfg.name);
+            let splits = (1..cfg.n_kv)
+                .map(|first| vec![Groups { kv0: 0, n_kv: first }, Groups { kv0: first, n_kv: cfg.n_kv - first }]);
+            for groups in std::iter::once(vec![Groups::all(&cfg)]).chain(splits) {
+                let mut seen = std::collections::HashSet::new();
+                for g in groups {
+                    for p in 0..qkv_rows(&cfg, g) {
+                        let (t, r) = qkv_source(&cfg, g, p);
+                        assert!(seen.insert((t, r)), "{}: row {p} repeats", cfg.name);
+                        let head = r / cfg.hd;
+                        let (first, n) = if t == Tensor::Wq { (g.q0(&cfg), g.n_q(&cfg)) } else { (g.kv0, g.n_kv) };
+                        assert!((first..first + n).contains(&head), "{}: {t:?} head {head} outside {g:?}", cfg.name);
+                    }
+                    for p in (0..qkv_rows(&cfg, g)).step_by(2) {
+                        let ((t0, r0), (t1, r1)) = (qkv_source(&cfg, g, p), qkv_source(&cfg, g, p + 1));
+                        assert_eq!(t0, t1);
+                        assert_eq!(r1, r0 + cfg.hd / 2);
+                        assert!(r0 % cfg.hd < cfg.hd / 2);
+                    }
                 }
-                for p in (0..qkv_rows(&cfg, g)).step_by(2) {
-                    let ((t0, r0), (t1, r1)) = (qkv_source(&cfg, g, p), qkv_source(&cfg, g, p + 1));
-                    assert_eq!(t0, t1);
-                    assert_eq!(r1, r0 + cfg.hd / 2);
-                    assert!(r0 % cfg.hd < cfg.hd / 2);
-                }
+                assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wq).count(), cfg.q_dim());
+                assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wk).count(), cfg.kv_dim());
+                assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wv).count(), cfg.kv_dim());
             }
-            assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wq).count(), cfg.q_dim());
-            assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wk).count(), cfg.kv_dim());
-            assert_eq!(seen.iter().filter(|(t, _)| *t == Tensor::Wv).count(), cfg.kv_dim());
         }
         assert_eq!(gateup_source(6), (Tensor::Wgate, 3));
         assert_eq!(gateup_source(7), (Tensor::Wup, 3));

@@ -16,7 +16,7 @@
 
 use spec::{Config, LayerOp};
 
-use super::pack::Groups;
+use super::pack::{Groups, mlp_part};
 
 /// Words per phase row.
 pub const ROW_WORDS: usize = 16;
@@ -413,13 +413,6 @@ impl AttentionSplit {
         let span = chunks.div_ceil(most);
         AttentionSplit { chunks, span, splits: chunks.div_ceil(span) }
     }
-}
-
-/// The columns of `ffn` (elements of `act`) part `k` of `parts` covers: whole 16-byte vectors, as even
-/// as they can be.
-pub fn mlp_part(cfg: &Config, parts: usize, k: usize) -> std::ops::Range<usize> {
-    let vecs = cfg.ffn / 8;
-    8 * (vecs * k / parts)..8 * (vecs * (k + 1) / parts)
 }
 
 /// The layer as a program for a grid of `grid` blocks laid out as `plan` says.
