@@ -50,8 +50,8 @@ pub fn forged_line(calls: usize) -> String {
     claimed_line(NAME, calls, GUESSED_NONCE, None)
 }
 
-/// [`forged_line`] under `name`, carrying `nonce`, and with `bytes_read` (one figure per call) an audit that says it
-/// measured each call reading exactly that.
+/// [`forged_line`] under `name`, carrying `nonce`; with `bytes_read` (one figure per call), an audit
+/// that says it measured each call reading exactly that.
 pub(crate) fn claimed_line(name: &str, calls: usize, nonce: u64, bytes_read: Option<&[u64]>) -> String {
     let ns = CLAIMED_KERNEL_NS.to_string();
     let zero = || "0".to_string();

@@ -14,7 +14,7 @@
 #include <cuda_runtime.h>
 
 constexpr int HIDDEN = 2048, FFN = 8192, KV_HEADS = 8, LAYERS = 16, THREADS = 256;
-constexpr int TOKENS = 200, WARMUP_TOKENS = 20;
+constexpr int TOKENS = 200;
 enum Op { QKV, ATTN, OPROJ, GATEUP, DOWN, OPS };
 
 // Bytes a layer's op streams (bf16 weights of Llama-3.2-1B), and what a task may prime before its wait.
@@ -151,18 +151,40 @@ __global__ void chain(Counters* c, Buffers b, int tokens, bool dataflow, bool ba
         }
 }
 
-static float run(Counters* c, Buffers b, int blocks, int tokens, bool dataflow, bool backoff, bool weights = false,
-                 size_t prime_bytes = 0, bool waits = true) {
+// What one configuration of the probe runs.
+struct Case {
+    bool dataflow, backoff, weights;
+    size_t prime_bytes;
+    bool waits;
+};
+
+static float launch_ms(Counters* c, Buffers b, int blocks, int tokens, Case k) {
     cudaMemset(c, 0, sizeof(Counters));
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     cudaEventRecord(e0);
-    chain<<<blocks, THREADS, prime_bytes>>>(c, b, tokens, dataflow, backoff, weights, prime_bytes / 16, waits);
+    chain<<<blocks, THREADS, k.prime_bytes>>>(c, b, tokens, k.dataflow, k.backoff, k.weights, k.prime_bytes / 16, k.waits);
     cudaEventRecord(e1);
     cudaEventSynchronize(e1);
     float ms = 0.f;
     cudaEventElapsedTime(&ms, e0, e1);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
     return ms;
+}
+
+// Five samples of us a layer, sorted (median at 2). Each is the difference of a `tokens`-token launch
+// and one of a tenth as many, which takes out the launch and the first tokens' ramp.
+constexpr int SAMPLES = 5, WARMUP_DIVISOR = 10;
+struct Samples { float us[SAMPLES]; };
+static Samples us_a_layer(Counters* c, Buffers b, int blocks, int tokens, Case k) {
+    Samples s;
+    const int warm = tokens / WARMUP_DIVISOR;
+    for (float& us : s.us)
+        us = (launch_ms(c, b, blocks, tokens, k) - launch_ms(c, b, blocks, warm, k)) * 1e3f / ((tokens - warm) * LAYERS);
+    for (int i = 0; i < SAMPLES; ++i)
+        for (int j = i + 1; j < SAMPLES; ++j)
+            if (s.us[j] < s.us[i]) { const float t = s.us[i]; s.us[i] = s.us[j]; s.us[j] = t; }
+    return s;
 }
 
 int main() {
@@ -172,20 +194,11 @@ int main() {
     Buffers b;
     cudaMalloc(&c, sizeof(Counters));
     for (float** p : {&b.x, &b.qkv, &b.attn, &b.x1, &b.act}) cudaMalloc(p, FFN * 2 * sizeof(float)), cudaMemset(*p, 0, FFN * 2 * sizeof(float));
-    printf("graph     back-off  blocks  us a layer (median of 5; %d tokens x %d layers, less %d tokens)\n", TOKENS, LAYERS, WARMUP_TOKENS);
+    printf("graph     back-off  blocks  us a layer (median of %d; %d tokens x %d layers, less a tenth)\n", SAMPLES, TOKENS, LAYERS);
     for (int dataflow = 0; dataflow < 2; ++dataflow)
         for (int backoff = 1; backoff >= 0; --backoff) {
-            float us[5];
-            for (int r = 0; r < 5; ++r) {
-                // The difference of two launch lengths takes out the launch and the first token's ramp.
-                const float full = run(c, b, sms, TOKENS, dataflow, backoff);
-                const float warm = run(c, b, sms, WARMUP_TOKENS, dataflow, backoff);
-                us[r] = (full - warm) * 1e3f / ((TOKENS - WARMUP_TOKENS) * LAYERS);
-            }
-            for (int i = 0; i < 5; ++i)
-                for (int j = i + 1; j < 5; ++j)
-                    if (us[j] < us[i]) { float t = us[i]; us[i] = us[j]; us[j] = t; }
-            printf("%-9s %-9s %6d  %6.2f  [%.2f-%.2f]\n", dataflow ? "dataflow" : "phases", backoff ? "64 ns" : "none", sms, us[2], us[0], us[4]);
+            const Samples s = us_a_layer(c, b, sms, TOKENS, {dataflow == 1, backoff == 1, false, 0, true});
+            printf("%-9s %-9s %6d  %6.2f  [%.2f-%.2f]\n", dataflow ? "dataflow" : "phases", backoff ? "64 ns" : "none", sms, s.us[2], s.us[0], s.us[SAMPLES - 1]);
         }
     size_t layer_bytes = 0;
     for (int op = 0; op < OPS; ++op) layer_bytes += op_bytes(op);
@@ -195,18 +208,12 @@ int main() {
     cudaFuncSetAttribute(chain, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
     printf("\nweights (dataflow, no back-off)            us a layer  TB/s  (%.1f MB a layer)\n", layer_bytes / 1e6);
     for (int waits = 1; waits >= 0; --waits)
-    for (size_t prime_kb : {(size_t)0, (size_t)16, (size_t)64, (size_t)128}) {
-        float us[5];
-        for (int r = 0; r < 5; ++r) {
-            const float full = run(c, b, sms, TOKENS / 4, true, false, true, prime_kb * 1024, waits);
-            const float warm = run(c, b, sms, WARMUP_TOKENS / 4, true, false, true, prime_kb * 1024, waits);
-            us[r] = (full - warm) * 1e3f / ((TOKENS - WARMUP_TOKENS) / 4 * LAYERS);
+        for (size_t prime_kb : {(size_t)0, (size_t)16, (size_t)64, (size_t)128}) {
+            // A quarter of the tokens: a layer's weights take several times its hops.
+            const Samples s = us_a_layer(c, b, sms, TOKENS / 4, {true, false, true, prime_kb * 1024, waits == 1});
+            printf("%-13s primed %3zu KB a task   %6.2f  %.2f  [%.2f-%.2f]\n", waits ? "with waits" : "no waits", prime_kb, s.us[2],
+                   layer_bytes / (s.us[2] * 1e6), s.us[0], s.us[SAMPLES - 1]);
         }
-        for (int i = 0; i < 5; ++i)
-            for (int j = i + 1; j < 5; ++j)
-                if (us[j] < us[i]) { float t = us[i]; us[i] = us[j]; us[j] = t; }
-        printf("%-13s primed %3zu KB a task   %6.2f  %.2f  [%.2f-%.2f]\n", waits ? "with waits" : "no waits", prime_kb, us[2], layer_bytes / (us[2] * 1e6), us[0], us[4]);
-    }
     const cudaError_t err = cudaDeviceSynchronize();
     if (err != cudaSuccess) { printf("CUDA error: %s\n", cudaGetErrorString(err)); return 1; }
     return 0;

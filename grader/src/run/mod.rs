@@ -104,7 +104,10 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     let report = judge(&dev, &submission, &cfg, seeds, policy, &progress, args.dump.as_deref())?;
     eprint!("{}", if args.quiet { report.verdict_line() } else { report.table() });
     if let Some(path) = &args.json {
-        crate::output::write_output(path, &(serde_json::to_string_pretty(&report).expect("the report serialises") + "\n"))?;
+        crate::output::write_output(
+            path,
+            &(serde_json::to_string_pretty(&report).expect("the report serialises") + "\n"),
+        )?;
     }
     Ok(if report.verdict.passed { Outcome::Pass } else { Outcome::Fail })
 }

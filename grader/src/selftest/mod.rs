@@ -135,6 +135,10 @@ pub fn command(device: usize, args: &SelftestArgs) -> Result<Outcome, GraderErro
     let f = dev.facts();
     eprintln!("grader selftest on {} (sm_{}{}, {} SMs)", f.name, f.compute_capability.0, f.compute_capability.1, f.sms);
     let mut ctx = Ctx { dev, seed: args.seed };
+    // A log file is rewritten after every check, so a run cut short (a timeout, a lost machine)
+    // still leaves the lines of the checks it finished; `-` (stdout) gets the log once, at the end.
+    let stdout = std::path::Path::new("-");
+    let log_file = args.log.as_deref().filter(|p| *p != stdout);
     let (mut passed, mut failed, mut log) = (0, 0, String::new());
     for check in &selected {
         let start = Instant::now();
@@ -146,15 +150,17 @@ pub fn command(device: usize, args: &SelftestArgs) -> Result<Outcome, GraderErro
         };
         eprintln!("{line}");
         let _ = writeln!(log, "{line}");
-        if result.is_ok() { passed += 1 } else { failed += 1 }
-        // A log file is rewritten after every check, so a run cut short (a timeout, a lost
-        // machine) still leaves the lines of the checks it finished; `-` (stdout) gets it once.
-        if let Some(path) = args.log.as_deref().filter(|p| *p != std::path::Path::new("-")) {
+        if result.is_ok() {
+            passed += 1
+        } else {
+            failed += 1
+        }
+        if let Some(path) = log_file {
             crate::output::write_output(path, &log)?;
         }
     }
-    if let Some(path) = args.log.as_deref().filter(|p| *p == std::path::Path::new("-")) {
-        crate::output::write_output(path, &log)?;
+    if args.log.as_deref() == Some(stdout) {
+        crate::output::write_output(stdout, &log)?;
     }
     // The closing line CI and people read: counts only.
     println!("{passed} passed, {failed} failed");
