@@ -1,6 +1,6 @@
 // Bulk copies global -> shared by the copy engine (Hopper's cp.async.bulk), completing on an mbarrier
 // in shared memory that counts the bytes landing: the weight ring of the megakernel
-// (kernels/megakernel/megakernel.cuh) and the read-only stream that measures how fast such copies read
+// (kernels/megakernel/vm_stream.cuh) and the read-only stream that measures how fast such copies read
 // HBM (bulk_read.cu).
 #pragma once
 #include <stdint.h>

@@ -1,5 +1,5 @@
 // The arithmetic the eager reference (kernels/reference/reference.cu), the megakernel
-// (kernels/megakernel/megakernel.cuh) and the red team (kernels/redteam/redteam.cu) share: warp
+// (kernels/megakernel/) and the red team (kernels/redteam/redteam.cu) share: warp
 // and block reductions in a fixed order, the bf16 dot product, and the elementwise steps whose
 // rounding must match the golden model's (each f32 operation rounded separately: the explicitly
 // rounded intrinsics keep nvcc from fusing them into a multiply-add).

@@ -48,7 +48,7 @@ enum class Work { Xor, Dot };
         }                                                                             \
     } while (0)
 
-// The ring of the megakernel (kernels/megakernel/megakernel.cuh, RowStream): stage k goes to slot k % slots and
+// The ring of the megakernel (kernels/megakernel/vm_stream.cuh, RowStream): stage k goes to slot k % slots and
 // completes phase (k / slots) & 1 of that slot's mbarrier.
 // Which blocks of the launch stream: all of them, or one half of a whole grid's launch (the others
 // return at once).

@@ -1,5 +1,5 @@
 //! The first piece of batched decode and chunked prefill: several input vectors dotted with each weight
-//! row of one stream (`RowStream::run_group` in `kernels/megakernel/megakernel.cuh`), so that the weights are read
+//! row of one stream (`RowStream::run_group` in `kernels/megakernel/vm_stream.cuh`), so that the weights are read
 //! once for up to [`MAX_BATCH`] sequences (or a prompt chunk's positions), while each vector's sums
 //! keep the bits they have streamed alone (`RowStream::run`, what every phase of a decode step runs).
 //!
@@ -15,7 +15,8 @@ use reference::gpu::data::fill_normal;
 use spec::rng::{scale_for_std, stream_key};
 
 use crate::kernels::MEGAKERNEL;
-use crate::{RING_BYTES, THREADS, WARPS, partial_rows_room};
+use crate::kernels::{RING_BYTES, THREADS, WARPS};
+use crate::stack::partial_rows_room;
 
 pub use crate::MAX_BATCH;
 /// The longest row the stream takes: `MAX_VPT` 16-byte vectors per thread (the kernel's).
@@ -187,7 +188,7 @@ mod tests {
 
     #[test]
     fn the_group_mirrors_the_kernel() {
-        const CU: &str = include_str!("../../kernels/megakernel/megakernel.cuh");
+        use crate::kernels::DEVICE_SOURCE as CU;
         assert!(CU.contains(&format!("constexpr uint32_t MAX_BATCH = {MAX_BATCH};")));
         assert!(CU.contains("return VPT >= MAX_BATCH ? 1 : MAX_BATCH / VPT;"));
         assert!(CU.contains("constexpr uint32_t MAX_VPT = 7;"));

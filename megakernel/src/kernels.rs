@@ -1,10 +1,65 @@
 //! The megakernel's kernel files: `kernels/megakernel/megakernel.cu` (one layer and a stack, which
 //! the judge launches; compiled by the root build script), and with the `model` feature
 //! `kernels/megakernel/model/model.cu` (a whole checkpoint; compiled by this crate's build script),
-//! both running the device code of `kernels/megakernel/megakernel.cuh` (with the program's layout,
-//! `program.cuh`), built for Hopper.
+//! both running the device code of `kernels/megakernel/megakernel.cuh` (the machine, `vm_*.cuh`, and
+//! one file per kind of task, `op_*.cuh`, with the program's layout, `program.cuh`), built for Hopper.
 
 pub use ::kernels::megakernel::*;
+
+use spec::Config;
+
+/// Mirrors of the kernel's sizes (`kernels/megakernel/vm_config.cuh`, `vm_trace.cuh`, `vm_stream.cuh`; a test
+/// checks them against the files).
+pub const THREADS: u32 = 512;
+pub(crate) const WARPS: u32 = THREADS / 32;
+pub(crate) const RING_BYTES: u32 = 3 * 64 * 1024;
+pub(crate) const ATTN_MAX_HD: usize = 256;
+pub(crate) const ATTN_MAX_GROUP: usize = 16;
+/// Stamps per block and phase in a trace (`trace_step`): start, input ready, stream done, end.
+pub const TRACE_STAMPS: usize = 4;
+/// Vectors one weight stream serves at most: a model's batch step's lanes, or a prompt chunk's
+/// positions (the kernel's `MAX_BATCH`).
+pub const MAX_BATCH: usize = 8;
+/// The widest GEMV rows that the kernel runs in slices of the block (`row_slices`: half a block's
+/// 16-byte vectors of 8 bf16): a model with such rows gets the model kernel's sliced instance
+/// (`model::gpu`'s `model_kernel`). Choosing by a wrong width would cost speed, never a bit of the output.
+pub(crate) const SLICED_MAX_COLS: usize = THREADS as usize / 2 * 8;
+/// Whether some GEMV of the layer has rows of at most SLICED_MAX_COLS columns: Qkv's and GateUp's have
+/// d, the O projection's q_dim, Down's ffn.
+pub(crate) fn has_narrow_rows(cfg: &Config) -> bool {
+    [cfg.d, cfg.q_dim(), cfg.ffn].into_iter().min().unwrap_or(0) <= SLICED_MAX_COLS
+}
+
+/// The row gather of `kernels/megakernel/megakernel.cu` that packs weights (the red team packs cache rows with it).
+pub const GATHER: &str = "gather_rows_u4";
+
+/// Threads per block of the packing gather.
+pub const GATHER_BLOCK: u32 = 256;
+
+/// The megakernel's device code, every header of `kernels/megakernel/` in the order `megakernel.cuh`
+/// includes them, then the judge's kernels: what the tests that check a Rust mirror against the kernel
+/// read (a test checks that no header of the folder is missing here).
+#[cfg(test)]
+pub const DEVICE_SOURCE: &str = concat!(
+    include_str!("../../kernels/megakernel/megakernel.cuh"),
+    include_str!("../../kernels/megakernel/program.cuh"),
+    include_str!("../../kernels/megakernel/vm_config.cuh"),
+    include_str!("../../kernels/megakernel/vm_memory.cuh"),
+    include_str!("../../kernels/megakernel/vm_deps.cuh"),
+    include_str!("../../kernels/megakernel/vm_trace.cuh"),
+    include_str!("../../kernels/megakernel/vm_stream.cuh"),
+    include_str!("../../kernels/megakernel/vm_gemv.cuh"),
+    include_str!("../../kernels/megakernel/op_qkv.cuh"),
+    include_str!("../../kernels/megakernel/op_attention.cuh"),
+    include_str!("../../kernels/megakernel/op_oproj.cuh"),
+    include_str!("../../kernels/megakernel/op_gateup.cuh"),
+    include_str!("../../kernels/megakernel/op_down.cuh"),
+    include_str!("../../kernels/megakernel/vm_run.cuh"),
+    include_str!("../../kernels/megakernel/op_head.cuh"),
+    include_str!("../../kernels/megakernel/vm_model.cuh"),
+    include_str!("../../kernels/megakernel/vm_batch.cuh"),
+    include_str!("../../kernels/megakernel/megakernel.cu"),
+);
 
 #[cfg(feature = "model")]
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
@@ -20,7 +75,8 @@ const MODEL_ALLOWANCES: &[::kernels::Spills] = &[
         why: "the model kernel's word (as megakernel_model_bf16), and the narrow phases' and the LM head's groups of one \
           beside the q/k norms' epilogue: 136 bytes stored and 244 loaded (88 and 200 before the index arithmetic's \
           shifts, 28 and 40 before the head's group); measured as it is, Qwen3-0.6B decodes 8% faster than without the \
-          head's group (docs/perf.md, the ninth session) and 1% faster than before the shifts (the eleventh)",
+          head's group (docs/perf.md, \"The head in full stages\") and 1% faster than before the shifts (\"The chain \
+          alone, and the index arithmetic\")",
     },
     ::kernels::Spills { function: "megakernel_model_traced_bf16", bytes: 256, why: TRACED_SPILLS },
     ::kernels::Spills { function: "megakernel_model_sliced_traced_bf16", bytes: 256, why: TRACED_SPILLS },
@@ -50,6 +106,30 @@ const TRACED_SPILLS: &str = "a traced instance computes where each phase's stamp
                              (4 to 136 bytes stored, 8 to 252 loaded); it runs for `megakernel bench --trace`, to \
                              read where a token's time goes, never for a timed figure";
 
+#[cfg(test)]
+mod source_tests {
+    /// Every header of the megakernel's folder is in DEVICE_SOURCE, and megakernel.cuh includes it.
+    #[test]
+    fn the_device_source_holds_every_header() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernels/megakernel");
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "cuh") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let name = path.file_name().unwrap().to_str().unwrap();
+            assert!(super::DEVICE_SOURCE.contains(&text), "DEVICE_SOURCE lacks kernels/megakernel/{name}");
+            if name != "megakernel.cuh" {
+                assert!(
+                    super::DEVICE_SOURCE.contains(&format!("#include \"{name}\"")),
+                    "megakernel.cuh does not include {name}"
+                );
+            }
+        }
+    }
+}
+
 #[cfg(all(test, feature = "model"))]
 mod tests {
     /// The model's kernels are all there, with code, spilling no more than their allowances, and
@@ -60,5 +140,90 @@ mod tests {
         for k in super::model::ALL {
             assert!(submission::device_code::scan(k.fatbin).is_empty(), "{}", k.name);
         }
+    }
+}
+
+#[cfg(test)]
+mod mirror_tests {
+    use super::*;
+    use crate::program::{self, Blocks};
+
+    use super::DEVICE_SOURCE as CU;
+    // The attention's shared-memory layout, mirrored to check that every head size fits.
+    const KS_PAD: usize = 8;
+    const PS_PAD: usize = 4;
+    const PB_PAD: usize = 8;
+    /// Chunk buffers per attention team.
+    const ATTN_BUFFERS: usize = 2;
+
+    #[test]
+    fn narrow_rows_are_those_that_run_in_slices() {
+        let with = |d, nq, hd, ffn| Config { d, n_q: nq, hd, ffn, ..Config::graded() };
+        // SmolLM2-360M, Llama-3.2-1B (d 2048, the widest rows in slices), Qwen3-0.6B.
+        assert!(has_narrow_rows(&with(960, 15, 64, 2560)));
+        assert!(has_narrow_rows(&with(2048, 32, 64, 8192)));
+        assert!(has_narrow_rows(&with(1024, 16, 128, 3072)));
+        // Llama-3.1-8B, Llama-3.2-3B (3072 wide), the graded layer: no row in slices.
+        assert!(!has_narrow_rows(&with(4096, 32, 128, 14336)));
+        assert!(!has_narrow_rows(&with(3072, 24, 128, 8192)));
+        assert!(!has_narrow_rows(&Config::graded()));
+    }
+
+    #[test]
+    fn constants_mirror_the_kernel() {
+        for line in [
+            format!("constexpr uint32_t THREADS = {THREADS};"),
+            format!("constexpr uint32_t TRACE_STAMPS = {TRACE_STAMPS};"),
+            format!("constexpr uint32_t STAGES = {};", RING_BYTES / (64 * 1024)),
+            "constexpr uint32_t STAGE_BYTES = 64 * 1024;".to_string(),
+            format!("constexpr uint32_t MAX_VPT = {};", program::MAX_ROW / (THREADS as usize * 8)),
+            format!("constexpr uint32_t ATTN_MAX_HD = {ATTN_MAX_HD};"),
+            format!("constexpr uint32_t ATTN_MAX_GROUP = {ATTN_MAX_GROUP};"),
+            format!("constexpr uint32_t ATTN_MAX_CHUNK = {};", program::ATTN_MAX_CHUNK),
+            format!("constexpr uint32_t ATTN_CHUNK_ELEMS = {} * 128;", program::ATTN_CHUNK_ELEMS / 128),
+            format!("constexpr uint32_t ATTN_MAX_SPLITS = {};", program::ATTN_MAX_SPLITS),
+            format!("constexpr uint32_t TEAMS = {};", program::ATTN_TEAMS),
+            format!("constexpr uint32_t KS_PAD = {KS_PAD};"),
+            format!("constexpr uint32_t PS_PAD = {PS_PAD};"),
+            format!("constexpr uint32_t ATTN_BUFFERS = {ATTN_BUFFERS};"),
+            format!("constexpr uint32_t PB_PAD = {PB_PAD};"),
+            "return (2 * ATTN_BUFFERS * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2 + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4 + 3 * ATTN_MAX_GROUP * 4 +".to_string(),
+            "ATTN_MAX_GROUP * (chunk + PB_PAD) * 2;".to_string(),
+            format!("__global__ void {GATHER}("),
+        ] {
+            assert!(CU.contains(&line), "kernels/megakernel/ lacks `{line}`");
+        }
+    }
+
+    /// The kernel's `blocks_of` takes the fields where `Blocks::word` puts them.
+    #[test]
+    fn the_kernel_decodes_the_blocks_word_as_it_is_encoded() {
+        assert!(CU.contains("return {(uint32_t)(w >> 32) & 0xFFFFu, (uint32_t)w, (uint32_t)(w >> 48) & 0x7FFFu};"));
+        let w = Blocks { first: 1, count: 66, stride: 2 }.word() as u64;
+        assert_eq!(((w >> 32) & 0xFFFF, w & 0xFFFF_FFFF, (w >> 48) & 0x7FFF), (1, 66, 2));
+    }
+
+    /// A team's shared memory for attention chunks of `chunk` slots at head size `hd` (the kernel's
+    /// `attn_smem_bytes`: K and V rows of each buffer and Q rows, padded; scores; running statistics;
+    /// softmax weights).
+    fn attention_smem_bytes(chunk: usize, hd: usize) -> usize {
+        (2 * ATTN_BUFFERS * chunk + ATTN_MAX_GROUP) * (hd + KS_PAD) * 2
+            + ATTN_MAX_GROUP * (chunk + PS_PAD) * 4
+            + 3 * ATTN_MAX_GROUP * 4
+            + ATTN_MAX_GROUP * (chunk + PB_PAD) * 2
+    }
+
+    /// The attention chunk keeps a team's shared memory within its share of the ring at every head size
+    /// the kernel takes.
+    #[test]
+    fn the_attention_chunk_fits_a_teams_share_at_every_head_size() {
+        for hd in (16..=ATTN_MAX_HD).step_by(16) {
+            let chunk = program::chunk(&Config { hd, ..Config::graded() });
+            assert!(chunk.is_multiple_of(16) && chunk >= 32, "hd {hd}: chunk {chunk}");
+            assert!(attention_smem_bytes(chunk, hd) <= RING_BYTES as usize / program::ATTN_TEAMS, "hd {hd}");
+        }
+        assert_eq!(program::chunk(&Config::graded()), 64);
+        assert_eq!(program::chunk(&Config { hd: 64, ..Config::graded() }), 128);
+        assert_eq!(program::chunk(&Config { hd: 256, ..Config::graded() }), 32);
     }
 }

@@ -24,7 +24,7 @@ pub const ROW_WORDS: usize = 16;
 /// block runs).
 pub const MAX_PHASES: usize = 12;
 /// The longest row a GEMV phase streams, in bf16: `MAX_VPT` 16-byte vectors for each of the kernel's
-/// `THREADS` threads (both mirrored from `kernels/megakernel/megakernel.cuh` in lib.rs). Longer products are split
+/// `THREADS` threads (both mirrored from `kernels/megakernel/vm_config.cuh` in lib.rs). Longer products are split
 /// into parts of columns (`Plan::mlp_parts`).
 pub const MAX_ROW: usize = 7 * 512 * 8;
 /// Cached positions of an attention chunk: at most `ATTN_MAX_CHUNK`, and `ATTN_CHUNK_ELEMS / hd` for

@@ -1,24 +1,27 @@
 //! A model on the GPU, in one kernel. The checkpoint's weights are uploaded once and its stack compiled
 //! into the megakernel's program; the model kernel (`megakernel_model_bf16`, or its instance for narrow
-//! rows or for layers with q/k norms: `Param::kernel`) then runs every position of a decode step or of
+//! rows or for layers with q/k norms: `model_kernel`) then runs every position of a decode step or of
 //! a whole generation in one launch: the token's embedding row into the first layer, every layer, the
 //! final norm, the LM head (f32 logits) and the greedy token, chosen in the kernel with the CPU model's
 //! tie rule (`cpu::argmax`).
 
 use std::time::{Duration, Instant};
 
-use cuda::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cuda::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, PushKernelArg};
+use cuda::kernels::Kernel;
 use cuda::{Context, CudaError, Device};
 use half::bf16;
 use reference::gpu::{DeviceCache, DeviceWeights};
 use spec::Config;
 use spec::bytes::ByteModel;
-use submission::{Layer, Submission, SubmissionError, device_address};
+use submission::{Layer, SubmissionError, device_address};
 
 use super::hf::{ModelConfig, ModelWeights};
 use super::trace::ModelTrace;
 use crate::kernels::model::MODEL;
-use crate::{Megakernel, Mode, Param, THREADS, TRACE_STAMPS, fit_one_block, program};
+use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
+use crate::program;
+use crate::stack::{CompiledStack, ProgramParam, StackOptions, Target, fit_one_block, rows_beside};
 
 /// End-of-sequence tokens a launch stops at, at most (the kernel's `MODEL_MAX_EOS`).
 pub const MAX_EOS: usize = 4;
@@ -26,7 +29,7 @@ pub const MAX_EOS: usize = 4;
 /// Lanes of a batch step at most (the kernel's `MAX_BATCH`).
 pub const MAX_BATCH: usize = crate::MAX_BATCH;
 
-/// The model kernel's own arguments, laid out as `struct ModelArgs` in `kernels/megakernel/megakernel.cuh`.
+/// The model kernel's own arguments, laid out as `struct ModelArgs` in `kernels/megakernel/op_head.cuh`.
 #[derive(Clone, Copy)]
 #[repr(C)]
 struct ModelArgs {
@@ -57,7 +60,7 @@ const _: () = assert!(std::mem::size_of::<ModelArgs>() == MODEL_ARGS_BYTES);
 // padding, checked by the size above).
 unsafe impl DeviceRepr for ModelArgs {}
 
-/// A batch step's own arguments, laid out as `struct BatchArgs` in `kernels/megakernel/megakernel.cuh`.
+/// A batch step's own arguments, laid out as `struct BatchArgs` in `kernels/megakernel/vm_batch.cuh`.
 #[derive(Clone, Copy)]
 #[repr(C)]
 struct BatchArgs {
@@ -123,6 +126,45 @@ pub fn batch_refusal(lanes: &[Lane], sequences: usize, context: usize, vocab: us
     None
 }
 
+/// The batch step's kernel (`megakernel_model_batch_bf16`): its row partials take all the shared
+/// memory the ring leaves, so that a group of lanes fits as many rows as it can.
+struct BatchKernel {
+    func: CudaFunction,
+    smem: u32,
+    red_rows: u32,
+}
+
+/// The batch step's kernel, its partials all the room the ring leaves (at least the `red_rows` a block
+/// of any layer phase needs for one lane).
+fn batch_kernel(dev: &Device, file: &Kernel, red_rows: usize) -> Result<BatchKernel, SubmissionError> {
+    let func = dev.function(file, "megakernel_model_batch_bf16")?;
+    let static_bytes = func.shared_size_bytes().context("reading the batch step's static shared memory")?;
+    let rows = rows_beside(dev, static_bytes.max(0) as usize);
+    if rows < red_rows {
+        return Err(SubmissionError::Unsupported(format!(
+            "the batch step's partials hold {rows} rows beside its ring; a phase's block needs {red_rows}"
+        )));
+    }
+    let smem = RING_BYTES + rows as u32 * WARPS * 4;
+    fit_one_block(&func, smem, "the batch step")?;
+    Ok(BatchKernel { func, smem, red_rows: rows as u32 })
+}
+
+/// The model kernel that runs a stack of layers with per-head q/k norms (`qk_norm`), or with rows of
+/// at most SLICED_MAX_COLS columns (`narrow`: they stream in full stages as groups of one), or neither;
+/// each instance is the machine code measured for its models. `traced`: its twin in which every block
+/// stamps its phases (`GpuModel::trace`).
+fn model_kernel(qk_norm: bool, narrow: bool, traced: bool) -> &'static str {
+    match (traced, qk_norm, narrow) {
+        (false, true, _) => "megakernel_model_qk_norm_bf16",
+        (false, false, true) => "megakernel_model_sliced_bf16",
+        (false, false, false) => "megakernel_model_bf16",
+        (true, true, _) => "megakernel_model_qk_norm_traced_bf16",
+        (true, false, true) => "megakernel_model_sliced_traced_bf16",
+        (true, false, false) => "megakernel_model_traced_bf16",
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GpuModelError {
     #[error(transparent)]
@@ -163,7 +205,13 @@ pub struct GpuModel {
     cfg: ModelConfig,
     /// The layer's shape with the caches' depth.
     layer: Config,
-    mk: Megakernel,
+    /// The compiled stack, its program as the model kernel takes it (by value, with every layer's
+    /// table), the batch step's kernel, and the head phases run so far (the kernel's head counter is
+    /// `grid * heads`).
+    stack: CompiledStack,
+    program: Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>,
+    batch: BatchKernel,
+    heads: u32,
     embed: CudaSlice<bf16>,
     norm: CudaSlice<bf16>,
     head: Option<CudaSlice<bf16>>,
@@ -230,11 +278,18 @@ impl GpuModel {
             .map(|(l, [q, k])| up(&[q.as_slice(), k.as_slice()].concat(), &format!("layer {l}'s q and k norms")))
             .collect::<Result<Vec<_>, _>>()?;
         progress("compiling the stack into the megakernel's program");
-        let mut mk = Megakernel::new(Mode::Fused)
-            .for_model(cfg.vocab, cfg.qk_norm, &MODEL)
-            .with_rope(cfg.rope_table(layer.max_seq_len));
-        mk.build_stack(dev, &mut Layer::stack(&layers, &mut caches), &layer)?;
-        let grid = mk.launch_shape().expect("built").0 as usize;
+        let opts = StackOptions {
+            rope: Some(cfg.rope_table(layer.max_seq_len)),
+            ..StackOptions::new(Target::Model { vocab: cfg.vocab, qk_norm: cfg.qk_norm })
+        };
+        let kernel = model_kernel(cfg.qk_norm, has_narrow_rows(&layer), false);
+        let stack =
+            CompiledStack::build(dev, &mut Layer::stack(&layers, &mut caches), &layer, &opts, (&MODEL, kernel))?;
+        // The model kernel always reads the layers' tables.
+        let program =
+            ProgramParam::new(&stack.rows, &stack.tables).expect("rows and tables within the parameter block");
+        let batch = batch_kernel(dev, &MODEL, stack.lane_rows)?;
+        let grid = stack.grid as usize;
         let row = |n: usize, what: &str| s.alloc_zeros::<bf16>(n).context(format!("allocating {what}"));
         Ok(GpuModel {
             sequences,
@@ -250,7 +305,10 @@ impl GpuModel {
             qk_norms,
             cfg: cfg.clone(),
             layer,
-            mk,
+            stack,
+            program,
+            batch,
+            heads: 0,
             embed,
             norm,
             head,
@@ -266,7 +324,7 @@ impl GpuModel {
 
     /// The compiled plan in words.
     pub fn describe(&self) -> String {
-        self.mk.describe(&self.layer, 0).unwrap_or_default()
+        self.stack.describe(&self.layer, 0)
     }
 
     /// The logits after `token` at position `pos` (its K and V appended to every layer's cache at
@@ -317,27 +375,25 @@ impl GpuModel {
             (batch.token[i], batch.pos[i], batch.seq[i]) = (l.token, l.pos as u32, l.seq as u32);
         }
         let args = self.model_args(dev, 0, 0, 1, &[]);
-        let b = self.mk.built.as_mut().expect("GpuModel::new built the stack");
+        let (b, k) = (&mut self.stack, &self.batch);
         batch.act_stride = b.act_stride as i64;
-        let Param::Model(program) = &b.program else { unreachable!("GpuModel::new built the stack for a model") };
-        let k = b.batch.as_ref().expect("a model's stack has the batch step");
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
-        let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: k.smem };
+        let (cfg, phases) = (b.launch_config(k.smem), b.phases());
         let mut l = dev.stream().launch_builder(&k.func);
-        l.arg(&**program).arg(&args).arg(&batch).arg(&b.phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
+        l.arg(&*self.program).arg(&args).arg(&batch).arg(&phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&k.red_rows);
         // SAFETY: megakernel_model_batch_bf16(program and model as for the model kernel (launch); batch:
         // BatchArgs by value, 1 to MAX_BATCH lanes, each token in the vocabulary, position within the
         // caches and sequence within those allocated (sequences x cache_elems per layer's K and V, at
         // cache_stride), lanes of a sequence consecutive (batch_refusal); act_stride the arena's lane
-        // stride, MAX_BATCH lanes allocated (build_stack for a model); next (MAX_BATCH); phases, layers,
+        // stride, MAX_BATCH lanes allocated (CompiledStack::build for a model); next (MAX_BATCH); phases, layers,
         // out (MAX_BATCH, d), hidden (MAX_BATCH, layers - 1, d) or null, d, step, phase_done (MAX_PHASES
         // + 1), red_rows the batch kernel's); the grid is co-resident (the cooperative launch fails
         // rather than run otherwise), smem as batch_kernel sized it.
         let ms = dev.time_ms(|| unsafe { l.launch_cooperative(cfg) }.map(drop).context("launching the batch step"))?;
         // One step of the program and one head phase.
         b.cursor.step = b.cursor.step.wrapping_add(1);
-        b.heads = b.heads.wrapping_add(1);
+        self.heads = self.heads.wrapping_add(1);
         Ok(ms)
     }
 
@@ -392,11 +448,11 @@ impl GpuModel {
     /// the timed kernel's, so its times say where a token's time goes, not how long it takes.
     pub fn trace(&mut self, dev: &Device, prompt: &[u32], max_new: usize) -> Result<ModelTrace, GpuModelError> {
         self.check_generation(prompt, max_new, &[])?;
-        let b = self.mk.built.as_ref().expect("GpuModel::new built the stack");
+        let b = &self.stack;
         // Loaded here, not with the stack: only a trace runs it.
-        let traced = dev.function(&MODEL, b.traced.expect("build_stack names a model's traced kernel"))?;
+        let traced = dev.function(&MODEL, model_kernel(self.cfg.qk_norm, has_narrow_rows(&self.layer), true))?;
         fit_one_block(&traced, b.smem, "the traced model kernel")?;
-        let (grid, layers, per_step) = (b.grid as usize, b.layers as usize, (b.phases * b.layers) as usize + 1);
+        let (grid, layers, per_step) = (b.grid as usize, b.layers as usize, (b.phases() * b.layers) as usize + 1);
         let plan: Vec<_> = b.plan.iter().map(|p| p.op).collect();
         let positions = (prompt.len() + max_new - 1).min(self.context());
         let mut stamps = dev
@@ -470,7 +526,7 @@ impl GpuModel {
             prompt_end: prompt_end as u32,
             max_new: max_new.min(u32::MAX as usize) as u32,
             max_seq: self.layer.max_seq_len as u32,
-            heads_before: self.mk.built.as_ref().expect("GpuModel::new built the stack").heads,
+            heads_before: self.heads,
             eps_bits: self.layer.eps.to_bits(),
             eos_count: eos.len() as u32,
             eos: eos_words,
@@ -496,13 +552,12 @@ impl GpuModel {
         s.memcpy_htod(&given_i32, &mut self.tokens.slice_mut(pos0..pos0 + given.len()))
             .context("uploading the tokens")?;
         let args = self.model_args(dev, pos0, pos0 + given.len(), max_new, eos);
-        let b = self.mk.built.as_mut().expect("GpuModel::new built the stack");
-        let Param::Model(program) = &b.program else { unreachable!("GpuModel::new built the stack for a model") };
+        let b = &mut self.stack;
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
-        let cfg = LaunchConfig { grid_dim: (b.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: b.smem };
+        let (cfg, phases) = (b.launch_config(b.smem), b.phases());
         let (func, stamps) = trace.map_or((&b.func, None), |(f, t)| (f, Some(t)));
         let mut l = s.launch_builder(func);
-        l.arg(&**program).arg(&args).arg(&b.phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
+        l.arg(&*self.program).arg(&args).arg(&phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
         if let Some(t) = stamps {
             l.arg(t);
@@ -514,13 +569,13 @@ impl GpuModel {
         // red_rows), and the traced instance a trace of (positions, grid, layers * phases + 1,
         // TRACE_STAMPS) u64 for every position it may run (`trace`); pos0 < prompt_end <= max_seq and
         // max_new >= 1 (checked by the callers); the grid is co-resident (occupancy-sized; the
-        // cooperative launch fails rather than run otherwise), smem as build_stack sized it with the
+        // cooperative launch fails rather than run otherwise), smem as CompiledStack::build sized it with the
         // head's rows.
         let ms =
             dev.time_ms(|| unsafe { l.launch_cooperative(cfg) }.map(drop).context("launching the model kernel"))?;
         let done = s.clone_dtoh(&self.done).context("reading what the launch ran")?;
         b.cursor.step = b.cursor.step.wrapping_add(done[0]);
-        b.heads = b.heads.wrapping_add(done[1]);
+        self.heads = self.heads.wrapping_add(done[1]);
         Ok(([done[0], done[1]], ms))
     }
 }
@@ -531,7 +586,7 @@ mod tests {
 
     #[test]
     fn model_args_mirror_the_kernel() {
-        const CU: &str = include_str!("../../../kernels/megakernel/megakernel.cuh");
+        use crate::kernels::DEVICE_SOURCE as CU;
         for line in [
             format!("constexpr uint32_t MODEL_MAX_EOS = {MAX_EOS};"),
             "constexpr uint32_t MODEL_ARGS_BYTES = 7 * 8 + 12 * 4 + PROGRAM_MAX_LAYERS * 8;".to_string(),
@@ -543,7 +598,7 @@ mod tests {
             "int64_t act_stride;\n    int64_t cache_stride;\n    int32_t* next;".to_string(),
             "uint32_t token[MAX_BATCH];\n    uint32_t pos[MAX_BATCH];\n    uint32_t seq[MAX_BATCH];".to_string(),
         ] {
-            assert!(CU.contains(&line), "kernels/megakernel/megakernel.cuh lacks `{line}`");
+            assert!(CU.contains(&line), "kernels/megakernel/ lacks `{line}`");
         }
     }
 

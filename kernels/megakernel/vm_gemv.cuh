@@ -1,0 +1,171 @@
+// A phase's GEMV: which matrix and rows the program row names, this block's share of them, its first
+// stages primed before the phase's wait, and its input (loaded, or normed) as each thread holds it.
+#pragma once
+#include "vm_stream.cuh"
+#include "vm_trace.cuh"
+
+// The GEMV of a phase: matrix, row length and rows, as the program row names them.
+struct Gemv {
+    const bf16* w;
+    uint32_t cols, rows;
+    bool in_place;  // the phase's rows may come from an in-place source (a stack's layer: row_source)
+};
+
+// Where each GEMV phase's matrix is; attention has none.
+__device__ inline bool gemv_of(const OpRow& op, Gemv& g) {
+    switch (op[0]) {
+        case OP_QKV: g = {reinterpret_cast<const bf16*>(layer_address(op, qkv::W)), (uint32_t)op[qkv::D], (uint32_t)((op[qkv::NQ] + 2 * op[qkv::NKv]) * op[qkv::Hd]), op.table != nullptr}; return true;
+        case OP_O_PROJ: g = {reinterpret_cast<const bf16*>(layer_address(op, oproj::W)), (uint32_t)op[oproj::Cols], (uint32_t)op[oproj::Rows], op.table != nullptr}; return true;
+        case OP_GATE_UP: g = {reinterpret_cast<const bf16*>(layer_address(op, gateup::W)), (uint32_t)op[gateup::D], (uint32_t)(2 * op[gateup::Ffn]), op.table != nullptr}; return true;
+        case OP_DOWN: g = {reinterpret_cast<const bf16*>(layer_address(op, down::W)), (uint32_t)op[down::Cols], (uint32_t)op[down::Rows], op.table != nullptr}; return true;
+        default: return false;
+    }
+}
+
+// Starts streaming this block's weights of phase `op` into the ring (nothing for a phase without a
+// GEMV).
+// Thread 0: where phase `op`'s rows come from. The layer's table names Wk, Wv and Wup when its Qkv and
+// GateUp rows are read in place; otherwise (and always for one layer) they are packed.
+__device__ inline void set_row_source(const OpRow& op) {
+    RowSource& src = row_source;
+    src.kind = SOURCE_PACKED;
+    src.grouped = false;
+    if (op.table == nullptr) return;
+    if (op[0] == OP_QKV && op.table[SLOT_WK] != 0) {
+        const uint32_t half = (uint32_t)op[qkv::Hd] / 2;
+        src = {SOURCE_QKV, true, {reinterpret_cast<const char*>(layer_address(op, qkv::W)), reinterpret_cast<const char*>(op.table[SLOT_WK]), reinterpret_cast<const char*>(op.table[SLOT_WV])},
+               (uint32_t)op[qkv::NQ] * half, (uint32_t)op[qkv::NKv] * half, half};
+    } else if (op[0] == OP_GATE_UP && op.table[SLOT_WUP] != 0) {
+        src = {SOURCE_GATE_UP, true, {reinterpret_cast<const char*>(layer_address(op, gateup::W)), reinterpret_cast<const char*>(op.table[SLOT_WUP]), nullptr}, 0, 0, 0};
+    }
+}
+
+// Rows a block's share of phase `op` comes in: pairs, or for a Qkv phase of a layer with per-head q/k
+// norms (`qk_norms` not null) whole heads, whose norm needs all of a head's rows in one block.
+__device__ inline uint32_t qkv_unit(const OpRow& op, const bf16* qk_norms) {
+    return op[0] == OP_QKV && qk_norms != nullptr ? (uint32_t)op[qkv::Hd] : 2;
+}
+
+// Lanes of a batch step's group (lanes_gemv): as many as the group holds (G, group_of) and the
+// partials fit for a unit of rows each; at least one where the launcher sized the partials.
+__device__ inline uint32_t lanes_per_group(uint32_t G, uint32_t unit, uint32_t part_rows) { return min(G, part_rows / unit); }
+// Rows of a chunk of a group of `live` lanes: as many whole units as their partials fit.
+__device__ inline uint32_t chunk_rows(uint32_t live, uint32_t unit, uint32_t part_rows) { return part_rows / live / unit * unit; }
+
+// For a batch step of `lanes` lanes (0: a decode step) with partials of `part_rows` rows, the first
+// stream is its first group's first chunk (lanes_gemv); a decode step's is the block's rows.
+template <bool SLICED = false>
+__device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_norms, uint32_t lanes = 0, uint32_t part_rows = 0) {
+    Gemv g;
+    if (!gemv_of(op, g)) return;
+    if (threadIdx.x == 0) set_row_source(op);
+    const uint32_t unit = qkv_unit(op, qk_norms);
+    uint32_t r0, r1;
+    block_rows(g.rows, blocks_of(op), r0, r1, unit);
+    with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) {
+        using Stream = decltype(stream);
+        // A decode step: run()'s stages; or, where its rows run in slices, a group of one's, in the model
+        // kernel (stream_phase's SLICED, one stage primed) and in Qwen3's Qkv (phase_qkv_normed, two).
+        if (lanes == 0 && SLICED && unit == 2 && row_slices(stream.vecs) > 1) return prime_solo(group_stream<1>(g.w, stream.vecs, r0, r1, g.in_place), ring);
+        if (lanes == 0 && (unit == 2 || !in_slices(g.cols))) return stream.prime(ring);
+        if (lanes == 0) return group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, r1, g.in_place).prime(ring);
+        const uint32_t live = max(1u, min(lanes_per_group(group_of<Stream::VECS_PER_THREAD>(), unit, part_rows), lanes));
+        group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, min(r1, r0 + chunk_rows(live, unit, part_rows)), g.in_place).prime(ring);
+    });
+}
+
+// This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit).
+__device__ inline void gemv_rows(const OpRow& op, uint32_t& r0, uint32_t& r1, const bf16* qk_norms = nullptr) {
+    Gemv g;
+    if (!gemv_of(op, g)) __trap();
+    block_rows(g.rows, blocks_of(op), r0, r1, qkv_unit(op, qk_norms));
+}
+
+// This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
+// primed).
+__device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
+    Gemv g;
+    if (!gemv_of(op, g)) __trap();
+    stamp(TRACE_INPUT);
+    with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) { stream.run(s, ring, part); });
+    stamp(TRACE_STREAMED);
+}
+
+// A traced instance's TRACE_INPUT: thread 0 stamps once its vectors of the input have landed (the
+// empty asm reads one, so the stamp waits for the load).
+__device__ inline void stamp_input(const Slice& s) {
+    asm volatile("" ::"r"(s.h[0].x));
+    stamp(TRACE_INPUT);
+}
+
+// gemv_phase against the input as thread t holds it (input(t), a Slice); where SLICED (the model
+// kernel) and the rows run in slices (at most 2048 columns), as a group of one in full stages
+// (prime_solo), each thread holding the input of the thread whose columns it takes (column_thread).
+// The vector's products, sums and rounding are run()'s (run_group), so every output keeps its bits.
+template <bool SLICED, bool TRACED = false, typename In>
+__device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
+    Gemv g;
+    // in_slices(g.cols), spelled out: called here it changed the measured kernels' PTX.
+    if (SLICED && gemv_of(op, g) && row_slices(g.cols / VEC) > 1) {
+        const Slice s = input(column_thread(g.cols));
+        if (TRACED) stamp_input(s);
+        const RowStream<1> stream = group_stream<1>(g.w, g.cols / VEC, r0, r1, g.in_place);
+        start_solo(stream, ring);
+        solo_group(stream, s, stream.n, ring, part, [](uint32_t, const Partials&, uint32_t, uint32_t) {});  // the caller's epilogue follows
+        if (TRACED) stamp(TRACE_STREAMED);
+        return;
+    }
+    gemv_phase(op, input(threadIdx.x), ring, part, r0, r1);
+}
+
+// The sum of row r's warp partials, in warp order.
+__device__ inline float row_sum(const float* red, uint32_t r) {
+    float total = red[r * WARPS];
+    for (uint32_t w = 1; w < WARPS; ++w) total += red[r * WARPS + w];
+    return total;
+}
+
+// A slice of a vector in global memory written earlier in this launch, as thread t holds it (t is this
+// thread but where a batch's rows run side by side: RowStream::run_group).
+__device__ inline Slice load_slice(const bf16* v, uint32_t len, uint32_t t = threadIdx.x) {
+    Slice s;
+    s.vecs = len / VEC;
+    s.vpt = (s.vecs + THREADS - 1) / THREADS;
+#pragma unroll
+    for (uint32_t j = 0; j < MAX_VPT; ++j) s.h[j] = owns(s, j, t) ? load_cg(v, t + j * THREADS) : make_uint4(0, 0, 0, 0);
+    return s;
+}
+
+// The inverse root of the mean square of the block's slice of x (d elements), in every thread: every
+// block computes the same sum in the same order.
+// `counted`: whether this thread's vectors count (a thread holding another's copy adds +0.0, as a thread
+// without vectors does).
+__device__ inline float slice_inv_rms(const Slice& s, uint32_t d, float eps, bool counted = true) {
+    float acc = 0.0f;
+#pragma unroll
+    for (uint32_t j = 0; j < MAX_VPT; ++j) acc = sumsq8(s.h[j], acc);  // zero vectors add nothing
+    return inv_rms(__fdiv_rn(block_reduce(counted ? acc : 0.0f, Add{}), (float)d), eps);
+}
+
+// The slice s of thread t scaled by r and the norm's weights g.
+__device__ inline void scale_slice(Slice& s, const bf16* g, float r, uint32_t t = threadIdx.x) {
+#pragma unroll
+    for (uint32_t j = 0; j < MAX_VPT; ++j) {
+        if (owns(s, j, t)) s.h[j] = rms_scale8(s.h[j], __ldg(reinterpret_cast<const uint4*>(g) + t + j * THREADS), r);
+    }
+}
+
+// rmsnorm(x, g) as a slice, as thread t holds it (this thread's, or in a group stream the one whose
+// columns it takes: the norm's sum then counts the first slice's threads, which are every thread's own).
+__device__ inline Slice rmsnorm_slice(const bf16* x, const bf16* g, uint32_t d, float eps, uint32_t t = threadIdx.x) {
+    Slice s = load_slice(x, d, t);
+    scale_slice(s, g, slice_inv_rms(s, d, eps, threadIdx.x == t), t);
+    return s;
+}
+
+__device__ inline float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Element threadIdx.x of v[0, n) (0 past n), for an epilogue that adds it: loaded before the phase's
+// stream, it is in a register when the epilogue runs instead of one more round trip at the phase's
+// end, where the last block's round trip delays the phase's done count.
+__device__ inline float preload(const bf16* v, uint32_t n) { return threadIdx.x < n ? __bfloat162float(__ldcg(v + threadIdx.x)) : 0.0f; }

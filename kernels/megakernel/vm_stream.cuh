@@ -1,0 +1,419 @@
+// The weight stream: a block's rows of a GEMV through its ring of shared-memory stages, each filled by
+// a bulk copy, the input vector in registers (RowStream::run), or several input vectors against the
+// same rows, each with the bits it has alone (run_group, for batch steps and chunked prefill).
+#pragma once
+#include "vm_config.cuh"
+#include "vm_deps.cuh"
+
+// The input vector of a GEMV as this thread holds it: h[v] is 16-byte vector t + v * THREADS.
+struct Slice {
+    uint4 h[MAX_VPT];
+    uint32_t vecs;  // 16-byte vectors per row
+    uint32_t vpt;   // vectors per thread, ceil(vecs / THREADS)
+};
+
+// Whether thread t's v-th vector of the slice is in the row.
+__device__ inline bool owns(const Slice& s, uint32_t v, uint32_t t = threadIdx.x) { return t + v * THREADS < s.vecs; }
+
+// This block's rows of a GEMV with `rows` rows run by `set`: an even share, in whole units of `unit`
+// rows (pairs; or a Qkv phase's whole heads where the layer has q/k norms, qkv_unit).
+// A division by a value known only at run time is a chain of some twenty dependent instructions, a
+// 64-bit one a subroutine of hundreds of cycles, and a phase ran several before its first load: so 32
+// bits where the products fit, and shifts for the slices' powers of two below (docs/perf.md, "The
+// chain alone, and the index arithmetic").
+__device__ inline void block_rows(uint32_t rows, const BlockSet& set, uint32_t& r0, uint32_t& r1, uint32_t unit) {
+    const uint32_t units = rows / unit, i = rank(set);
+    if (units <= UINT32_MAX / set.count) {
+        r0 = unit * (units * i / set.count);
+        r1 = unit * (units * (i + 1) / set.count);
+        return;
+    }
+    r0 = unit * (uint32_t)((uint64_t)units * i / set.count);
+    r1 = unit * (uint32_t)((uint64_t)units * (i + 1) / set.count);
+}
+
+// Where a GEMV phase keeps its row partials: red_rows rows of WARPS floats after the ring.
+struct Partials {
+    float* red;
+    uint32_t rows;
+};
+
+// The ring: STAGES slots of STAGE_BYTES, each filled by one bulk copy that completes on the slot's
+// mbarrier. `seq` counts the stages a launch has issued so far (the same in every thread): stage k
+// uses slot k % STAGES and completes phase (k / STAGES) & 1 of that slot's barrier.
+struct Ring {
+    uint4* data;     // (STAGES, STAGE_BYTES / 16)
+    uint64_t* full;  // (STAGES)
+    uint32_t seq;
+};
+
+// Commits this thread's cp.async copies issued since the last commit as one group, and waits until at
+// most `pending` of its groups are in flight (groups complete in order).
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <uint32_t PENDING>
+__device__ inline void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
+
+// Where a GEMV phase's weight rows come from. Packed: one matrix whose rows are in the order the phase
+// computes them, a stage one bulk copy. In place (a stack too large for packed copies): Qkv's and
+// GateUp's rows come in pairs, (i, i + hd/2) of a head or (gate r, up r), from the layout the contract
+// hands over, where the two rows of a pair lie in different runs; a stage then holds its pairs' first
+// rows and then their second rows, each run one bulk copy, and the GEMV's epilogue sees them in pair
+// order as from a packed stage (RowStream::run). Thread 0 sets it when it primes a GEMV phase, before
+// the phase's own stages; every thread reads `grouped` after the phase's wait (a __syncthreads).
+constexpr uint32_t SOURCE_PACKED = 0;
+constexpr uint32_t SOURCE_QKV = 1;      // base: Wq, Wk, Wv
+constexpr uint32_t SOURCE_GATE_UP = 2;  // base: Wgate, Wup
+struct RowSource {
+    uint32_t kind;
+    bool grouped;  // a stage holds its pairs' first rows, then their second rows
+    const char* base[3];
+    uint32_t q_pairs, kv_pairs, half;  // Qkv: pairs of the q heads, of the k (and v) heads; hd / 2
+};
+__shared__ RowSource row_source;
+
+// Where packed row p (a pair's member p % 2) of the phase starts in the handed layout, rows of
+// `row_bytes`.
+__device__ inline const char* handed_row(const RowSource& src, uint32_t p, uint32_t row_bytes) {
+    const uint32_t pair = p / 2, member = p % 2;
+    if (src.kind == SOURCE_GATE_UP) return src.base[member] + (size_t)pair * row_bytes;
+    // Qkv: q heads' pairs, then k's, then v's; pair j of a tensor is row (j / half) * hd + j % half of
+    // its heads, and its second member half rows further (pack::qkv_source).
+    const uint32_t t = pair < src.q_pairs ? 0 : pair < src.q_pairs + src.kv_pairs ? 1 : 2;
+    const uint32_t j = pair - (t == 0 ? 0 : t == 1 ? src.q_pairs : src.q_pairs + src.kv_pairs);
+    const uint32_t row = (j / src.half) * 2 * src.half + j % src.half + member * src.half;
+    return src.base[t] + (size_t)row * row_bytes;
+}
+
+// Thread 0: copies stage rows [first, first + count) of an in-place source into `dst`, its pairs' first
+// rows, then their second rows (one row when count is 1), one bulk copy per run of rows that lie
+// next to each other in the source.
+__device__ inline void gather_stage(const RowSource& src, uint4* dst, uint32_t first, uint32_t count, uint32_t row_bytes, uint64_t* bar) {
+    const uint32_t pairs = count / 2, members = pairs == 0 ? 1 : 2, per_member = pairs == 0 ? 1 : pairs;
+    const char* run = nullptr;
+    char* run_dst = reinterpret_cast<char*>(dst);
+    uint32_t run_bytes = 0;
+    for (uint32_t m = 0; m < members; ++m) {
+        for (uint32_t k = 0; k < per_member; ++k) {
+            const char* row = handed_row(src, pairs == 0 ? first : first + 2 * k + m, row_bytes);
+            if (run != nullptr && row == run + run_bytes) {
+                run_bytes += row_bytes;
+                continue;
+            }
+            if (run != nullptr) bulk_copy(run_dst, run, run_bytes, bar, l2_evict_first());
+            run = row;
+            run_dst = reinterpret_cast<char*>(dst) + (size_t)(m * per_member + k) * row_bytes;
+            run_bytes = row_bytes;
+        }
+    }
+    bulk_copy(run_dst, run, run_bytes, bar, l2_evict_first());
+}
+
+// The 8 bf16 of a 16-byte vector as f32, in order (as dot8 widens them).
+__device__ inline void widen8(uint4 a, float (&f)[VEC]) {
+    const bf162* x = reinterpret_cast<const bf162*>(&a);
+#pragma unroll
+    for (uint32_t j = 0; j < VEC / 2; ++j) {
+        const float2 p = __bfloat1622float2(x[j]);
+        f[2 * j] = p.x;
+        f[2 * j + 1] = p.y;
+    }
+}
+
+// The warp's sums of N values per lane (N a power of two up to WARP), each summed as warp_reduce sums
+// one value: the same pairs at offsets 16, 8, ..., 1, so the same bits, in fewer shuffles than N
+// butterflies. Lane l holds value k at v[k ^ scatter_mask<N>()]: at each of the first log2(N) offsets
+// a lane keeps the lower half of its positions, adds its partner's copies of them (which the partner
+// holds in its upper half, its mask differing in that bit) and hands over its upper half (N - 1
+// shuffles); then one butterfly over the rest. Returns, in lanes [k WARP / N, (k + 1) WARP / N), the
+// sum of value k.
+template <uint32_t N>
+__device__ inline uint32_t scatter_mask() { return threadIdx.x % WARP / (WARP / N); }
+template <uint32_t N>
+__device__ inline float reduce_scatter(float (&v)[N]) {
+    static_assert(N >= 1 && N <= WARP && (N & (N - 1)) == 0, "a power of two of values per lane");
+#pragma unroll
+    for (uint32_t level = 1; level < N; level *= 2) {
+        const uint32_t half = N / 2 / level, offset = WARP / 2 / level;
+#pragma unroll
+        for (uint32_t j = 0; j < half; ++j) v[j] += __shfl_xor_sync(FULL_MASK, v[j + half], offset);
+    }
+    float sum = v[0];
+    for (uint32_t offset = WARP / 2 / N; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
+    return sum;
+}
+
+// Slices of the block that run a group's stage side by side (RowStream::run_group), for rows of `vecs`
+// 16-byte vectors: for rows of at most THREADS vectors, as many as leave each slice the warps a whole
+// block would have with columns (a power of two); else one. The stage then holds that many times the
+// rows, so that narrow rows fill it as wide ones do, and every warp has columns.
+// Its log2 by bit operations: the count is a power of two, so a quotient by it is a shift (see block_rows).
+__device__ inline uint32_t slices_log2(uint32_t vecs) {
+    if (vecs > THREADS) return 0;
+    const uint32_t need = (vecs + WARP - 1) / WARP;                    // warps with columns, at least
+    const uint32_t warps_log2 = need <= 1 ? 0 : 32 - __clz(need - 1);  // the next power of two's
+    return WARPS_LOG2 - warps_log2;
+}
+__device__ inline uint32_t row_slices(uint32_t vecs) { return 1u << slices_log2(vecs); }
+
+// Whether rows of `cols` bf16 run in more than one slice (at most 2048 columns).
+__device__ inline bool in_slices(uint32_t cols) { return row_slices(cols / VEC) > 1; }
+
+// The thread whose columns this thread takes in a stream of rows of `cols` (row_slices): itself in the
+// first slice, its counterpart there in the others.
+__device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x & ((THREADS >> slices_log2(cols / VEC)) - 1); }
+
+// A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
+// thread; each stage is SLICE_ROWS consecutive rows per slice of the block, one bulk copy from a packed
+// matrix (or a few, one per run, from the handed layout: see RowSource). A layer kernel's stream (run)
+// has one slice; a group's (run_group, `group`) runs in row_slices, so that its narrow rows fill the
+// stages, and so does a model's decode step where its rows run in slices (a group of one: stream_phase).
+// What a decode step primes before its wait decides: its input queues behind those bytes, and full
+// stages with the whole ring primed (up to six times the bytes primed below 4096 columns) made
+// Llama-3.2-1B 23% slower on the H200; full stages with one primed (SOLO_PRIMED), 11% faster
+// (docs/perf.md, "Full stages for the batch step" and "Qwen3's Qkv in full stages").
+template <uint32_t VPT>
+struct RowStream {
+    static constexpr uint32_t VECS_PER_THREAD = VPT;
+    static constexpr uint32_t SLICE_ROWS = STAGE_BYTES / 16 / (THREADS * VPT) > 0 ? STAGE_BYTES / 16 / (THREADS * VPT) : 1;
+    static_assert(SLICE_ROWS * THREADS * VPT * 16 <= STAGE_BYTES, "a row must fit a ring stage");
+    // Rows per reduce_scatter in run_group: two where a slice's rows pair up.
+    static constexpr uint32_t ROWS_PER_SUM = SLICE_ROWS % 2 == 0 ? 2 : 1;
+    // So that a stage's rows (SLICE_ROWS times the slices) are a power of two: nstages is a shift.
+    static_assert((SLICE_ROWS & (SLICE_ROWS - 1)) == 0, "a power of two");
+    const bf16* w;  // (rows, vecs * VEC)
+    uint32_t vecs, r0, n, slices, stage_rows, nstages;
+    // Whether row_source may name an in-place source: false in the one-layer kernel, where the compiler
+    // then drops every read of it (they cost the graded layer 10 us, docs/perf.md).
+    bool in_place;
+
+    __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_, bool in_place_, bool group = false)
+        : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), slices(group ? row_slices(vecs_) : 1), stage_rows(SLICE_ROWS * slices),
+          nstages((r1_ - r0_ + stage_rows - 1) >> (31 - __clz(stage_rows))), in_place(in_place_) {}
+
+    __device__ const bf16* stage_src(uint32_t st) const { return w + (size_t)(r0 + st * stage_rows) * vecs * VEC; }
+    __device__ uint32_t stage_count(uint32_t st) const { return min(stage_rows, n - st * stage_rows); }
+
+    // Thread 0 starts the copy of stage st into its slot. The slot's previous contents must be dead:
+    // the callers reach this only after a __syncthreads that follows every read of them.
+    __device__ void issue(const Ring& ring, uint32_t st) const {
+        if (threadIdx.x != 0 || st >= nstages) return;
+        const uint32_t k = ring.seq + st;
+        uint4* slot = ring.data + (k % STAGES) * (STAGE_BYTES / 16);
+        mbar_expect_tx(&ring.full[k % STAGES], stage_count(st) * vecs * 16);
+        if (in_place && row_source.kind != SOURCE_PACKED) {
+            gather_stage(row_source, slot, r0 + st * stage_rows, stage_count(st), vecs * 16, &ring.full[k % STAGES]);
+            return;
+        }
+        // Evict-first: each weight is read once a step, so its lines should not push out the cache and
+        // the activations, which are read again (docs/perf.md measured it).
+        bulk_copy(slot, stage_src(st), stage_count(st) * vecs * 16, &ring.full[k % STAGES], l2_evict_first());
+    }
+
+    // The first STAGES - 1 stages. Weights do not depend on anything the layer computes, so this runs
+    // before the phase's input exists: before its norm, and before the wait for its dependencies.
+    __device__ void prime(const Ring& ring) const {
+        for (uint32_t st = 0; st < STAGES - 1; ++st) issue(ring, st);
+    }
+
+    // Waits for stage st to land and returns its slot, after refilling the slot stage st - 1 used with
+    // stage st + STAGES - 1.
+    __device__ const uint4* next_stage(const Ring& ring, uint32_t st) const {
+        __syncthreads();  // every thread is done with stage st - 1, whose slot the next issue refills
+        issue(ring, st + STAGES - 1);
+        const uint32_t k = ring.seq + st;
+        mbar_wait(&ring.full[k % STAGES], (k / STAGES) & 1);  // stage st has landed
+        return ring.data + (k % STAGES) * (STAGE_BYTES / 16);
+    }
+
+    // A grouped stage's pairs (0 otherwise): it holds its pairs' first rows, then their second rows, so
+    // slot row i is the stage's row slot_row(i, pairs): pair i % pairs's member i / pairs.
+    __device__ uint32_t stage_pairs(uint32_t count) const { return in_place && row_source.grouped ? count / 2 : 0; }
+    __device__ static uint32_t slot_row(uint32_t i, uint32_t pairs) { return pairs == 0 ? i : 2 * (i % pairs) + i / pairs; }
+
+    // red[r - r0][warp] = the warp's partial dot product of row r with the slice, for a stream of one
+    // slice; needs prime() first. Advances ring.seq past this stream's stages.
+    __device__ void run(const Slice& s, Ring& ring, Partials part) const {
+        const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+        // The launcher sized red for fewer rows than this block got; or a group's stream (group_stream).
+        if (n > part.rows || slices != 1) __trap();
+        for (uint32_t st = 0; st < nstages; ++st) {
+            const uint4* slot = next_stage(ring, st);
+            float acc[SLICE_ROWS];
+#pragma unroll
+            for (uint32_t i = 0; i < SLICE_ROWS; ++i) {
+                acc[i] = 0.0f;
+#pragma unroll
+                for (uint32_t v = 0; v < VPT; ++v) {
+                    if (t + v * THREADS < vecs) acc[i] = dot8(slot[i * vecs + v * THREADS + t], s.h[v], acc[i]);
+                }
+            }
+            // Independent butterflies, one per row, so their shuffles overlap.
+#pragma unroll
+            for (uint32_t i = 0; i < SLICE_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
+            if (lane == 0) {
+                const uint32_t count = stage_count(st), pairs = stage_pairs(count);
+#pragma unroll
+                for (uint32_t i = 0; i < SLICE_ROWS; ++i) {
+                    const uint32_t r = slot_row(i, pairs);
+                    if (i < count) part.red[(st * SLICE_ROWS + r) * WARPS + warp] = acc[i];
+                }
+            }
+        }
+        ring.seq += nstages;
+        __syncthreads();  // every warp's partials are in red before any thread adds them up
+    }
+
+    // Several input vectors against the same rows, the weights read once for all of them, R =
+    // ROWS_PER_SUM rows and G vectors per reduce_scatter (N = R G values). The block runs a stage's rows
+    // in `slices` side by side (a group stream's, row_slices), slice s taking slot rows s, s + slices,
+    // ...; its thread t' = t % (THREADS / slices) does what thread t' of run() does.
+    // h[p] holds vector p ^ (scatter_mask<N>() % G)'s elements as a Slice would (16-byte vector t' + v
+    // THREADS at h[p][v]), widened to f32 once; the lane takes row position rp from slot row rp ^
+    // (scatter_mask<N>() / G), so that value rp G + p is reduce_scatter's. red[(g n + r - r0)][warp]
+    // = warp `warp` of run()'s partial of row r with vector g < live; the warps run() has without
+    // columns are the caller's to zero (their +0.0 partials). Each vector's products, their order per
+    // thread (dot8's), its butterfly and row_sum's warp order are run()'s, so each vector's sums are
+    // bitwise those of run() alone, whatever the other vectors are. Needs prime(); advances ring.seq.
+    template <uint32_t G>
+    __device__ void run_group(const float (&h)[G][VPT][VEC], uint32_t live, Ring& ring, Partials part) const {
+        constexpr uint32_t R = ROWS_PER_SUM, N = R * G;
+        // THREADS / slices threads a slice, a power of two: a mask and a shift.
+        const uint32_t per_log2 = THREADS_LOG2 - (31 - __clz(slices));
+        const uint32_t t = threadIdx.x & ((1u << per_log2) - 1), sub = threadIdx.x >> per_log2, lane = threadIdx.x % WARP;
+        const uint32_t warp = t / WARP, mask = scatter_mask<N>();
+        if (n * live > part.rows || live > G) __trap();  // the caller sizes these
+        for (uint32_t st = 0; st < nstages; ++st) {
+            const uint4* slot = next_stage(ring, st);
+            const uint32_t count = stage_count(st), pairs = stage_pairs(count);
+            for (uint32_t j = 0; j < SLICE_ROWS; j += R) {
+                float acc[N];
+#pragma unroll
+                for (uint32_t k = 0; k < N; ++k) acc[k] = 0.0f;
+#pragma unroll
+                for (uint32_t rp = 0; rp < R; ++rp) {
+                    const uint32_t i = sub + slices * (j + (rp ^ mask / G));
+#pragma unroll
+                    for (uint32_t v = 0; v < VPT; ++v) {
+                        if (t + v * THREADS >= vecs) continue;
+                        float w[VEC];
+                        widen8(slot[i * vecs + v * THREADS + t], w);
+#pragma unroll
+                        for (uint32_t p = 0; p < G; ++p) {
+                            // dot8's products in dot8's order, the weight first.
+#pragma unroll
+                            for (uint32_t e = 0; e < VEC; ++e) acc[rp * G + p] = fmaf(w[e], h[p][v][e], acc[rp * G + p]);
+                        }
+                    }
+                }
+                const float sum = reduce_scatter<N>(acc);
+                const uint32_t g = mask % G, i = sub + slices * (j + mask / G);
+                if (lane % (WARP / N) == 0 && g < live && i < count) part.red[(g * n + st * stage_rows + slot_row(i, pairs)) * WARPS + warp] = sum;
+            }
+        }
+        ring.seq += nstages;
+        __syncthreads();  // every warp's partials are in red before any thread adds them up
+    }
+};
+
+// A stream of rows [r0, r1) for run_group (RowStream's `group`).
+template <uint32_t VPT>
+__device__ inline RowStream<VPT> group_stream(const bf16* w, uint32_t vecs, uint32_t r0, uint32_t r1, bool in_place) {
+    return RowStream<VPT>(w, vecs, r0, r1, in_place, true);
+}
+
+// A model's decode step streams rows that run in slices as a group of one (stream_phase's SLICED), in
+// full stages, of which it issues SOLO_PRIMED before the wait (prime_solo): as many bytes as the two
+// stages of one slice a layer kernel primes at 2048 columns, so that the input after the wait queues
+// behind no more than before. The rest of the first STAGES - 1 go as the stream starts (start_solo).
+// Two primed full stages made Llama-3.2-1B 4% slower than one (docs/perf.md, "Qwen3's Qkv in full
+// stages").
+constexpr uint32_t SOLO_PRIMED = 1;
+__device__ inline void prime_solo(const RowStream<1>& stream, const Ring& ring) {
+    for (uint32_t st = 0; st < SOLO_PRIMED; ++st) stream.issue(ring, st);
+}
+__device__ inline void start_solo(const RowStream<1>& stream, const Ring& ring) {
+    for (uint32_t st = SOLO_PRIMED; st < STAGES - 1; ++st) stream.issue(ring, st);
+}
+
+// Calls f(RowStream<VPT>) for the VPT of rows of `cols` bf16: the loops above unroll at compile time.
+// `group`: a stream for run_group (RowStream's).
+template <typename F>
+__device__ void with_stream(const bf16* w, uint32_t cols, uint32_t r0, uint32_t r1, bool in_place, F f, bool group = false) {
+    const uint32_t vecs = cols / VEC;
+    switch ((vecs + THREADS - 1) / THREADS) {
+        case 1: f(RowStream<1>(w, vecs, r0, r1, in_place, group)); break;
+        case 2: f(RowStream<2>(w, vecs, r0, r1, in_place, group)); break;
+        case 3: f(RowStream<3>(w, vecs, r0, r1, in_place, group)); break;
+        case 4: f(RowStream<4>(w, vecs, r0, r1, in_place, group)); break;
+        case 5: f(RowStream<5>(w, vecs, r0, r1, in_place, group)); break;
+        case 6: f(RowStream<6>(w, vecs, r0, r1, in_place, group)); break;
+        case 7: f(RowStream<7>(w, vecs, r0, r1, in_place, group)); break;
+        default: __trap();  // the launcher refuses rows longer than MAX_VPT vectors per thread
+    }
+}
+
+// Vectors one stream serves at most: a batch's sequences, or a prompt chunk's positions.
+constexpr uint32_t MAX_BATCH = 8;
+// Vectors a thread holds at once for rows of VPT vectors per thread: MAX_BATCH 16-byte vectors of
+// input, widened to 64 f32 registers; the whole batch at VPT 1 (rows up to 4096). A batch larger
+// than its group takes a pass over the weights per group.
+template <uint32_t VPT>
+__host__ __device__ constexpr uint32_t group_of() { return VPT >= MAX_BATCH ? 1 : MAX_BATCH / VPT; }
+
+// A group's inputs for RowStream<VPT>::run_group<G>, R its ROWS_PER_SUM, widened once: h[p] holds
+// vector p ^ (scatter_mask<R G>() % G) as thread t holds it (input(g, t), a Slice, for g < live; zero
+// past live). Each thread loads its own order of vectors from memory, so that every place of h is a
+// register the compiler names.
+template <uint32_t VPT, uint32_t G, typename In>
+__device__ inline void group_inputs(float (&h)[G][VPT][VEC], uint32_t live, uint32_t t, In input) {
+    const uint32_t order = scatter_mask<RowStream<VPT>::ROWS_PER_SUM * G>() % G;
+#pragma unroll
+    for (uint32_t p = 0; p < G; ++p) {
+        const uint32_t g = p ^ order;
+        const Slice s = g < live ? input(g, t) : Slice{};
+#pragma unroll
+        for (uint32_t v = 0; v < VPT; ++v) widen8(g < live ? s.h[v] : make_uint4(0, 0, 0, 0), h[p][v]);
+    }
+}
+
+// Zeroes the row partials: the warps a slice of run_group leaves without columns never write theirs,
+// which must read +0.0 as run()'s column-less warps write them. Call after every read of them before.
+__device__ inline void zero_partials(const Partials& part) {
+    for (uint32_t i = threadIdx.x; i < part.rows * WARPS; i += THREADS) part.red[i] = 0.0f;
+}
+
+// Lanes [b0, b0 + live) of `all`'s rows through run_group<G>, in group streams of `chunk` rows:
+// input(b, t) is lane b's input as thread t holds it (no block-wide step: each thread takes the lanes
+// in its own order), epilogue(b, part, c0, c1) ends lane b's rows [c0, c1) from their partials. The
+// first stream's first stages are in the ring unless `prime_first`.
+template <uint32_t VPT, uint32_t G, typename In, typename Out>
+__device__ void lanes_group(const RowStream<VPT>& all, uint32_t b0, uint32_t live, uint32_t chunk, bool prime_first, Ring& ring, Partials part, In input,
+                            Out epilogue) {
+    float h[G][VPT][VEC];
+    group_inputs<VPT, G>(h, live, column_thread(all.vecs * VEC), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
+    const uint32_t end = all.r0 + all.n;
+    for (uint32_t c0 = all.r0; c0 < end; c0 += chunk) {
+        const uint32_t c1 = min(c0 + chunk, end);
+        const RowStream<VPT> stream = group_stream<VPT>(all.w, all.vecs, c0, c1, all.in_place);
+        // The ring is free: the stream before and its epilogues (Qwen3's uses the ring's memory) ended on
+        // a __syncthreads.
+        if (c0 != all.r0 || prime_first) stream.prime(ring);
+        stream.template run_group<G>(h, live, ring, part);
+        for (uint32_t g = 0; g < live; ++g) {
+            epilogue(b0 + g, Partials{part.red + (size_t)g * (c1 - c0) * WARPS, c1 - c0}, c0, c1);
+            // The next lane's epilogue, the next stream and its partials come after every read of these.
+            __syncthreads();
+        }
+    }
+}
+
+// A decode step's rows through run_group as a group of one, the input `s` as column_thread holds it:
+// full stages where the rows run in slices, each output's products, sums and rounding run()'s, so its
+// bits too. `stream` (the block's rows) has its first STAGES - 1 stages issued; they go in chunks of
+// `chunk` rows (as many as the partials hold), epilogue(0, part, c0, c1) ending each. The phase before
+// ended on a __syncthreads, so the partials are free to zero.
+template <typename Out>
+__device__ __forceinline__ void solo_group(const RowStream<1>& stream, const Slice& s, uint32_t chunk, Ring& ring, Partials part, Out epilogue) {
+    zero_partials(part);
+    lanes_group<1, 1>(stream, 0, 1, chunk, false, ring, part, [&](uint32_t, uint32_t) { return s; }, epilogue);
+}
