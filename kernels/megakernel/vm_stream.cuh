@@ -285,7 +285,11 @@ struct RowStream {
         for (uint32_t st = 0; st < nstages; ++st) {
             const uint4* slot = next_stage(ring, st);
             const uint32_t count = stage_count(st), pairs = stage_pairs(count);
-            for (uint32_t j = 0; j < SLICE_ROWS; j += R) {
+            // Slot rows sub + slices * (j + ...) from j on are all past the stage's count once slices * j
+            // is: such a pass computes only rows that are never stored, so it is skipped (a block's last
+            // stage, or a phase of a few rows a block), and its loads, products and shuffles no longer
+            // sit on the phase's critical path. The bound is the block's alike: the warps stay converged.
+            for (uint32_t j = 0; j < SLICE_ROWS && slices * j < count; j += R) {
                 float acc[N];
 #pragma unroll
                 for (uint32_t k = 0; k < N; ++k) acc[k] = 0.0f;

@@ -63,7 +63,7 @@ enum LayerProgram {
 }
 
 impl LayerProgram {
-    /// The program of `stack`, and the kernel of `kernels/megakernel/megakernel.cu` that takes it.
+    /// The program of `stack` as the judge's kernels take it.
     fn of(stack: &CompiledStack) -> LayerProgram {
         let fits = "rows and tables within the parameter block (build checks them)";
         match stack.tables.as_slice() {
