@@ -95,13 +95,13 @@ pub struct CompiledStack {
 }
 
 impl CompiledStack {
-    /// Compiles `layers` (each of shape `cfg`) for the kernel `name` of `file`, as `opts` says. Refused
-    /// ([`SubmissionError::Unsupported`]) where the card is not Hopper, the shape is over one of the
-    /// kernel's limits or the packed copies do not fit; a forced plan the layer cannot take is
-    /// [`SubmissionError::Refused`].
+    /// Compiles `layers` (each of shape `cfg`) for the kernel `name` of `file`, as `opts` says. Fails
+    /// where the card is not Hopper; [`SubmissionError::Unsupported`] where the shape is over one of the
+    /// kernel's limits or the packed copies do not fit; [`SubmissionError::Refused`] for a forced plan
+    /// the layer cannot take, no layers, or a RoPE table that does not fit the caches.
     pub fn build(
         dev: &Device,
-        layers: &mut [Layer<'_>],
+        layers: &[Layer<'_>],
         cfg: &Config,
         opts: &StackOptions,
         (file, name): (&'static Kernel, &'static str),

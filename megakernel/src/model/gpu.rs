@@ -283,8 +283,7 @@ impl GpuModel {
             ..StackOptions::new(Target::Model { vocab: cfg.vocab, qk_norm: cfg.qk_norm })
         };
         let kernel = model_kernel(cfg.qk_norm, has_narrow_rows(&layer), false);
-        let stack =
-            CompiledStack::build(dev, &mut Layer::stack(&layers, &mut caches), &layer, &opts, (&MODEL, kernel))?;
+        let stack = CompiledStack::build(dev, &Layer::stack(&layers, &mut caches), &layer, &opts, (&MODEL, kernel))?;
         // The model kernel always reads the layers' tables.
         let program =
             ProgramParam::new(&stack.rows, &stack.tables).expect("rows and tables within the parameter block");
@@ -386,9 +385,9 @@ impl GpuModel {
         // BatchArgs by value, 1 to MAX_BATCH lanes, each token in the vocabulary, position within the
         // caches and sequence within those allocated (sequences x cache_elems per layer's K and V, at
         // cache_stride), lanes of a sequence consecutive (batch_refusal); act_stride the arena's lane
-        // stride, MAX_BATCH lanes allocated (CompiledStack::build for a model); next (MAX_BATCH); phases, layers,
-        // out (MAX_BATCH, d), hidden (MAX_BATCH, layers - 1, d) or null, d, step, phase_done (MAX_PHASES
-        // + 1), red_rows the batch kernel's); the grid is co-resident (the cooperative launch fails
+        // stride, MAX_BATCH lanes allocated (CompiledStack::build for a model); next (MAX_BATCH); phases,
+        // layers, out (MAX_BATCH, d), hidden (MAX_BATCH, layers - 1, d) or null, d, step, phase_done
+        // (MAX_PHASES + 1), red_rows the batch kernel's); the grid is co-resident (the cooperative launch fails
         // rather than run otherwise), smem as batch_kernel sized it.
         let ms = dev.time_ms(|| unsafe { l.launch_cooperative(cfg) }.map(drop).context("launching the batch step"))?;
         // One step of the program and one head phase.
