@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use cuda::{Context, Device};
 use megakernel::batch::BatchGemv;
 use megakernel::model::{
-    CpuModel, GpuModel, Lane, ModelConfig, ModelTrace, ModelWeights, PhaseShare, Stop, Text, argmax, gpu,
+    CpuModel, GpuModel, Lane, ModelConfig, ModelTrace, ModelWeights, PhaseShare, Stop, Text, argmax, gpu, per_layer,
 };
 use spec::rng::{bits, stream_key};
 
@@ -396,6 +396,17 @@ fn print_trace(trace: &ModelTrace) {
         sum(|s| s.work_us),
         sum(|s| s.later_us),
         f64::from(trace.kernel_ms) * 1e3 / trace.positions() as f64
+    );
+    let layer = per_layer(&shares, trace.layers);
+    out!(
+        "{:<10} {:>6} {:>8.1} {:>9.1} {:>13.1} {:>13.1}   (a layer's critical path: every phase but the head's, over {} layers)",
+        layer.what,
+        layer.phases,
+        layer.span_us,
+        layer.handoff_us,
+        layer.work_us,
+        layer.later_us,
+        trace.layers
     );
 }
 

@@ -16,7 +16,7 @@ pub use cpu::{CpuModel, argmax};
 pub use gpu::{Generation, GpuModel, GpuModelError, Lane, Stop};
 pub use hf::{ModelConfig, ModelError, ModelWeights};
 pub use text::Text;
-pub use trace::{ModelTrace, PhaseShare};
+pub use trace::{ModelTrace, PhaseShare, per_layer};
 
 #[cfg(test)]
 mod tests;

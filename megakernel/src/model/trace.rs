@@ -46,6 +46,25 @@ pub struct PhaseShare {
 
 const START: usize = 0;
 const END: usize = TRACE_STAMPS - 1;
+/// The kind of the LM head's phase.
+const HEAD: &str = "Head";
+
+/// A layer's part of a token, its critical path: every kind of phase but the head's, summed and spread
+/// over `layers` (their input / stream / tail parts are not summed: they are medians of blocks).
+pub fn per_layer(shares: &[PhaseShare], layers: usize) -> PhaseShare {
+    let layer: Vec<&PhaseShare> = shares.iter().filter(|s| s.what != HEAD).collect();
+    let n = layers.max(1);
+    let per = |f: fn(&PhaseShare) -> f64| layer.iter().map(|s| f(s)).sum::<f64>() / n as f64;
+    PhaseShare {
+        what: "a layer".into(),
+        phases: layer.iter().map(|s| s.phases).sum::<usize>() / n,
+        span_us: per(|s| s.span_us),
+        handoff_us: per(|s| s.handoff_us),
+        work_us: per(|s| s.work_us),
+        later_us: per(|s| s.later_us),
+        parts_us: None,
+    }
+}
 
 impl ModelTrace {
     /// Phases a position runs, the head's included.
@@ -88,7 +107,7 @@ impl ModelTrace {
     fn kind(&self, f: usize) -> String {
         match self.plan.get(f % self.plan.len()) {
             Some(op) if f < self.per_position() - 1 => format!("{op:?}"),
-            _ => "Head".to_string(),
+            _ => HEAD.to_string(),
         }
     }
 
@@ -212,6 +231,13 @@ mod tests {
         }
         assert_eq!(shares[0].parts_us, Some([1.0, 3.0, 2.0]));
         assert_eq!(shares[1].parts_us, None);
+        // A layer: Qkv and Down, the head left out.
+        let layer = per_layer(&shares, 1);
+        assert_eq!(
+            (layer.phases, layer.span_us, layer.handoff_us, layer.work_us, layer.later_us),
+            (2, 20.0, 2.0, 12.0, 6.0)
+        );
+        assert_eq!(per_layer(&shares, 2).span_us, 10.0);
     }
 
     #[test]
