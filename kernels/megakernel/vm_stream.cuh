@@ -288,7 +288,8 @@ struct RowStream {
             // Slot rows sub + slices * (j + ...) from j on are all past the stage's count once slices * j
             // is: such a pass computes only rows that are never stored, so it is skipped (a block's last
             // stage, or a phase of a few rows a block), and its loads, products and shuffles no longer
-            // sit on the phase's critical path. The bound is the block's alike: the warps stay converged.
+            // sit on the phase's critical path. The bound is the same in every thread of the block, so the
+            // warps stay converged for the reduce-scatter's shuffles.
             for (uint32_t j = 0; j < SLICE_ROWS && slices * j < count; j += R) {
                 float acc[N];
 #pragma unroll

@@ -103,7 +103,7 @@ impl Megakernel {
 
     /// Phases of the compiled program, over every layer (after `build_stack`).
     pub fn phases(&self) -> Option<u32> {
-        self.built.as_ref().map(|b| b.stack.phases() * b.stack.layers)
+        self.built.as_ref().map(|b| b.stack.phases() * b.stack.layers())
     }
 
     /// What each phase of the compiled program computes and which blocks run it (after
@@ -181,12 +181,13 @@ impl Megakernel {
     ) -> Result<(), SubmissionError> {
         let Built { stack: b, program } =
             self.built.as_mut().ok_or_else(|| SubmissionError::Refused("a step before build_stack".into()))?;
-        let total = b.phases() * b.layers;
+        let layers = b.layers();
+        let total = b.phases() * layers;
         if phases.is_empty() || phases.end > total {
             return Err(SubmissionError::Refused(format!("phases {phases:?} of a program of {total} phases")));
         }
         let row = b.d as usize;
-        let hidden = submission::checked_hidden(b.layers as usize, row, hidden)?.map_or(0, |h| device_address(dev, h));
+        let hidden = submission::checked_hidden(layers as usize, row, hidden)?.map_or(0, |h| device_address(dev, h));
         if x.len() < row || out.len() < row {
             return Err(SubmissionError::Refused(format!("x and out need {row} elements")));
         }
@@ -199,7 +200,7 @@ impl Megakernel {
             LayerProgram::One(p) => args.arg(&**p),
             LayerProgram::Stack(p) => args.arg(&**p),
         };
-        args.arg(&rows).arg(&b.layers).arg(&begin).arg(&end);
+        args.arg(&rows).arg(&layers).arg(&begin).arg(&end);
         args.arg(x).arg(out).arg(&hidden).arg(&b.d).arg(&pos);
         args.arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
         match trace {

@@ -69,7 +69,6 @@ pub struct CompiledStack {
     /// Each layer's address table.
     pub tables: Vec<[i64; program::LAYER_WORDS]>,
     pub layout: Plan,
-    pub layers: u32,
     /// Whether Qkv and GateUp stream in place.
     pub in_place: bool,
     pub d: u32,
@@ -218,7 +217,6 @@ impl CompiledStack {
             rows,
             tables,
             layout,
-            layers: layers.len() as u32,
             in_place,
             d: cfg.d as u32,
             plan,
@@ -240,6 +238,11 @@ impl CompiledStack {
     /// Rows of the program: one layer's phases.
     pub fn phases(&self) -> u32 {
         self.rows.len() as u32
+    }
+
+    /// Layers of the stack: one address table each.
+    pub fn layers(&self) -> u32 {
+        self.tables.len() as u32
     }
 
     /// The launch's shape for `smem` bytes of dynamic shared memory a block.

@@ -377,9 +377,9 @@ impl GpuModel {
         let (b, k) = (&mut self.stack, &self.batch);
         batch.act_stride = b.act_stride as i64;
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
-        let (cfg, phases) = (b.launch_config(k.smem), b.phases());
+        let (cfg, phases, layers) = (b.launch_config(k.smem), b.phases(), b.layers());
         let mut l = dev.stream().launch_builder(&k.func);
-        l.arg(&*self.program).arg(&args).arg(&batch).arg(&phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
+        l.arg(&*self.program).arg(&args).arg(&batch).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&k.red_rows);
         // SAFETY: megakernel_model_batch_bf16(program and model as for the model kernel (launch); batch:
         // BatchArgs by value, 1 to MAX_BATCH lanes, each token in the vocabulary, position within the
@@ -451,7 +451,7 @@ impl GpuModel {
         // Loaded here, not with the stack: only a trace runs it.
         let traced = dev.function(&MODEL, model_kernel(self.cfg.qk_norm, has_narrow_rows(&self.layer), true))?;
         fit_one_block(&traced, b.smem, "the traced model kernel")?;
-        let (grid, layers, per_step) = (b.grid as usize, b.layers as usize, (b.phases() * b.layers) as usize + 1);
+        let (grid, layers, per_step) = (b.grid as usize, b.layers() as usize, (b.phases() * b.layers()) as usize + 1);
         let plan: Vec<_> = b.plan.iter().map(|p| p.op).collect();
         let positions = (prompt.len() + max_new - 1).min(self.context());
         let mut stamps = dev
@@ -553,10 +553,10 @@ impl GpuModel {
         let args = self.model_args(dev, pos0, pos0 + given.len(), max_new, eos);
         let b = &mut self.stack;
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
-        let (cfg, phases) = (b.launch_config(b.smem), b.phases());
+        let (cfg, phases, layers) = (b.launch_config(b.smem), b.phases(), b.layers());
         let (func, stamps) = trace.map_or((&b.func, None), |(f, t)| (f, Some(t)));
         let mut l = s.launch_builder(func);
-        l.arg(&*self.program).arg(&args).arg(&phases).arg(&b.layers).arg(&mut self.out).arg(&hidden);
+        l.arg(&*self.program).arg(&args).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
         if let Some(t) = stamps {
             l.arg(t);
