@@ -24,9 +24,17 @@
         uint32_t red_rows, uint64_t* __restrict__ trace /* (gridDim.x, phase_end - phase_begin, TRACE_STAMPS) or null */
 #define MEGAKERNEL_ARGS program, phases, layers, phase_begin, phase_end, x, out, hidden, d, pos, step, phase_done, red_rows, trace
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(MEGAKERNEL_PARAMS(1)) { run_program<1>(MEGAKERNEL_ARGS); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(MEGAKERNEL_PARAMS(1)) { run_program<1, false>(MEGAKERNEL_ARGS); }
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_stack_bf16(MEGAKERNEL_PARAMS(PROGRAM_MAX_LAYERS)) {
-    run_program<PROGRAM_MAX_LAYERS>(MEGAKERNEL_ARGS);
+    run_program<PROGRAM_MAX_LAYERS, false>(MEGAKERNEL_ARGS);
+}
+// The same for layers with rows of at most 2048 columns somewhere (has_narrow_rows in
+// megakernel/src/kernels.rs): those rows stream as groups of one in full stages, as the model kernel's
+// sliced instance streams them. Instances of their own, so that the wide layers' kernels keep their
+// machine code (sliced code beside it moved ptxas's allocation of the rest, docs/perf.md).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_sliced_bf16(MEGAKERNEL_PARAMS(1)) { run_program<1, true>(MEGAKERNEL_ARGS); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_stack_sliced_bf16(MEGAKERNEL_PARAMS(PROGRAM_MAX_LAYERS)) {
+    run_program<PROGRAM_MAX_LAYERS, true>(MEGAKERNEL_ARGS);
 }
 // ---------------------------------------------------------------------------------------------------
 // Several vectors through one stream (the first piece of batched decode and chunked prefill)

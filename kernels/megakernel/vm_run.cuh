@@ -115,8 +115,9 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
 // for one not yet running (the launcher uses a cooperative launch). A step's phases run in order from
 // phase 0, in one launch or several (the launcher enforces it), so that the counts a phase waits for
 // are this step's. `trace`, when not null, receives each block's phase stamps (zero for the phases it
-// does not run, and for the stamps a phase does not take).
-template <uint32_t TABLES>
+// does not run, and for the stamps a phase does not take). SLICED: as run_phase's, for layers with
+// rows of at most 2048 columns somewhere (the launcher picks the instance).
+template <uint32_t TABLES, bool SLICED>
 __device__ __forceinline__ void run_program(const Program<TABLES>& program, uint32_t phases, uint32_t layers, uint32_t phase_begin,
                                             uint32_t phase_end, const bf16* x, bf16* out, bf16* hidden, uint32_t d, uint32_t pos,
                                             uint32_t step, unsigned* phase_done, uint32_t red_rows, uint64_t* trace) {
@@ -130,11 +131,11 @@ __device__ __forceinline__ void run_program(const Program<TABLES>& program, uint
     const uint32_t traced = phase_end - phase_begin;
     uint32_t f = walk.next_own(phase_begin, phase_end);
     // Each phase's first weights stream in before it waits (see finish_phase).
-    if (f < phase_end) prime_inputs<false>(walk.op(f), ring, pos, nullptr);
+    if (f < phase_end) prime_inputs<SLICED>(walk.op(f), ring, pos, nullptr);
     while (f < phase_end) {
-        run_phase<TABLES, false>(walk, f, f >= phases, io, phase_done, ring, part,
+        run_phase<TABLES, SLICED>(walk, f, f >= phases, io, phase_done, ring, part,
                   trace == nullptr ? nullptr : trace + ((size_t)blockIdx.x * traced + (f - phase_begin)) * TRACE_STAMPS, nullptr);
         f = walk.next_own(f + 1, phase_end);
-        if (f < phase_end) prime_inputs<false>(walk.op(f), ring, pos, nullptr);
+        if (f < phase_end) prime_inputs<SLICED>(walk.op(f), ring, pos, nullptr);
     }
 }

@@ -21,8 +21,9 @@ pub const TRACE_STAMPS: usize = 4;
 /// positions (the kernel's `MAX_BATCH`).
 pub const MAX_BATCH: usize = 8;
 /// The widest GEMV rows that the kernel runs in slices of the block (`row_slices`: half a block's
-/// 16-byte vectors of 8 bf16): a model with such rows gets the model kernel's sliced instance
-/// (`model::gpu`'s `model_kernel`). Choosing by a wrong width would cost speed, never a bit of the output.
+/// 16-byte vectors of 8 bf16): a layer or model with such rows gets the sliced instance of its kernel
+/// (`LayerProgram::kernel`, `model::gpu`'s `model_kernel`). Choosing by a wrong width would cost speed,
+/// never a bit of the output.
 pub(crate) const SLICED_MAX_COLS: usize = THREADS as usize / 2 * 8;
 /// Whether some GEMV of the layer has rows of at most SLICED_MAX_COLS columns: Qkv's and GateUp's have
 /// d, the O projection's q_dim, Down's ffn.

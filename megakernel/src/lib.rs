@@ -25,7 +25,7 @@ use spec::Config;
 
 use submission::{Layer, Submission, SubmissionError, device_address};
 
-use kernels::MEGAKERNEL;
+use kernels::{MEGAKERNEL, has_narrow_rows};
 use program::Forced;
 use stack::{CompiledStack, ProgramParam, StackOptions, Target};
 
@@ -75,9 +75,15 @@ impl LayerProgram {
         }
     }
 
-    /// The kernel that runs a stack of `layers` layers.
-    fn kernel(layers: usize) -> &'static str {
-        if layers == 1 { "megakernel_bf16" } else { "megakernel_stack_bf16" }
+    /// The kernel that runs a stack of `layers` layers of `cfg`: its sliced instance where some GEMV's
+    /// rows run in slices of the block (as the model kernel's, `has_narrow_rows`).
+    fn kernel(layers: usize, cfg: &Config) -> &'static str {
+        match (layers == 1, has_narrow_rows(cfg)) {
+            (true, false) => "megakernel_bf16",
+            (false, false) => "megakernel_stack_bf16",
+            (true, true) => "megakernel_sliced_bf16",
+            (false, true) => "megakernel_stack_sliced_bf16",
+        }
     }
 }
 
@@ -207,7 +213,7 @@ impl Megakernel {
             Some(t) => args.arg(t),
             None => args.arg(&no_trace),
         };
-        // SAFETY: megakernel_bf16 / megakernel_stack_bf16(program: Program<1 or MAX_STACK_LAYERS> by value, as
+        // SAFETY: megakernel_[sliced_]bf16 / megakernel_stack_[sliced_]bf16(program: Program<1 or MAX_STACK_LAYERS> by value, as
         // `LayerProgram::kernel` pairs them, phases: u32, layers: u32 (at most its tables), phase_begin: u32, phase_end: u32, x (d), out (d), hidden (null, or (layers - 1, d),
         // checked above), d: u32, pos: u32, step: u32, phase_done (MAX_PHASES), red_rows: u32, trace (null
         // or grid * (end - begin) * TRACE_STAMPS u64)); the grid is co-resident (occupancy-sized, and the
@@ -264,7 +270,8 @@ impl Submission for Megakernel {
 
     fn build_stack(&mut self, dev: &Device, layers: &mut [Layer<'_>], cfg: &Config) -> Result<(), SubmissionError> {
         let opts = StackOptions { forced: self.forced, in_place: self.in_place, ..StackOptions::new(Target::Layers) };
-        let stack = CompiledStack::build(dev, layers, cfg, &opts, (&MEGAKERNEL, LayerProgram::kernel(layers.len())))?;
+        let stack =
+            CompiledStack::build(dev, layers, cfg, &opts, (&MEGAKERNEL, LayerProgram::kernel(layers.len(), cfg)))?;
         self.built = Some(Built { program: LayerProgram::of(&stack), stack });
         Ok(())
     }
@@ -283,5 +290,27 @@ impl Submission for Megakernel {
 
     fn teardown(&mut self) {
         self.built = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LayerProgram;
+
+    /// The judge's narrow shapes (Llama-3.2-1B's layer and its stack) get the sliced instances and every
+    /// other member the plain ones, each a kernel of `megakernel.cu`.
+    #[test]
+    fn layers_with_narrow_rows_take_the_sliced_instances() {
+        for m in spec::family::FAMILY.iter() {
+            let cfg = m.config();
+            let sliced = m.name == "llama-3.2-1b";
+            for layers in [1, 16] {
+                let name = LayerProgram::kernel(layers, &cfg);
+                assert_eq!(name.contains("_sliced_"), sliced, "{} x {layers}: {name}", m.name);
+                assert_eq!(name.contains("_stack_"), layers > 1, "{} x {layers}: {name}", m.name);
+                let entry = format!(" {name}(MEGAKERNEL_PARAMS(");
+                assert!(crate::kernels::DEVICE_SOURCE.contains(&entry), "{name} is not a kernel of megakernel.cu");
+            }
+        }
     }
 }
