@@ -8,6 +8,7 @@ use reference::golden::{self, KvCache, QkNorm, RopeTable};
 use spec::Config;
 
 use super::hf::{ModelConfig, ModelWeights};
+use super::request::{Limits, Stop};
 
 /// A model with its KV caches, `context` positions deep.
 pub struct CpuModel {
@@ -50,6 +51,47 @@ impl CpuModel {
         }
         let h = golden::rmsnorm(&x, &self.weights.norm, self.layer.eps);
         logits(self.weights.head(), vocab, &h)
+    }
+}
+
+impl CpuModel {
+    /// What its decode steps and generations may ask for (the GPU model's limits, in its words).
+    pub fn limits(&self) -> Limits {
+        Limits { vocab: self.cfg.vocab, context: self.context() }
+    }
+
+    /// `decode_step`, a request outside the limits refused instead of a panic.
+    pub fn checked_step(&mut self, token: u32, pos: usize) -> Result<Vec<f32>, String> {
+        self.limits().step(token, pos)?;
+        Ok(self.decode_step(token, pos))
+    }
+
+    /// What `GpuModel::generate` does in one launch, a step at a time: `prompt` from position 0, then up
+    /// to `max_new` greedy tokens, stopping at one of `eos` or where the caches end; the tokens and why
+    /// it stopped, and the logits the last token was chosen from.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        eos: &[u32],
+    ) -> Result<(Vec<u32>, Stop, Vec<f32>), String> {
+        self.limits().generation(prompt, max_new, eos)?;
+        let mut logits = Vec::new();
+        for (pos, &t) in prompt.iter().enumerate() {
+            logits = self.decode_step(t, pos);
+        }
+        let mut tokens = Vec::with_capacity(max_new);
+        let mut pos = prompt.len() - 1;
+        loop {
+            let next = argmax(&logits).ok_or("every logit was NaN: no token to choose")? as u32;
+            tokens.push(next);
+            if eos.contains(&next) || tokens.len() == max_new || pos + 1 == self.context() {
+                let stop = Stop::of(&tokens, max_new, eos);
+                return Ok((tokens, stop, logits));
+            }
+            pos += 1;
+            logits = self.decode_step(next, pos);
+        }
     }
 }
 

@@ -17,6 +17,7 @@ use spec::bytes::ByteModel;
 use submission::{Layer, SubmissionError, device_address};
 
 use super::hf::{ModelConfig, ModelWeights};
+use super::request::{Limits, Stop};
 use super::trace::ModelTrace;
 use crate::kernels::model::MODEL;
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
@@ -175,17 +176,6 @@ pub enum GpuModelError {
     Refused(String),
 }
 
-/// Why a generation stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stop {
-    /// It generated an end-of-sequence token (the last of `tokens`).
-    Eos,
-    /// It generated the tokens it was asked for.
-    MaxNew,
-    /// The caches are full.
-    Context,
-}
-
 /// What one launch generated.
 #[derive(Debug, Clone)]
 pub struct Generation {
@@ -329,10 +319,7 @@ impl GpuModel {
     /// The logits after `token` at position `pos` (its K and V appended to every layer's cache at
     /// `pos`), in one launch, as `CpuModel::decode_step` computes them.
     pub fn decode_step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Vec<f32>, GpuModelError> {
-        self.check_tokens(&[token])?;
-        if pos >= self.context() {
-            return Err(GpuModelError::Refused(format!("position {pos} is past the caches' {}", self.context())));
-        }
+        self.limits().step(token, pos).map_err(GpuModelError::Refused)?;
         self.launch(dev, pos, &[token], 1, &[], None)?;
         self.last_logits(dev)
     }
@@ -419,7 +406,7 @@ impl GpuModel {
         max_new: usize,
         eos: &[u32],
     ) -> Result<Generation, GpuModelError> {
-        self.check_generation(prompt, max_new, eos)?;
+        self.limits().generation(prompt, max_new, eos).map_err(GpuModelError::Refused)?;
         let start = Instant::now();
         let ([positions, generated], kernel_ms) = self.launch(dev, 0, prompt, max_new, eos, None)?;
         let n = prompt.len();
@@ -434,11 +421,7 @@ impl GpuModel {
                 u32::try_from(t).map_err(|_| GpuModelError::Refused("every logit was NaN: no token to choose".into()))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let stop = match tokens.last() {
-            Some(t) if eos.contains(t) => Stop::Eos,
-            _ if tokens.len() == max_new => Stop::MaxNew,
-            _ => Stop::Context,
-        };
+        let stop = Stop::of(&tokens, max_new, eos);
         Ok(Generation { tokens, stop, positions: positions as usize, elapsed, kernel_ms })
     }
 
@@ -446,7 +429,7 @@ impl GpuModel {
     /// the global timer around each phase of every position (`ModelTrace`). Its machine code is not
     /// the timed kernel's, so its times say where a token's time goes, not how long it takes.
     pub fn trace(&mut self, dev: &Device, prompt: &[u32], max_new: usize) -> Result<ModelTrace, GpuModelError> {
-        self.check_generation(prompt, max_new, &[])?;
+        self.limits().generation(prompt, max_new, &[]).map_err(GpuModelError::Refused)?;
         let b = &self.stack;
         // Loaded here, not with the stack: only a trace runs it.
         let traced = dev.function(&MODEL, model_kernel(self.cfg.qk_norm, has_narrow_rows(&self.layer), true))?;
@@ -471,36 +454,9 @@ impl GpuModel {
         ByteModel::stack_at(&self.layer, pos).total + 2 * vocab * d + 2 * d + 4 * vocab
     }
 
-    /// What a launch of `generate` needs: a prompt within the caches and the vocabulary, a new token at
-    /// least, at most [`MAX_EOS`] end-of-sequence tokens.
-    fn check_generation(&self, prompt: &[u32], max_new: usize, eos: &[u32]) -> Result<(), GpuModelError> {
-        if prompt.is_empty() || max_new == 0 {
-            return Err(GpuModelError::Refused("a generation needs a prompt and at least one new token".into()));
-        }
-        self.check_tokens(prompt)?;
-        if prompt.len() > self.context() {
-            return Err(GpuModelError::Refused(format!(
-                "a prompt of {} tokens is longer than the caches' {} positions",
-                prompt.len(),
-                self.context()
-            )));
-        }
-        if eos.len() > MAX_EOS {
-            return Err(GpuModelError::Refused(format!(
-                "{} end-of-sequence tokens; the kernel stops at {MAX_EOS}",
-                eos.len()
-            )));
-        }
-        Ok(())
-    }
-
-    fn check_tokens(&self, tokens: &[u32]) -> Result<(), GpuModelError> {
-        match tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
-            Some(t) => {
-                Err(GpuModelError::Refused(format!("token {t} is outside the vocabulary of {}", self.cfg.vocab)))
-            }
-            None => Ok(()),
-        }
+    /// What its decode steps and generations may ask for.
+    pub fn limits(&self) -> Limits {
+        Limits { vocab: self.cfg.vocab, context: self.context() }
     }
 
     /// The model kernel's arguments for positions `pos0 .. prompt_end` given and up to `max_new` tokens

@@ -3,18 +3,21 @@
 //! embedding, every decoder layer as the golden model computes it, the final norm, the LM head in f32
 //! and a greedy argmax with a fixed tie rule); and the same on the GPU in one launch of the model
 //! kernel, for a decode step, a whole generation or a batch step of several sequences or prompt
-//! positions (`gpu`), checked against the CPU side (the
-//! `megakernel check` command); and where a token's time goes in a traced launch (`trace`).
+//! positions (`gpu`), checked against the CPU side (the `megakernel check` command); what a step or a
+//! generation may ask for, refused in the same words on both (`request`); and where a token's time
+//! goes in a traced launch (`trace`).
 
 pub mod cpu;
 pub mod gpu;
 pub mod hf;
+pub mod request;
 pub mod text;
 pub mod trace;
 
 pub use cpu::{CpuModel, argmax};
-pub use gpu::{Generation, GpuModel, GpuModelError, Lane, Stop};
+pub use gpu::{Generation, GpuModel, GpuModelError, Lane};
 pub use hf::{ModelConfig, ModelError, ModelWeights};
+pub use request::{Limits, Stop};
 pub use text::Text;
 pub use trace::{ModelTrace, PhaseShare, per_layer};
 

@@ -13,7 +13,7 @@ use spec::Config;
 use spec::data::Tensor;
 
 use super::hf::{ModelConfig, ModelError, ModelWeights};
-use super::{CpuModel, Text, argmax};
+use super::{CpuModel, Stop, Text, argmax};
 
 /// A fresh folder of this test process.
 fn scratch(name: &str) -> PathBuf {
@@ -426,4 +426,44 @@ fn llama3_rope_scaling_divides_the_low_frequencies_and_interpolates_the_middle()
         let table = cfg.rope_table(3);
         assert_eq!(table.cos[2 * 32 + 31], (2.0 * scaled[31]).cos() as f32, "the table rotates by the scaled angles");
     }
+}
+
+/// The CPU's generation is its decode steps chained greedily from position 0, stopping where the
+/// GPU's launch would: at an end-of-sequence token, after `max_new` tokens, or at the caches' end.
+#[test]
+fn a_cpu_generation_chains_greedy_decode_steps_and_stops_where_the_kernel_would() {
+    let dir = scratch("generate");
+    let config = llama_json(false);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let cfg = ModelConfig::read(&dir).unwrap();
+    write(&dir, &config, &tensors(&cfg, 21), 1);
+    let w = ModelWeights::read(&dir, &cfg).unwrap();
+    let prompt = [5u32, 17, 96];
+    let mut steps = CpuModel::new(cfg.clone(), w.clone(), 8);
+    let mut logits = prompt.iter().enumerate().map(|(p, &t)| steps.decode_step(t, p)).last().unwrap();
+    let mut greedy = Vec::new();
+    for pos in prompt.len()..=8 {
+        let next = argmax(&logits).unwrap() as u32;
+        greedy.push(next);
+        if pos == 8 {
+            break;
+        }
+        logits = steps.decode_step(next, pos);
+    }
+    // The caches hold 8 positions: the prompt's 3 and 5 more, so 6 tokens at most.
+    let mut model = CpuModel::new(cfg.clone(), w.clone(), 8);
+    let (tokens, stop, _) = model.generate(&prompt, 100, &[]).unwrap();
+    assert_eq!((tokens.as_slice(), stop), (&greedy[..6], Stop::Context));
+    let mut model = CpuModel::new(cfg.clone(), w.clone(), 8);
+    let (tokens, stop, last) = model.generate(&prompt, 2, &[]).unwrap();
+    assert_eq!((tokens.as_slice(), stop), (&greedy[..2], Stop::MaxNew));
+    assert_eq!(argmax(&last), Some(greedy[1] as usize), "the logits the last token was chosen from");
+    let mut model = CpuModel::new(cfg.clone(), w.clone(), 8);
+    let (tokens, stop, _) = model.generate(&prompt, 100, &[greedy[3]]).unwrap();
+    let first = greedy.iter().position(|&t| t == greedy[3]).unwrap();
+    assert_eq!((tokens.as_slice(), stop), (&greedy[..=first], Stop::Eos));
+    let mut model = CpuModel::new(cfg, w, 8);
+    assert_eq!(model.checked_step(97, 0).unwrap_err(), "token 97 is outside the vocabulary of 97");
+    assert_eq!(model.checked_step(1, 8).unwrap_err(), "position 8 is past the caches' 8");
+    assert!(model.generate(&[1; 9], 1, &[]).unwrap_err().contains("longer than the caches' 8"));
 }

@@ -1,0 +1,140 @@
+"""The megakernel's model from Python: a Llama-family checkpoint decoded by one persistent kernel.
+
+    from persistent_layer import MegaModel
+    model = MegaModel.from_pretrained("path/to/checkpoint")
+    ids = model.encode("The megakernel")
+    print(model.decode(model.generate(ids, max_new=32)))
+
+A model runs on the GPU (``on="gpu"``, the default: one launch of the model kernel per decode step,
+one launch per whole generation) or on the CPU (``on="cpu"``: the golden arithmetic the GPU is checked
+against, bit for bit; slow, for checks). Logits come back as f32 on the host: a ``torch.Tensor`` where
+torch is installed, else a ``numpy.ndarray``, else an ``array.array("f")``. Whatever the ``megakernel``
+command refuses (a config.json field it does not take, no CUDA device, a token outside the
+vocabulary, ...) raises ``MegakernelError`` with the same sentence.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+from typing import Any, List, Optional, Sequence, Union
+
+from ._native import MegakernelError
+from ._native import Model as _Model
+
+__all__ = ["MegaModel", "MegakernelError"]
+
+
+def _logits(raw: bytes) -> Any:
+    """f32 little-endian bytes as a torch tensor, else a numpy array, else an ``array.array("f")``."""
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        return torch.frombuffer(bytearray(raw), dtype=torch.float32)
+    try:
+        import numpy
+    except ImportError:
+        return array.array("f", raw)
+    return numpy.frombuffer(raw, dtype=numpy.float32).copy()
+
+
+class MegaModel:
+    """A checkpoint loaded for decoding, with KV caches of ``context`` positions.
+
+    Positions are explicit: ``decode_step(token, pos)`` writes the token's K and V at ``pos`` and attends
+    over positions ``0..pos``, so a new sequence starts by decoding (or prefilling) from position 0.
+    """
+
+    def __init__(self, native: _Model) -> None:
+        self._m = native
+        #: Why the last ``generate`` stopped: ``"eos"``, ``"max_new"`` or ``"context"``.
+        self.last_stop: Optional[str] = None
+        #: The last ``generate``'s kernel time in ms (by events around its one launch); None on the CPU.
+        self.last_kernel_ms: Optional[float] = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: Union[str, "os.PathLike[str]"],
+        *,
+        max_seq: int = 4096,
+        max_batch: int = 8,
+        device: int = 0,
+        on: str = "gpu",
+    ) -> "MegaModel":
+        """Reads the checkpoint folder ``path`` (config.json, model.safetensors or its shards and index,
+        tokenizer.json for text) and uploads it to GPU ``device`` with caches of ``max_seq`` positions
+        (at most the model's own context) for ``max_batch`` sequences, compiling its layers into the
+        megakernel's program; ``on="cpu"`` keeps it on the CPU instead.
+
+        Raises ``MegakernelError`` with the loader's sentence for what it does not take, ``ValueError``
+        for bad arguments, ``TypeError`` for anything but a folder's path.
+        """
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"from_pretrained takes a checkpoint folder's path, not a {type(path).__name__}: "
+                "save a loaded transformers model with save_pretrained(folder) and pass the folder"
+            )
+        return cls(_Model(os.fspath(path), max_seq=max_seq, max_batch=max_batch, device=device, on=on))
+
+    @property
+    def on(self) -> str:
+        """``"gpu"`` or ``"cpu"``."""
+        return self._m.on
+
+    @property
+    def vocab(self) -> int:
+        """The vocabulary's size: the length of every logits vector."""
+        return self._m.vocab
+
+    @property
+    def context(self) -> int:
+        """The caches' depth in positions."""
+        return self._m.context
+
+    @property
+    def eos(self) -> List[int]:
+        """The checkpoint's end-of-sequence tokens (config.json's ``eos_token_id``)."""
+        return self._m.eos
+
+    @property
+    def bos(self) -> Optional[int]:
+        """The checkpoint's beginning-of-sequence token, if it names one."""
+        return self._m.bos
+
+    def describe(self) -> str:
+        """The compiled program in words (how the layer's phases are planned on the GPU)."""
+        return self._m.describe()
+
+    def decode_step(self, token: int, pos: int) -> Any:
+        """The f32 logits after ``token`` at position ``pos``, its K and V appended to every layer's
+        cache at ``pos``; on the GPU in one launch."""
+        return _logits(self._m.decode_step(token, pos))
+
+    def prefill(self, ids: Sequence[int]) -> Any:
+        """Decodes ``ids`` from position 0 (on the GPU in one launch) and returns the logits of the last
+        position; the next ``decode_step`` is at ``len(ids)``."""
+        _, _, _, logits = self._m.generate(list(ids), 1, [])
+        return _logits(logits)
+
+    def generate(self, prompt_ids: Sequence[int], max_new: int = 64, eos: Optional[Sequence[int]] = None) -> List[int]:
+        """``prompt_ids`` from position 0, then up to ``max_new`` greedy tokens, in one launch on the GPU.
+
+        Stops after an end-of-sequence token (``eos``; the checkpoint's when None, none when empty, at
+        most 4), after ``max_new`` tokens, or where the caches end. Returns the generated tokens (an
+        end-of-sequence token included); ``last_stop`` says why it stopped.
+        """
+        stop_at = self.eos if eos is None else list(eos)
+        tokens, stop, kernel_ms, _ = self._m.generate(list(prompt_ids), max_new, stop_at)
+        self.last_stop, self.last_kernel_ms = stop, kernel_ms
+        return tokens
+
+    def encode(self, text: str) -> List[int]:
+        """The tokens of ``text`` with the model's special tokens (the checkpoint's tokenizer.json)."""
+        return self._m.encode(text)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``, special tokens left out."""
+        return self._m.decode(list(tokens))

@@ -1,0 +1,170 @@
+//! `persistent_layer._native`: the megakernel's model (`megakernel::model`) for Python. The package
+//! around it (`python/persistent_layer/`) is the API its users call, `MegaModel`, with the docstrings
+//! and types; this module is the one native class under it. A model runs on the GPU (the model
+//! kernel: one launch a decode step, one launch a whole generation) or on the CPU (the golden
+//! arithmetic the GPU is checked against, bit for bit). Every refusal the command line makes is a
+//! `MegakernelError` here, with the command line's sentence.
+
+use std::path::Path;
+
+use cuda::Device;
+use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Stop, Text};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+create_exception!(
+    _native,
+    MegakernelError,
+    PyRuntimeError,
+    "What the megakernel's model refused or what failed, in the words of the `megakernel` command."
+);
+
+fn refused(e: impl std::fmt::Display) -> PyErr {
+    MegakernelError::new_err(e.to_string())
+}
+
+/// Where the model runs.
+enum Engine {
+    Gpu { dev: Device, model: Box<GpuModel> },
+    Cpu(Box<CpuModel>),
+}
+
+/// A checkpoint loaded for decoding (`MegaModel` in Python wraps it).
+#[pyclass(unsendable, module = "persistent_layer._native")]
+struct Model {
+    engine: Engine,
+    cfg: ModelConfig,
+    /// The checkpoint's tokenizer, or why there is none (tokens in and out need none).
+    text: Result<Text, String>,
+}
+
+/// f32 logits as the bytes of a little-endian f32 array (the package turns them into a tensor).
+fn logit_bytes<'py>(py: Python<'py>, logits: &[f32]) -> PyResult<Bound<'py, PyBytes>> {
+    PyBytes::new_with(py, logits.len() * 4, |buf| {
+        for (dst, v) in buf.chunks_exact_mut(4).zip(logits) {
+            dst.copy_from_slice(&v.to_le_bytes());
+        }
+        Ok(())
+    })
+}
+
+#[pymethods]
+impl Model {
+    /// Reads the checkpoint in `path` (config.json, *.safetensors, tokenizer.json if present) and makes
+    /// it ready to decode with caches of `max_seq` positions: on the GPU `device` with `max_batch`
+    /// sequences' caches, or on the CPU.
+    #[new]
+    #[pyo3(signature = (path, max_seq = 4096, max_batch = 8, device = 0, on = "gpu"))]
+    fn new(path: &str, max_seq: usize, max_batch: usize, device: usize, on: &str) -> PyResult<Model> {
+        if on != "gpu" && on != "cpu" {
+            return Err(PyValueError::new_err(format!("on = '{on}': the model runs on 'gpu' or 'cpu'")));
+        }
+        if max_seq == 0 {
+            return Err(PyValueError::new_err("max_seq = 0: the caches need a position at least"));
+        }
+        let dir = Path::new(path);
+        let cfg = ModelConfig::read(dir).map_err(refused)?;
+        let weights = ModelWeights::read(dir, &cfg).map_err(refused)?;
+        let engine = if on == "gpu" {
+            let dev = Device::open(device).map_err(refused)?;
+            let model = GpuModel::new(&dev, &cfg, &weights, max_seq, max_batch, &mut |_| ()).map_err(refused)?;
+            Engine::Gpu { dev, model: Box::new(model) }
+        } else {
+            Engine::Cpu(Box::new(CpuModel::new(cfg.clone(), weights, max_seq)))
+        };
+        Ok(Model { engine, cfg, text: Text::read(dir).map_err(|e| e.to_string()) })
+    }
+
+    /// 'gpu' or 'cpu'.
+    #[getter]
+    fn on(&self) -> &'static str {
+        match self.engine {
+            Engine::Gpu { .. } => "gpu",
+            Engine::Cpu(_) => "cpu",
+        }
+    }
+
+    #[getter]
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    /// The caches' depth in positions.
+    #[getter]
+    fn context(&self) -> usize {
+        match &self.engine {
+            Engine::Gpu { model, .. } => model.context(),
+            Engine::Cpu(model) => model.context(),
+        }
+    }
+
+    #[getter]
+    fn eos(&self) -> Vec<u32> {
+        self.cfg.eos.clone()
+    }
+
+    #[getter]
+    fn bos(&self) -> Option<u32> {
+        self.cfg.bos
+    }
+
+    /// The compiled plan in words (the GPU's), or what the CPU runs.
+    fn describe(&self) -> String {
+        match &self.engine {
+            Engine::Gpu { model, .. } => model.describe(),
+            Engine::Cpu(_) => "the CPU model: the golden layers, the f32 head summed in f64".into(),
+        }
+    }
+
+    /// The logits after `token` at `pos` (its K and V appended at `pos`), as f32 bytes.
+    fn decode_step<'py>(&mut self, py: Python<'py>, token: u32, pos: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let logits = match &mut self.engine {
+            Engine::Gpu { dev, model } => model.decode_step(dev, token, pos).map_err(refused)?,
+            Engine::Cpu(model) => model.checked_step(token, pos).map_err(refused)?,
+        };
+        logit_bytes(py, &logits)
+    }
+
+    /// `prompt` from position 0 and up to `max_new` greedy tokens, stopping at one of `eos` or at the
+    /// caches' end (on the GPU in one launch): (tokens, why it stopped, the kernel's ms or None on the
+    /// CPU, the logits the last token was chosen from as f32 bytes).
+    #[allow(clippy::type_complexity)]
+    fn generate<'py>(
+        &mut self,
+        py: Python<'py>,
+        prompt: Vec<u32>,
+        max_new: usize,
+        eos: Vec<u32>,
+    ) -> PyResult<(Vec<u32>, &'static str, Option<f32>, Bound<'py, PyBytes>)> {
+        let (tokens, stop, kernel_ms, logits): (Vec<u32>, Stop, Option<f32>, Vec<f32>) = match &mut self.engine {
+            Engine::Gpu { dev, model } => {
+                let g = model.generate(dev, &prompt, max_new, &eos).map_err(refused)?;
+                (g.tokens, g.stop, Some(g.kernel_ms), model.last_logits(dev).map_err(refused)?)
+            }
+            Engine::Cpu(model) => {
+                let (tokens, stop, logits) = model.generate(&prompt, max_new, &eos).map_err(refused)?;
+                (tokens, stop, None, logits)
+            }
+        };
+        Ok((tokens, stop.name(), kernel_ms, logit_bytes(py, &logits)?))
+    }
+
+    /// The tokens of `text`, the model's special tokens added (the checkpoint's tokenizer.json).
+    fn encode(&self, text: &str) -> PyResult<Vec<u32>> {
+        self.text.as_ref().map_err(refused)?.encode(text).map_err(refused)
+    }
+
+    /// The text of `tokens`, special tokens left out.
+    fn decode(&self, tokens: Vec<u32>) -> PyResult<String> {
+        self.text.as_ref().map_err(refused)?.decode(&tokens).map_err(refused)
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Model>()?;
+    m.add("MegakernelError", m.py().get_type::<MegakernelError>())?;
+    Ok(())
+}
