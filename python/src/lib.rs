@@ -50,6 +50,10 @@ fn logit_bytes<'py>(py: Python<'py>, logits: &[f32]) -> PyResult<Bound<'py, PyBy
     })
 }
 
+/// What `generate` returns to Python: the tokens, why it stopped ('eos', 'max_new', 'context'), the
+/// kernel's ms (None on the CPU), and the logits the last token was chosen from as f32 bytes.
+type Generated<'py> = (Vec<u32>, &'static str, Option<f32>, Bound<'py, PyBytes>);
+
 #[pymethods]
 impl Model {
     /// Reads the checkpoint in `path` (config.json, *.safetensors, tokenizer.json if present) and makes
@@ -128,16 +132,14 @@ impl Model {
     }
 
     /// `prompt` from position 0 and up to `max_new` greedy tokens, stopping at one of `eos` or at the
-    /// caches' end (on the GPU in one launch): (tokens, why it stopped, the kernel's ms or None on the
-    /// CPU, the logits the last token was chosen from as f32 bytes).
-    #[allow(clippy::type_complexity)]
+    /// caches' end, on the GPU in one launch.
     fn generate<'py>(
         &mut self,
         py: Python<'py>,
         prompt: Vec<u32>,
         max_new: usize,
         eos: Vec<u32>,
-    ) -> PyResult<(Vec<u32>, &'static str, Option<f32>, Bound<'py, PyBytes>)> {
+    ) -> PyResult<Generated<'py>> {
         let (tokens, stop, kernel_ms, logits): (Vec<u32>, Stop, Option<f32>, Vec<f32>) = match &mut self.engine {
             Engine::Gpu { dev, model } => {
                 let g = model.generate(dev, &prompt, max_new, &eos).map_err(refused)?;
