@@ -65,3 +65,21 @@ def write(folder: Path, config: dict, seed: int) -> None:
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data))
+
+
+def write_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer.json over ``vocab`` ids: ``<unk>`` 0, ``<s>`` 1 (added in front of every
+    text, as Llama's post-processor adds its start token), and the word ``t{i}`` for each id i >= 2."""
+    words = {"<unk>": 0, "<s>": 1, **{f"t{i}": i for i in range(2, vocab)}}
+    (folder / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": 1, "content": "<s>", "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True}],
+        "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {"type": "TemplateProcessing",
+                           "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+                           "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": words, "unk_token": "<unk>"},
+    }))

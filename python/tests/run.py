@@ -32,6 +32,8 @@ def main() -> int:
         shutil.copytree(HERE.parent / "persistent_layer", package)
         shutil.copy(native, package / "_native.abi3.so")
         sys.path[:0] = [tmp, str(HERE)]
+        # The tests' own subprocesses (`python -m persistent_layer`) import the same package.
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))
         os.environ["PL_MEGAKERNEL"] = str(command)
         suite = unittest.defaultTestLoader.discover(str(HERE), pattern="test_*.py")
         result = unittest.TextTestRunner(verbosity=2).run(suite)

@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import subprocess
+import sys
 import tempfile
 import unittest
 from pathlib import Path
@@ -107,6 +108,26 @@ class Checkpoint(unittest.TestCase):
         with self.assertRaises(MegakernelError) as caught:
             model.encode("no tokenizer here")
         self.assertIn("tokenizer.json: not found", str(caught.exception))
+
+
+class Text(unittest.TestCase):
+    def test_the_command_line_generates_text_as_the_api_does(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp) / "llama"
+            checkpoint.write(folder, checkpoint.LLAMA, int.from_bytes(os.urandom(4), "little"))
+            checkpoint.write_tokenizer(folder, checkpoint.LLAMA["vocab_size"])
+            model = MegaModel.from_pretrained(folder, max_seq=32, on="cpu")
+            prompt = model.encode("t5 t17 t96")
+            self.assertEqual(prompt, [1, 5, 17, 96])
+            self.assertEqual(model.decode(prompt), "t5 t17 t96", "the start token is left out")
+            new = model.generate(prompt, max_new=6)
+            run = subprocess.run(
+                [sys.executable, "-m", "persistent_layer", "--model", str(folder), "--on", "cpu", "--max-new", "6", "t5 t17 t96"],
+                capture_output=True, text=True, timeout=600,
+            )
+            self.assertEqual(run.returncode, 0, run.stderr)
+            self.assertEqual(run.stdout, "t5 t17 t96" + model.decode(new) + "\n")
+            self.assertIn(f"{len(new)} new tokens after a prompt of 4 ({model.last_stop})", run.stderr)
 
 
 class Loader(unittest.TestCase):
