@@ -22,7 +22,7 @@ TOKENS = [5, 17, 96, 40, 2]
 
 def f32_bits(values) -> list:
     """Each value's f32 bit pattern (so that equal means bitwise equal, NaN included)."""
-    return [struct.unpack("<I", struct.pack("<f", v))[0] for v in values]
+    return [struct.unpack("<I", struct.pack("<f", float(v)))[0] for v in values]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -73,7 +73,7 @@ class Checkpoint(unittest.TestCase):
         logits = [steps.decode_step(t, pos) for pos, t in enumerate(TOKENS)][-1]
         greedy = []
         for pos in range(len(TOKENS), len(TOKENS) + 4):
-            values = list(logits)
+            values = [float(v) for v in logits]  # a torch tensor's, a numpy array's or an array's
             greedy.append(values.index(max(values)))  # the lowest index among equal ones, as the kernel's
             logits = steps.decode_step(greedy[-1], pos)
         model = MegaModel.from_pretrained(self.dir, max_seq=16, on="cpu")
