@@ -53,6 +53,8 @@ class MegaModel:
         self.last_stop: Optional[str] = None
         #: The last ``generate``'s kernel time in ms (by events around its one launch); None on the CPU.
         self.last_kernel_ms: Optional[float] = None
+        #: Why each of the last ``generate_batch``'s generations stopped.
+        self.last_stops: List[str] = []
 
     @classmethod
     def from_pretrained(
@@ -130,6 +132,17 @@ class MegaModel:
         tokens, stop, kernel_ms, _ = self._m.generate(list(prompt_ids), max_new, stop_at)
         self.last_stop, self.last_kernel_ms = stop, kernel_ms
         return tokens
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], max_new: int = 64, eos: Optional[Sequence[int]] = None
+    ) -> List[List[int]]:
+        """Each prompt's ``generate``, for up to ``max_batch`` prompts at once: on the GPU one batch step
+        per position for all of them (the weights streamed once a step; each sequence's tokens those of
+        its own generation), on the CPU one after another. ``last_stops`` says why each stopped."""
+        stop_at = self.eos if eos is None else list(eos)
+        done = self._m.generate_batch([list(p) for p in prompts], max_new, stop_at)
+        self.last_stops = [stop for _, stop in done]
+        return [tokens for tokens, _ in done]
 
     def encode(self, text: str) -> List[int]:
         """The tokens of ``text`` with the model's special tokens (the checkpoint's tokenizer.json)."""

@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use cuda::Device;
-use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Stop, Text};
+use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Stop, Text, check_together};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -38,6 +38,8 @@ struct Model {
     cfg: ModelConfig,
     /// The checkpoint's tokenizer, or why there is none (tokens in and out need none).
     text: Result<Text, String>,
+    /// Sequences `generate_batch` takes at most (on the GPU, those with caches of their own).
+    max_batch: usize,
 }
 
 /// f32 logits as the bytes of a little-endian f32 array (the package turns them into a tensor).
@@ -78,7 +80,7 @@ impl Model {
         } else {
             Engine::Cpu(Box::new(CpuModel::new(cfg.clone(), weights, max_seq)))
         };
-        Ok(Model { engine, cfg, text: Text::read(dir).map_err(|e| e.to_string()) })
+        Ok(Model { engine, cfg, text: Text::read(dir).map_err(|e| e.to_string()), max_batch })
     }
 
     /// 'gpu' or 'cpu'.
@@ -151,6 +153,30 @@ impl Model {
             }
         };
         Ok((tokens, stop.name(), kernel_ms, logit_bytes(py, &logits)?))
+    }
+
+    /// The generations of `prompts` (at most `max_batch`), each the tokens `generate` would give it alone,
+    /// with why it stopped: on the GPU one batch step per position for all of them, on the CPU one
+    /// generation after another.
+    fn generate_batch(
+        &mut self,
+        prompts: Vec<Vec<u32>>,
+        max_new: usize,
+        eos: Vec<u32>,
+    ) -> PyResult<Vec<(Vec<u32>, &'static str)>> {
+        let done = match &mut self.engine {
+            Engine::Gpu { dev, model } => model.generate_batch(dev, &prompts, max_new, &eos).map_err(refused)?,
+            Engine::Cpu(model) => {
+                check_together(model.limits(), self.max_batch, &prompts, max_new, &eos).map_err(refused)?;
+                let mut done = Vec::with_capacity(prompts.len());
+                for p in &prompts {
+                    let (tokens, stop, _) = model.generate(p, max_new, &eos).map_err(refused)?;
+                    done.push((tokens, stop));
+                }
+                done
+            }
+        };
+        Ok(done.into_iter().map(|(tokens, stop)| (tokens, stop.name())).collect())
     }
 
     /// The tokens of `text`, the model's special tokens added (the checkpoint's tokenizer.json).

@@ -68,6 +68,15 @@ class Checkpoint(unittest.TestCase):
             MegaModel.from_pretrained(self.dir, max_seq=len(TOKENS), on="gpu")
         self.assertEqual(str(caught.exception), sentence)
 
+    def test_gpu_generations_together_are_each_their_own(self) -> None:
+        try:
+            model = MegaModel.from_pretrained(self.dir, max_seq=16, max_batch=3, on="gpu")
+        except MegakernelError as e:
+            self.skipTest(f"no GPU here: {e}")
+        prompts = [TOKENS, [40], [7, 8, 9, 10, 11, 12]]
+        alone = [model.generate(p, max_new=5, eos=[]) for p in prompts]
+        self.assertEqual(model.generate_batch(prompts, max_new=5, eos=[]), alone, f"seed {self.seed}")
+
     def test_a_generation_is_the_greedy_chain_of_decode_steps(self) -> None:
         steps = MegaModel.from_pretrained(self.dir, max_seq=16, on="cpu")
         logits = [steps.decode_step(t, pos) for pos, t in enumerate(TOKENS)][-1]
@@ -86,6 +95,19 @@ class Checkpoint(unittest.TestCase):
         self.assertEqual(model.last_stop, "context")
         last = model.prefill(TOKENS)
         self.assertEqual(f32_bits(last), f32_bits(list(self.prefix_logits())))
+
+    def test_prompts_generated_together_are_each_their_own_generation(self) -> None:
+        prompts = [TOKENS, [40], [7, 8, 9, 10, 11, 12]]
+        model = MegaModel.from_pretrained(self.dir, max_seq=16, max_batch=3, on="cpu")
+        alone = [model.generate(p, max_new=5, eos=[]) for p in prompts]
+        self.assertEqual(model.generate_batch(prompts, max_new=5, eos=[]), alone, f"seed {self.seed}")
+        self.assertEqual(model.last_stops, ["max_new"] * 3)
+        with self.assertRaises(MegakernelError) as caught:
+            model.generate_batch(prompts + [[1]], max_new=5)
+        self.assertEqual(str(caught.exception), "4 prompts: 1 to 3 (the sequences the model was loaded for)")
+        with self.assertRaises(MegakernelError) as caught:
+            model.generate_batch([[1], [1] * 17], max_new=5)
+        self.assertEqual(str(caught.exception), "prompt 1: a prompt of 17 tokens is longer than the caches' 16 positions")
 
     def prefix_logits(self):
         model = MegaModel.from_pretrained(self.dir, max_seq=16, on="cpu")

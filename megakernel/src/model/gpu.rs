@@ -18,6 +18,7 @@ use submission::{Layer, SubmissionError, device_address};
 
 use super::hf::{ModelConfig, ModelWeights};
 use super::request::{Limits, Stop};
+use super::together::generate_together;
 use super::trace::ModelTrace;
 use crate::kernels::model::MODEL;
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
@@ -174,6 +175,12 @@ pub enum GpuModelError {
     Megakernel(#[from] SubmissionError),
     #[error("{0}")]
     Refused(String),
+}
+
+impl From<String> for GpuModelError {
+    fn from(why: String) -> Self {
+        GpuModelError::Refused(why)
+    }
 }
 
 /// What one launch generated.
@@ -423,6 +430,22 @@ impl GpuModel {
             .collect::<Result<Vec<_>, _>>()?;
         let stop = Stop::of(&tokens, max_new, eos);
         Ok(Generation { tokens, stop, positions: positions as usize, elapsed, kernel_ms })
+    }
+
+    /// The generations of `prompts` (at most `sequences()`), each as `generate` would make it alone, in
+    /// a batch step per position for all of them (`generate_together`): tokens and why each stopped.
+    pub fn generate_batch(
+        &mut self,
+        dev: &Device,
+        prompts: &[Vec<u32>],
+        max_new: usize,
+        eos: &[u32],
+    ) -> Result<Vec<(Vec<u32>, Stop)>, GpuModelError> {
+        let (limits, sequences) = (self.limits(), self.sequences);
+        generate_together(limits, sequences, prompts, max_new, eos, |lanes| {
+            self.decode_batch(dev, lanes)?;
+            self.batch_next(dev, lanes.len())
+        })
     }
 
     /// `generate(prompt, max_new, [])` in the traced instance of the model kernel: every block stamps

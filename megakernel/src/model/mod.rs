@@ -4,14 +4,16 @@
 //! and a greedy argmax with a fixed tie rule); and the same on the GPU in one launch of the model
 //! kernel, for a decode step, a whole generation or a batch step of several sequences or prompt
 //! positions (`gpu`), checked against the CPU side (the `megakernel check` command); what a step or a
-//! generation may ask for, refused in the same words on both (`request`); and where a token's time
-//! goes in a traced launch (`trace`).
+//! generation may ask for, refused in the same words on both (`request`); several prompts generated
+//! together, a batch step per position (`together`); and where a token's time goes in a traced launch
+//! (`trace`).
 
 pub mod cpu;
 pub mod gpu;
 pub mod hf;
 pub mod request;
 pub mod text;
+pub mod together;
 pub mod trace;
 
 pub use cpu::{CpuModel, argmax};
@@ -19,6 +21,7 @@ pub use gpu::{Generation, GpuModel, GpuModelError, Lane};
 pub use hf::{ModelConfig, ModelError, ModelWeights};
 pub use request::{Limits, Stop};
 pub use text::Text;
+pub use together::{check_together, generate_together};
 pub use trace::{ModelTrace, PhaseShare, per_layer};
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use spec::Config;
 use spec::data::Tensor;
 
 use super::hf::{ModelConfig, ModelError, ModelWeights};
-use super::{CpuModel, Stop, Text, argmax};
+use super::{CpuModel, Lane, Stop, Text, argmax, generate_together};
 
 /// A fresh folder of this test process.
 fn scratch(name: &str) -> PathBuf {
@@ -466,4 +466,42 @@ fn a_cpu_generation_chains_greedy_decode_steps_and_stops_where_the_kernel_would(
     assert_eq!(model.checked_step(97, 0).unwrap_err(), "token 97 is outside the vocabulary of 97");
     assert_eq!(model.checked_step(1, 8).unwrap_err(), "position 8 is past the caches' 8");
     assert!(model.generate(&[1; 9], 1, &[]).unwrap_err().contains("longer than the caches' 8"));
+}
+
+/// Prompts generated together, one lane a sequence a step, give each prompt's own generation: here the
+/// steps run on one CPU model per sequence, as the GPU's batch step runs each lane bitwise as its own
+/// decode step.
+#[test]
+fn prompts_generated_together_are_each_their_own_generation() {
+    let dir = scratch("together");
+    let config = llama_json(false);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let cfg = ModelConfig::read(&dir).unwrap();
+    write(&dir, &config, &tensors(&cfg, 31), 1);
+    let w = ModelWeights::read(&dir, &cfg).unwrap();
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 17, 96], vec![40], vec![7, 8, 9, 10, 11, 12]];
+    let alone: Vec<(Vec<u32>, Stop)> = prompts
+        .iter()
+        .map(|p| {
+            let (tokens, stop, _) = CpuModel::new(cfg.clone(), w.clone(), 12).generate(p, 5, &[]).unwrap();
+            (tokens, stop)
+        })
+        .collect();
+    let mut models: Vec<CpuModel> = (0..3).map(|_| CpuModel::new(cfg.clone(), w.clone(), 12)).collect();
+    let limits = models[0].limits();
+    let mut steps = 0;
+    let together = generate_together::<String>(limits, 3, &prompts, 5, &[], |lanes| {
+        steps += 1;
+        Ok(lanes.iter().map(|l| argmax(&models[l.seq].decode_step(l.token, l.pos)).map(|t| t as u32)).collect())
+    })
+    .unwrap();
+    assert_eq!(together, alone);
+    // The six-token prompt and its five new tokens: 10 positions, one step each.
+    assert_eq!(steps, 10);
+    assert!(alone.iter().all(|(t, s)| t.len() == 5 && *s == Stop::MaxNew));
+    let never = |_: &[Lane]| -> Result<Vec<Option<u32>>, String> { panic!("a refused request ran a step") };
+    let e = generate_together(limits, 2, &prompts, 5, &[], never).unwrap_err();
+    assert_eq!(e, "3 prompts: 1 to 2 (the sequences the model was loaded for)");
+    let e = generate_together(limits, 3, &[vec![1], vec![1; 13]], 5, &[], never).unwrap_err();
+    assert_eq!(e, "prompt 1: a prompt of 13 tokens is longer than the caches' 12 positions");
 }
