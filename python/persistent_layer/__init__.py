@@ -6,8 +6,8 @@
     print(model.decode(model.generate(ids, max_new=32)))
 
 A model runs on the GPU (``on="gpu"``, the default: one launch of the model kernel per decode step,
-one launch per whole generation) or on the CPU (``on="cpu"``: the golden arithmetic the GPU is checked
-against, bit for bit; slow, for checks). Logits come back as f32 on the host: a ``torch.Tensor`` where
+one launch per whole generation) or on the CPU (``on="cpu"``: the golden arithmetic the GPU's logits
+are checked against; slow, for checks). Logits come back as f32 on the host: a ``torch.Tensor`` where
 torch is installed, else a ``numpy.ndarray``, else an ``array.array("f")``. Whatever the ``megakernel``
 command refuses (a config.json field it does not take, no CUDA device, a token outside the
 vocabulary, ...) raises ``MegakernelError`` with the same sentence.

@@ -2,12 +2,13 @@
 //! around it (`python/persistent_layer/`) is the API its users call, `MegaModel`, with the docstrings
 //! and types; this module is the one native class under it. A model runs on the GPU (the model
 //! kernel: one launch a decode step, one launch a whole generation) or on the CPU (the golden
-//! arithmetic the GPU is checked against, bit for bit). Every refusal the command line makes is a
-//! `MegakernelError` here, with the command line's sentence.
+//! arithmetic the GPU's logits are checked against, `megakernel check`). Every refusal the command line
+//! makes is a `MegakernelError` here, with the command line's sentence.
 
 use std::path::Path;
 
 use cuda::Device;
+use megakernel::MAX_BATCH;
 use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Stop, Text, check_together};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -69,6 +70,9 @@ impl Model {
         }
         if max_seq == 0 {
             return Err(PyValueError::new_err("max_seq = 0: the caches need a position at least"));
+        }
+        if max_batch == 0 || max_batch > MAX_BATCH {
+            return Err(PyValueError::new_err(format!("max_batch = {max_batch}: 1 to {MAX_BATCH} sequences")));
         }
         let dir = Path::new(path);
         let cfg = ModelConfig::read(dir).map_err(refused)?;

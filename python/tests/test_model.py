@@ -169,6 +169,8 @@ class Loader(unittest.TestCase):
             MegaModel.from_pretrained("/nonexistent", on="tpu")
         with self.assertRaises(ValueError):
             MegaModel.from_pretrained("/nonexistent", max_seq=0, on="cpu")
+        with self.assertRaises(ValueError):
+            MegaModel.from_pretrained("/nonexistent", max_batch=9, on="cpu")
         with self.assertRaises(TypeError) as caught:
             MegaModel.from_pretrained(object())  # a loaded model object, not a folder
         self.assertIn("save_pretrained", str(caught.exception))
