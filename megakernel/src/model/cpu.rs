@@ -52,9 +52,7 @@ impl CpuModel {
         let h = golden::rmsnorm(&x, &self.weights.norm, self.layer.eps);
         logits(self.weights.head(), vocab, &h)
     }
-}
 
-impl CpuModel {
     /// What its decode steps and generations may ask for (the GPU model's limits, in its words).
     pub fn limits(&self) -> Limits {
         Limits { vocab: self.cfg.vocab, context: self.context() }

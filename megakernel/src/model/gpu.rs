@@ -326,7 +326,7 @@ impl GpuModel {
     /// The logits after `token` at position `pos` (its K and V appended to every layer's cache at
     /// `pos`), in one launch, as `CpuModel::decode_step` computes them.
     pub fn decode_step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Vec<f32>, GpuModelError> {
-        self.limits().step(token, pos).map_err(GpuModelError::Refused)?;
+        self.limits().step(token, pos)?;
         self.launch(dev, pos, &[token], 1, &[], None)?;
         self.last_logits(dev)
     }
@@ -413,7 +413,7 @@ impl GpuModel {
         max_new: usize,
         eos: &[u32],
     ) -> Result<Generation, GpuModelError> {
-        self.limits().generation(prompt, max_new, eos).map_err(GpuModelError::Refused)?;
+        self.limits().generation(prompt, max_new, eos)?;
         let start = Instant::now();
         let ([positions, generated], kernel_ms) = self.launch(dev, 0, prompt, max_new, eos, None)?;
         let n = prompt.len();
@@ -452,7 +452,7 @@ impl GpuModel {
     /// the global timer around each phase of every position (`ModelTrace`). Its machine code is not
     /// the timed kernel's, so its times say where a token's time goes, not how long it takes.
     pub fn trace(&mut self, dev: &Device, prompt: &[u32], max_new: usize) -> Result<ModelTrace, GpuModelError> {
-        self.limits().generation(prompt, max_new, &[]).map_err(GpuModelError::Refused)?;
+        self.limits().generation(prompt, max_new, &[])?;
         let b = &self.stack;
         // Loaded here, not with the stack: only a trace runs it.
         let traced = dev.function(&MODEL, model_kernel(self.cfg.qk_norm, has_narrow_rows(&self.layer), true))?;
