@@ -118,8 +118,7 @@ class MegaModel:
     def prefill(self, ids: Sequence[int]) -> Any:
         """Decodes ``ids`` from position 0 (on the GPU in one launch) and returns the logits of the last
         position; the next ``decode_step`` is at ``len(ids)``."""
-        _, _, _, logits = self._m.generate(list(ids), 1, [])
-        return _logits(logits)
+        return _logits(self._m.prefill(list(ids)))
 
     def generate(self, prompt_ids: Sequence[int], max_new: int = 64, eos: Optional[Sequence[int]] = None) -> List[int]:
         """``prompt_ids`` from position 0, then up to ``max_new`` greedy tokens, in one launch on the GPU.
@@ -129,7 +128,7 @@ class MegaModel:
         end-of-sequence token included); ``last_stop`` says why it stopped.
         """
         stop_at = self.eos if eos is None else list(eos)
-        tokens, stop, kernel_ms, _ = self._m.generate(list(prompt_ids), max_new, stop_at)
+        tokens, stop, kernel_ms = self._m.generate(list(prompt_ids), max_new, stop_at)
         self.last_stop, self.last_kernel_ms = stop, kernel_ms
         return tokens
 

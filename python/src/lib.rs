@@ -9,7 +9,7 @@ use std::path::Path;
 
 use cuda::Device;
 use megakernel::MAX_BATCH;
-use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Stop, Text, check_together};
+use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Text, check_together};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -52,10 +52,6 @@ fn logit_bytes<'py>(py: Python<'py>, logits: &[f32]) -> PyResult<Bound<'py, PyBy
         Ok(())
     })
 }
-
-/// What `generate` returns to Python: the tokens, why it stopped ('eos', 'max_new', 'context'), the
-/// kernel's ms (None on the CPU), and the logits the last token was chosen from as f32 bytes.
-type Generated<'py> = (Vec<u32>, &'static str, Option<f32>, Bound<'py, PyBytes>);
 
 #[pymethods]
 impl Model {
@@ -137,26 +133,38 @@ impl Model {
         logit_bytes(py, &logits)
     }
 
+    /// `prompt` from position 0 (on the GPU in one launch): its last position's logits, as f32 bytes.
+    fn prefill<'py>(&mut self, py: Python<'py>, prompt: Vec<u32>) -> PyResult<Bound<'py, PyBytes>> {
+        let logits = match &mut self.engine {
+            Engine::Gpu { dev, model } => {
+                model.generate(dev, &prompt, 1, &[]).map_err(refused)?;
+                model.last_logits(dev).map_err(refused)?
+            }
+            Engine::Cpu(model) => model.prefill(&prompt).map_err(refused)?,
+        };
+        logit_bytes(py, &logits)
+    }
+
     /// `prompt` from position 0 and up to `max_new` greedy tokens, stopping at one of `eos` or at the
-    /// caches' end, on the GPU in one launch.
-    fn generate<'py>(
+    /// caches' end, on the GPU in one launch: the tokens, why it stopped ('eos', 'max_new', 'context')
+    /// and the kernel's ms (None on the CPU).
+    fn generate(
         &mut self,
-        py: Python<'py>,
         prompt: Vec<u32>,
         max_new: usize,
         eos: Vec<u32>,
-    ) -> PyResult<Generated<'py>> {
-        let (tokens, stop, kernel_ms, logits): (Vec<u32>, Stop, Option<f32>, Vec<f32>) = match &mut self.engine {
+    ) -> PyResult<(Vec<u32>, &'static str, Option<f32>)> {
+        let (tokens, stop, kernel_ms) = match &mut self.engine {
             Engine::Gpu { dev, model } => {
                 let g = model.generate(dev, &prompt, max_new, &eos).map_err(refused)?;
-                (g.tokens, g.stop, Some(g.kernel_ms), model.last_logits(dev).map_err(refused)?)
+                (g.tokens, g.stop, Some(g.kernel_ms))
             }
             Engine::Cpu(model) => {
-                let (tokens, stop, logits) = model.generate(&prompt, max_new, &eos).map_err(refused)?;
-                (tokens, stop, None, logits)
+                let (tokens, stop) = model.generate(&prompt, max_new, &eos).map_err(refused)?;
+                (tokens, stop, None)
             }
         };
-        Ok((tokens, stop.name(), kernel_ms, logit_bytes(py, &logits)?))
+        Ok((tokens, stop.name(), kernel_ms))
     }
 
     /// The generations of `prompts` (at most `max_batch`), each the tokens `generate` would give it alone,
@@ -174,8 +182,7 @@ impl Model {
                 check_together(model.limits(), self.max_batch, &prompts, max_new, &eos).map_err(refused)?;
                 let mut done = Vec::with_capacity(prompts.len());
                 for p in &prompts {
-                    let (tokens, stop, _) = model.generate(p, max_new, &eos).map_err(refused)?;
-                    done.push((tokens, stop));
+                    done.push(model.generate(p, max_new, &eos).map_err(refused)?);
                 }
                 done
             }

@@ -64,20 +64,19 @@ impl CpuModel {
         Ok(self.decode_step(token, pos))
     }
 
+    /// The logits of the last of `prompt`'s tokens, decoded from position 0 (as `GpuModel::generate`
+    /// of one new token leaves them).
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<Vec<f32>, String> {
+        self.limits().generation(prompt, 1, &[])?;
+        Ok(self.decode_prompt(prompt))
+    }
+
     /// What `GpuModel::generate` does in one launch, a step at a time: `prompt` from position 0, then up
     /// to `max_new` greedy tokens, stopping at one of `eos` or where the caches end; the tokens and why
-    /// it stopped, and the logits the last token was chosen from.
-    pub fn generate(
-        &mut self,
-        prompt: &[u32],
-        max_new: usize,
-        eos: &[u32],
-    ) -> Result<(Vec<u32>, Stop, Vec<f32>), String> {
+    /// it stopped.
+    pub fn generate(&mut self, prompt: &[u32], max_new: usize, eos: &[u32]) -> Result<(Vec<u32>, Stop), String> {
         self.limits().generation(prompt, max_new, eos)?;
-        let mut logits = Vec::new();
-        for (pos, &t) in prompt.iter().enumerate() {
-            logits = self.decode_step(t, pos);
-        }
+        let mut logits = self.decode_prompt(prompt);
         let mut tokens = Vec::with_capacity(max_new);
         let mut pos = prompt.len() - 1;
         loop {
@@ -85,11 +84,20 @@ impl CpuModel {
             tokens.push(next);
             if eos.contains(&next) || tokens.len() == max_new || pos + 1 == self.context() {
                 let stop = Stop::of(&tokens, max_new, eos);
-                return Ok((tokens, stop, logits));
+                return Ok((tokens, stop));
             }
             pos += 1;
             logits = self.decode_step(next, pos);
         }
+    }
+
+    /// `prompt` (not empty, within the limits) from position 0: its last position's logits.
+    fn decode_prompt(&mut self, prompt: &[u32]) -> Vec<f32> {
+        let mut logits = Vec::new();
+        for (pos, &t) in prompt.iter().enumerate() {
+            logits = self.decode_step(t, pos);
+        }
+        logits
     }
 }
 

@@ -296,15 +296,21 @@ fn qwen3_reads_its_q_and_k_norms_and_its_decode_steps_chain_golden_layers_with_t
     decode_steps_chain(qwen3_json(), "qwen3-decode");
 }
 
+/// `config`'s model with weights drawn from `seed`, written into a fresh folder `name` and read back.
+fn written(name: &str, config: serde_json::Value, seed: u64) -> (ModelConfig, ModelWeights) {
+    let dir = scratch(name);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let cfg = ModelConfig::read(&dir).unwrap();
+    write(&dir, &config, &tensors(&cfg, seed), 1);
+    let w = ModelWeights::read(&dir, &cfg).unwrap();
+    (cfg, w)
+}
+
 /// `config`'s model written with random weights decodes, position by position, as the golden layers
 /// chained with their caches (with the q/k norms where the model has them), the final norm and the
 /// head summed in f64.
 fn decode_steps_chain(config: serde_json::Value, name: &str) {
-    let dir = scratch(name);
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let cfg = ModelConfig::read(&dir).unwrap();
-    write(&dir, &config, &tensors(&cfg, 11), 1);
-    let w = ModelWeights::read(&dir, &cfg).unwrap();
+    let (cfg, w) = written(name, config, 11);
     let mut model = CpuModel::new(cfg.clone(), w.clone(), 16);
     assert_eq!(model.context(), 16);
     let layer = Config { max_seq_len: 16, ..cfg.layer.clone() };
@@ -432,12 +438,7 @@ fn llama3_rope_scaling_divides_the_low_frequencies_and_interpolates_the_middle()
 /// GPU's launch would: at an end-of-sequence token, after `max_new` tokens, or at the caches' end.
 #[test]
 fn a_cpu_generation_chains_greedy_decode_steps_and_stops_where_the_kernel_would() {
-    let dir = scratch("generate");
-    let config = llama_json(false);
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let cfg = ModelConfig::read(&dir).unwrap();
-    write(&dir, &config, &tensors(&cfg, 21), 1);
-    let w = ModelWeights::read(&dir, &cfg).unwrap();
+    let (cfg, w) = written("generate", llama_json(false), 21);
     let prompt = [5u32, 17, 96];
     let mut steps = CpuModel::new(cfg.clone(), w.clone(), 8);
     let mut logits = prompt.iter().enumerate().map(|(p, &t)| steps.decode_step(t, p)).last().unwrap();
@@ -452,14 +453,15 @@ fn a_cpu_generation_chains_greedy_decode_steps_and_stops_where_the_kernel_would(
     }
     // The caches hold 8 positions: the prompt's 3 and 5 more, so 6 tokens at most.
     let mut model = CpuModel::new(cfg.clone(), w.clone(), 8);
-    let (tokens, stop, _) = model.generate(&prompt, 100, &[]).unwrap();
+    let (tokens, stop) = model.generate(&prompt, 100, &[]).unwrap();
     assert_eq!((tokens.as_slice(), stop), (&greedy[..6], Stop::Context));
     let mut model = CpuModel::new(cfg.clone(), w.clone(), 8);
-    let (tokens, stop, last) = model.generate(&prompt, 2, &[]).unwrap();
+    let (tokens, stop) = model.generate(&prompt, 2, &[]).unwrap();
     assert_eq!((tokens.as_slice(), stop), (&greedy[..2], Stop::MaxNew));
-    assert_eq!(argmax(&last), Some(greedy[1] as usize), "the logits the last token was chosen from");
+    let last = model.prefill(&prompt).unwrap();
+    assert_eq!(argmax(&last), Some(greedy[0] as usize), "the prompt's last logits choose the first token");
     let mut model = CpuModel::new(cfg.clone(), w.clone(), 8);
-    let (tokens, stop, _) = model.generate(&prompt, 100, &[greedy[3]]).unwrap();
+    let (tokens, stop) = model.generate(&prompt, 100, &[greedy[3]]).unwrap();
     let first = greedy.iter().position(|&t| t == greedy[3]).unwrap();
     assert_eq!((tokens.as_slice(), stop), (&greedy[..=first], Stop::Eos));
     let mut model = CpuModel::new(cfg, w, 8);
@@ -473,20 +475,10 @@ fn a_cpu_generation_chains_greedy_decode_steps_and_stops_where_the_kernel_would(
 /// decode step.
 #[test]
 fn prompts_generated_together_are_each_their_own_generation() {
-    let dir = scratch("together");
-    let config = llama_json(false);
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let cfg = ModelConfig::read(&dir).unwrap();
-    write(&dir, &config, &tensors(&cfg, 31), 1);
-    let w = ModelWeights::read(&dir, &cfg).unwrap();
+    let (cfg, w) = written("together", llama_json(false), 31);
     let prompts: Vec<Vec<u32>> = vec![vec![5, 17, 96], vec![40], vec![7, 8, 9, 10, 11, 12]];
-    let alone: Vec<(Vec<u32>, Stop)> = prompts
-        .iter()
-        .map(|p| {
-            let (tokens, stop, _) = CpuModel::new(cfg.clone(), w.clone(), 12).generate(p, 5, &[]).unwrap();
-            (tokens, stop)
-        })
-        .collect();
+    let alone: Vec<(Vec<u32>, Stop)> =
+        prompts.iter().map(|p| CpuModel::new(cfg.clone(), w.clone(), 12).generate(p, 5, &[]).unwrap()).collect();
     let mut models: Vec<CpuModel> = (0..3).map(|_| CpuModel::new(cfg.clone(), w.clone(), 12)).collect();
     let limits = models[0].limits();
     let mut steps = 0;
