@@ -23,35 +23,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_checkpoints import LLAMA3_ROPE, make_tokenizer, model_config, save
-SHAPES = {
-    # name: (hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta, rope scaling)
-    "llama-tiny-gqa": (256, 512, 3, 8, 2, 1000, False, 500000.0, None),
-    "llama-tiny-tied-mha": (192, 384, 2, 6, 6, 777, True, 10000.0, None),
-    "llama-hd128": (512, 1024, 2, 4, 2, 2048, False, 500000.0, None),
-    # SmolLM2-360M's layer (15 heads of 64, 5 KV heads), 4 of its 32 layers, a smaller vocabulary.
-    "smollm2-360m-4l": (960, 2560, 4, 15, 5, 4096, True, 100000.0, None),
-    # Llama-3.2-1B's layer, RoPE scaling and vocabulary, 4 of its 16 layers.
-    "llama-3.2-1b-4l": (2048, 8192, 4, 32, 8, 128256, True, 500000.0, LLAMA3_ROPE),
-    # Qwen3-0.6B's layer (16 heads of 128 over d 1024, 8 KV heads, q/k norms), 3 layers.
-    "qwen3-0.6b-3l": (1024, 3072, 3, 16, 8, 4096, True, 1000000.0, None, 128),
-}
+from hf_checkpoints import SHAPES, agreement_checkpoint
+
 TOKENS = 24
 
 
 def rel(a, b):
     return float((a - b).norm() / b.norm())
-
-
-def make_checkpoint(name, shape, out):
-    torch.manual_seed(len(name))
-    model = AutoModelForCausalLM.from_config(model_config(name, shape, 256)).to(torch.bfloat16)
-    with torch.no_grad():
-        for w in model.parameters():  # 0.08 at d = 256 (larger than the init's 0.02, so the layers matter)
-            w.normal_(0.0, 1.28 / shape[0] ** 0.5)
-    save(model, out)
-    make_tokenizer(shape[5], out / "tokenizer.json")
-    return shape[5]
 
 
 def megakernel(binary, *args):
@@ -72,7 +50,7 @@ def main():
     worst_ratio, failures, reports = 0.0, 0, []
     for name in names:
         out = root / name
-        vocab = make_checkpoint(name, SHAPES[name], out)
+        vocab = agreement_checkpoint(name, out)
         tokens = torch.randint(3, vocab, (1, TOKENS))
         logits = {}
         for impl in ("eager", "sdpa"):

@@ -12,52 +12,13 @@ length, the median of three after warm-up: the decode steps alone, its prefill a
 Needs torch and transformers and an H100/H200.
 """
 import argparse
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from hf_checkpoints import LLAMA3_ROPE, model_config, save
-
-SIZES = {
-    # name: (hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta, rope scaling)
-    "smollm2-360m": (960, 2560, 32, 15, 5, 49152, True, 100000.0, None),
-    "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256, True, 500000.0, LLAMA3_ROPE),
-    "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000, False, 10000.0, None),
-    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256, False, 500000.0, LLAMA3_ROPE),
-    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 151936, True, 1000000.0, None, 128),
-    # Llama-3.2-1B's 16 layers and heads (32 query heads of 64, 8 KV heads) over hidden 256 and
-    # intermediate 512: about 3 MB of weights a layer, so a layer's time is its chain of dependent
-    # steps, what it costs beyond its bytes (docs/perf.md, the eleventh session).
-    "chain-1b": (256, 512, 16, 32, 8, 1024, True, 500000.0, None, 64),
-}
-
-
-def make_checkpoint(name, shape, out):
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(model_config(name, shape, 8192)).to(torch.bfloat16)
-    save(model, out)
-    return model
-
-
-def time_generate(model, new, compiled, reps=3):
-    """ms per decode step of greedy generation with a static cache: eager, or compiled by generate
-    itself (transformers compiles the forward when the cache is static unless disable_compile)."""
-    ids = torch.tensor([[1]], device="cuda")
-    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, disable_compile=not compiled)
-    def once(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
-    once(new), once(1)  # warm-up (and compilation)
-    return statistics.median((once(1 + new) - once(1)) / new * 1e3 for _ in range(reps))
+from hf_checkpoints import SIZES, speed_checkpoint, time_generate
 
 
 def main():
@@ -76,7 +37,7 @@ def main():
     rows = []
     for name in args.sizes.split(","):
         out = root / name
-        model = make_checkpoint(name, SIZES[name], out)
+        model = speed_checkpoint(name, out)
         run = subprocess.run([args.binary, "bench", "--model", str(out), "--tokens", str(args.tokens)],
                              capture_output=True, text=True)
         print(f"== megakernel bench --model {name} --tokens {args.tokens} (rc {run.returncode})\n{run.stdout}{run.stderr}",

@@ -1,16 +1,48 @@
-"""Random-weight Llama-family checkpoints as transformers writes them, for scripts/hf-agreement.py and
-scripts/hf-speed.py (no downloads): the config, the model, and a byte-level BPE tokenizer trained on
-the repository's docs."""
+"""Random-weight Llama-family checkpoints as transformers writes them, for scripts/hf-agreement.py,
+scripts/hf-speed.py and scripts/hf-python.py (no downloads): the shapes they run, the config, the
+model, a byte-level BPE tokenizer trained on the repository's docs, and transformers' own decode
+speed."""
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
-from transformers import LlamaConfig, Qwen3Config
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 ROOT = Path(__file__).resolve().parent.parent
 BOS, EOS = 1, 2
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
+
+# The agreement checks' shapes, one per family the loader takes: small, so that the CPU model runs
+# them too. name: (hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta, rope
+# scaling[, head size])
+SHAPES = {
+    "llama-tiny-gqa": (256, 512, 3, 8, 2, 1000, False, 500000.0, None),
+    "llama-tiny-tied-mha": (192, 384, 2, 6, 6, 777, True, 10000.0, None),
+    "llama-hd128": (512, 1024, 2, 4, 2, 2048, False, 500000.0, None),
+    # SmolLM2-360M's layer (15 heads of 64, 5 KV heads), 4 of its 32 layers, a smaller vocabulary.
+    "smollm2-360m-4l": (960, 2560, 4, 15, 5, 4096, True, 100000.0, None),
+    # Llama-3.2-1B's layer, RoPE scaling and vocabulary, 4 of its 16 layers.
+    "llama-3.2-1b-4l": (2048, 8192, 4, 32, 8, 128256, True, 500000.0, LLAMA3_ROPE),
+    # Qwen3-0.6B's layer (16 heads of 128 over d 1024, 8 KV heads, q/k norms), 3 layers.
+    "qwen3-0.6b-3l": (1024, 3072, 3, 16, 8, 4096, True, 1000000.0, None, 128),
+}
+
+# The speed comparisons' shapes: real models' whole depth and vocabulary.
+SIZES = {
+    "smollm2-360m": (960, 2560, 32, 15, 5, 49152, True, 100000.0, None),
+    "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256, True, 500000.0, LLAMA3_ROPE),
+    "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000, False, 10000.0, None),
+    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256, False, 500000.0, LLAMA3_ROPE),
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 151936, True, 1000000.0, None, 128),
+    # Llama-3.2-1B's 16 layers and heads (32 query heads of 64, 8 KV heads) over hidden 256 and
+    # intermediate 512: about 3 MB of weights a layer, so a layer's time is its chain of dependent
+    # steps, what it costs beyond its bytes (docs/perf.md, the eleventh session).
+    "chain-1b": (256, 512, 16, 32, 8, 1024, True, 500000.0, None, 64),
+}
 
 
 def model_config(name, shape, context):
@@ -54,3 +86,44 @@ def make_tokenizer(vocab, path):
     tok.train_from_iterator(lines, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
     tok.save(str(path))
+
+
+def agreement_checkpoint(name, out):
+    """SHAPES[name] with random weights of 1.28 / sqrt(hidden) (larger than the init's 0.02, so the
+    layers matter), saved in bf16 with a tokenizer into `out`; returns the vocabulary's size."""
+    shape = SHAPES[name]
+    torch.manual_seed(len(name))
+    model = AutoModelForCausalLM.from_config(model_config(name, shape, 256)).to(torch.bfloat16)
+    with torch.no_grad():
+        for w in model.parameters():
+            w.normal_(0.0, 1.28 / shape[0] ** 0.5)
+    save(model, out)
+    make_tokenizer(shape[5], out / "tokenizer.json")
+    return shape[5]
+
+
+def speed_checkpoint(name, out):
+    """SIZES[name] with transformers' random init, in bf16 on the GPU, saved into `out`; returns the
+    model."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(model_config(name, SIZES[name], 8192)).to(torch.bfloat16)
+    save(model, out)
+    return model
+
+
+def time_generate(model, new, compiled, reps=3):
+    """ms per decode step of greedy generation with a static cache: eager, or compiled by generate
+    itself (transformers compiles the forward when the cache is static unless disable_compile)."""
+    ids = torch.tensor([[1]], device="cuda")
+    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, disable_compile=not compiled)
+
+    def once(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    once(new), once(1)  # warm-up (and compilation)
+    return statistics.median((once(1 + new) - once(1)) / new * 1e3 for _ in range(reps))

@@ -5,13 +5,15 @@
 //! arithmetic the GPU's logits are checked against, `megakernel check`). Every refusal the command line
 //! makes is a `MegakernelError` here, with the command line's sentence.
 
+mod dlpack;
+
 use std::path::Path;
 
 use cuda::Device;
 use megakernel::MAX_BATCH;
-use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelWeights, Text, check_together};
+use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelError, ModelWeights, Text, check_together};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -25,6 +27,9 @@ create_exception!(
 fn refused(e: impl std::fmt::Display) -> PyErr {
     MegakernelError::new_err(e.to_string())
 }
+
+/// A traced step: its logits, each kind of phase's ms, the traced launch's ms.
+type TimedStep = (Py<PyAny>, Vec<(String, f64)>, f32);
 
 /// Where the model runs.
 enum Engine {
@@ -44,43 +49,145 @@ struct Model {
 }
 
 /// f32 logits as the bytes of a little-endian f32 array (the package turns them into a tensor).
-fn logit_bytes<'py>(py: Python<'py>, logits: &[f32]) -> PyResult<Bound<'py, PyBytes>> {
-    PyBytes::new_with(py, logits.len() * 4, |buf| {
+fn logit_bytes(py: Python<'_>, logits: &[f32]) -> PyResult<Py<PyAny>> {
+    let bytes = PyBytes::new_with(py, logits.len() * 4, |buf| {
         for (dst, v) in buf.chunks_exact_mut(4).zip(logits) {
             dst.copy_from_slice(&v.to_le_bytes());
         }
         Ok(())
-    })
+    })?;
+    Ok(bytes.into_any().unbind())
+}
+
+/// The GPU model's last logits: a DLPack capsule of a copy on the GPU (`on_device`), else f32 bytes.
+fn gpu_logits(py: Python<'_>, dev: &Device, model: &GpuModel, on_device: bool) -> PyResult<Py<PyAny>> {
+    if on_device {
+        dlpack::export_logits(py, model.last_logits_on_device(dev).map_err(refused)?, dev.facts().ordinal)
+    } else {
+        logit_bytes(py, &model.last_logits(dev).map_err(refused)?)
+    }
+}
+
+/// The arguments every model takes, checked before any work; then the GPU opened where the model runs
+/// on one.
+fn where_to_run(max_seq: usize, max_batch: usize, device: usize, on: &str) -> PyResult<Option<Device>> {
+    if on != "gpu" && on != "cpu" {
+        return Err(PyValueError::new_err(format!("on = '{on}': the model runs on 'gpu' or 'cpu'")));
+    }
+    if max_seq == 0 {
+        return Err(PyValueError::new_err("max_seq = 0: the caches need a position at least"));
+    }
+    if max_batch == 0 || max_batch > MAX_BATCH {
+        return Err(PyValueError::new_err(format!("max_batch = {max_batch}: 1 to {MAX_BATCH} sequences")));
+    }
+    (on == "gpu").then(|| Device::open(device)).transpose().map_err(refused)
+}
+
+impl Model {
+    /// The model of `cfg` and `weights` on the GPU `dev` (opened by the caller) or on the CPU.
+    fn build(
+        cfg: ModelConfig,
+        weights: ModelWeights,
+        text: Result<Text, String>,
+        dev: Option<Device>,
+        max_seq: usize,
+        max_batch: usize,
+    ) -> PyResult<Model> {
+        let engine = match dev {
+            Some(dev) => {
+                let model = GpuModel::new(&dev, &cfg, &weights, max_seq, max_batch, &mut |_| ()).map_err(refused)?;
+                Engine::Gpu { dev, model: Box::new(model) }
+            }
+            None => Engine::Cpu(Box::new(CpuModel::new(cfg.clone(), weights, max_seq))),
+        };
+        Ok(Model { engine, cfg, text, max_batch })
+    }
+}
+
+/// The tokenizer of `json` (a loaded tokenizer's), or why there is none.
+fn tokenizer_of(json: Option<&str>) -> Result<Text, String> {
+    match json {
+        Some(json) => Text::parse(Path::new("the tokenizer given"), json).map_err(|e| e.to_string()),
+        None => Err("no tokenizer: pass a loaded one to from_pretrained (tokenizer=) for text in and out".into()),
+    }
 }
 
 #[pymethods]
 impl Model {
-    /// Reads the checkpoint in `path` (config.json, *.safetensors, tokenizer.json if present) and makes
-    /// it ready to decode with caches of `max_seq` positions: on the GPU `device` with `max_batch`
-    /// sequences' caches, or on the CPU.
+    /// Reads the checkpoint in `path` (config.json, *.safetensors, tokenizer.json if present, or
+    /// `tokenizer_json` instead) and makes it ready to decode with caches of `max_seq` positions: on
+    /// the GPU `device` with `max_batch` sequences' caches, or on the CPU.
     #[new]
-    #[pyo3(signature = (path, max_seq = 4096, max_batch = 8, device = 0, on = "gpu"))]
-    fn new(path: &str, max_seq: usize, max_batch: usize, device: usize, on: &str) -> PyResult<Model> {
-        if on != "gpu" && on != "cpu" {
-            return Err(PyValueError::new_err(format!("on = '{on}': the model runs on 'gpu' or 'cpu'")));
-        }
-        if max_seq == 0 {
-            return Err(PyValueError::new_err("max_seq = 0: the caches need a position at least"));
-        }
-        if max_batch == 0 || max_batch > MAX_BATCH {
-            return Err(PyValueError::new_err(format!("max_batch = {max_batch}: 1 to {MAX_BATCH} sequences")));
-        }
+    #[pyo3(signature = (path, max_seq = 4096, max_batch = 8, device = 0, on = "gpu", tokenizer_json = None))]
+    fn new(
+        path: &str,
+        max_seq: usize,
+        max_batch: usize,
+        device: usize,
+        on: &str,
+        tokenizer_json: Option<&str>,
+    ) -> PyResult<Model> {
+        let dev = where_to_run(max_seq, max_batch, device, on)?;
         let dir = Path::new(path);
         let cfg = ModelConfig::read(dir).map_err(refused)?;
         let weights = ModelWeights::read(dir, &cfg).map_err(refused)?;
-        let engine = if on == "gpu" {
-            let dev = Device::open(device).map_err(refused)?;
-            let model = GpuModel::new(&dev, &cfg, &weights, max_seq, max_batch, &mut |_| ()).map_err(refused)?;
-            Engine::Gpu { dev, model: Box::new(model) }
-        } else {
-            Engine::Cpu(Box::new(CpuModel::new(cfg.clone(), weights, max_seq)))
+        let text = match tokenizer_json {
+            Some(_) => tokenizer_of(tokenizer_json),
+            None => Text::read(dir).map_err(|e| e.to_string()),
         };
-        Ok(Model { engine, cfg, text: Text::read(dir).map_err(|e| e.to_string()), max_batch })
+        Model::build(cfg, weights, text, dev, max_seq, max_batch)
+    }
+
+    /// A loaded model: `config_json` (its configuration as `save_pretrained` writes config.json) and
+    /// `tensors`, a mapping from Hugging Face names to tensors taken through DLPack (on the host or a
+    /// GPU; bf16, f16 or f32, compact), read once into the model's bf16 as the folder's loader reads
+    /// them; `name` names the model in its plan.
+    #[staticmethod]
+    #[pyo3(signature = (name, config_json, tensors, max_seq = 4096, max_batch = 8, device = 0, on = "gpu", tokenizer_json = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_tensors(
+        name: &str,
+        config_json: &str,
+        tensors: &Bound<'_, PyAny>,
+        max_seq: usize,
+        max_batch: usize,
+        device: usize,
+        on: &str,
+        tokenizer_json: Option<&str>,
+    ) -> PyResult<Model> {
+        let dev = where_to_run(max_seq, max_batch, device, on)?;
+        let cfg = ModelConfig::parse(name, Path::new("the model's config"), config_json).map_err(refused)?;
+        // GPUs other than the model's, opened to read tensors that live there.
+        let mut others: Vec<Device> = Vec::new();
+        let mut gpu = |ordinal: usize, address: u64, dst: &mut [u8]| -> Result<(), String> {
+            let owner = match dev.as_ref().filter(|d| d.facts().ordinal == ordinal) {
+                Some(d) => d,
+                None => match others.iter().position(|d| d.facts().ordinal == ordinal) {
+                    Some(i) => &others[i],
+                    None => {
+                        others.push(Device::open(ordinal).map_err(|e| e.to_string())?);
+                        others.last().expect("just pushed")
+                    }
+                },
+            };
+            owner.ctx().bind_to_thread().map_err(|e| format!("binding GPU {ordinal}'s context: {e:?}"))?;
+            dlpack::read_device(address, dst)
+        };
+        let state = Path::new("state_dict");
+        let tensor_error = |name: &str, why: String| ModelError::Tensor { path: state.into(), name: name.into(), why };
+        let weights = ModelWeights::from_tensors(&cfg, |name, shape| {
+            let tensor = match tensors.get_item(name) {
+                Ok(t) => t,
+                Err(e) if e.is_instance_of::<PyKeyError>(tensors.py()) => {
+                    return Err(tensor_error(name, "missing".into()));
+                }
+                Err(e) => return Err(tensor_error(name, e.to_string())),
+            };
+            dlpack::take_tensor(&tensor, shape, &mut gpu).map_err(|why| tensor_error(name, why))
+        })
+        .map_err(refused)?;
+        drop(others);
+        Model::build(cfg, weights, tokenizer_of(tokenizer_json), dev, max_seq, max_batch)
     }
 
     /// 'gpu' or 'cpu'.
@@ -124,25 +231,55 @@ impl Model {
         }
     }
 
-    /// The logits after `token` at `pos` (its K and V appended at `pos`), as f32 bytes.
-    fn decode_step<'py>(&mut self, py: Python<'py>, token: u32, pos: usize) -> PyResult<Bound<'py, PyBytes>> {
-        let logits = match &mut self.engine {
-            Engine::Gpu { dev, model } => model.decode_step(dev, token, pos).map_err(refused)?,
-            Engine::Cpu(model) => model.checked_step(token, pos).map_err(refused)?,
-        };
-        logit_bytes(py, &logits)
+    /// The logits after `token` at `pos` (its K and V appended at `pos`): on the GPU a DLPack capsule
+    /// of them there (`on_device`) or f32 bytes; on the CPU f32 bytes.
+    #[pyo3(signature = (token, pos, on_device = false))]
+    fn decode_step(&mut self, py: Python<'_>, token: u32, pos: usize, on_device: bool) -> PyResult<Py<PyAny>> {
+        match &mut self.engine {
+            Engine::Gpu { dev, model } => {
+                model.step(dev, token, pos).map_err(refused)?;
+                gpu_logits(py, dev, model, on_device)
+            }
+            Engine::Cpu(model) => logit_bytes(py, &model.checked_step(token, pos).map_err(refused)?),
+        }
     }
 
-    /// `prompt` from position 0 (on the GPU in one launch): its last position's logits, as f32 bytes.
-    fn prefill<'py>(&mut self, py: Python<'py>, prompt: Vec<u32>) -> PyResult<Bound<'py, PyBytes>> {
-        let logits = match &mut self.engine {
+    /// `decode_step` in the model kernel's traced instance, on the GPU only: the logits, each kind of
+    /// phase's ms on the step's critical path (summed over the layers; the head last), and the traced
+    /// launch's ms by events.
+    #[pyo3(signature = (token, pos, on_device = false))]
+    fn decode_step_timed(&mut self, py: Python<'_>, token: u32, pos: usize, on_device: bool) -> PyResult<TimedStep> {
+        let Engine::Gpu { dev, model } = &mut self.engine else {
+            return Err(refused("decode_step_timed times the model kernel's phases: this model runs on the CPU"));
+        };
+        let trace = model.trace_step(dev, token, pos).map_err(refused)?;
+        let shares = trace.step_shares().ok_or_else(|| refused("the traced step's stamps are incomplete"))?;
+        let phases = shares.iter().map(|s| (s.what.clone(), s.span_us / 1e3)).collect();
+        Ok((gpu_logits(py, dev, model, on_device)?, phases, trace.kernel_ms))
+    }
+
+    /// `prompt` from position 0 (on the GPU in one launch): its last position's logits, as
+    /// `decode_step` gives them.
+    #[pyo3(signature = (prompt, on_device = false))]
+    fn prefill(&mut self, py: Python<'_>, prompt: Vec<u32>, on_device: bool) -> PyResult<Py<PyAny>> {
+        match &mut self.engine {
             Engine::Gpu { dev, model } => {
                 model.generate(dev, &prompt, 1, &[]).map_err(refused)?;
-                model.last_logits(dev).map_err(refused)?
+                gpu_logits(py, dev, model, on_device)
             }
-            Engine::Cpu(model) => model.prefill(&prompt).map_err(refused)?,
-        };
-        logit_bytes(py, &logits)
+            Engine::Cpu(model) => logit_bytes(py, &model.prefill(&prompt).map_err(refused)?),
+        }
+    }
+
+    /// Forgets every sequence: the caches zeroed, as a new model's are.
+    fn reset(&mut self) -> PyResult<()> {
+        match &mut self.engine {
+            Engine::Gpu { dev, model } => model.reset(dev).map_err(refused),
+            Engine::Cpu(model) => {
+                model.reset();
+                Ok(())
+            }
+        }
     }
 
     /// `prompt` from position 0 and up to `max_new` greedy tokens, stopping at one of `eos` or at the

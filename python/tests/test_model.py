@@ -12,8 +12,10 @@ import sys
 import tempfile
 import unittest
 from pathlib import Path
+from typing import Callable
 
 import checkpoint
+import dlpack_producer as dl
 from persistent_layer import MegakernelError, MegaModel
 
 MEGAKERNEL = os.environ.get("PL_MEGAKERNEL", "megakernel")
@@ -68,6 +70,56 @@ class Checkpoint(unittest.TestCase):
             MegaModel.from_pretrained(self.dir, max_seq=len(TOKENS), on="gpu")
         self.assertEqual(str(caught.exception), sentence)
 
+    def gpu_model(self, **options) -> MegaModel:
+        try:
+            return MegaModel.from_pretrained(self.dir, on="gpu", **options)
+        except MegakernelError as e:
+            self.skipTest(f"no GPU here: {e}")
+
+    def test_gpu_logits_stay_on_the_gpu_where_torch_takes_them(self) -> None:
+        model = self.gpu_model(max_seq=8)
+        logits = model.decode_step(TOKENS[0], 0)
+        try:
+            import torch
+        except ImportError:
+            self.assertNotIn("torch", type(logits).__module__)
+            return
+        self.assertEqual(logits.device.type, "cuda" if torch.cuda.is_available() else "cpu")
+        self.assertEqual((logits.dtype, tuple(logits.shape)), (torch.float32, (model.vocab,)))
+        # Each step's logits are a tensor of their own: the next step does not overwrite them.
+        kept = logits.clone()
+        model.decode_step(TOKENS[1], 1)
+        self.assertTrue(torch.equal(logits, kept))
+
+    def test_a_timed_step_is_the_steps_bits_and_names_its_phases(self) -> None:
+        plain, timed = self.gpu_model(max_seq=8), self.gpu_model(max_seq=8)
+        for pos, token in enumerate(TOKENS[:-1]):
+            plain.decode_step(token, pos)
+            timed.decode_step(token, pos)
+        want = plain.decode_step(TOKENS[-1], len(TOKENS) - 1)
+        got, phases = timed.decode_step_timed(TOKENS[-1], len(TOKENS) - 1)
+        self.assertEqual(f32_bits(got), f32_bits(want), f"seed {self.seed}")
+        self.assertEqual(list(phases)[-1], "Head")
+        self.assertLessEqual({"Qkv", "Attention", "Down"}, set(phases))
+        self.assertTrue(all(ms > 0 for ms in phases.values()), phases)
+        # The phases' critical path lies inside the traced launch.
+        self.assertLess(sum(phases.values()), timed.last_kernel_ms)
+
+    def assert_reset_forgets_every_sequence(self, model: Callable[[], MegaModel]) -> None:
+        want = model().decode_step(TOKENS[1], 1)  # attends over position 0's zeroed cache
+        used = model()
+        for pos, token in enumerate(TOKENS):
+            used.decode_step(token, pos)
+        self.assertNotEqual(f32_bits(used.decode_step(TOKENS[1], 1)), f32_bits(want), "the cache is in use")
+        used.reset()
+        self.assertEqual(f32_bits(used.decode_step(TOKENS[1], 1)), f32_bits(want), f"seed {self.seed}")
+
+    def test_reset_forgets_every_sequence_on_the_cpu(self) -> None:
+        self.assert_reset_forgets_every_sequence(lambda: MegaModel.from_pretrained(self.dir, max_seq=8, on="cpu"))
+
+    def test_reset_forgets_every_sequence_on_the_gpu(self) -> None:
+        self.assert_reset_forgets_every_sequence(lambda: self.gpu_model(max_seq=8))
+
     def test_gpu_generations_together_are_each_their_own(self) -> None:
         try:
             model = MegaModel.from_pretrained(self.dir, max_seq=16, max_batch=3, on="gpu")
@@ -113,6 +165,80 @@ class Checkpoint(unittest.TestCase):
         model = MegaModel.from_pretrained(self.dir, max_seq=16, on="cpu")
         return [model.decode_step(t, pos) for pos, t in enumerate(TOKENS)][-1]
 
+    def test_a_loaded_models_tensors_give_the_folders_bits(self) -> None:
+        want = self.prefix_logits()
+        tensors = dl.read_safetensors(self.dir / "model.safetensors")
+        # What a transformers state_dict also holds and the loader does not read.
+        extra = dl.HostTensor(b"\0" * 8, dl.KDL_FLOAT, 32, [2])
+        model = MegaModel.from_pretrained(dl.LoadedModel(self.dir, {**tensors, "model.rotary_emb.inv_freq": extra}),
+                                          max_seq=16, on="cpu")
+        got = [model.decode_step(t, pos) for pos, t in enumerate(TOKENS)][-1]
+        self.assertEqual(f32_bits(got), f32_bits(want), f"seed {self.seed}")
+        self.assertEqual({(t.exported, t.deleted) for t in tensors.values()}, {(1, 1)}, "each taken once, deleted once")
+        self.assertEqual((extra.exported, extra.deleted), (0, 0))
+        # f32 tensors of the same values are read into the same bf16.
+        wide = MegaModel.from_pretrained(dl.LoadedModel(self.dir, {n: dl.widened(t) for n, t in tensors.items()}),
+                                         max_seq=16, on="cpu")
+        got = [wide.decode_step(t, pos) for pos, t in enumerate(TOKENS)][-1]
+        self.assertEqual(f32_bits(got), f32_bits(want), f"seed {self.seed}")
+
+    def test_a_loaded_models_tensors_on_the_gpu_give_the_folders_bits(self) -> None:
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("no torch here")
+        if not torch.cuda.is_available():
+            self.skipTest("torch sees no GPU here")
+        folder = self.gpu_model(max_seq=16)
+        want = [folder.decode_step(t, pos) for pos, t in enumerate(TOKENS)][-1]
+        on_gpu = {
+            name: torch.frombuffer(bytearray(t._buffer.raw), dtype=torch.bfloat16).reshape(t.shape).cuda()
+            for name, t in dl.read_safetensors(self.dir / "model.safetensors").items()
+        }
+        model = MegaModel.from_pretrained(dl.LoadedModel(self.dir, on_gpu), max_seq=16)
+        got = [model.decode_step(t, pos) for pos, t in enumerate(TOKENS)][-1]
+        self.assertEqual(f32_bits(got), f32_bits(want), f"seed {self.seed}")
+
+    def test_a_loaded_models_tensors_are_refused_naming_them(self) -> None:
+        tensors = dl.read_safetensors(self.dir / "model.safetensors")
+        norm = "model.norm.weight"
+        d = checkpoint.LLAMA["hidden_size"]
+        half = dl.HostTensor(b"\0" * d, dl.KDL_BFLOAT, 16, [d // 2])
+        strided = dl.HostTensor(b"\0" * 4 * d, dl.KDL_BFLOAT, 16, [d], strides=[2])
+        ints = dl.HostTensor(b"\0" * d, dl.KDL_INT, 8, [d])
+        for replace, why in [
+            (None, "missing"),
+            ("a string", "a str, not a tensor (no __dlpack__)"),
+            (half, f"shape [{d // 2}], expected [{d}]"),
+            (strided, f"strides [2] of shape [{d}]: not compact row-major (take .contiguous())"),
+            (ints, "DLPack dtype code 0, 8 bits, 1 lanes: the loader reads bf16, f16 and f32"),
+        ]:
+            given = {n: t for n, t in tensors.items() if n != norm}
+            if replace is not None:
+                given[norm] = replace
+            with self.assertRaises(MegakernelError) as caught:
+                MegaModel.from_pretrained(dl.LoadedModel(self.dir, given), on="cpu")
+            self.assertEqual(str(caught.exception), f"state_dict: tensor '{norm}': {why}")
+            if isinstance(replace, dl.HostTensor):
+                self.assertEqual((replace.exported, replace.deleted), (1, 1), "a refused tensor is deleted too")
+
+    def test_a_loaded_model_reads_its_tokenizer_from_the_object_given(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint.write_tokenizer(Path(tmp), checkpoint.LLAMA["vocab_size"])
+
+            class Tokenizer:  # a tokenizers.Tokenizer's one method the loader calls
+                def to_str(self) -> str:
+                    return (Path(tmp) / "tokenizer.json").read_text()
+
+            model = MegaModel.from_pretrained(dl.LoadedModel(self.dir), max_seq=8, on="cpu", tokenizer=Tokenizer())
+            self.assertEqual(model.encode("t5 t17"), [1, 5, 17])
+        bare = MegaModel.from_pretrained(dl.LoadedModel(self.dir), max_seq=8, on="cpu")
+        with self.assertRaises(MegakernelError) as caught:
+            bare.encode("t5")
+        self.assertIn("pass a loaded one to from_pretrained (tokenizer=)", str(caught.exception))
+        with self.assertRaises(TypeError):
+            MegaModel.from_pretrained(self.dir, on="cpu", tokenizer=object())
+
     def test_requests_outside_the_model_are_refused_in_the_commands_words(self) -> None:
         model = MegaModel.from_pretrained(self.dir, max_seq=8, on="cpu")
         self.assertEqual((model.vocab, model.context, model.eos, model.bos, model.on), (97, 8, [2, 3], 1, "cpu"))
@@ -123,6 +249,8 @@ class Checkpoint(unittest.TestCase):
             (lambda: model.generate([1] * 9, 1), "a prompt of 9 tokens is longer than the caches' 8 positions"),
             (lambda: model.generate([1], 1, eos=[2] * 5), "5 end-of-sequence tokens; the kernel stops at 4"),
         ]
+        cases.append((lambda: model.decode_step_timed(1, 0),
+                      "decode_step_timed times the model kernel's phases: this model runs on the CPU"))
         for call, sentence in cases:
             with self.assertRaises(MegakernelError) as caught:
                 call()
@@ -172,8 +300,8 @@ class Loader(unittest.TestCase):
         with self.assertRaises(ValueError):
             MegaModel.from_pretrained("/nonexistent", max_batch=9, on="cpu")
         with self.assertRaises(TypeError) as caught:
-            MegaModel.from_pretrained(object())  # a loaded model object, not a folder
-        self.assertIn("save_pretrained", str(caught.exception))
+            MegaModel.from_pretrained(object())  # neither a folder nor a loaded model
+        self.assertIn("a checkpoint folder's path or a loaded transformers model, not a object", str(caught.exception))
 
 
 if __name__ == "__main__":

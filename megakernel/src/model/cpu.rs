@@ -53,6 +53,14 @@ impl CpuModel {
         logits(self.weights.head(), vocab, &h)
     }
 
+    /// Forgets every sequence: the caches zeroed, as a new model's are.
+    pub fn reset(&mut self) {
+        for cache in &mut self.caches {
+            cache.k.fill(bf16::ZERO);
+            cache.v.fill(bf16::ZERO);
+        }
+    }
+
     /// What its decode steps and generations may ask for (the GPU model's limits, in its words).
     pub fn limits(&self) -> Limits {
         Limits { vocab: self.cfg.vocab, context: self.context() }

@@ -228,9 +228,9 @@ pub struct GpuModel {
     hidden: Option<CudaSlice<bf16>>,
     /// Qwen3: each layer's q and k norm weights, one after the other (`hd` each); empty without them.
     qk_norms: Vec<CudaSlice<bf16>>,
-    // Owned for the compiled program's addresses to stay valid.
+    // Owned for the compiled program's addresses to stay valid (the caches also for `reset`).
     _weights: Vec<DeviceWeights>,
-    _caches: Vec<DeviceCache>,
+    caches: Vec<DeviceCache>,
 }
 
 impl GpuModel {
@@ -309,7 +309,7 @@ impl GpuModel {
             norm,
             head,
             _weights: layers,
-            _caches: caches,
+            caches,
         })
     }
 
@@ -326,14 +326,42 @@ impl GpuModel {
     /// The logits after `token` at position `pos` (its K and V appended to every layer's cache at
     /// `pos`), in one launch, as `CpuModel::decode_step` computes them.
     pub fn decode_step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Vec<f32>, GpuModelError> {
-        self.limits().step(token, pos)?;
-        self.launch(dev, pos, &[token], 1, &[], None)?;
+        self.step(dev, token, pos)?;
         self.last_logits(dev)
+    }
+
+    /// `decode_step` leaving its logits on the GPU (`last_logits`, `last_logits_on_device`); returns
+    /// the kernel's time in ms.
+    pub fn step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<f32, GpuModelError> {
+        self.limits().step(token, pos)?;
+        Ok(self.launch(dev, pos, &[token], 1, &[], None)?.1)
     }
 
     /// The logits of the last position the last launch decoded.
     pub fn last_logits(&self, dev: &Device) -> Result<Vec<f32>, GpuModelError> {
         Ok(dev.stream().clone_dtoh(&self.logits.slice(..self.cfg.vocab)).context("reading the logits")?)
+    }
+
+    /// `last_logits` as a buffer of their own on the GPU (the next launch overwrites the model's),
+    /// complete when this returns.
+    pub fn last_logits_on_device(&self, dev: &Device) -> Result<CudaSlice<f32>, GpuModelError> {
+        let s = dev.stream();
+        let mut copy = s.alloc_zeros::<f32>(self.cfg.vocab).context("allocating the logits' copy")?;
+        s.memcpy_dtod(&self.logits.slice(..self.cfg.vocab), &mut copy).context("copying the logits")?;
+        s.synchronize().context("copying the logits")?;
+        Ok(copy)
+    }
+
+    /// Forgets every sequence: the caches and the logits zeroed, as a new model's are.
+    pub fn reset(&mut self, dev: &Device) -> Result<(), GpuModelError> {
+        let s = dev.stream();
+        for cache in &mut self.caches {
+            s.memset_zeros(&mut cache.k).context("zeroing a K cache")?;
+            s.memset_zeros(&mut cache.v).context("zeroing a V cache")?;
+        }
+        s.memset_zeros(&mut self.logits).context("zeroing the logits")?;
+        s.synchronize().context("zeroing the caches")?;
+        Ok(())
     }
 
     /// The vocabulary's size.
@@ -453,21 +481,39 @@ impl GpuModel {
     /// the timed kernel's, so its times say where a token's time goes, not how long it takes.
     pub fn trace(&mut self, dev: &Device, prompt: &[u32], max_new: usize) -> Result<ModelTrace, GpuModelError> {
         self.limits().generation(prompt, max_new, &[])?;
+        self.traced(dev, 0, prompt, max_new)
+    }
+
+    /// `decode_step` in the traced instance (`trace`; `ModelTrace::step_shares` reads it); the logits
+    /// are the decode step's (`last_logits`).
+    pub fn trace_step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<ModelTrace, GpuModelError> {
+        self.limits().step(token, pos)?;
+        self.traced(dev, pos, &[token], 1)
+    }
+
+    /// The traced instance's launch from `pos0`, the tokens from there `given` (checked by the caller).
+    fn traced(
+        &mut self,
+        dev: &Device,
+        pos0: usize,
+        given: &[u32],
+        max_new: usize,
+    ) -> Result<ModelTrace, GpuModelError> {
         let b = &self.stack;
         // Loaded here, not with the stack: only a trace runs it.
         let traced = dev.function(&MODEL, model_kernel(self.cfg.qk_norm, has_narrow_rows(&self.layer), true))?;
         fit_one_block(&traced, b.smem, "the traced model kernel")?;
         let (grid, layers, per_step) = (b.grid as usize, b.layers() as usize, (b.phases() * b.layers()) as usize + 1);
         let plan: Vec<_> = b.plan.iter().map(|p| p.op).collect();
-        let positions = (prompt.len() + max_new - 1).min(self.context());
+        let positions = (given.len() + max_new - 1).min(self.context() - pos0);
         let mut stamps = dev
             .stream()
             .alloc_zeros::<u64>(positions * grid * per_step * TRACE_STAMPS)
             .context("allocating the trace")?;
-        let ([ran, _], kernel_ms) = self.launch(dev, 0, prompt, max_new, &[], Some((&traced, &mut stamps)))?;
+        let ([ran, _], kernel_ms) = self.launch(dev, pos0, given, max_new, &[], Some((&traced, &mut stamps)))?;
         let mut stamps = dev.stream().clone_dtoh(&stamps).context("reading the trace")?;
         stamps.truncate(ran as usize * grid * per_step * TRACE_STAMPS);
-        Ok(ModelTrace { stamps, grid, plan, layers, prompt: prompt.len(), kernel_ms })
+        Ok(ModelTrace { stamps, grid, plan, layers, prompt: given.len(), kernel_ms })
     }
 
     /// Bytes a decode step at `pos` must move: every layer's (`ByteModel::stack_at`), the LM head and

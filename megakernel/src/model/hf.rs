@@ -173,9 +173,15 @@ impl ModelConfig {
         let path = dir.join("config.json");
         let text =
             std::fs::read_to_string(&path).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
-        let raw: RawConfig =
-            serde_json::from_str(&text).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
-        Self::from_raw(&dir_name(dir), raw)
+        Self::parse(&dir_name(dir), &path, &text)
+    }
+
+    /// The model `name` from the text of a `config.json` (a loaded model's configuration, written as
+    /// `save_pretrained` writes it); `origin` is what a syntax error names.
+    pub fn parse(name: &str, origin: &Path, text: &str) -> Result<ModelConfig, ModelError> {
+        let raw: RawConfig = serde_json::from_str(text)
+            .map_err(|e| ModelError::Io { path: origin.to_path_buf(), why: e.to_string() })?;
+        Self::from_raw(name, raw)
     }
 
     fn from_raw(name: &str, raw: RawConfig) -> Result<ModelConfig, ModelError> {
@@ -297,25 +303,23 @@ impl ModelWeights {
     /// Reads every tensor of `cfg`'s model from `dir`'s safetensors files, each checked for its name
     /// and shape.
     pub fn read(dir: &Path, cfg: &ModelConfig) -> Result<ModelWeights, ModelError> {
+        let mut got = read_tensors(dir, &wanted(cfg))?;
+        Self::from_tensors(cfg, |name, _| Ok(got.remove(name).expect("read_tensors returns every tensor asked for")))
+    }
+
+    /// `cfg`'s model from `fetch`, which gives each tensor by its Hugging Face name in bf16 and is
+    /// told the shape it must have (the folder's loader above, or a loaded model's tensors).
+    pub fn from_tensors(
+        cfg: &ModelConfig,
+        mut fetch: impl FnMut(&str, &[usize]) -> Result<Vec<bf16>, ModelError>,
+    ) -> Result<ModelWeights, ModelError> {
         let l = &cfg.layer;
-        let (d, vocab) = (l.d, cfg.vocab);
-        let mut wanted = vec![("model.embed_tokens.weight".to_string(), vec![vocab, d])];
-        for i in 0..l.layers {
-            for &t in Tensor::WEIGHTS {
-                let (name, shape) = layer_tensor(t, l);
-                wanted.push((format!("model.layers.{i}.{name}"), shape));
-            }
+        let mut got = HashMap::new();
+        for (name, shape) in wanted(cfg) {
+            let values = fetch(&name, &shape)?;
+            got.insert(name, values);
         }
-        let qk_names = |i: usize| ["q_norm", "k_norm"].map(|n| format!("model.layers.{i}.self_attn.{n}.weight"));
-        if cfg.qk_norm {
-            wanted.extend((0..l.layers).flat_map(qk_names).map(|name| (name, vec![l.hd])));
-        }
-        wanted.push(("model.norm.weight".to_string(), vec![d]));
-        if !cfg.tied {
-            wanted.push(("lm_head.weight".to_string(), vec![vocab, d]));
-        }
-        let mut got = read_tensors(dir, &wanted)?;
-        let mut take = |name: &str| got.remove(name).expect("read_tensors returns every tensor asked for");
+        let mut take = |name: &str| got.remove(name).expect("every tensor wanted was fetched");
         let embed = take("model.embed_tokens.weight");
         let layers = (0..l.layers)
             .map(|i| {
@@ -330,6 +334,59 @@ impl ModelWeights {
         let norm = take("model.norm.weight");
         let lm_head = (!cfg.tied).then(|| take("lm_head.weight"));
         Ok(ModelWeights { embed, layers, norm, lm_head, qk_norms })
+    }
+}
+
+/// Every tensor `cfg`'s model reads, by its Hugging Face name, with its shape.
+fn wanted(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let l = &cfg.layer;
+    let (d, vocab) = (l.d, cfg.vocab);
+    let mut wanted = vec![("model.embed_tokens.weight".to_string(), vec![vocab, d])];
+    for i in 0..l.layers {
+        for &t in Tensor::WEIGHTS {
+            let (name, shape) = layer_tensor(t, l);
+            wanted.push((format!("model.layers.{i}.{name}"), shape));
+        }
+    }
+    if cfg.qk_norm {
+        wanted.extend((0..l.layers).flat_map(qk_names).map(|name| (name, vec![l.hd])));
+    }
+    wanted.push(("model.norm.weight".to_string(), vec![d]));
+    if !cfg.tied {
+        wanted.push(("lm_head.weight".to_string(), vec![vocab, d]));
+    }
+    wanted
+}
+
+/// Qwen3's q and k norms of layer `i`.
+fn qk_names(i: usize) -> [String; 2] {
+    ["q_norm", "k_norm"].map(|n| format!("model.layers.{i}.self_attn.{n}.weight"))
+}
+
+/// The element types a tensor may come in; each is read into bf16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Element {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl Element {
+    pub fn bytes(self) -> usize {
+        match self {
+            Element::Bf16 | Element::F16 => 2,
+            Element::F32 => 4,
+        }
+    }
+
+    /// Little-endian `data` of this type in bf16: f32 and f16 rounded to nearest even once.
+    pub fn to_bf16(self, data: &[u8]) -> Vec<bf16> {
+        let words = |n: usize| data.chunks_exact(n);
+        match self {
+            Element::Bf16 => words(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect(),
+            Element::F16 => words(2).map(|b| bf16::from_f32(f16::from_le_bytes([b[0], b[1]]).to_f32())).collect(),
+            Element::F32 => words(4).map(|b| bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect(),
+        }
     }
 }
 
@@ -428,15 +485,13 @@ fn read_tensors(dir: &Path, wanted: &[(String, Vec<usize>)]) -> Result<HashMap<S
             if view.shape() != shape.as_slice() {
                 return Err(bad(format!("shape {:?}, expected {shape:?}", view.shape())));
             }
-            let data = view.data();
-            let words = |n: usize| data.chunks_exact(n);
-            let values = match view.dtype() {
-                Dtype::BF16 => words(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect(),
-                Dtype::F16 => words(2).map(|b| bf16::from_f32(f16::from_le_bytes([b[0], b[1]]).to_f32())).collect(),
-                Dtype::F32 => words(4).map(|b| bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect(),
+            let element = match view.dtype() {
+                Dtype::BF16 => Element::Bf16,
+                Dtype::F16 => Element::F16,
+                Dtype::F32 => Element::F32,
                 other => return Err(bad(format!("dtype {other:?}: the loader reads bf16, f16 and f32"))),
             };
-            got.insert(name.clone(), values);
+            got.insert(name.clone(), element.to_bf16(view.data()));
         }
     }
     Ok(got)

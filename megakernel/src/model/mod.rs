@@ -18,7 +18,7 @@ pub mod trace;
 
 pub use cpu::{CpuModel, argmax};
 pub use gpu::{Generation, GpuModel, GpuModelError, Lane};
-pub use hf::{ModelConfig, ModelError, ModelWeights};
+pub use hf::{Element, ModelConfig, ModelError, ModelWeights};
 pub use request::{Limits, Stop};
 pub use text::Text;
 pub use together::{check_together, generate_together};

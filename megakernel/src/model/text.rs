@@ -28,6 +28,15 @@ impl Text {
         Ok(Text { tokenizer, path })
     }
 
+    /// A tokenizer from the text of a `tokenizer.json` (a loaded tokenizer's, serialised); `origin` is
+    /// what an error names.
+    pub fn parse(origin: &Path, json: &str) -> Result<Text, ModelError> {
+        let path = origin.to_path_buf();
+        let tokenizer =
+            json.parse::<Tokenizer>().map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
+        Ok(Text { tokenizer, path })
+    }
+
     /// The tokens of `text`, the model's special tokens added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ModelError> {
         let encoding = self.tokenizer.encode(text, true).map_err(|e| self.error(e))?;

@@ -115,7 +115,27 @@ impl ModelTrace {
     /// head), over `traced_positions`; `None` when no position was traced or the stamps are
     /// incomplete (a phase that no block ran, a block with one stamp of a phase's two).
     pub fn shares(&self) -> Option<Vec<PhaseShare>> {
-        let positions = self.traced_positions();
+        let n = self.per_position();
+        // The position before's head ended the position before.
+        self.shares_over(self.traced_positions(), |p| self.spans(p - 1, n - 1)?.iter().map(|s| s[END]).max())
+    }
+
+    /// `shares` of a launch of one position (`GpuModel::trace_step`), its first phase's hand-off from
+    /// the first block's start of it: a decode step's critical path from its first phase to its head.
+    pub fn step_shares(&self) -> Option<Vec<PhaseShare>> {
+        if self.positions() != 1 || self.prompt != 1 {
+            return None;
+        }
+        self.shares_over(0..1, |_| self.spans(0, 0)?.iter().map(|s| s[START]).min())
+    }
+
+    /// Each kind of phase's part of a token over `positions`, where a position's first phase counts
+    /// from `ready(p)`.
+    fn shares_over(
+        &self,
+        positions: std::ops::Range<usize>,
+        ready: impl Fn(usize) -> Option<u64>,
+    ) -> Option<Vec<PhaseShare>> {
         if positions.is_empty() || self.plan.is_empty() {
             return None;
         }
@@ -135,8 +155,7 @@ impl ModelTrace {
             Some([0, 1, 2].map(|i| us(median(inner.iter().map(|s| s[i + 1] - s[i]).collect()) as i64)))
         };
         for p in positions.clone() {
-            // The position before's head ended the position before.
-            let mut ended = self.spans(p - 1, n - 1)?.iter().map(|s| s[END]).max()?;
+            let mut ended = ready(p)?;
             for f in 0..n {
                 let spans = self.spans(p, f)?;
                 let last = spans.iter().map(|s| s[END]).max()?;
@@ -238,6 +257,19 @@ mod tests {
             (2, 20.0, 2.0, 12.0, 6.0)
         );
         assert_eq!(per_layer(&shares, 2).span_us, 10.0);
+    }
+
+    #[test]
+    fn a_single_step_counts_from_its_first_blocks_start() {
+        let mut t = trace(1, 3_000, 1_000);
+        assert_eq!(t.shares(), None, "no head before the launch's one position");
+        let shares = t.step_shares().expect("one position with its head");
+        // Qkv counts from its first block's start (no hand-off), the others as in a generation.
+        let spans: Vec<_> = shares.iter().map(|s| (s.what.as_str(), s.span_us, s.handoff_us)).collect();
+        assert_eq!(spans, [("Qkv", 9.0, 0.0), ("Down", 10.0, 1.0), ("Head", 10.0, 1.0)]);
+        t.prompt = 2;
+        assert_eq!(t.step_shares(), None, "a prompt of two is not a step");
+        assert_eq!(trace(2, 3_000, 1_000).step_shares(), None, "two positions are not a step");
     }
 
     #[test]

@@ -7,41 +7,7 @@
 
 use std::ffi::c_void;
 
-/// `kDLCUDA`.
-const DEVICE_CUDA: i32 = 2;
-/// `kDLBfloat`.
-const CODE_BFLOAT: u8 = 4;
-
-#[repr(C)]
-struct DlDevice {
-    device_type: i32,
-    device_id: i32,
-}
-
-#[repr(C)]
-struct DlDataType {
-    code: u8,
-    bits: u8,
-    lanes: u16,
-}
-
-#[repr(C)]
-struct DlTensor {
-    data: *mut c_void,
-    device: DlDevice,
-    ndim: i32,
-    dtype: DlDataType,
-    shape: *mut i64,
-    strides: *mut i64,
-    byte_offset: u64,
-}
-
-#[repr(C)]
-struct DlManagedTensor {
-    dl_tensor: DlTensor,
-    manager_ctx: *mut c_void,
-    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
-}
+use cuda::dlpack::{CODE_BFLOAT, DEVICE_CUDA, DlDataType, DlDevice, DlManagedTensor, DlTensor};
 
 /// The most dimensions a tensor of the contract has (the cache: batch, n_kv, slots, hd).
 const MAX_DIMS: usize = 4;
@@ -98,16 +64,8 @@ pub fn bf16_tensor(data: u64, shape: &[usize], ordinal: usize) -> Result<*mut c_
 mod tests {
     use super::*;
 
-    /// The layout dlpack.h fixes (x86-64 and aarch64): torch reads these offsets.
     #[test]
-    fn the_structs_have_dlpacks_layout() {
-        assert_eq!(std::mem::offset_of!(DlTensor, device), 8);
-        assert_eq!(std::mem::offset_of!(DlTensor, ndim), 16);
-        assert_eq!(std::mem::offset_of!(DlTensor, dtype), 20);
-        assert_eq!(std::mem::offset_of!(DlTensor, shape), 24);
-        assert_eq!(std::mem::offset_of!(DlTensor, byte_offset), 40);
-        assert_eq!(size_of::<DlTensor>(), 48);
-        assert_eq!(std::mem::offset_of!(DlManagedTensor, deleter), 56);
+    fn a_bf16_tensor_is_described_row_major() {
         let p = bf16_tensor(0xdead_0000, &[2, 3, 4], 1).unwrap().cast::<DlManagedTensor>();
         // SAFETY: a leaked, initialised struct.
         let t = unsafe { &(*p).dl_tensor };
