@@ -13,7 +13,7 @@ Then for each size (SIZES, --sizes): ms per token of the megakernel from the com
 and from Python (`generate`'s kernel time, the same one launch; a `decode_step` per token with the
 greedy token taken on the GPU), beside transformers' static-cache generate, eager and compiled.
 
-    python3 scripts/hf-python.py [PATH_TO_megakernel] [--shapes a,b] [--sizes llama-3.2-1b] [--tokens 128] [--no-compile]
+    python3 scripts/hf-python.py [PATH_TO_megakernel] [--shapes a,b] [--sizes llama-3.2-1b] [--tokens 128] [--no-compile] [--out DIR]
 
 Needs the persistent_layer package (pip install ./python, or PYTHONPATH to a folder holding it),
 torch, transformers and tokenizers, and an H100/H200. Exits 1 when any check fails.
@@ -166,6 +166,7 @@ def main():
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES) + " (or none)")
     p.add_argument("--sizes", default="llama-3.2-1b", help="comma-separated, of: " + ", ".join(SIZES) + " (or none)")
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--out", default=None, help="where to write the checkpoints (default: a temporary folder)")
     p.add_argument("--no-compile", action="store_true", help="skip transformers' compiled figure (compiling takes minutes)")
     args = p.parse_args()
     shapes = [n for n in args.shapes.split(",") if n and n != "none"]
@@ -175,7 +176,7 @@ def main():
         p.error(f"unknown shape or size {', '.join(unknown)}")
     if not torch.cuda.is_available():
         sys.exit("hf-python.py: torch sees no GPU: the API's GPU checks need one")
-    root = Path(tempfile.mkdtemp(prefix="hf-python-"))
+    root = Path(args.out or tempfile.mkdtemp(prefix="hf-python-"))
     failures = []
     if shapes:
         print(f"{'shape':<20} {'rel folder':>10} {'rel loaded':>10} {'argmax':>7} {'gen = hf':>9} {'check':>5}   "

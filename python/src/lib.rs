@@ -104,13 +104,13 @@ impl Model {
     }
 }
 
-/// The tokenizer of `json` (a loaded tokenizer's), or why there is none.
-fn tokenizer_of(json: Option<&str>) -> Result<Text, String> {
-    match json {
-        Some(json) => Text::parse(Path::new("the tokenizer given"), json).map_err(|e| e.to_string()),
-        None => Err("no tokenizer: pass a loaded one to from_pretrained (tokenizer=) for text in and out".into()),
-    }
+/// The tokenizer of `json` (a loaded tokenizer's).
+fn tokenizer_of(json: &str) -> Result<Text, String> {
+    Text::parse(Path::new("the tokenizer given"), json).map_err(|e| e.to_string())
 }
+
+/// Why a loaded model without a tokenizer given has no text.
+const NO_TOKENIZER: &str = "no tokenizer: pass a loaded one to from_pretrained (tokenizer=) for text in and out";
 
 #[pymethods]
 impl Model {
@@ -132,7 +132,7 @@ impl Model {
         let cfg = ModelConfig::read(dir).map_err(refused)?;
         let weights = ModelWeights::read(dir, &cfg).map_err(refused)?;
         let text = match tokenizer_json {
-            Some(_) => tokenizer_of(tokenizer_json),
+            Some(json) => tokenizer_of(json),
             None => Text::read(dir).map_err(|e| e.to_string()),
         };
         Model::build(cfg, weights, text, dev, max_seq, max_batch)
@@ -187,7 +187,8 @@ impl Model {
         })
         .map_err(refused)?;
         drop(others);
-        Model::build(cfg, weights, tokenizer_of(tokenizer_json), dev, max_seq, max_batch)
+        let text = tokenizer_json.map_or_else(|| Err(NO_TOKENIZER.into()), tokenizer_of);
+        Model::build(cfg, weights, text, dev, max_seq, max_batch)
     }
 
     /// 'gpu' or 'cpu'.
