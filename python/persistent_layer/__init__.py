@@ -132,8 +132,8 @@ class MegaModel:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             torch.cuda.synchronize()  # the tensors' last writes, on whatever stream made them
-        return cls(_Model.from_tensors(os.path.basename(str(name)) or str(name), config.to_json_string(),
-                                       path_or_model.state_dict(), **options))
+        loaded = (os.path.basename(str(name)) or str(name), config.to_json_string(), path_or_model.state_dict())
+        return cls(_Model(loaded, **options))
 
     @property
     def on(self) -> str:

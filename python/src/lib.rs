@@ -109,18 +109,64 @@ fn tokenizer_of(json: &str) -> Result<Text, String> {
     Text::parse(Path::new("the tokenizer given"), json).map_err(|e| e.to_string())
 }
 
+/// What a model is read from.
+#[derive(FromPyObject)]
+enum Source<'py> {
+    /// A checkpoint folder's path: config.json, *.safetensors, tokenizer.json if present.
+    Folder(String),
+    /// A loaded model: its name (for its plan), its configuration as `save_pretrained` writes
+    /// config.json, and a mapping from Hugging Face names to tensors (`loaded_weights`).
+    Loaded(String, String, Bound<'py, PyAny>),
+}
+
+/// `cfg`'s weights from `tensors` taken through DLPack (on the host or a GPU; bf16, f16 or f32,
+/// compact), read once into the model's bf16 as the folder's loader reads them; memory on a GPU is
+/// read in that GPU's context (`dev`'s where it is the model's).
+fn loaded_weights(
+    cfg: &ModelConfig,
+    tensors: &Bound<'_, PyAny>,
+    dev: Option<&Device>,
+) -> Result<ModelWeights, ModelError> {
+    // GPUs other than the model's, opened to read tensors that live there.
+    let mut others: Vec<Device> = Vec::new();
+    let mut gpu = |ordinal: usize, address: u64, dst: &mut [u8]| -> Result<(), String> {
+        let owner = match dev.filter(|d| d.facts().ordinal == ordinal) {
+            Some(d) => d,
+            None => match others.iter().position(|d| d.facts().ordinal == ordinal) {
+                Some(i) => &others[i],
+                None => {
+                    others.push(Device::open(ordinal).map_err(|e| e.to_string())?);
+                    others.last().expect("just pushed")
+                }
+            },
+        };
+        owner.ctx().bind_to_thread().map_err(|e| format!("binding GPU {ordinal}'s context: {e:?}"))?;
+        dlpack::read_device(address, dst)
+    };
+    let state = Path::new("state_dict");
+    let tensor_error = |name: &str, why: String| ModelError::Tensor { path: state.into(), name: name.into(), why };
+    ModelWeights::from_tensors(cfg, |name, shape| {
+        let tensor = match tensors.get_item(name) {
+            Ok(t) => t,
+            Err(e) if e.is_instance_of::<PyKeyError>(tensors.py()) => return Err(tensor_error(name, "missing".into())),
+            Err(e) => return Err(tensor_error(name, e.to_string())),
+        };
+        dlpack::take_tensor(&tensor, shape, &mut gpu).map_err(|why| tensor_error(name, why))
+    })
+}
+
 /// Why a loaded model without a tokenizer given has no text.
 const NO_TOKENIZER: &str = "no tokenizer: pass a loaded one to from_pretrained (tokenizer=) for text in and out";
 
 #[pymethods]
 impl Model {
-    /// Reads the checkpoint in `path` (config.json, *.safetensors, tokenizer.json if present, or
-    /// `tokenizer_json` instead) and makes it ready to decode with caches of `max_seq` positions: on
-    /// the GPU `device` with `max_batch` sequences' caches, or on the CPU.
+    /// Reads the model `source` names and makes it ready to decode with caches of `max_seq` positions:
+    /// on the GPU `device` with `max_batch` sequences' caches, or on the CPU. `tokenizer_json` (a
+    /// loaded tokenizer's) gives it text, in place of a folder's tokenizer.json.
     #[new]
-    #[pyo3(signature = (path, max_seq = 4096, max_batch = 8, device = 0, on = "gpu", tokenizer_json = None))]
+    #[pyo3(signature = (source, max_seq = 4096, max_batch = 8, device = 0, on = "gpu", tokenizer_json = None))]
     fn new(
-        path: &str,
+        source: Source<'_>,
         max_seq: usize,
         max_batch: usize,
         device: usize,
@@ -128,66 +174,20 @@ impl Model {
         tokenizer_json: Option<&str>,
     ) -> PyResult<Model> {
         let dev = where_to_run(max_seq, max_batch, device, on)?;
-        let dir = Path::new(path);
-        let cfg = ModelConfig::read(dir).map_err(refused)?;
-        let weights = ModelWeights::read(dir, &cfg).map_err(refused)?;
-        let text = match tokenizer_json {
-            Some(json) => tokenizer_of(json),
-            None => Text::read(dir).map_err(|e| e.to_string()),
+        let (cfg, weights, text) = match source {
+            Source::Folder(path) => {
+                let dir = Path::new(&path);
+                let cfg = ModelConfig::read(dir).map_err(refused)?;
+                let weights = ModelWeights::read(dir, &cfg).map_err(refused)?;
+                (cfg, weights, Text::read(dir).map_err(|e| e.to_string()))
+            }
+            Source::Loaded(name, config_json, tensors) => {
+                let cfg = ModelConfig::parse(&name, Path::new("the model's config"), &config_json).map_err(refused)?;
+                let weights = loaded_weights(&cfg, &tensors, dev.as_ref()).map_err(refused)?;
+                (cfg, weights, Err(NO_TOKENIZER.into()))
+            }
         };
-        Model::build(cfg, weights, text, dev, max_seq, max_batch)
-    }
-
-    /// A loaded model: `config_json` (its configuration as `save_pretrained` writes config.json) and
-    /// `tensors`, a mapping from Hugging Face names to tensors taken through DLPack (on the host or a
-    /// GPU; bf16, f16 or f32, compact), read once into the model's bf16 as the folder's loader reads
-    /// them; `name` names the model in its plan.
-    #[staticmethod]
-    #[pyo3(signature = (name, config_json, tensors, max_seq = 4096, max_batch = 8, device = 0, on = "gpu", tokenizer_json = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn from_tensors(
-        name: &str,
-        config_json: &str,
-        tensors: &Bound<'_, PyAny>,
-        max_seq: usize,
-        max_batch: usize,
-        device: usize,
-        on: &str,
-        tokenizer_json: Option<&str>,
-    ) -> PyResult<Model> {
-        let dev = where_to_run(max_seq, max_batch, device, on)?;
-        let cfg = ModelConfig::parse(name, Path::new("the model's config"), config_json).map_err(refused)?;
-        // GPUs other than the model's, opened to read tensors that live there.
-        let mut others: Vec<Device> = Vec::new();
-        let mut gpu = |ordinal: usize, address: u64, dst: &mut [u8]| -> Result<(), String> {
-            let owner = match dev.as_ref().filter(|d| d.facts().ordinal == ordinal) {
-                Some(d) => d,
-                None => match others.iter().position(|d| d.facts().ordinal == ordinal) {
-                    Some(i) => &others[i],
-                    None => {
-                        others.push(Device::open(ordinal).map_err(|e| e.to_string())?);
-                        others.last().expect("just pushed")
-                    }
-                },
-            };
-            owner.ctx().bind_to_thread().map_err(|e| format!("binding GPU {ordinal}'s context: {e:?}"))?;
-            dlpack::read_device(address, dst)
-        };
-        let state = Path::new("state_dict");
-        let tensor_error = |name: &str, why: String| ModelError::Tensor { path: state.into(), name: name.into(), why };
-        let weights = ModelWeights::from_tensors(&cfg, |name, shape| {
-            let tensor = match tensors.get_item(name) {
-                Ok(t) => t,
-                Err(e) if e.is_instance_of::<PyKeyError>(tensors.py()) => {
-                    return Err(tensor_error(name, "missing".into()));
-                }
-                Err(e) => return Err(tensor_error(name, e.to_string())),
-            };
-            dlpack::take_tensor(&tensor, shape, &mut gpu).map_err(|why| tensor_error(name, why))
-        })
-        .map_err(refused)?;
-        drop(others);
-        let text = tokenizer_json.map_or_else(|| Err(NO_TOKENIZER.into()), tokenizer_of);
+        let text = tokenizer_json.map_or(text, tokenizer_of);
         Model::build(cfg, weights, text, dev, max_seq, max_batch)
     }
 
