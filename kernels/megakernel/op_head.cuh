@@ -66,17 +66,37 @@ __device__ inline void head_rows(uint32_t vocab, uint32_t& r0, uint32_t& r1) {
     r1 = (uint32_t)((uint64_t)vocab * (blockIdx.x + 1) / gridDim.x);
 }
 
-// Starts streaming the head's rows [r0, r1) (at most the partials' rows) into the ring, for run() or
-// for run_group (`group`, RowStream's).
-__device__ inline void prime_head_rows(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t r0, uint32_t r1, bool group = false) {
-    with_stream(m.head, d, r0, r1, false, [&](auto stream) { stream.prime(ring); }, group);
+// Head rows a decode step streams together as one row of `bundle` times d columns, in the instance for
+// narrow rows (SLICED): where a row of d is a power of two of 16-byte vectors, at least a warp's and
+// under the block's, run() on its own leaves the threads past the row without columns and fills each
+// stage only to that fraction. Bundled, thread t takes row t / vecs of the bundle, its columns those of
+// thread t % vecs, and row j's warp partials are warps [j WARPS / bundle, (j + 1) WARPS / bundle):
+// each the partial that warp w % (WARPS / bundle) has for that row alone (head_logits adds them so
+// that each logit keeps its bits). Llama-3.2-1B's 525 MB head went from 196 us (2.7 TB/s, 32 KB in
+// each of two stages in flight) to 131 us, its decode step 6.6% faster (docs/perf.md, "The head in
+// bundles"). 1 elsewhere, and where the vocabulary does not divide.
+template <bool SLICED>
+__device__ inline uint32_t head_bundle(const ModelArgs& m, uint32_t d) {
+    const uint32_t vecs = d / VEC;
+    if (!SLICED || vecs < WARP || vecs >= THREADS || (vecs & (vecs - 1)) != 0) return 1;
+    const uint32_t bundle = THREADS / vecs;
+    return m.vocab % bundle == 0 ? bundle : 1;
 }
 
-// The head's first weights, before the head waits for the last layer (`group` as for prime_head_rows).
+// Starts streaming the head's rows [r0, r1) (at most the partials' rows) of `cols` columns into the
+// ring, for run() or for run_group (`group`, RowStream's).
+__device__ inline void prime_head_rows(const ModelArgs& m, uint32_t cols, const Ring& ring, uint32_t r0, uint32_t r1, bool group = false) {
+    with_stream(m.head, cols, r0, r1, false, [&](auto stream) { stream.prime(ring); }, group);
+}
+
+// The head's first weights, before the head waits for the last layer: a decode step's (phase_head) in
+// bundles, or a batch step's (`group`: head_lanes's streams).
+template <bool SLICED>
 __device__ inline void prime_head(const ModelArgs& m, uint32_t d, const Ring& ring, uint32_t chunk_rows, bool group = false) {
+    const uint32_t bundle = group ? 1 : head_bundle<SLICED>(m, d);
     uint32_t r0, r1;
-    head_rows(m.vocab, r0, r1);
-    prime_head_rows(m, d, ring, r0, min(r0 + chunk_rows, r1), group);
+    head_rows(m.vocab / bundle, r0, r1);
+    prime_head_rows(m, bundle * d, ring, r0, min(r0 + chunk_rows, r1), group);
 }
 
 // This block's rows of the LM head as one group-of-one stream (phase_head_solo).
@@ -87,32 +107,44 @@ __device__ inline RowStream<1> head_solo_stream(const ModelArgs& m, uint32_t d) 
 }
 
 // The logits of head rows [c0, c1) from their sums in `part` (each row's warp partials in warp order),
-// into m.logits, and the best of them and `best` (logit_key).
-__device__ inline uint64_t head_logits(const ModelArgs& m, const Partials& part, uint32_t c0, uint32_t c1, uint64_t best) {
-    for (uint32_t r = threadIdx.x; r < c1 - c0; r += THREADS) {
-        const float v = row_sum(part.red, r);
-        m.logits[c0 + r] = v;
-        best = max(best, logit_key(v, c0 + r));
+// into m.logits, and the best of them and `best` (logit_key). Rows of `bundle` (head_bundle) share a
+// row of the partials, row j of them its WARPS / bundle warps; the warps past them, which in run() of
+// that row alone add +0.0, are one +0.0 here (the same bits: only -0.0 changes, to +0.0, and once).
+__device__ inline uint64_t head_logits(const ModelArgs& m, const Partials& part, uint32_t c0, uint32_t c1, uint64_t best, uint32_t bundle = 1) {
+    // bundle is a power of two: its quotients are shifts.
+    const uint32_t lg = 31 - __clz(bundle), warps = WARPS >> lg;
+    for (uint32_t r = threadIdx.x; r < (c1 - c0) << lg; r += THREADS) {
+        const float* red = part.red + (size_t)(r >> lg) * WARPS + (r & (bundle - 1)) * warps;
+        float v = red[0];
+        for (uint32_t w = 1; w < warps; ++w) v += red[w];
+        if (bundle > 1) v += 0.0f;
+        m.logits[(c0 << lg) + r] = v;
+        best = max(best, logit_key(v, (c0 << lg) + r));
     }
     return best;
 }
 
 // logits = head rmsnorm(y, final_norm) over this block's rows, f32 (each row's warp partials summed in
 // warp order), and the block's best row to its candidate slot. The rows go through the partials
-// `part.rows` at a time; the next chunk's first stages stream while this one's logits are summed.
+// `part.rows` at a time (bundles of head_bundle rows); the next chunk's first stages stream while this
+// one's logits are summed.
+template <bool SLICED>
 __device__ void phase_head(const ModelArgs& m, const bf16* y, uint32_t d, Ring& ring, Partials part) {
-    const Slice s = rmsnorm_slice(y, m.final_norm, d, __int_as_float((int)m.eps_bits));
+    const uint32_t bundle = head_bundle<SLICED>(m, d);
+    // Thread t's columns in a bundle are thread t % (THREADS / bundle)'s of one row.
+    const uint32_t t = bundle == 1 ? threadIdx.x : threadIdx.x & (THREADS / bundle - 1);
+    const Slice s = rmsnorm_slice(y, m.final_norm, d, __int_as_float((int)m.eps_bits), t);
     uint32_t r0, r1;
-    head_rows(m.vocab, r0, r1);
+    head_rows(m.vocab / bundle, r0, r1);
     uint64_t best = 0;
     for (uint32_t c0 = r0; c0 < r1; c0 += part.rows) {
         const uint32_t c1 = min(c0 + part.rows, r1);
-        with_stream(m.head, d, c0, c1, false, [&](auto stream) { stream.run(s, ring, part); });
+        with_stream(m.head, bundle * d, c0, c1, false, [&](auto stream) { stream.run(s, ring, part); });
         // The ring is free: run ended on a __syncthreads after its last read of it.
-        if (c1 < r1) prime_head_rows(m, d, ring, c1, min(c1 + part.rows, r1));
+        if (c1 < r1) prime_head_rows(m, bundle * d, ring, c1, min(c1 + part.rows, r1));
         // The next chunk's run starts with a __syncthreads before it writes red, so these reads of it
         // come first.
-        best = head_logits(m, part, c0, c1, best);
+        best = head_logits(m, part, c0, c1, best, bundle);
     }
     best = block_max_u64(best);
     if (threadIdx.x == 0) m.candidates[blockIdx.x] = best;
@@ -124,8 +156,8 @@ __device__ void phase_head(const ModelArgs& m, const bf16* y, uint32_t d, Ring& 
 // slice a stage of Qwen3-0.6B's head holds 16 KB, two of them in flight, and the head streams well
 // under the copy rate: this made Qwen3-0.6B 8% faster. In the instance for narrow rows its code
 // (inlined or called) moved ptxas's allocation of the rest to 88 bytes of spills, which cost
-// TinyLlama-1.1B 5.5% and left Llama-3.2-1B, whose head is 4x larger, 1.7% faster: not there
-// (docs/perf.md, "The head in full stages").
+// TinyLlama-1.1B 5.5% and left Llama-3.2-1B, whose head is 4x larger, 1.7% faster (docs/perf.md,
+// "The head in full stages"): that instance streams its head in bundles (head_bundle) instead.
 __device__ void phase_head_solo(const ModelArgs& m, const bf16* y, uint32_t d, Ring& ring, Partials part) {
     const Slice s = rmsnorm_slice(y, m.final_norm, d, __int_as_float((int)m.eps_bits), column_thread(d));
     const RowStream<1> all = head_solo_stream(m, d);

@@ -286,7 +286,7 @@ __device__ __forceinline__ void run_batch(const Program<PROGRAM_MAX_LAYERS>& pro
         f = walk.next_own(f + 1, per_step);
         if (f < per_step) batch_prime(walk, f, m, ba, ring, part);
     }
-    prime_head(m, d, ring, part.rows / head_group(d), true);
+    prime_head<false>(m, d, ring, part.rows / head_group(d), true);
     // Every row of the last layer, as the layer before the head: every lane's output is whole.
     wait_for(program.words, ((1ull << phases) - 1) << PREV_LAYER_WAITS, phase_done, step, layers, layers, true);
     batch_head(m, ba, out, d, ring, part);

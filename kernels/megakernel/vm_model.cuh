@@ -66,13 +66,13 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
             // The q/k-norm instance streams the head in full stages where rows of d run in slices
             // (phase_head_solo says why that instance alone).
             if (QK_NORM && in_slices(d)) prime_solo(head_solo_stream(m, d), ring);
-            else prime_head(m, d, ring, part.rows);
+            else prime_head<SLICED>(m, d, ring, part.rows);
             // Every row of the last layer, as the layer before the head: its output is whole.
             if (TRACED && threadIdx.x == 0) trace_row = trace_at(per_step);
             wait_for(program.words, ((1ull << phases) - 1) << PREV_LAYER_WAITS, phase_done, io.step, layers, layers, true);
             if (TRACED) stamp(TRACE_START);
             if (QK_NORM && in_slices(d)) phase_head_solo(m, out, d, ring, part);
-            else phase_head(m, out, d, ring, part);
+            else phase_head<SLICED>(m, out, d, ring, part);
             finish_phase(phase_done, HEAD_COUNTER);
             const int32_t next = next_token(m, phase_done, heads + 1);
             // Only this block writes generated tokens, and no block reads them: each has its own copy.
