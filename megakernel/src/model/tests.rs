@@ -203,6 +203,44 @@ fn a_checkpoint_reads_back_bit_for_bit_into_its_fields() {
     }
 }
 
+/// A loaded model's config and tensors (the Python binding's path, no folder): the config's text reads
+/// as the file does, the tensors are asked for by name and shape, each once, and assemble into the
+/// folder's weights; a refusal from the source stops the load with its words.
+#[test]
+fn a_config_and_tensors_from_memory_are_the_folders_model() {
+    let config = llama_json(false);
+    let dir = scratch("from-memory");
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let cfg = ModelConfig::read(&dir).unwrap();
+    let name = cfg.layer.name.clone();
+    assert_eq!(ModelConfig::parse(&name, Path::new("given"), &config.to_string()).unwrap(), cfg);
+    let e = ModelConfig::parse("x", Path::new("the model's config"), "{").unwrap_err().to_string();
+    assert!(e.starts_with("the model's config: "), "{e}");
+    let written = tensors(&cfg, 11);
+    write(&dir, &config, &written, 1);
+    let by_name: HashMap<&str, (&Vec<usize>, &Vec<bf16>)> =
+        written.iter().map(|(n, s, v)| (n.as_str(), (s, v))).collect();
+    let mut asked = Vec::new();
+    let w = ModelWeights::from_tensors(&cfg, |name, shape| {
+        asked.push(name.to_string());
+        let (want, values) = by_name[name];
+        assert_eq!(shape, want.as_slice(), "{name}");
+        Ok(values.clone())
+    })
+    .unwrap();
+    assert_eq!(w, ModelWeights::read(&dir, &cfg).unwrap());
+    asked.sort();
+    let mut names: Vec<String> = written.iter().map(|(n, _, _)| n.clone()).collect();
+    names.sort();
+    assert_eq!(asked, names, "each tensor asked for once");
+    let e = ModelWeights::from_tensors(&cfg, |name, _| {
+        Err(ModelError::Tensor { path: "state_dict".into(), name: name.into(), why: "missing".into() })
+    })
+    .unwrap_err()
+    .to_string();
+    assert_eq!(e, "state_dict: tensor 'model.embed_tokens.weight': missing");
+}
+
 #[test]
 fn missing_misshapen_and_foreign_tensors_are_refused_by_name() {
     let config = llama_json(false);
@@ -378,6 +416,14 @@ fn the_tokenizer_adds_the_start_token_and_decodes_without_it() {
     assert_eq!(tokens, [1, 2, 3, 4]);
     assert_eq!(text.decode(&tokens).unwrap(), "hello kernel world");
     assert_eq!(text.encode("hello gpu").unwrap(), [1, 2, 0], "an unknown word is <unk>");
+}
+
+#[test]
+fn a_tokenizer_from_its_text_is_the_files() {
+    let text = Text::parse(Path::new("given"), &tokenizer_json().to_string()).unwrap();
+    assert_eq!(text.encode("hello world").unwrap(), [1, 2, 4]);
+    let e = Text::parse(Path::new("the tokenizer given"), "{\"model\": 7}").err().expect("broken").to_string();
+    assert!(e.starts_with("the tokenizer given: "), "{e}");
 }
 
 #[test]
