@@ -330,11 +330,11 @@ impl GpuModel {
         self.last_logits(dev)
     }
 
-    /// `decode_step` leaving its logits on the GPU (`last_logits`, `last_logits_on_device`); returns
-    /// the kernel's time in ms.
-    pub fn step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<f32, GpuModelError> {
+    /// `decode_step` leaving its logits on the GPU (`last_logits`, `last_logits_on_device`).
+    pub fn step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<(), GpuModelError> {
         self.limits().step(token, pos)?;
-        Ok(self.launch(dev, pos, &[token], 1, &[], None)?.1)
+        self.launch(dev, pos, &[token], 1, &[], None)?;
+        Ok(())
     }
 
     /// The logits of the last position the last launch decoded.
