@@ -172,7 +172,7 @@ class MegaModel:
     def decode_step_timed(self, token: int, pos: int) -> Tuple[Any, Dict[str, float]]:
         """``decode_step`` in the model kernel's traced instance (GPU only): its logits, and each kind of
         phase's ms on the step's critical path, summed over the layers (``Qkv``, ``Attention``,
-        ``OProj``, ``GateUp``, ``Down``; ``QkNorm`` where the model has them; ``Head`` last).
+        ``OProj``, ``GateUp``, ``Down`` as the compiled plan has them; ``Head`` last).
         ``last_kernel_ms`` is the traced launch's time. Every block stamps the clock around each phase,
         so the traced step is a little slower than ``decode_step``; its logits are the same bits."""
         raw, phases, kernel_ms = self._m.decode_step_timed(token, pos, self._on_device)
