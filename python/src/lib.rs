@@ -174,20 +174,20 @@ impl Model {
         tokenizer_json: Option<&str>,
     ) -> PyResult<Model> {
         let dev = where_to_run(max_seq, max_batch, device, on)?;
+        let given = tokenizer_json.map(tokenizer_of);
         let (cfg, weights, text) = match source {
             Source::Folder(path) => {
                 let dir = Path::new(&path);
                 let cfg = ModelConfig::read(dir).map_err(refused)?;
                 let weights = ModelWeights::read(dir, &cfg).map_err(refused)?;
-                (cfg, weights, Text::read(dir).map_err(|e| e.to_string()))
+                (cfg, weights, given.unwrap_or_else(|| Text::read(dir).map_err(|e| e.to_string())))
             }
             Source::Loaded(name, config_json, tensors) => {
                 let cfg = ModelConfig::parse(&name, Path::new("the model's config"), &config_json).map_err(refused)?;
                 let weights = loaded_weights(&cfg, &tensors, dev.as_ref()).map_err(refused)?;
-                (cfg, weights, Err(NO_TOKENIZER.into()))
+                (cfg, weights, given.unwrap_or_else(|| Err(NO_TOKENIZER.into())))
             }
         };
-        let text = tokenizer_json.map_or(text, tokenizer_of);
         Model::build(cfg, weights, text, dev, max_seq, max_batch)
     }
 

@@ -86,16 +86,13 @@ impl CpuModel {
         self.limits().generation(prompt, max_new, eos)?;
         let mut logits = self.decode_prompt(prompt);
         let mut tokens = Vec::with_capacity(max_new);
-        let mut pos = prompt.len() - 1;
         loop {
             let next = argmax(&logits).ok_or("every logit was NaN: no token to choose")? as u32;
             tokens.push(next);
-            if eos.contains(&next) || tokens.len() == max_new || pos + 1 == self.context() {
-                let stop = Stop::of(&tokens, max_new, eos);
+            if let Some(stop) = self.limits().stop(prompt.len(), &tokens, max_new, eos) {
                 return Ok((tokens, stop));
             }
-            pos += 1;
-            logits = self.decode_step(next, pos);
+            logits = self.decode_step(next, prompt.len() + tokens.len() - 1);
         }
     }
 

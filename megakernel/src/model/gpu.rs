@@ -346,8 +346,7 @@ impl GpuModel {
     /// complete when this returns.
     pub fn last_logits_on_device(&self, dev: &Device) -> Result<CudaSlice<f32>, GpuModelError> {
         let s = dev.stream();
-        let mut copy = s.alloc_zeros::<f32>(self.cfg.vocab).context("allocating the logits' copy")?;
-        s.memcpy_dtod(&self.logits.slice(..self.cfg.vocab), &mut copy).context("copying the logits")?;
+        let copy = s.clone_dtod(&self.logits.slice(..self.cfg.vocab)).context("copying the logits")?;
         s.synchronize().context("copying the logits")?;
         Ok(copy)
     }

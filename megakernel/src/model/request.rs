@@ -47,6 +47,14 @@ impl Limits {
         }
         Ok(())
     }
+
+    /// Why a generation after a prompt of `prompt` tokens ends with `tokens` generated, or None while it
+    /// goes on: the next token would be decoded at position prompt + tokens - 1, so the caches are full
+    /// once that is past them (the kernel's rule, `run_model`).
+    pub fn stop(self, prompt: usize, tokens: &[u32], max_new: usize, eos: &[u32]) -> Option<Stop> {
+        let stop = Stop::of(tokens, max_new, eos);
+        (stop != Stop::Context || prompt + tokens.len() > self.context).then_some(stop)
+    }
 }
 
 /// Why a generation stopped.
@@ -102,5 +110,12 @@ mod tests {
         assert_eq!(Stop::of(&[5, 2], 4, &[2]), Stop::Eos);
         assert_eq!(Stop::of(&[5, 6], 2, &[2]), Stop::MaxNew);
         assert_eq!(Stop::of(&[5], 2, &[2]), Stop::Context);
+        // Caches of 4 positions: a prompt of 2 and 2 tokens generated leave the next one at position 3,
+        // which is in them; a third token would be at 4, which is not.
+        let l = Limits { vocab: 10, context: 4 };
+        assert_eq!(l.stop(2, &[5, 6], 8, &[2]), None);
+        assert_eq!(l.stop(2, &[5, 6, 7], 8, &[2]), Some(Stop::Context));
+        assert_eq!(l.stop(2, &[5, 2], 8, &[2]), Some(Stop::Eos));
+        assert_eq!(l.stop(1, &[5, 6], 2, &[2]), Some(Stop::MaxNew));
     }
 }

@@ -119,9 +119,15 @@ fn write(dir: &Path, config: &serde_json::Value, tensors: &[(String, Vec<usize>,
 
 /// The config read from `config`, written alone into a fresh folder.
 fn config_of(name: &str, config: serde_json::Value) -> Result<ModelConfig, ModelError> {
+    config_in(name, &config).1
+}
+
+/// A fresh folder holding `config` alone, and the config read from it.
+fn config_in(name: &str, config: &serde_json::Value) -> (PathBuf, Result<ModelConfig, ModelError>) {
     let dir = scratch(name);
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    ModelConfig::read(&dir)
+    let cfg = ModelConfig::read(&dir);
+    (dir, cfg)
 }
 
 #[test]
@@ -174,10 +180,9 @@ fn what_the_loader_does_not_implement_is_refused_naming_the_field() {
 #[test]
 fn a_checkpoint_reads_back_bit_for_bit_into_its_fields() {
     for (tied, shards) in [(false, 1), (true, 1), (false, 3)] {
-        let dir = scratch(&format!("weights-{tied}-{shards}"));
         let config = llama_json(tied);
-        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-        let cfg = ModelConfig::read(&dir).unwrap();
+        let (dir, cfg) = config_in(&format!("weights-{tied}-{shards}"), &config);
+        let cfg = cfg.unwrap();
         let written = tensors(&cfg, 7);
         write(&dir, &config, &written, shards);
         let w = ModelWeights::read(&dir, &cfg).unwrap();
@@ -209,9 +214,8 @@ fn a_checkpoint_reads_back_bit_for_bit_into_its_fields() {
 #[test]
 fn a_config_and_tensors_from_memory_are_the_folders_model() {
     let config = llama_json(false);
-    let dir = scratch("from-memory");
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let cfg = ModelConfig::read(&dir).unwrap();
+    let (dir, cfg) = config_in("from-memory", &config);
+    let cfg = cfg.unwrap();
     let name = cfg.layer.name.clone();
     assert_eq!(ModelConfig::parse(&name, Path::new("given"), &config.to_string()).unwrap(), cfg);
     let e = ModelConfig::parse("x", Path::new("the model's config"), "{").unwrap_err().to_string();
@@ -244,9 +248,7 @@ fn a_config_and_tensors_from_memory_are_the_folders_model() {
 #[test]
 fn missing_misshapen_and_foreign_tensors_are_refused_by_name() {
     let config = llama_json(false);
-    let dir = scratch("cfg-only");
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let cfg = ModelConfig::read(&dir).unwrap();
+    let cfg = config_in("cfg-only", &config).1.unwrap();
     let all = tensors(&cfg, 3);
     let refused = |name: &str, tensors: Vec<(String, Vec<usize>, Vec<bf16>)>| {
         let dir = scratch(name);
@@ -273,11 +275,10 @@ fn missing_misshapen_and_foreign_tensors_are_refused_by_name() {
 /// f32 and f16 tensors are read as bf16, each value rounded once to nearest even.
 #[test]
 fn f32_and_f16_tensors_round_to_bf16_on_load() {
-    let dir = scratch("dtypes");
     let config = json!({"model_type": "llama", "hidden_size": 2, "intermediate_size": 2, "num_hidden_layers": 0,
         "num_attention_heads": 1, "vocab_size": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": true});
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let cfg = ModelConfig::read(&dir).unwrap();
+    let (dir, cfg) = config_in("dtypes", &config);
+    let cfg = cfg.unwrap();
     let f32s = [1.0f32 + 1.0 / 256.0 + 1.0 / 65536.0, -3.5, 0.1, 7.0];
     let f32_bytes: Vec<u8> = f32s.iter().flat_map(|v| v.to_le_bytes()).collect();
     let f16s = [half::f16::from_f32(0.333), half::f16::from_f32(-2.0)];
@@ -336,9 +337,8 @@ fn qwen3_reads_its_q_and_k_norms_and_its_decode_steps_chain_golden_layers_with_t
 
 /// `config`'s model with weights drawn from `seed`, written into a fresh folder `name` and read back.
 fn written(name: &str, config: serde_json::Value, seed: u64) -> (ModelConfig, ModelWeights) {
-    let dir = scratch(name);
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let cfg = ModelConfig::read(&dir).unwrap();
+    let (dir, cfg) = config_in(name, &config);
+    let cfg = cfg.unwrap();
     write(&dir, &config, &tensors(&cfg, seed), 1);
     let w = ModelWeights::read(&dir, &cfg).unwrap();
     (cfg, w)

@@ -38,12 +38,12 @@ pub fn generate_together<E: From<String>>(
 ) -> Result<Vec<(Vec<u32>, Stop)>, E> {
     check_together(limits, sequences, prompts, max_new, eos)?;
     let mut new: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
-    let mut done = vec![false; prompts.len()];
+    let mut done: Vec<Option<Stop>> = vec![None; prompts.len()];
     let mut pos = 0;
-    while done.iter().any(|d| !d) {
+    while done.iter().any(Option::is_none) {
         // Every unfinished sequence is at the same position: they all started at 0 and advance together.
         let lanes: Vec<Lane> = (0..prompts.len())
-            .filter(|&s| !done[s])
+            .filter(|&s| done[s].is_none())
             .map(|s| {
                 let token = prompts[s].get(pos).or(new[s].last()).copied();
                 Lane { seq: s, token: token.expect("past its prompt, a sequence has generated a token"), pos }
@@ -60,15 +60,9 @@ pub fn generate_together<E: From<String>>(
             }
             let t = next.ok_or_else(|| format!("prompt {s}: every logit was NaN: no token to choose"))?;
             new[s].push(t);
-            done[s] = eos.contains(&t) || new[s].len() == max_new || pos + 1 == limits.context;
+            done[s] = limits.stop(prompts[s].len(), &new[s], max_new, eos);
         }
         pos += 1;
     }
-    Ok(new
-        .into_iter()
-        .map(|tokens| {
-            let stop = Stop::of(&tokens, max_new, eos);
-            (tokens, stop)
-        })
-        .collect())
+    Ok(new.into_iter().zip(done.into_iter().flatten()).collect())
 }
