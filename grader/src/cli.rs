@@ -162,7 +162,8 @@ pub struct ProfileArgs {
     pub svg: Option<PathBuf>,
     /// Lay the layer out in this many roles instead of the compiler's choice (the plan line says
     /// which it chose): 2, the grid's halves taking turns between streaming weights and attention; 1,
-    /// every phase on every block.
+    /// one role: every phase on every block, but Qkv and the O projection leave attention's first
+    /// blocks to it.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=2))]
     pub roles: Option<u32>,
     /// Run the MLP in this many parts of ffn instead of the compiler's choice (1 to 3; a layer whose

@@ -95,8 +95,10 @@ __device__ void combine(const Team& team, uint32_t kv, uint32_t n_splits, uint32
 }
 
 // The work items of an attention phase at one position: a KV head's chunks in `splits` runs of `span`
-// consecutive chunks, item kv * splits + split, taken by the phase's teams in turn (item i by team
-// i % TEAMS of the phase's block i / TEAMS % its count). With fewer KV heads than teams, each head is
+// consecutive chunks, item kv * splits + split, taken by the phase's teams in turn, the blocks' first
+// teams before their second (item i by team i / count % TEAMS of the phase's block i % count): where
+// the items are fewer than the teams, each runs on a block of its own, its chain not sharing the SM's
+// issue slots and loads with a second team's. With fewer KV heads than teams, each head is
 // split over as many teams as it can have (at most ATTN_MAX_SPLITS), so every team holds at most one
 // item and the teams of a head then combine it together, each a share; with as many heads as teams or
 // more, a head is one item (one split) and its team writes its output itself.
@@ -114,7 +116,7 @@ struct AttnItems {
         count = n_kv * splits;
     }
     // A team before `base` wraps to an item past count: it has none.
-    __device__ uint32_t first(const Team& team) const { return rank(set) * TEAMS + team.id - base; }
+    __device__ uint32_t first(const Team& team) const { return team.id * set.count + rank(set) - base; }
     __device__ uint32_t stride() const { return set.count * TEAMS; }
     // The first slot of item i's split, and its chunks [chunk_begin, chunk_end).
     __device__ uint32_t chunk_begin(uint32_t i) const { return i % splits * span; }
@@ -144,18 +146,23 @@ struct AttnSmem {
     __device__ bf16* vs(uint32_t b) const { return base + b * 2 * rows + rows; }
 };
 
+// The slots of a chunk holding len cached rows that its tensor-core tiles cover: len rounded up to a
+// tile's 16. The scores, weights and P V product stop there; the slots past it would add exact zeros.
+__device__ inline uint32_t live_slots(uint32_t len) { return (len + 15) / 16 * 16; }
+
 // Starts loading chunk c of KV head kv (slots first + r for r < len) into buffer b: rows under len but
 // `skip` by asynchronous copies of every thread of the team, committed as one group per thread;
-// rows from len on zeroed, so the P V product may run over the whole chunk. The buffer's previous
-// contents must be dead: the callers reach this only after a team.sync that follows every read of them.
+// rows from len to the last tile's end zeroed, so the P V product may run over whole tiles (a zero
+// weight times a stale row could be NaN). The buffer's previous contents must be dead: the callers
+// reach this only after a team.sync that follows every read of them.
 constexpr uint32_t NO_ROW = UINT32_MAX;
 __device__ void load_chunk(const Team& team, const OpRow& op, const AttnSmem& sm, uint32_t b, uint32_t kv, uint32_t first,
-                           uint32_t len, uint32_t chunk, uint32_t skip) {
+                           uint32_t len, uint32_t skip) {
     const bf16* k_cache = cache_ptr<const bf16>(op, attn::KCache);
     const bf16* v_cache = cache_ptr<const bf16>(op, attn::VCache);
     const uint32_t hd = (uint32_t)op[attn::Hd], row_vecs = hd / VEC, row = hd + KS_PAD;
     const size_t at = ((size_t)kv * (uint32_t)op[attn::MaxSeq] + first) * hd;
-    for (uint32_t i = team.t; i < chunk * row_vecs; i += TEAM_THREADS) {
+    for (uint32_t i = team.t; i < live_slots(len) * row_vecs; i += TEAM_THREADS) {
         const uint32_t r = i / row_vecs, col = i % row_vecs;
         uint4* kd = reinterpret_cast<uint4*>(sm.ks(b) + r * row) + col;
         uint4* vd = reinterpret_cast<uint4*>(sm.vs(b) + r * row) + col;
@@ -188,7 +195,7 @@ __device__ void prime_attention(const OpRow& op, uint32_t pos, uint4* smem) {
     const uint32_t c0 = items.chunk_begin(item);
     for (uint32_t c = c0; c < c0 + head_start(items, item); ++c) {
         const uint32_t first = c * items.chunk;
-        load_chunk(team, op, sm, c - c0, item / items.splits, first, min(items.chunk, pos + 1 - first), items.chunk, pos - first);
+        load_chunk(team, op, sm, c - c0, item / items.splits, first, min(items.chunk, pos + 1 - first), pos - first);
     }
 }
 
@@ -254,14 +261,14 @@ __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem, bool
             cp_async_commit();
         } else {
             for (uint32_t c = c0; c < c0 + head_start(items, item); ++c) {
-                load_chunk(team, op, sm, c - c0, kv, c * chunk, min(chunk, pos + 1 - c * chunk), chunk, NO_ROW);
+                load_chunk(team, op, sm, c - c0, kv, c * chunk, min(chunk, pos + 1 - c * chunk), NO_ROW);
             }
         }
         // The numerator O^T (head dimension x heads) of this lane's tiles, across the split's chunks:
         // column tiles warp, warp + TEAM_WARPS, ... of 16, head tiles of 8 (see the P V product).
         float acc[PV_M][PV_N][4] = {};
         for (uint32_t c = c0; c < c1; ++c) {
-            const uint32_t first = c * chunk, len = min(chunk, pos + 1 - first), b = (c - c0) % ATTN_BUFFERS;
+            const uint32_t first = c * chunk, len = min(chunk, pos + 1 - first), live = live_slots(len), b = (c - c0) % ATTN_BUFFERS;
             const bf16 *ks = sm.ks(b), *vs = sm.vs(b);
             // This chunk's group has landed once at most the groups issued after it are in flight: the
             // next chunk's, when it is issued and nothing but chunk loads came after this one (a first
@@ -275,7 +282,7 @@ __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem, bool
             // (slot tile, head tile) units w, w + TEAM_WARPS, ...; the even and odd steps along the head
             // accumulate apart, so two chains of products are in flight. Lane (g, quad) ends with slots
             // g and g + 8's scores of heads 2 quad + {0, 1}.
-            for (uint32_t u = warp; u < chunk / 16 * n_tiles; u += TEAM_WARPS) {
+            for (uint32_t u = warp; u < live / 16 * n_tiles; u += TEAM_WARPS) {
                 const uint32_t st = u / n_tiles, head = u % n_tiles * 8 + g;
                 const bf16* a_row = ks + (st * 16 + lane % 8 + 8 * (lane / 8 % 2)) * row + 8 * (lane / 16);
                 const bf16* q_row = sm.qs + head * row + 2 * quad;
@@ -309,7 +316,7 @@ __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem, bool
                 const float old_m = sm.run_m[h];
                 m = fmaxf(old_m, warp_reduce(m, Max{}));
                 float l = 0.0f;
-                for (uint32_t j = lane; j < chunk; j += WARP) {
+                for (uint32_t j = lane; j < live; j += WARP) {
                     const bf16 e = __float2bfloat16_rn(j < len ? expf(__fsub_rn(ps[h * ps_row + j], m)) : 0.0f);
                     sm.pb[h * pb_row + j] = e;
                     l += __bfloat162float(e);
@@ -345,7 +352,7 @@ __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem, bool
                     acc[mi][nt][3] *= r1;
                 }
             }
-            for (uint32_t s0 = 0; s0 < chunk; s0 += 16) {
+            for (uint32_t s0 = 0; s0 < live; s0 += 16) {
                 uint32_t bp[PV_N][2];
 #pragma unroll
                 for (uint32_t nt = 0; nt < PV_N; ++nt) {
@@ -369,7 +376,7 @@ __device__ void phase_attention(const OpRow& op, uint32_t pos, uint4* smem, bool
             if (c + ATTN_BUFFERS < c1) {
                 team.sync();
                 const uint32_t next = (c + ATTN_BUFFERS) * chunk;
-                load_chunk(team, op, sm, b, kv, next, min(chunk, pos + 1 - next), chunk, NO_ROW);
+                load_chunk(team, op, sm, b, kv, next, min(chunk, pos + 1 - next), NO_ROW);
             }
         }
 

@@ -39,7 +39,7 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
     // The loop's state in shared memory, written by thread 0 between barriers: this step's io, the next
     // token, and the head phases run (the tokens generated are its offset from m.heads_before). Held
     // in registers across the phases (where the layer kernels' io is in their parameters), it spilled
-    // 40 bytes; so it spills one word (megakernel/src/kernels.rs allows it).
+    // 40 bytes (megakernel/src/kernels.rs has what each instance spills now, and why).
     __shared__ StepIo io;
     __shared__ int32_t token;
     __shared__ uint32_t heads;
@@ -56,7 +56,7 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
     if (f < per_step) prime_inputs<SLICED>(walk.op(f), ring, io.pos, norms(f));
     for (;;) {
         while (f < per_step) {
-            run_phase<PROGRAM_MAX_LAYERS, SLICED, TRACED>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, trace_at(f), norms(f));
+            run_phase<PROGRAM_MAX_LAYERS, SLICED, TRACED, !QK_NORM>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, trace_at(f), norms(f));
             f = walk.next_own(f + 1, per_step);
             if (f < per_step) prime_inputs<SLICED>(walk.op(f), ring, io.pos, norms(f));
         }

@@ -76,14 +76,24 @@ __device__ void prime_inputs(const OpRow& op, const Ring& ring, uint32_t pos, co
     else prime_phase<SLICED>(op, ring, qk_norms);
 }
 
+// Attention as a call of its own. In the model kernels' instances without q/k norms, inlined, ptxas's
+// allocation of the whole kernel moved with any change to attention (its tiles trimmed to the live
+// slots: the narrow-rows instance from 4 to 136 bytes spilled); called, attention keeps its own
+// registers and the kernel spills none. In the q/k-norm instance the call spilled 368 bytes, so it stays
+// inline there, as in the judge's kernels, which spill nothing either way (docs/perf.md, "Attention on
+// blocks of its own").
+template <bool TRACED>
+__device__ __noinline__ void attention_call(const OpRow& op, uint32_t pos, uint4* smem) { phase_attention<TRACED>(op, pos, smem, true); }
+
 // Runs phase f of the step on this block, which runs it: waits for the phases it depends on (those of
 // the layer before too when `chained`, see wait_for), does its share, counts it done. `trace_at`: the
 // phase's stamps, or null. `qk_norms`: the layer's q/k norm weights (a model's with them), or null.
 // SLICED: narrow rows stream as groups of one (stream_phase), in the model kernel; the layer and stack
 // kernels keep their measured machine code. The GEMV phases are forced inline into it: as a call,
 // ptxas saves the caller's registers around it (the model kernel spilled 120 bytes when the inliner
-// left phase_gateup out).
-template <uint32_t TABLES, bool SLICED, bool TRACED = false>
+// left phase_gateup out). ATTN_CALL: attention through attention_call (the model kernels' instances
+// without q/k norms).
+template <uint32_t TABLES, bool SLICED, bool TRACED = false, bool ATTN_CALL = false>
 __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, bool chained, const StepIo& io, unsigned* phase_done,
                                           Ring& ring, const Partials& part, uint64_t* trace_at, const bf16* qk_norms) {
     const OpRow op = walk.op(f);
@@ -100,7 +110,10 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
             if (qk_norms != nullptr) phase_qkv_normed<TRACED>(op, x_l, io.pos, ring, part, qk_norms);
             else phase_qkv<SLICED, TRACED>(op, x_l, io.pos, ring, part);
             break;
-        case OP_ATTENTION: phase_attention<TRACED>(op, io.pos, ring.data, true); break;
+        case OP_ATTENTION:
+            if (ATTN_CALL) attention_call<TRACED>(op, io.pos, ring.data);
+            else phase_attention<TRACED>(op, io.pos, ring.data, true);
+            break;
         case OP_O_PROJ: phase_oproj<SLICED, TRACED>(op, x_l, ring, part); break;
         case OP_GATE_UP: phase_gateup<SLICED, TRACED>(op, ring, part); break;
         case OP_DOWN: phase_down<SLICED, TRACED>(op, out_l, ring, part); break;

@@ -8,7 +8,8 @@
 //! Every row also names the blocks that run it and the phases it waits for (its last two words): a
 //! block walks the table, skips the rows that are not its own, and before each of its rows waits until
 //! every block of each phase it depends on has finished that phase. The layer compiles to one of two
-//! layouts (`compile`, as `Plan` chooses by the layer's width): every phase on every block, or the
+//! layouts (`compile`, as `Plan` chooses by the layer's width): one role, every phase on every block
+//! but Qkv and the O projection, which leave attention's first blocks to it (`beside_attention`), or the
 //! two-role plan, in which the two halves of the grid take turns streaming and running attention so
 //! that HBM keeps streaming while attention runs. On wide layers the MLP also runs in two parts of
 //! `ffn`, so that Down's first part waits only for GateUp's first, long finished, and no block waits
@@ -313,7 +314,7 @@ word_into_usize!(qkv, attn, oproj, gateup, down);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Plan {
     /// 2: the two-role plan, the grid's halves taking turns over the two halves of the KV heads;
-    /// 1: every phase on every block.
+    /// 1: one role, every phase on every block but for attention's first blocks (`beside_attention`).
     pub roles: usize,
     /// Parts of `ffn` that GateUp and Down run in.
     pub mlp_parts: usize,
@@ -415,10 +416,21 @@ impl AttentionSplit {
     }
 }
 
+/// The blocks of a one-role layer's Qkv and O projection: all but the first `n_kv`, where those are at
+/// most an eighth of the grid (Llama-3.2-1B's 8 KV heads of 132 blocks: 124 take Qkv's rows). Attention places its items on the blocks' first teams in block order (the kernel's
+/// `AttnItems`), so at short contexts, one item a KV head, those blocks run it: off Qkv, they start
+/// loading its cached rows while Qkv runs; off the O projection, whose first weights the other blocks
+/// stream while they wait for attention, they do not hold back its last rows (their rings hold
+/// attention's chunks until it ends). Measured in docs/perf.md ("Attention on blocks of its own").
+fn beside_attention(cfg: &Config, grid: u32) -> Blocks {
+    let n_kv = cfg.n_kv as u32;
+    if grid >= 8 * n_kv { Blocks { first: n_kv, count: grid - n_kv, stride: 1 } } else { Blocks::first(grid) }
+}
+
 /// The layer as a program for a grid of `grid` blocks laid out as `plan` says.
 ///
-/// With one role: Qkv, attention, the O projection, each on every block and
-/// waiting for the one before; then the MLP.
+/// With one role: Qkv, attention and the O projection, each waiting for the one before, attention on
+/// every block and the other two beside its first blocks (`beside_attention`); then the MLP.
 ///
 /// With two halves, A (the grid's even blocks) and B (the odd ones) take turns (the weights' bytes
 /// stream while attention's latency-bound chain runs):
@@ -553,7 +565,11 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
     };
     let mut phases: Vec<(Row, Blocks, Vec<usize>)> = if halves.len() == 1 {
         let g = Groups::all(cfg);
-        vec![(qkv_row(0, g), all, vec![]), (attn_row(g), all, vec![0]), (oproj_row(Slot::WO0, g, 0, 0), all, vec![1])]
+        vec![
+            (qkv_row(0, g), beside_attention(cfg, grid), vec![]),
+            (attn_row(g), all, vec![0]),
+            (oproj_row(Slot::WO0, g, 0, 0), beside_attention(cfg, grid), vec![1]),
+        ]
     } else {
         let (h0, h1) = (halves[0], halves[1]);
         vec![
@@ -599,7 +615,14 @@ pub fn describe(cfg: &Config, plan: Plan, rows: &[Row], pos: usize) -> String {
             h1.kv0,
             h1.kv0 + h1.n_kv - 1
         ),
-        _ => "one role (every phase on every block)".into(),
+        _ => match rows.iter().find(|r| r[0] == Op::Qkv as i64).map(Blocks::of) {
+            Some(b) if b.first > 0 => format!(
+                "one role (attention on every block, Qkv and the O projection beside its first items' blocks 0-{}, on the other {})",
+                b.first - 1,
+                b.count
+            ),
+            _ => "one role (every phase on every block)".into(),
+        },
     };
     let parts = plan.mlp_parts;
     let widths: Vec<String> = (0..parts).map(|k| mlp_part(cfg, parts, k).len().to_string()).collect();
@@ -796,7 +819,7 @@ mod tests {
     }
 
     #[test]
-    fn the_one_half_plan_runs_every_phase_on_every_block() {
+    fn the_one_role_plan_chains_its_phases_beside_attentions_first_blocks() {
         let mut cfg = Config::small();
         assert_eq!(cfg.n_kv, 1);
         let prog = compiled(&cfg, 132, Plan { roles: 1, mlp_parts: 2 });
@@ -805,7 +828,11 @@ mod tests {
         assert_eq!(ops, [Qkv, Attention, OProj, GateUp, GateUp, Down, Down]);
         let w: Vec<Vec<usize>> = prog.iter().map(waits).collect();
         assert_eq!(w, [vec![], vec![0], vec![1], vec![2], vec![2], vec![3], vec![4]]);
-        assert!(prog.iter().all(|r| Blocks::of(r) == Blocks::first(132)));
+        let beside = Blocks { first: 1, count: 131, stride: 1 };
+        assert!(
+            prog.iter().all(|r| Blocks::of(r)
+                == if r[0] == OProj as i64 || r[0] == Qkv as i64 { beside } else { Blocks::first(132) })
+        );
         // One block: five phases, each the byte model's operation of its index, whatever the layer.
         for c in [Config::small(), Config::graded()] {
             cfg = c;
