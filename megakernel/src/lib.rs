@@ -17,6 +17,7 @@ pub mod model;
 pub mod pack;
 pub mod program;
 pub mod stack;
+pub mod trace;
 
 use cuda::cudarc::driver::{CudaSlice, PushKernelArg};
 use cuda::{Context, Device};
@@ -31,6 +32,7 @@ use stack::{CompiledStack, ProgramParam, StackOptions, Target};
 
 pub use kernels::{GATHER, GATHER_BLOCK, MAX_BATCH, THREADS, TRACE_STAMPS};
 pub use stack::PhasePlan;
+pub use trace::{PhaseShare, Trace, per_layer};
 
 /// How `layer_step` runs the program.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,7 +155,8 @@ impl Megakernel {
     /// block stamping the GPU's global timer at the start and end of each phase it runs, and in a GEMV
     /// phase also when its input is ready and when its stream is done (zero for the phases and stamps
     /// a block does not take). `Ok` holds the stamps in ns, `(block, phase over every layer, [start,
-    /// input, streamed, end])` flattened, and the grid.
+    /// input, streamed, end])` flattened, as a [`Trace`] of one position without a head, the launch
+    /// timed by events (`Trace::step_shares` reads it).
     pub fn trace_step(
         &mut self,
         dev: &Device,
@@ -161,17 +164,19 @@ impl Megakernel {
         pos: usize,
         hidden: Option<&mut CudaSlice<bf16>>,
         out: &mut CudaSlice<bf16>,
-    ) -> Result<(Vec<u64>, u32), SubmissionError> {
-        let (phases, grid) = match (self.phases(), &self.built) {
-            (Some(phases), Some(b)) => (phases, b.stack.grid),
+    ) -> Result<Trace, SubmissionError> {
+        let (phases, grid, plan) = match (self.phases(), &self.built) {
+            (Some(phases), Some(b)) => (phases, b.stack.grid, b.stack.plan.iter().map(|p| p.op).collect::<Vec<_>>()),
             _ => return Err(SubmissionError::Refused("trace_step before build_stack".into())),
         };
         let mut trace = dev
             .stream()
             .alloc_zeros::<u64>(grid as usize * phases as usize * TRACE_STAMPS)
             .context("allocating the trace")?;
-        self.launch(dev, x, pos, hidden, out, 0..phases, Some(&mut trace))?;
-        Ok((dev.stream().clone_dtoh(&trace).context("reading the trace")?, grid))
+        let kernel_ms = dev.time_ms(|| self.launch(dev, x, pos, hidden, out, 0..phases, Some(&mut trace)))?;
+        let stamps = dev.stream().clone_dtoh(&trace).context("reading the trace")?;
+        let layers = phases as usize / plan.len().max(1);
+        Ok(Trace { stamps, grid: grid as usize, plan, layers, head: false, prompt: 0, kernel_ms })
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -11,10 +11,9 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use cuda::{Context, Device};
+use megakernel::Trace;
 use megakernel::batch::BatchGemv;
-use megakernel::model::{
-    CpuModel, GpuModel, Lane, ModelConfig, ModelTrace, ModelWeights, PhaseShare, Stop, Text, argmax, gpu, per_layer,
-};
+use megakernel::model::{CpuModel, GpuModel, Lane, ModelConfig, ModelWeights, Stop, Text, argmax, gpu};
 use spec::rng::{bits, stream_key};
 
 #[derive(Parser)]
@@ -351,63 +350,21 @@ fn bench(args: &ModelArgs, tokens: usize, reps: usize, batch: usize, trace: bool
     Ok(())
 }
 
-/// Where a token's time goes in a traced launch (`ModelTrace::shares`).
-fn print_trace(trace: &ModelTrace) {
+/// Where a token's time goes in a traced launch (`Trace::shares`).
+fn print_trace(trace: &Trace) {
     let positions = trace.traced_positions();
-    let Some(shares) = trace.shares() else {
-        out!("the traced launch's stamps are incomplete ({} positions run): nothing to read", trace.positions());
-        return;
-    };
-    out!(
-        "where a token's time goes, traced (us a token, the mean over positions {}..{}; the traced instance's machine code \
-         is not the timed one's):",
-        positions.start,
-        positions.end
-    );
-    out!(
-        "{:<10} {:>6} {:>8} {:>9} {:>13} {:>13}   {}",
-        "phase",
-        "phases",
-        "span",
-        "hand-off",
-        "median block",
-        "later blocks",
-        "a block's input / stream / tail (medians)"
-    );
-    for s in &shares {
-        let parts = s.parts_us.map_or("-".to_string(), |[i, st, t]| format!("{i:.1} / {st:.1} / {t:.1}"));
-        out!(
-            "{:<10} {:>6} {:>8.1} {:>9.1} {:>13.1} {:>13.1}   {parts}",
-            s.what,
-            s.phases,
-            s.span_us,
-            s.handoff_us,
-            s.work_us,
-            s.later_us
-        );
+    match trace.shares() {
+        None => {
+            out!("the traced launch's stamps are incomplete ({} positions run): nothing to read", trace.positions())
+        }
+        Some(shares) => {
+            let over = format!(
+                "the mean over positions {}..{}; the traced instance's machine code is not the timed one's",
+                positions.start, positions.end
+            );
+            out!("{}", trace.table(&shares, &over).trim_end())
+        }
     }
-    let sum = |f: fn(&PhaseShare) -> f64| shares.iter().map(f).sum::<f64>();
-    out!(
-        "{:<10} {:>6} {:>8.1} {:>9.1} {:>13.1} {:>13.1}   (the traced launch: {:.1} us a position by events)",
-        "all",
-        shares.iter().map(|s| s.phases).sum::<usize>(),
-        sum(|s| s.span_us),
-        sum(|s| s.handoff_us),
-        sum(|s| s.work_us),
-        sum(|s| s.later_us),
-        f64::from(trace.kernel_ms) * 1e3 / trace.positions() as f64
-    );
-    let layer = per_layer(&shares, trace.layers);
-    out!(
-        "{:<10} {:>6} {:>8.1} {:>9.1} {:>13.1} {:>13.1}   (a layer's critical path: every phase but the head's, over {} layers)",
-        layer.what,
-        layer.phases,
-        layer.span_us,
-        layer.handoff_us,
-        layer.work_us,
-        layer.later_us,
-        trace.layers
-    );
 }
 
 /// The batch steps' timing: `batch` sequences decoded together from position 0, greedily, one launch a

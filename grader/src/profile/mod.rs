@@ -265,8 +265,8 @@ fn trace(
         let x = generate_input(dev, cfg, input_seed, s)?;
         evict.enqueue(dev)?;
         dev.synchronize()?;
-        let (stamps, grid) = fused.trace_step(dev, &x, cfg.deepest_timed_pos(), None, &mut out)?;
-        match Timeline::of(&stamps, grid as usize, names, floors_us, blocks_of) {
+        let t = fused.trace_step(dev, &x, cfg.deepest_timed_pos(), None, &mut out)?;
+        match Timeline::of(&t.stamps, t.grid, names, floors_us, blocks_of) {
             Some(t) => traced.push(t),
             None => return Ok(None),
         }

@@ -3,12 +3,15 @@
 //! the stack's floor; then one launch is traced block by block and folded into layers: each layer's
 //! time is from the layer before's last block's end to its own last block's end, against the layer's
 //! own floor. The layers' spread shows what a stack adds to a layer: nothing between layers if the
-//! next layer's weights stream while this one drains, the launch's start in the first.
+//! next layer's weights stream while this one drains, the launch's start in the first. The same launch
+//! also reads as `megakernel bench --trace` reads a model's (`megakernel::Trace`): each kind of phase's
+//! part of the step (hand-off, median block, later blocks; a block's input, stream and tail) and a
+//! layer's critical path.
 
 use std::fmt::Write as _;
 
 use cuda::{Context, Device};
-use megakernel::{Megakernel, Mode, TRACE_STAMPS};
+use megakernel::{Megakernel, Mode, PhaseShare, TRACE_STAMPS};
 use reference::gpu::data::generate_input;
 use reference::gpu::{DeviceCache, generate_weights};
 use serde::Serialize;
@@ -39,6 +42,12 @@ pub struct StackProfile {
     pub layer_us: Vec<f64>,
     /// One layer's floor: its bytes at the deepest timed position over the measured copy bandwidth.
     pub layer_floor_us: f64,
+    /// Each kind of phase's part of the traced step (`Trace::step_shares`); empty when the trace was
+    /// incomplete.
+    pub phase_shares: Vec<PhaseShare>,
+    /// Those as `megakernel bench --trace` prints them.
+    #[serde(skip)]
+    pub phase_table: String,
 }
 
 /// Builds the megakernel over `cfg`'s stack (each layer's weights and cache from its layer seed),
@@ -76,9 +85,11 @@ pub fn measure(
     let x = generate_input(dev, cfg, input_seed, 0)?;
     evict.enqueue(dev)?;
     dev.synchronize()?;
-    let (stamps, grid) = fused.trace_step(dev, &x, pos, Some(&mut hidden), &mut out)?;
+    let trace = fused.trace_step(dev, &x, pos, Some(&mut hidden), &mut out)?;
     let phases = total as usize / cfg.layers;
-    let layer_us = layer_times(&stamps, grid as usize, cfg.layers, phases).unwrap_or_default();
+    let layer_us = layer_times(&trace.stamps, trace.grid, cfg.layers, phases).unwrap_or_default();
+    let phase_shares = trace.step_shares().unwrap_or_default();
+    let phase_table = trace.table(&phase_shares, &format!("one step at position {pos}, L2 evicted before it"));
     let fused_us = Summary::of(&fused_us).expect("timed");
     let floor_us = |bytes: u64| bytes as f64 / floor_bytes_per_s * 1e6;
     let how = if in_place {
@@ -95,6 +106,8 @@ pub fn measure(
         fused_us,
         layer_us,
         layer_floor_us: floor_us(ByteModel::of(cfg).total),
+        phase_shares,
+        phase_table,
     })
 }
 
@@ -154,6 +167,11 @@ impl StackProfile {
             let _ = write!(s, "{}{l:>4} {us:>8.1}", if l % 6 == 0 { "\n  " } else { "   " });
         }
         s.push('\n');
+        if !self.phase_shares.is_empty() {
+            for line in self.phase_table.lines() {
+                let _ = writeln!(s, "  {line}");
+            }
+        }
         s
     }
 }

@@ -19,11 +19,11 @@ use submission::{Layer, SubmissionError, device_address};
 use super::hf::{ModelConfig, ModelWeights};
 use super::request::{Limits, Stop};
 use super::together::generate_together;
-use super::trace::ModelTrace;
 use crate::kernels::model::MODEL;
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
 use crate::program;
 use crate::stack::{CompiledStack, ProgramParam, StackOptions, Target, fit_one_block, rows_beside};
+use crate::trace::Trace;
 
 /// End-of-sequence tokens a launch stops at, at most (the kernel's `MODEL_MAX_EOS`).
 pub const MAX_EOS: usize = 4;
@@ -476,28 +476,22 @@ impl GpuModel {
     }
 
     /// `generate(prompt, max_new, [])` in the traced instance of the model kernel: every block stamps
-    /// the global timer around each phase of every position (`ModelTrace`). Its machine code is not
+    /// the global timer around each phase of every position (`Trace`). Its machine code is not
     /// the timed kernel's, so its times say where a token's time goes, not how long it takes.
-    pub fn trace(&mut self, dev: &Device, prompt: &[u32], max_new: usize) -> Result<ModelTrace, GpuModelError> {
+    pub fn trace(&mut self, dev: &Device, prompt: &[u32], max_new: usize) -> Result<Trace, GpuModelError> {
         self.limits().generation(prompt, max_new, &[])?;
         self.traced(dev, 0, prompt, max_new)
     }
 
-    /// `decode_step` in the traced instance (`trace`; `ModelTrace::step_shares` reads it); the logits
+    /// `decode_step` in the traced instance (`trace`; `Trace::step_shares` reads it); the logits
     /// are the decode step's (`last_logits`).
-    pub fn trace_step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<ModelTrace, GpuModelError> {
+    pub fn trace_step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Trace, GpuModelError> {
         self.limits().step(token, pos)?;
         self.traced(dev, pos, &[token], 1)
     }
 
     /// The traced instance's launch from `pos0`, the tokens from there `given` (checked by the caller).
-    fn traced(
-        &mut self,
-        dev: &Device,
-        pos0: usize,
-        given: &[u32],
-        max_new: usize,
-    ) -> Result<ModelTrace, GpuModelError> {
+    fn traced(&mut self, dev: &Device, pos0: usize, given: &[u32], max_new: usize) -> Result<Trace, GpuModelError> {
         let b = &self.stack;
         // Loaded here, not with the stack: only a trace runs it.
         let traced = dev.function(&MODEL, model_kernel(self.cfg.qk_norm, has_narrow_rows(&self.layer), true))?;
@@ -512,7 +506,7 @@ impl GpuModel {
         let ([ran, _], kernel_ms) = self.launch(dev, pos0, given, max_new, &[], Some((&traced, &mut stamps)))?;
         let mut stamps = dev.stream().clone_dtoh(&stamps).context("reading the trace")?;
         stamps.truncate(ran as usize * grid * per_step * TRACE_STAMPS);
-        Ok(ModelTrace { stamps, grid, plan, layers, prompt: given.len(), kernel_ms })
+        Ok(Trace { stamps, grid, plan, layers, head: true, prompt: given.len(), kernel_ms })
     }
 
     /// Bytes a decode step at `pos` must move: every layer's (`ByteModel::stack_at`), the LM head and

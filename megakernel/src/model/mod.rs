@@ -5,8 +5,8 @@
 //! kernel, for a decode step, a whole generation or a batch step of several sequences or prompt
 //! positions (`gpu`), checked against the CPU side (the `megakernel check` command); what a step or a
 //! generation may ask for, refused in the same words on both (`request`); several prompts generated
-//! together, a batch step per position (`together`); and where a token's time goes in a traced launch
-//! (`trace`).
+//! together, a batch step per position (`together`). Where a token's time goes in a traced launch is
+//! the crate's `trace`, which reads a stack's step the same way.
 
 pub mod cpu;
 pub mod gpu;
@@ -14,7 +14,6 @@ pub mod hf;
 pub mod request;
 pub mod text;
 pub mod together;
-pub mod trace;
 
 pub use cpu::{CpuModel, argmax};
 pub use gpu::{Generation, GpuModel, GpuModelError, Lane};
@@ -22,7 +21,6 @@ pub use hf::{Element, ModelConfig, ModelError, ModelWeights};
 pub use request::{Limits, Stop};
 pub use text::Text;
 pub use together::{check_together, generate_together};
-pub use trace::{ModelTrace, PhaseShare, per_layer};
 
 #[cfg(test)]
 mod tests;

@@ -1,12 +1,16 @@
-//! Where a token's time goes in the model kernel, read from its traced instance (`GpuModel::trace`):
-//! every block stamps the GPU's global timer when it starts a phase (its dependencies met) and when it
-//! has finished it, at every position. A phase's time on the critical path (its span) runs from the
-//! last block's end of the phase before to its own last block's end, and comes apart into the
+//! Where a step's time goes in a traced launch: every block stamps the GPU's global timer when it starts
+//! a phase (its dependencies met) and when it has finished it, at every position the launch runs (the
+//! model kernel's traced instance, `GpuModel::trace`; a stack's one step, `Megakernel::trace_step`,
+//! which `grader profile --config STACK` reads). A phase's time on the critical path (its span) runs
+//! from the last block's end of the phase before to its own last block's end, and comes apart into the
 //! hand-off (from that end to the median block's start: the release, the poll, the block's barrier),
 //! the median block's work (its start to its end) and the rest, the time the blocks later than the
 //! median add (the slowest block's lead). A GEMV phase's blocks also stamp when their input is in
 //! registers and when their stream is done, which takes the work apart into the input, the stream and
-//! the tail (the epilogue and the block's last barrier).
+//! the tail (the epilogue and the block's last barrier). `Trace::table` prints it the same way for
+//! both commands.
+
+use std::fmt::Write as _;
 
 use spec::bytes::LayerOp;
 
@@ -14,15 +18,17 @@ use crate::TRACE_STAMPS;
 
 /// The stamps of a traced launch and what they are of.
 #[derive(Debug, Clone)]
-pub struct ModelTrace {
-    /// `(positions run, grid, layers * phases + 1, TRACE_STAMPS)` in ns, the head's phase last; zero
-    /// where a block does not run a phase or a stamp is not taken.
+pub struct Trace {
+    /// `(positions run, grid, layers * phases + head, TRACE_STAMPS)` in ns, the head's phase last
+    /// where there is one; zero where a block does not run a phase or a stamp is not taken.
     pub stamps: Vec<u64>,
     pub grid: usize,
     /// What each row of the program (one layer's phases) computes.
     pub plan: Vec<LayerOp>,
     pub layers: usize,
-    /// The prompt's positions: the head runs from the last of them on.
+    /// Whether each position ends with the LM head's phase (a model's; a stack's step has none).
+    pub head: bool,
+    /// The prompt's positions: the head runs from the last of them on (a stack's step: 0).
     pub prompt: usize,
     /// The traced launch's kernel time by events.
     pub kernel_ms: f32,
@@ -31,6 +37,7 @@ pub struct ModelTrace {
 /// One kind of phase's part of a token, in microseconds summed over its phases of a position, the
 /// mean over the positions traced: `span_us = handoff_us + work_us + later_us`.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct PhaseShare {
     pub what: String,
     /// Phases of this kind per position.
@@ -66,10 +73,10 @@ pub fn per_layer(shares: &[PhaseShare], layers: usize) -> PhaseShare {
     }
 }
 
-impl ModelTrace {
+impl Trace {
     /// Phases a position runs, the head's included.
     fn per_position(&self) -> usize {
-        self.plan.len() * self.layers + 1
+        self.plan.len() * self.layers + usize::from(self.head)
     }
 
     /// Positions the launch ran.
@@ -106,27 +113,63 @@ impl ModelTrace {
     /// The kind of phase `f` of a position: its layer operation's name, or the head's.
     fn kind(&self, f: usize) -> String {
         match self.plan.get(f % self.plan.len()) {
-            Some(op) if f < self.per_position() - 1 => format!("{op:?}"),
+            Some(op) if f < self.plan.len() * self.layers => format!("{op:?}"),
             _ => HEAD.to_string(),
         }
     }
 
     /// Each kind of phase's part of a token (the layer's operations in the program's order, then the
-    /// head), over `traced_positions`; `None` when no position was traced or the stamps are
-    /// incomplete (a phase that no block ran, a block with one stamp of a phase's two).
+    /// head), over `traced_positions`; `None` when no position was traced, the launch ran no head, or
+    /// the stamps are incomplete (a phase that no block ran, a block with one stamp of a phase's two).
     pub fn shares(&self) -> Option<Vec<PhaseShare>> {
+        if !self.head {
+            return None;
+        }
         let n = self.per_position();
         // The position before's head ended the position before.
         self.shares_over(self.traced_positions(), |p| self.spans(p - 1, n - 1)?.iter().map(|s| s[END]).max())
     }
 
-    /// `shares` of a launch of one position (`GpuModel::trace_step`), its first phase's hand-off from
-    /// the first block's start of it: a decode step's critical path from its first phase to its head.
+    /// `shares` of a launch of one step (`GpuModel::trace_step`, with its head; a stack's step,
+    /// without), its first phase's hand-off from the first block's start of it: the step's critical
+    /// path from its first phase to its last.
     pub fn step_shares(&self) -> Option<Vec<PhaseShare>> {
-        if self.positions() != 1 || self.prompt != 1 {
+        if self.positions() != 1 || (self.head && self.prompt != 1) {
             return None;
         }
         self.shares_over(0..1, |_| self.spans(0, 0)?.iter().map(|s| s[START]).min())
+    }
+
+    /// The table of `shares` (of `shares` or `step_shares`): a row per kind of phase, the whole step,
+    /// and a layer's critical path. `over`: what the figures are the mean over, for the heading.
+    pub fn table(&self, shares: &[PhaseShare], over: &str) -> String {
+        let mut t = String::new();
+        let row = |t: &mut String, what: &str, phases: usize, f: [f64; 4], rest: &str| {
+            let _ = writeln!(
+                t,
+                "{what:<10} {phases:>6} {:>8.1} {:>9.1} {:>13.1} {:>13.1}   {rest}",
+                f[0], f[1], f[2], f[3]
+            );
+        };
+        let _ = writeln!(t, "where a step's time goes, traced (us a step, {over}):");
+        let _ = writeln!(
+            t,
+            "{:<10} {:>6} {:>8} {:>9} {:>13} {:>13}   a block's input / stream / tail (medians)",
+            "phase", "phases", "span", "hand-off", "median block", "later blocks"
+        );
+        let figures = |s: &PhaseShare| [s.span_us, s.handoff_us, s.work_us, s.later_us];
+        for s in shares {
+            let parts = s.parts_us.map_or("-".to_string(), |[i, st, tail]| format!("{i:.1} / {st:.1} / {tail:.1}"));
+            row(&mut t, &s.what, s.phases, figures(s), &parts);
+        }
+        let all = shares.iter().map(figures).fold([0.0; 4], |a, f| [0, 1, 2, 3].map(|i| a[i] + f[i]));
+        let events = f64::from(self.kernel_ms) * 1e3 / self.positions().max(1) as f64;
+        let phases = shares.iter().map(|s| s.phases).sum();
+        row(&mut t, "all", phases, all, &format!("(the traced launch: {events:.1} us a step by events)"));
+        let layer = per_layer(shares, self.layers);
+        let why = format!("(a layer's critical path: every phase but the head's, over {} layers)", self.layers);
+        row(&mut t, &layer.what, layer.phases, figures(&layer), &why);
+        t
     }
 
     /// Each kind of phase's part of a token over `positions`, where a position's first phase counts
@@ -213,7 +256,7 @@ mod tests {
 
     /// A trace of `positions` positions of one layer of [Qkv, Down] on three blocks, each phase taking
     /// block b (b + 1) `work` ns from `gap` ns after the phase before's last end.
-    fn trace(positions: usize, work: u64, gap: u64) -> ModelTrace {
+    fn trace(positions: usize, work: u64, gap: u64) -> Trace {
         let (grid, n) = (3, 3);
         let mut stamps = vec![0u64; positions * grid * n * TRACE_STAMPS];
         let mut ended = 1_000;
@@ -233,7 +276,15 @@ mod tests {
                 ended = start + 3 * work;
             }
         }
-        ModelTrace { stamps, grid, plan: vec![LayerOp::Qkv, LayerOp::Down], layers: 1, prompt: 1, kernel_ms: 0.0 }
+        Trace {
+            stamps,
+            grid,
+            plan: vec![LayerOp::Qkv, LayerOp::Down],
+            layers: 1,
+            head: true,
+            prompt: 1,
+            kernel_ms: 0.0,
+        }
     }
 
     #[test]
@@ -270,6 +321,31 @@ mod tests {
         t.prompt = 2;
         assert_eq!(t.step_shares(), None, "a prompt of two is not a step");
         assert_eq!(trace(2, 3_000, 1_000).step_shares(), None, "two positions are not a step");
+    }
+
+    /// A stack's step: one position, no head; its phases read as a decode step's without the head's
+    /// row, and the table names each kind, the whole step and a layer.
+    #[test]
+    fn a_stacks_step_reads_without_a_head() {
+        let mut t = trace(1, 3_000, 1_000);
+        // The head's phase (the third of each position) dropped from the stamps.
+        t.stamps = t
+            .stamps
+            .chunks(TRACE_STAMPS)
+            .enumerate()
+            .filter(|(i, _)| i % 3 != 2)
+            .flat_map(|(_, s)| s.to_vec())
+            .collect();
+        (t.head, t.prompt) = (false, 0);
+        assert_eq!(t.positions(), 1);
+        assert_eq!(t.shares(), None, "no head: no generation's positions");
+        let shares = t.step_shares().expect("one step");
+        let spans: Vec<_> = shares.iter().map(|s| (s.what.as_str(), s.span_us, s.handoff_us)).collect();
+        assert_eq!(spans, [("Qkv", 9.0, 0.0), ("Down", 10.0, 1.0)]);
+        let table = t.table(&shares, "one step");
+        let rows: Vec<&str> = table.lines().map(|l| l.split_whitespace().next().unwrap_or("")).collect();
+        assert_eq!(rows, ["where", "phase", "Qkv", "Down", "all", "a"], "{table}");
+        assert!(table.contains("   19.0 "), "the step's span, 9 + 10 us: {table}");
     }
 
     #[test]
