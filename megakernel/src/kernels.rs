@@ -91,7 +91,7 @@ const MODEL_ALLOWANCES: &[::kernels::Spills] = &[
 #[cfg(all(test, feature = "model"))]
 const BATCH_SPILLS: &str = "a batch step holds a group's inputs, up to 64 f32 a thread, beside a phase's state at the 128 \
                             registers a 512-thread block has; ptxas keeps its GEMV phases as calls and saves registers \
-                            around them. Measured as it is (docs/model.md): 8 sequences decode at 2.7-3.1x the \
+                            around them. Measured as it is (docs/perf.md): 8 sequences decode at 2.0-2.7x the \
                             throughput of one; the decode step's kernels spill at most 176 bytes";
 
 /// Why the model kernel's traced instance with q/k norms may spill.
