@@ -56,7 +56,9 @@ pub enum Command {
     /// List the kernels of one step of a submission (name, grid, block, registers, time, share).
     Launches(LaunchesArgs),
     /// Time each phase of the megakernel's phase-per-launch mode against its own floor; for a stack
-    /// (`--config stack-70b`), the whole step in one launch and each layer's time in it.
+    /// (`--config stack-70b`), the whole step in one launch, each layer's time in it and each kind of
+    /// phase's part of it (hand-off, median block, later blocks; a block's input, stream and tail), as
+    /// `megakernel bench --trace` reads a model's.
     Profile(ProfileArgs),
     /// Print the task statement, schedule, gates and byte model of a configuration.
     Spec(SpecArgs),
