@@ -417,8 +417,9 @@ impl AttentionSplit {
 }
 
 /// The blocks of a one-role layer's Qkv and O projection: all but the first `n_kv`, where those are at
-/// most an eighth of the grid (Llama-3.2-1B's 8 KV heads of 132 blocks: 124 take Qkv's rows). Attention places its items on the blocks' first teams in block order (the kernel's
-/// `AttnItems`), so at short contexts, one item a KV head, those blocks run it: off Qkv, they start
+/// most an eighth of the grid (Llama-3.2-1B's 8 KV heads of 132 blocks: 124 take Qkv's rows).
+/// Attention places its items on the blocks' first teams in block order (the kernel's `AttnItems`),
+/// so at short contexts, one item a KV head, those blocks run it: off Qkv, they start
 /// loading its cached rows while Qkv runs; off the O projection, whose first weights the other blocks
 /// stream while they wait for attention, they do not hold back its last rows (their rings hold
 /// attention's chunks until it ends). Measured in docs/perf.md ("Attention on blocks of its own").
@@ -833,6 +834,10 @@ mod tests {
             prog.iter().all(|r| Blocks::of(r)
                 == if r[0] == OProj as i64 || r[0] == Qkv as i64 { beside } else { Blocks::first(132) })
         );
+        // Attention's first blocks are left to it only where they are at most an eighth of the grid.
+        let eight = Config { n_kv: 8, n_q: 32, ..Config::small() };
+        assert_eq!(beside_attention(&eight, 64), Blocks { first: 8, count: 56, stride: 1 });
+        assert_eq!(beside_attention(&eight, 63), Blocks::first(63));
         // One block: five phases, each the byte model's operation of its index, whatever the layer.
         for c in [Config::small(), Config::graded()] {
             cfg = c;
