@@ -292,6 +292,17 @@ class Loader(unittest.TestCase):
                 MegaModel.from_pretrained(Path(tmp) / "nothing", on="cpu")
             self.assertIn("config.json", str(caught.exception))
 
+    def test_a_bitsandbytes_nf4_checkpoint_gives_the_commands_logits(self) -> None:
+        # transformers' save of a model loaded in nf4 (megakernel/tests/fixtures, scripts/nf4_fixture.py).
+        fixture = Path(__file__).resolve().parents[2] / "megakernel/tests/fixtures/nf4-double/checkpoint"
+        tokens = [1, 5, 9, 3, 7, 30, 12]
+        run = cli("logits", "--model", str(fixture), "--tokens", ",".join(map(str, tokens)), "--on", "cpu")
+        self.assertEqual(run.returncode, 0, run.stderr)
+        want = json.loads(run.stdout)["logits"]
+        model = MegaModel.from_pretrained(fixture, max_seq=len(tokens), on="cpu")
+        for pos, token in enumerate(tokens):
+            self.assertEqual(f32_bits(model.decode_step(token, pos)), f32_bits(want[pos]), f"position {pos}")
+
     def test_bad_arguments_are_refused_before_any_work(self) -> None:
         with self.assertRaises(ValueError):
             MegaModel.from_pretrained("/nonexistent", on="tpu")

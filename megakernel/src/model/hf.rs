@@ -17,6 +17,8 @@ use serde::Deserialize;
 use spec::Config;
 use spec::data::{LayerWeights, Tensor};
 
+use super::nf4;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("{path}: {why}")]
@@ -52,6 +54,7 @@ struct RawConfig {
     bos_token_id: Option<u32>,
     eos_token_id: Option<serde_json::Value>,
     use_sliding_window: Option<bool>,
+    quantization_config: Option<serde_json::Value>,
 }
 
 /// A checkpoint's shape: one decoder layer's (`layer`, with `layers` of them) and the vocabulary.
@@ -163,6 +166,42 @@ const DEFAULT_ROPE_THETA: f64 = 10_000.0;
 /// Llama's default context, where `config.json` gives none.
 const DEFAULT_CONTEXT: usize = 2048;
 
+/// A quantised checkpoint the loader reads: bitsandbytes' nf4 (`nf4`), whose weights it dequantises as
+/// it reads them; any other quantisation is refused with what it is.
+fn quantization_of(q: &serde_json::Value) -> Result<(), ModelError> {
+    let field = |name: &str| {
+        q.get(name).and_then(|v| v.as_str().map(str::to_string).or_else(|| v.as_bool().map(|b| b.to_string())))
+    };
+    let refuse = |why: String| Err(unsupported("quantization_config", why));
+    let takes = "the loader reads bitsandbytes nf4 (load_in_4bit, bnb_4bit_quant_type 'nf4') besides bf16, f16 and f32";
+    match field("quant_method").as_deref() {
+        Some("bitsandbytes") => {}
+        Some(other) => return refuse(format!("quant_method '{other}': {takes}")),
+        None => return refuse(format!("no quant_method: {takes}")),
+    }
+    if field("load_in_8bit").as_deref() == Some("true") {
+        return refuse(format!("load_in_8bit (LLM.int8): {takes}"));
+    }
+    if field("load_in_4bit").as_deref() != Some("true") {
+        return refuse(format!("bitsandbytes without load_in_4bit: {takes}"));
+    }
+    match field("bnb_4bit_quant_type").as_deref() {
+        Some("nf4") => {}
+        other => {
+            return refuse(format!(
+                "bnb_4bit_quant_type {}: {takes}",
+                other.map_or("missing".into(), |t| format!("'{t}'"))
+            ));
+        }
+    }
+    match field("bnb_4bit_quant_storage").as_deref() {
+        None | Some("uint8") => Ok(()),
+        Some(other) => {
+            refuse(format!("bnb_4bit_quant_storage '{other}' (it reads the codes stored as uint8): {takes}"))
+        }
+    }
+}
+
 fn unsupported(field: &'static str, why: impl Into<String>) -> ModelError {
     ModelError::Unsupported { field, why: why.into() }
 }
@@ -203,6 +242,9 @@ impl ModelConfig {
         };
         if raw.use_sliding_window == Some(true) {
             return Err(unsupported("use_sliding_window", "true: every layer attends over the whole cache"));
+        }
+        if let Some(q) = &raw.quantization_config {
+            quantization_of(q)?;
         }
         let (theta, rope) = rope_of(&raw)?;
         if let Some(act) = raw.hidden_act.as_deref().filter(|&a| a != "silu") {
@@ -462,7 +504,8 @@ fn tensor_files(dir: &Path) -> Result<BTreeMap<String, PathBuf>, ModelError> {
 }
 
 /// The tensors `wanted` (name and shape), in bf16, by name: each file read once, each tensor checked
-/// for its shape and converted (f32 and f16 rounded to nearest even once).
+/// for its shape and converted (f32 and f16 rounded to nearest even once; a bitsandbytes nf4 weight
+/// dequantised, `nf4`).
 fn read_tensors(dir: &Path, wanted: &[(String, Vec<usize>)]) -> Result<HashMap<String, Vec<bf16>>, ModelError> {
     let files = tensor_files(dir)?;
     let mut by_file: BTreeMap<&PathBuf, Vec<&(String, Vec<usize>)>> = BTreeMap::new();
@@ -482,6 +525,11 @@ fn read_tensors(dir: &Path, wanted: &[(String, Vec<usize>)]) -> Result<HashMap<S
         for (name, shape) in tensors {
             let bad = |why: String| ModelError::Tensor { path: path.clone(), name: name.clone(), why };
             let view = file.tensor(name).map_err(|e| bad(e.to_string()))?;
+            if view.dtype() == Dtype::U8 {
+                let part = |suffix: &str| quantization_part(&files, &file, path, &format!("{name}.{suffix}"));
+                got.insert(name.clone(), nf4::dequantize(shape, view.data(), part).map_err(bad)?);
+                continue;
+            }
             if view.shape() != shape.as_slice() {
                 return Err(bad(format!("shape {:?}, expected {shape:?}", view.shape())));
             }
@@ -489,10 +537,34 @@ fn read_tensors(dir: &Path, wanted: &[(String, Vec<usize>)]) -> Result<HashMap<S
                 Dtype::BF16 => Element::Bf16,
                 Dtype::F16 => Element::F16,
                 Dtype::F32 => Element::F32,
-                other => return Err(bad(format!("dtype {other:?}: the loader reads bf16, f16 and f32"))),
+                other => {
+                    return Err(bad(format!("dtype {other:?}: the loader reads bf16, f16, f32 and bitsandbytes nf4")));
+                }
             };
             got.insert(name.clone(), element.to_bf16(view.data()));
         }
     }
     Ok(got)
+}
+
+/// Tensor `name` of a quantised weight, or None where the checkpoint has none: from `file` (the
+/// weight's own, at `path`), or from the file the index names for it (a shard's boundary may fall
+/// between a weight and its parts).
+fn quantization_part(
+    files: &BTreeMap<String, PathBuf>,
+    file: &SafeTensors,
+    path: &Path,
+    name: &str,
+) -> Result<Option<nf4::Part>, String> {
+    let part = |view: safetensors::tensor::TensorView| nf4::Part {
+        dtype: view.dtype(),
+        shape: view.shape().to_vec(),
+        data: view.data().to_vec(),
+    };
+    let Some(other) = files.get(name).filter(|&p| p != path) else {
+        return Ok(file.tensor(name).ok().map(part));
+    };
+    let bytes = std::fs::read(other).map_err(|e| format!("{}: {e}", other.display()))?;
+    let other_file = SafeTensors::deserialize(&bytes).map_err(|e| format!("{}: {e}", other.display()))?;
+    other_file.tensor(name).map(|v| Some(part(v))).map_err(|e| format!("{}: {name}: {e}", other.display()))
 }

@@ -1,5 +1,6 @@
 //! A whole model as the megakernel runs it: a Hugging Face Llama-family checkpoint read from its
-//! directory (`hf`) with its tokenizer (`text`); its decode step on the CPU (`cpu`: the token's
+//! directory (`hf`; bitsandbytes nf4 weights dequantised as they are read, `nf4`) with its tokenizer
+//! (`text`); its decode step on the CPU (`cpu`: the token's
 //! embedding, every decoder layer as the golden model computes it, the final norm, the LM head in f32
 //! and a greedy argmax with a fixed tie rule); and the same on the GPU in one launch of the model
 //! kernel, for a decode step, a whole generation or a batch step of several sequences or prompt
@@ -11,6 +12,7 @@
 pub mod cpu;
 pub mod gpu;
 pub mod hf;
+pub mod nf4;
 pub mod request;
 pub mod text;
 pub mod together;

@@ -15,6 +15,20 @@ use spec::data::Tensor;
 use super::hf::{ModelConfig, ModelError, ModelWeights};
 use super::{CpuModel, Lane, Stop, Text, argmax, generate_together};
 
+/// A layer's tensors by their Hugging Face names below `model.layers.{i}.` (less `.weight`): its two
+/// norms, then its seven matrices.
+const LAYER_TENSORS: [(Tensor, &str); 9] = [
+    (Tensor::InNorm, "input_layernorm"),
+    (Tensor::PostNorm, "post_attention_layernorm"),
+    (Tensor::Wq, "self_attn.q_proj"),
+    (Tensor::Wk, "self_attn.k_proj"),
+    (Tensor::Wv, "self_attn.v_proj"),
+    (Tensor::Wo, "self_attn.o_proj"),
+    (Tensor::Wgate, "mlp.gate_proj"),
+    (Tensor::Wup, "mlp.up_proj"),
+    (Tensor::Wdown, "mlp.down_proj"),
+];
+
 /// A fresh folder of this test process.
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("megakernel-model-{}-{name}", std::process::id()));
@@ -191,17 +205,7 @@ fn a_checkpoint_reads_back_bit_for_bit_into_its_fields() {
         assert_eq!(&w.norm, by_name["model.norm.weight"]);
         assert_eq!(w.head(), if tied { &w.embed[..] } else { &by_name["lm_head.weight"][..] });
         for (i, layer) in w.layers.iter().enumerate() {
-            for (t, name) in [
-                (Tensor::InNorm, "input_layernorm"),
-                (Tensor::PostNorm, "post_attention_layernorm"),
-                (Tensor::Wq, "self_attn.q_proj"),
-                (Tensor::Wk, "self_attn.k_proj"),
-                (Tensor::Wv, "self_attn.v_proj"),
-                (Tensor::Wo, "self_attn.o_proj"),
-                (Tensor::Wgate, "mlp.gate_proj"),
-                (Tensor::Wup, "mlp.up_proj"),
-                (Tensor::Wdown, "mlp.down_proj"),
-            ] {
+            for (t, name) in LAYER_TENSORS {
                 assert_eq!(layer.get(t), by_name[format!("model.layers.{i}.{name}.weight").as_str()], "{i} {name}");
             }
         }
@@ -542,4 +546,71 @@ fn prompts_generated_together_are_each_their_own_generation() {
     assert_eq!(e, "3 prompts: 1 to 2 (the sequences the model was loaded for)");
     let e = generate_together(limits, 3, &[vec![1], vec![1; 13]], 5, &[], never).unwrap_err();
     assert_eq!(e, "prompt 1: a prompt of 13 tokens is longer than the caches' 12 positions");
+}
+
+/// A checkpoint transformers saved with bitsandbytes nf4, without and with double quantisation
+/// (`tests/fixtures`, written by `scripts/nf4_fixture.py`): every quantised weight reads as bitsandbytes'
+/// own dequantisation of it, bit for bit, and every other tensor as it is stored.
+#[test]
+fn nf4_checkpoints_read_as_bitsandbytes_dequantises_them() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    for variant in ["nf4", "nf4-double"] {
+        let checkpoint = fixtures.join(variant).join("checkpoint");
+        let cfg = ModelConfig::read(&checkpoint).unwrap();
+        let weights = ModelWeights::read(&checkpoint, &cfg).unwrap();
+        let expected_bytes = std::fs::read(fixtures.join(variant).join("bnb-dequantized.safetensors")).unwrap();
+        let expected = safetensors::SafeTensors::deserialize(&expected_bytes).unwrap();
+        let stored_bytes = std::fs::read(checkpoint.join("model.safetensors")).unwrap();
+        let stored = safetensors::SafeTensors::deserialize(&stored_bytes).unwrap();
+        let bf16s = |view: TensorView| -> Vec<bf16> {
+            assert_eq!(view.dtype(), Dtype::BF16);
+            view.data().chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect()
+        };
+        let (norms, matrices) = LAYER_TENSORS.split_at(2);
+        assert_eq!(expected.names().len(), matrices.len(), "{variant}: a quantised weight the test does not name");
+        for &(t, name) in matrices {
+            let name = format!("model.layers.0.{name}.weight");
+            assert_eq!(stored.tensor(&name).unwrap().dtype(), Dtype::U8, "{variant}: {name} is stored quantised");
+            assert_eq!(weights.layers[0].get(t), &bf16s(expected.tensor(&name).unwrap()), "{variant}: {name}");
+        }
+        for &(t, name) in norms {
+            let name = format!("model.layers.0.{name}.weight");
+            assert_eq!(weights.layers[0].get(t), &bf16s(stored.tensor(&name).unwrap()), "{variant}: {name}");
+        }
+        assert_eq!(weights.embed, bf16s(stored.tensor("model.embed_tokens.weight").unwrap()));
+        assert_eq!(weights.norm, bf16s(stored.tensor("model.norm.weight").unwrap()));
+        assert_eq!(weights.lm_head.as_deref(), Some(bf16s(stored.tensor("lm_head.weight").unwrap()).as_slice()));
+    }
+}
+
+#[test]
+fn quantisations_the_loader_does_not_read_are_refused_naming_them() {
+    let nf4 = json!({"quant_method": "bitsandbytes", "load_in_4bit": true, "bnb_4bit_quant_type": "nf4",
+                     "bnb_4bit_quant_storage": "uint8"});
+    let with = |changes: serde_json::Value| {
+        let mut q = nf4.clone();
+        for (k, v) in changes.as_object().unwrap() {
+            q[k] = v.clone();
+        }
+        let mut c = llama_json(false);
+        c["quantization_config"] = q;
+        c
+    };
+    config_of("nf4-config", with(json!({}))).unwrap();
+    for (name, changes, words) in [
+        ("gptq", json!({"quant_method": "gptq"}), "quant_method 'gptq'"),
+        ("int8", json!({"load_in_8bit": true, "load_in_4bit": false}), "load_in_8bit"),
+        ("fp4", json!({"bnb_4bit_quant_type": "fp4"}), "bnb_4bit_quant_type 'fp4'"),
+        ("storage", json!({"bnb_4bit_quant_storage": "bfloat16"}), "'bfloat16'"),
+        ("not-4bit", json!({"load_in_4bit": false}), "without load_in_4bit"),
+    ] {
+        match config_of(name, with(changes)) {
+            Err(e @ ModelError::Unsupported { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains("field 'quantization_config'") && text.contains(words), "{name}: {text}");
+                assert!(text.contains("bitsandbytes nf4"), "{name}: says what it reads: {text}");
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+    }
 }
