@@ -556,11 +556,7 @@ fn quantization_part(
     path: &Path,
     name: &str,
 ) -> Result<Option<nf4::Part>, String> {
-    let part = |view: safetensors::tensor::TensorView| nf4::Part {
-        dtype: view.dtype(),
-        shape: view.shape().to_vec(),
-        data: view.data().to_vec(),
-    };
+    let part = |view: safetensors::tensor::TensorView| nf4::Part { dtype: view.dtype(), data: view.data().to_vec() };
     let Some(other) = files.get(name).filter(|&p| p != path) else {
         return Ok(file.tensor(name).ok().map(part));
     };

@@ -1,5 +1,5 @@
 //! bitsandbytes' nf4 weights, as transformers saves a model loaded with `BitsAndBytesConfig(
-//! load_in_4bit=True, bnb_4bit_quant_type="nf4")`. A quantised weight `W` is five or seven tensors:
+//! load_in_4bit=True, bnb_4bit_quant_type="nf4")`. A quantised weight `W` is four or six tensors:
 //! `W` (uint8: two 4-bit codes a byte over the weight's elements in row-major order, the first in the
 //! high nibble), `W.quant_map` (the 16 values a code names), `W.absmax` (each block's scale: f32; or,
 //! with double quantisation, uint8 codes into `W.nested_quant_map`, each scaled by its nested block's
@@ -18,7 +18,6 @@ pub const STATE: &str = "quant_state.bitsandbytes__nf4";
 /// A tensor of a quantised weight, as its file holds it.
 pub struct Part {
     pub dtype: Dtype,
-    pub shape: Vec<usize>,
     pub data: Vec<u8>,
 }
 
@@ -60,11 +59,11 @@ pub fn dequantize(
         return Err("a block size of 0".into());
     }
     let round = rounding(&state.dtype)?;
-    let quant_map = floats(&need("quant_map")?, Some(16), "quant_map")?;
+    let quant_map = floats(&need("quant_map")?, 16, "quant_map")?;
     let blocks = elements.div_ceil(state.blocksize);
     let absmax = need("absmax")?;
     let absmax = match absmax.dtype {
-        Dtype::F32 => floats(&absmax, Some(blocks), "absmax")?,
+        Dtype::F32 => floats(&absmax, blocks, "absmax")?,
         Dtype::U8 => nested(&absmax.data, blocks, &state, &mut need)?,
         other => return Err(format!("absmax in {other:?}: bitsandbytes writes f32, or uint8 codes")),
     };
@@ -91,23 +90,23 @@ fn nested(
     let (Some(size), Some(offset)) = (state.nested_blocksize.filter(|&s| s > 0), state.nested_offset) else {
         return Err(format!("uint8 absmax, but its {STATE} names no nested block size and offset"));
     };
-    let map = floats(&need("nested_quant_map")?, Some(256), "nested_quant_map")?;
-    let scales = floats(&need("nested_absmax")?, Some(blocks.div_ceil(size)), "nested_absmax")?;
+    let map = floats(&need("nested_quant_map")?, 256, "nested_quant_map")?;
+    let scales = floats(&need("nested_absmax")?, blocks.div_ceil(size), "nested_absmax")?;
     // The offset is an f32 that the JSON holds as a decimal: it reads back to the same f32.
     let offset = offset as f32;
     Ok(codes.iter().enumerate().map(|(k, &c)| map[c as usize] * scales[k / size] + offset).collect())
 }
 
-/// A tensor of f32 (`len` of them where given).
-fn floats(part: &Part, len: Option<usize>, what: &str) -> Result<Vec<f32>, String> {
+/// A tensor of `len` f32.
+fn floats(part: &Part, len: usize, what: &str) -> Result<Vec<f32>, String> {
     if part.dtype != Dtype::F32 {
         return Err(format!("{what} in {:?}: bitsandbytes writes f32", part.dtype));
     }
     let values: Vec<f32> = part.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-    match len {
-        Some(n) if values.len() != n => Err(format!("{what} holds {} values, expected {n}", values.len())),
-        _ => Ok(values),
+    if values.len() != len {
+        return Err(format!("{what} holds {} values, expected {len}", values.len()));
     }
+    Ok(values)
 }
 
 /// How an element computed in f32 becomes the weight's dtype, then bf16.
@@ -124,12 +123,12 @@ mod tests {
     use super::*;
 
     fn f32s(v: &[f32]) -> Part {
-        Part { dtype: Dtype::F32, shape: vec![v.len()], data: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
+        Part { dtype: Dtype::F32, data: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
     }
 
     fn state(json: serde_json::Value) -> Part {
         let data = json.to_string().into_bytes();
-        Part { dtype: Dtype::U8, shape: vec![data.len()], data }
+        Part { dtype: Dtype::U8, data }
     }
 
     /// A weight's parts by suffix, as the loader hands them over.
@@ -167,7 +166,7 @@ mod tests {
             "quant_type": "nf4", "blocksize": 2, "dtype": "bfloat16", "shape": [8],
             "nested_blocksize": 3, "nested_offset": 0.25
         }));
-        let absmax_codes = Part { dtype: Dtype::U8, shape: vec![4], data: vec![128, 64, 0, 255] };
+        let absmax_codes = Part { dtype: Dtype::U8, data: vec![128, 64, 0, 255] };
         let got = dequantize(
             &[8],
             &[0x99; 4],
@@ -226,10 +225,10 @@ mod tests {
         short[2] = ("absmax", f32s(&[1.0]));
         assert!(refused(&[4], &[0; 2], short).contains("absmax holds 1 values, expected 2"));
         let mut nested = whole();
-        nested[2] = ("absmax", Part { dtype: Dtype::U8, shape: vec![2], data: vec![0, 0] });
+        nested[2] = ("absmax", Part { dtype: Dtype::U8, data: vec![0, 0] });
         assert!(refused(&[4], &[0; 2], nested).contains("no nested block size"));
         let mut f16_map = whole();
-        f16_map[1] = ("quant_map", Part { dtype: Dtype::F16, shape: vec![16], data: vec![0; 32] });
+        f16_map[1] = ("quant_map", Part { dtype: Dtype::F16, data: vec![0; 32] });
         assert!(refused(&[4], &[0; 2], f16_map).contains("quant_map in F16"));
         let text = refused(&[4], &[0; 2], {
             let mut v = whole();
