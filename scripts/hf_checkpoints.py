@@ -102,6 +102,21 @@ def agreement_checkpoint(name, out):
     return shape[5]
 
 
+def nf4_checkpoint(dense, out, device):
+    """The bf16 checkpoint `dense` loaded by transformers with bitsandbytes nf4 (double quantisation:
+    both kinds of scale are read) onto `device` and saved into `out` with its tokenizer, as a user
+    saves a model loaded in 4 bits."""
+    import shutil
+    from transformers import BitsAndBytesConfig
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16, quantization_config=quant,
+                                                 device_map={"": device})
+    model.save_pretrained(out)
+    if (dense / "tokenizer.json").exists():
+        shutil.copy(dense / "tokenizer.json", out / "tokenizer.json")
+
+
 def speed_checkpoint(name, out):
     """SIZES[name] with transformers' random init, in bf16 on the GPU, saved into `out`; returns the
     model."""
