@@ -303,6 +303,13 @@ class Loader(unittest.TestCase):
         for pos, token in enumerate(tokens):
             self.assertEqual(f32_bits(model.decode_step(token, pos)), f32_bits(want[pos]), f"position {pos}")
 
+    def test_a_model_loaded_in_4_bits_is_sent_to_its_folder(self) -> None:
+        fixture = Path(__file__).resolve().parents[2] / "megakernel/tests/fixtures/nf4/checkpoint"
+        with self.assertRaises(MegakernelError) as caught:
+            MegaModel.from_pretrained(dl.LoadedModel(fixture, {}), on="cpu")
+        self.assertIn("field 'quantization_config'", str(caught.exception))
+        self.assertIn("model.save_pretrained(DIR), then from_pretrained(DIR)", str(caught.exception))
+
     def test_bad_arguments_are_refused_before_any_work(self) -> None:
         with self.assertRaises(ValueError):
             MegaModel.from_pretrained("/nonexistent", on="tpu")

@@ -71,6 +71,8 @@ pub struct ModelConfig {
     pub rope: RopeScaling,
     /// Qwen3's per-head RMSNorm of the queries and keys before RoPE (`golden::QkNorm`).
     pub qk_norm: bool,
+    /// Its weights are bitsandbytes nf4 (`quantization_config`), which a folder's tensors give.
+    pub nf4: bool,
 }
 
 /// How the model scales RoPE's frequencies (`theta^(-2i / hd)`, the layer's).
@@ -295,6 +297,7 @@ impl ModelConfig {
             eos,
             rope,
             qk_norm,
+            nf4: raw.quantization_config.is_some(),
         })
     }
 }

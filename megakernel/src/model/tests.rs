@@ -150,7 +150,7 @@ fn a_llama_config_reads_into_the_layers_shape() {
     let l = &cfg.layer;
     assert_eq!((l.layers, l.d, l.ffn, l.n_q, l.n_kv, l.hd), (2, 64, 96, 4, 2, 16));
     assert_eq!((l.eps, l.theta, l.max_seq_len), (1e-5, 10_000.0, 256));
-    assert_eq!((cfg.vocab, cfg.tied, cfg.bos, cfg.eos.clone()), (97, false, Some(1), vec![2, 3]));
+    assert_eq!((cfg.vocab, cfg.tied, cfg.bos, cfg.eos.clone(), cfg.nf4), (97, false, Some(1), vec![2, 3], false));
     // Defaults where the fields are missing: as many KV heads as query heads, hd = d / heads.
     let mut sparse = llama_json(true);
     for field in ["num_key_value_heads", "rope_theta", "eos_token_id", "rope_scaling"] {
@@ -557,6 +557,7 @@ fn nf4_checkpoints_read_as_bitsandbytes_dequantises_them() {
     for variant in ["nf4", "nf4-double"] {
         let checkpoint = fixtures.join(variant).join("checkpoint");
         let cfg = ModelConfig::read(&checkpoint).unwrap();
+        assert!(cfg.nf4, "{variant}: its config names the quantisation");
         let weights = ModelWeights::read(&checkpoint, &cfg).unwrap();
         let expected_bytes = std::fs::read(fixtures.join(variant).join("bnb-dequantized.safetensors")).unwrap();
         let expected = safetensors::SafeTensors::deserialize(&expected_bytes).unwrap();
