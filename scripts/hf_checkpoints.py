@@ -3,13 +3,14 @@ scripts/hf-speed.py and scripts/hf-python.py (no downloads): the shapes they run
 model, a byte-level BPE tokenizer trained on the repository's docs, and transformers' own decode
 speed."""
 import json
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, Qwen3Config
 
 ROOT = Path(__file__).resolve().parent.parent
 BOS, EOS = 1, 2
@@ -106,8 +107,6 @@ def nf4_checkpoint(dense, out, device):
     """The bf16 checkpoint `dense` loaded by transformers with bitsandbytes nf4 (double quantisation:
     both kinds of scale are read) onto `device` and saved into `out` with its tokenizer, as a user
     saves a model loaded in 4 bits."""
-    import shutil
-    from transformers import BitsAndBytesConfig
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16, quantization_config=quant,
