@@ -452,25 +452,59 @@ fn layer_tensor(t: Tensor, cfg: &Config) -> (&'static str, Vec<usize>) {
     }
 }
 
-/// The names of the tensors in a safetensors file, from its header alone (an 8-byte little-endian
-/// length, then that many bytes of JSON), so that finding which file holds what reads no weights.
-fn tensor_names(path: &Path) -> Result<Vec<String>, ModelError> {
-    use std::io::Read;
-    /// The safetensors format's own bound on the header.
-    const MAX_HEADER_BYTES: u64 = 100_000_000;
-    let io = |why: String| ModelError::Io { path: path.to_path_buf(), why };
-    let mut file = std::fs::File::open(path).map_err(|e| io(e.to_string()))?;
-    let mut len = [0u8; 8];
-    file.read_exact(&mut len).map_err(|e| io(format!("reading the header's length: {e}")))?;
-    let len = u64::from_le_bytes(len);
-    if len > MAX_HEADER_BYTES {
-        return Err(io(format!("a header of {len} bytes: not a safetensors file")));
+/// A safetensors file's header (an 8-byte little-endian length, then that many bytes of JSON: each
+/// tensor's dtype, shape and byte range after the header), open at its end.
+struct Header {
+    file: std::fs::File,
+    /// The header's length with its own 8 bytes: where the tensors' bytes start.
+    data_start: u64,
+    entries: BTreeMap<String, serde_json::Value>,
+}
+
+impl Header {
+    fn read(path: &Path) -> Result<Header, String> {
+        use std::io::Read;
+        /// The safetensors format's own bound on the header.
+        const MAX_HEADER_BYTES: u64 = 100_000_000;
+        let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+        let mut len = [0u8; 8];
+        file.read_exact(&mut len).map_err(|e| format!("reading the header's length: {e}"))?;
+        let len = u64::from_le_bytes(len);
+        if len > MAX_HEADER_BYTES {
+            return Err(format!("a header of {len} bytes: not a safetensors file"));
+        }
+        let mut header = vec![0u8; len as usize];
+        file.read_exact(&mut header).map_err(|e| format!("reading the header: {e}"))?;
+        let mut entries: BTreeMap<String, serde_json::Value> =
+            serde_json::from_slice(&header).map_err(|e| format!("the header: {e}"))?;
+        entries.remove("__metadata__");
+        Ok(Header { file, data_start: 8 + len, entries })
     }
-    let mut header = vec![0u8; len as usize];
-    file.read_exact(&mut header).map_err(|e| io(format!("reading the header: {e}")))?;
-    let names: BTreeMap<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| io(format!("the header: {e}")))?;
-    Ok(names.into_keys().filter(|n| n != "__metadata__").collect())
+
+    /// Tensor `name`'s dtype and bytes, read alone; None where the file has no such tensor.
+    fn tensor(mut self, name: &str) -> Result<Option<nf4::Part>, String> {
+        use std::io::{Read, Seek, SeekFrom};
+        #[derive(Deserialize)]
+        struct Entry {
+            dtype: Dtype,
+            data_offsets: [u64; 2],
+        }
+        let Some(entry) = self.entries.remove(name) else { return Ok(None) };
+        let Entry { dtype, data_offsets: [begin, end] } =
+            serde_json::from_value(entry).map_err(|e| format!("the header's '{name}': {e}"))?;
+        let len = end.checked_sub(begin).ok_or(format!("the header's '{name}': its range ends before it begins"))?;
+        let mut data = vec![0u8; len as usize];
+        self.file.seek(SeekFrom::Start(self.data_start + begin)).map_err(|e| e.to_string())?;
+        self.file.read_exact(&mut data).map_err(|e| format!("reading '{name}': {e}"))?;
+        Ok(Some(nf4::Part { dtype, data }))
+    }
+}
+
+/// The names of the tensors in a safetensors file, from its header alone, so that finding which file
+/// holds what reads no weights.
+fn tensor_names(path: &Path) -> Result<Vec<String>, ModelError> {
+    let header = Header::read(path).map_err(|why| ModelError::Io { path: path.to_path_buf(), why })?;
+    Ok(header.entries.into_keys().collect())
 }
 
 /// Which file of `dir` holds each tensor: `model.safetensors.index.json`'s weight map, or else every
@@ -551,8 +585,8 @@ fn read_tensors(dir: &Path, wanted: &[(String, Vec<usize>)]) -> Result<HashMap<S
 }
 
 /// Tensor `name` of a quantised weight, or None where the checkpoint has none: from `file` (the
-/// weight's own, at `path`), or from the file the index names for it (a shard's boundary may fall
-/// between a weight and its parts).
+/// weight's own, at `path`), or, read alone, from the file the index names for it (a shard's boundary
+/// may fall between a weight and its parts).
 fn quantization_part(
     files: &BTreeMap<String, PathBuf>,
     file: &SafeTensors,
@@ -563,7 +597,5 @@ fn quantization_part(
     let Some(other) = files.get(name).filter(|&p| p != path) else {
         return Ok(file.tensor(name).ok().map(part));
     };
-    let bytes = std::fs::read(other).map_err(|e| format!("{}: {e}", other.display()))?;
-    let other_file = SafeTensors::deserialize(&bytes).map_err(|e| format!("{}: {e}", other.display()))?;
-    other_file.tensor(name).map(|v| Some(part(v))).map_err(|e| format!("{}: {name}: {e}", other.display()))
+    Header::read(other).and_then(|h| h.tensor(name)).map_err(|e| format!("{}: {e}", other.display()))
 }
