@@ -51,6 +51,9 @@ constexpr int64_t OP_ATTENTION = 2; // chunked attention of q over the cache, co
 constexpr int64_t OP_O_PROJ = 3;    // x1 = x + Wo a
 constexpr int64_t OP_GATE_UP = 4;   // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2)
 constexpr int64_t OP_DOWN = 5;      // out = x1 + Wd act
+// out = residual + every GPU's partials in rank order, for a layer split over GPUs: emitted only for
+// that split, which this kernel does not run yet (it traps on the opcode, as on any it does not know).
+constexpr int64_t OP_REDUCE = 6;
 
 // The last two words of every row: the blocks that run it (first + i * stride for i < count: the count in
 // bits 0-31, the first in bits 32-47, the stride in bits 48-62) and the phases it waits for (one bit per
@@ -65,3 +68,4 @@ namespace attn { enum : int { Q = 1, KCache, VCache, PartO, PartMl, Counters, AO
 namespace oproj { enum : int { W = 1, A, X1Out, Rows, Cols, PartIn, PartOut }; }
 namespace gateup { enum : int { W = 1, Norm, X1, ActOut, D, Ffn, EpsBits }; }
 namespace down { enum : int { W = 1, Act, X1, Rows, Cols, PartIn, PartOut }; }
+namespace reduce { enum : int { Parts = 1, Residual, Out, Rows }; }

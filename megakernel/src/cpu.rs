@@ -67,9 +67,36 @@ pub struct CpuStack {
     pub buffers: Buffers,
     pub layers: Vec<LayerBuffers>,
     pub program: Vec<Row>,
-    /// The parts so far of a GEMV split by columns (each one's weights, input and columns), waiting for
-    /// its last: the O projection's, then Down's.
-    parts_so_far: Vec<(i64, i64, usize)>,
+    /// The parts so far of a GEMV split by columns, waiting for its last: the O projection's, then
+    /// Down's; and, split over GPUs, the partials its last part left for a Reduce row (0: none yet).
+    parts_so_far: Vec<Part>,
+    partials_left: i64,
+}
+
+/// One part of a GEMV split by columns: its weights' and its input's addresses, and its columns.
+pub(crate) type Part = (i64, i64, usize);
+
+/// What one row of the program left for its caller.
+pub(crate) enum Ran {
+    Done,
+    /// The layer's output: Down's last part, on one GPU.
+    Output(Vec<bf16>),
+    /// A Reduce row (resolved), which needs every GPU's parts (`split::SplitCpu`).
+    Reduce(Row),
+}
+
+/// `rows` rows of the product of the parts' columns side by side, in order, each part read from its
+/// arena, with the golden model's rounding: the whole GEMV from its packed column parts (which checks
+/// every packing).
+pub(crate) fn product(parts: &[(&Arena, Part)], rows: usize) -> Vec<bf16> {
+    let matrices: Vec<Vec<bf16>> = parts.iter().map(|&(a, (w, _, cols))| a.bf16(w, rows * cols)).collect();
+    let weights: Vec<bf16> = (0..rows)
+        .flat_map(|i| {
+            parts.iter().zip(&matrices).flat_map(move |(&(_, (_, _, c)), m)| m[i * c..(i + 1) * c].iter().copied())
+        })
+        .collect();
+    let v: Vec<bf16> = parts.iter().flat_map(|&(a, (_, v, cols))| a.bf16(v, cols)).collect();
+    golden::gemv(&weights, rows, v.len(), &v)
 }
 
 /// The packed matrix `packing` describes, copied from the host weights.
@@ -157,8 +184,16 @@ fn layer_buffers(a: &mut Arena, cfg: &Config, w: &Weights, cache: &KvCache, plan
 impl CpuStack {
     /// Packs (or, `in_place`, leaves as handed over) and compiles exactly as the GPU `build_stack` does
     /// for a grid of `grid` blocks laid out as `plan` says, over host buffers: one layer per `(weights,
-    /// cache)`.
-    pub fn build(cfg: &Config, layers: &[(Weights, KvCache)], grid: u32, plan: Plan, in_place: bool) -> Self {
+    /// cache)`; `cfg` and the layers are one GPU's share of a layer split over `ranks` GPUs (1: the
+    /// whole layer).
+    pub fn build(
+        cfg: &Config,
+        layers: &[(Weights, KvCache)],
+        grid: u32,
+        plan: Plan,
+        in_place: bool,
+        ranks: usize,
+    ) -> Self {
         let mut a = Arena::default();
         let rope = RopeTable::new(cfg);
         let zeros = |n: usize| vec![0u8; n];
@@ -180,8 +215,16 @@ impl CpuStack {
             act: a.alloc(&zeros(2 * cfg.ffn)),
             down_part: a.alloc(&zeros(4 * cfg.d)),
         };
-        let program = program::compile(cfg, &buffers, grid, plan);
-        Self { cfg: cfg.clone(), arena: a, buffers, layers: tables, program, parts_so_far: Vec::new() }
+        let program = program::compile(cfg, &buffers, grid, plan, ranks);
+        Self {
+            cfg: cfg.clone(),
+            arena: a,
+            buffers,
+            layers: tables,
+            program,
+            parts_so_far: Vec::new(),
+            partials_left: 0,
+        }
     }
 
     /// Layer `l`'s cache as the program left it.
@@ -198,28 +241,48 @@ impl CpuStack {
     pub fn step(&mut self, x: &[bf16], pos: usize) -> Vec<Vec<bf16>> {
         let mut outs: Vec<Vec<bf16>> = Vec::with_capacity(self.layers.len());
         for l in 0..self.layers.len() {
-            let table = self.layers[l].table();
-            let in_place = self.layers[l].in_place;
             let x_l = if l == 0 { x.to_vec() } else { outs[l - 1].clone() };
             let mut out = Vec::new();
             for row in self.program.clone() {
-                let row = program::resolve_row(&row, &table);
-                match Op::from_word(row[0]).unwrap_or_else(|| panic!("unknown opcode {}", row[0])) {
-                    Op::Nop => {}
-                    Op::Qkv => self.qkv(&row, &x_l, pos, in_place),
-                    Op::Attention => self.attention(&row, pos),
-                    Op::OProj => self.oproj(&row, &x_l),
-                    Op::GateUp => self.gateup(&row, in_place),
-                    Op::Down => {
-                        if let Some(o) = self.down(&row) {
-                            out = o;
-                        }
-                    }
+                match self.run_row(l, &row, &x_l, pos) {
+                    Ran::Done => {}
+                    Ran::Output(o) => out = o,
+                    Ran::Reduce(_) => panic!("a Reduce row needs every GPU's share of the layer (split::SplitCpu)"),
                 }
             }
             outs.push(out);
         }
         outs
+    }
+
+    /// Row `row` of layer `l`, whose input is `x`.
+    pub(crate) fn run_row(&mut self, l: usize, row: &Row, x: &[bf16], pos: usize) -> Ran {
+        let row = program::resolve_row(row, &self.layers[l].table());
+        let in_place = self.layers[l].in_place;
+        match Op::from_word(row[0]).unwrap_or_else(|| panic!("unknown opcode {}", row[0])) {
+            Op::Nop => {}
+            Op::Qkv => self.qkv(&row, x, pos, in_place),
+            Op::Attention => self.attention(&row, pos),
+            Op::OProj => self.oproj(&row, x),
+            Op::GateUp => self.gateup(&row, in_place),
+            Op::Down => {
+                if let Some(o) = self.down(&row) {
+                    return Ran::Output(o);
+                }
+            }
+            Op::Reduce => return Ran::Reduce(row),
+        }
+        Ran::Done
+    }
+
+    /// The parts of the GEMV whose last part left its partials at `partials`, for a Reduce row.
+    pub(crate) fn take_parts(&mut self, partials: i64) -> Vec<Part> {
+        assert!(
+            partials != 0 && self.partials_left == partials,
+            "a Reduce row must read the partials the last part left"
+        );
+        self.partials_left = 0;
+        std::mem::take(&mut self.parts_so_far)
     }
 
     /// The packed matrix of `rows` rows of `d` from `source(p)` (weight address, row) of each packed row
@@ -298,37 +361,27 @@ impl CpuStack {
     /// `W v`, or one of its parts of columns: every part but the last names the partials it writes
     /// (`part_out`), every part but the first those it adds (`part_in`); both must be `partials`. The
     /// executor keeps each part's operands and computes the whole product when the last comes (`None`
-    /// until then), with the golden model's rounding, from the parts' packed columns (which checks every
-    /// packing).
-    fn split_gemv(
-        &mut self,
-        (w, v, rows, cols): (i64, i64, usize, usize),
-        part_in: i64,
-        part_out: i64,
-        partials: u64,
-    ) -> Option<Vec<bf16>> {
+    /// until then), with the golden model's rounding, from the parts' packed columns (`product`). Split
+    /// over GPUs, the last part leaves partials too, for a Reduce row (`take_parts`).
+    fn split_gemv(&mut self, part: Part, rows: usize, part_in: i64, part_out: i64, partials: u64) -> Option<Vec<bf16>> {
         assert!([0, partials as i64].contains(&part_in) && [0, partials as i64].contains(&part_out));
         assert_eq!(part_in != 0, !self.parts_so_far.is_empty(), "a part adds partials exactly when parts came before");
-        self.parts_so_far.push((w, v, cols));
+        self.parts_so_far.push(part);
         if part_out != 0 {
+            self.partials_left = part_out;
             return None;
         }
         let parts = std::mem::take(&mut self.parts_so_far);
-        let matrices: Vec<Vec<bf16>> = parts.iter().map(|&(w, _, cols)| self.arena.bf16(w, rows * cols)).collect();
-        let weights: Vec<bf16> = (0..rows)
-            .flat_map(|i| {
-                parts.iter().zip(&matrices).flat_map(move |(&(_, _, c), m)| m[i * c..(i + 1) * c].iter().copied())
-            })
-            .collect();
-        let v: Vec<bf16> = parts.iter().flat_map(|&(_, v, cols)| self.arena.bf16(v, cols)).collect();
-        Some(golden::gemv(&weights, rows, v.len(), &v))
+        let arena = &self.arena;
+        Some(product(&parts.iter().map(|&p| (arena, p)).collect::<Vec<_>>(), rows))
     }
 
     /// `x1 = x + Wo a`, in one or two parts of columns (`split_gemv`).
     fn oproj(&mut self, r: &Row, x: &[bf16]) {
         let w = |i: oproj::Word| r[i as usize];
-        let gemv = (w(oproj::W), w(oproj::A), w(oproj::Rows) as usize, w(oproj::Cols) as usize);
-        if let Some(y) = self.split_gemv(gemv, w(oproj::PartIn), w(oproj::PartOut), self.buffers.x1_part) {
+        let part = (w(oproj::W), w(oproj::A), w(oproj::Cols) as usize);
+        let rows = w(oproj::Rows) as usize;
+        if let Some(y) = self.split_gemv(part, rows, w(oproj::PartIn), w(oproj::PartOut), self.buffers.x1_part) {
             self.arena.write_bf16(w(oproj::X1Out), &golden::add(x, &y));
         }
     }
@@ -355,8 +408,9 @@ impl CpuStack {
     /// `out = x1 + Wd act`, in one or two parts of columns (`split_gemv`); `None` after a first part.
     fn down(&mut self, r: &Row) -> Option<Vec<bf16>> {
         let w = |i: down::Word| r[i as usize];
-        let gemv = (w(down::W), w(down::Act), w(down::Rows) as usize, w(down::Cols) as usize);
-        let y = self.split_gemv(gemv, w(down::PartIn), w(down::PartOut), self.buffers.down_part)?;
+        let part = (w(down::W), w(down::Act), w(down::Cols) as usize);
+        let y =
+            self.split_gemv(part, w(down::Rows) as usize, w(down::PartIn), w(down::PartOut), self.buffers.down_part)?;
         Some(golden::add(&self.arena.bf16(w(down::X1), w(down::Rows) as usize), &y))
     }
 }
@@ -388,7 +442,7 @@ mod tests {
                 (golden::generate_weights(&cfg, s), KvCache::generate(&cfg, s))
             })
             .collect();
-        let mut stack = CpuStack::build(&cfg, &layers, grid, plan, in_place);
+        let mut stack = CpuStack::build(&cfg, &layers, grid, plan, in_place, 1);
         assert_eq!(stack.program.len(), phases, "{} on {grid} blocks", cfg.name);
         let mut golden_caches: Vec<KvCache> = layers.iter().map(|(_, c)| c.clone()).collect();
         let table = RopeTable::new(&cfg);

@@ -16,6 +16,7 @@ pub mod kernels;
 pub mod model;
 pub mod pack;
 pub mod program;
+pub mod split;
 pub mod stack;
 pub mod trace;
 

@@ -158,10 +158,14 @@ pub enum Op {
     GateUp = 4,
     /// `out = x1 + Wd act`.
     Down = 5,
+    /// A layer split over GPUs (`compile`'s `ranks`): `out = residual + the sum of every GPU's partials`,
+    /// in rank order, where O's and Down's last parts left their partial products. Only the CPU
+    /// executor runs it so far; the one-GPU kernel never meets it (issue 50's multi-GPU kernel will).
+    Reduce = 6,
 }
 
 impl Op {
-    pub const ALL: [Op; 6] = [Op::Nop, Op::Qkv, Op::Attention, Op::OProj, Op::GateUp, Op::Down];
+    pub const ALL: [Op; 7] = [Op::Nop, Op::Qkv, Op::Attention, Op::OProj, Op::GateUp, Op::Down, Op::Reduce];
 
     pub fn from_word(w: i64) -> Option<Op> {
         Op::ALL.into_iter().find(|op| *op as i64 == w)
@@ -176,6 +180,7 @@ impl Op {
             Op::OProj => Some(LayerOp::OProj),
             Op::GateUp => Some(LayerOp::GateUp),
             Op::Down => Some(LayerOp::Down),
+            Op::Reduce => None,
         }
     }
 }
@@ -200,6 +205,9 @@ operands!(attn { Q, KCache, VCache, PartO, PartMl, Counters, AOut, NQ, NKv, Hd, 
 operands!(oproj { W, A, X1Out, Rows, Cols, PartIn, PartOut });
 operands!(gateup { W, Norm, X1, ActOut, D, Ffn, EpsBits });
 operands!(down { W, Act, X1, Rows, Cols, PartIn, PartOut });
+// Parts: the f32 partials every GPU holds at this address; Residual: 0 for the layer's input (as OProj
+// reads it), else its address; Out: 0 for the layer's output (as Down writes it), else its address.
+operands!(reduce { Parts, Residual, Out, Rows });
 
 /// The addresses of one layer's weights and cache, which the rows name by [`Slot`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -306,7 +314,7 @@ fn row<W: Copy + Into<usize>>(op: Op, words: &[(W, i64)]) -> Row {
 macro_rules! word_into_usize {
     ($($m:ident),*) => { $(impl From<$m::Word> for usize { fn from(w: $m::Word) -> usize { w as usize } })* };
 }
-word_into_usize!(qkv, attn, oproj, gateup, down);
+word_into_usize!(qkv, attn, oproj, gateup, down, reduce);
 
 /// How the layer is laid out on a grid: in one role or two (`compile`), and the MLP in how many parts
 /// of `ffn`. [`Plan::choose`] is the compiler's choice; `grader profile --roles / --mlp-parts` force
@@ -459,7 +467,15 @@ fn beside_attention(cfg: &Config, grid: u32) -> Blocks {
 /// itself and a later part waits only for its own GateUp part. A block that ends GateUp starts Down at
 /// once: the part it needs finished a whole GateUp part ago. Parts beyond two exist for `ffn` over
 /// `MAX_ROW`: a middle part adds its products to the partials and writes them back.
-pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
+///
+/// Split over `ranks` GPUs (`cfg` one GPU's share, `spec::parallel::shard`; 1: the whole layer on one
+/// GPU, the program above), O's and Down's last parts leave their f32 partials too, and a Reduce phase
+/// after each, on every block and waiting for every phase that writes those partials, adds every GPU's
+/// partials to the residual: x1 after O, the layer's output after Down (which a stack's next layer then
+/// waits for in place of Down's phases). Two more phases a layer.
+pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan, ranks: usize) -> Vec<Row> {
+    assert!(ranks >= 1, "a layer runs on one GPU or more");
+    let split = ranks > 1;
     let i = |v: usize| v as i64;
     let p = |v: u64| v as i64;
     let eps = cfg.eps.to_bits() as i64;
@@ -564,12 +580,26 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
             ],
         )
     };
+    // Every GPU's partials added to the residual (0: the layer's input), into `out` (0: the layer's
+    // output).
+    let reduce_row = |partials: u64, residual: u64, out: u64| {
+        row(
+            Op::Reduce,
+            &[
+                (reduce::Parts, p(partials)),
+                (reduce::Residual, p(residual)),
+                (reduce::Out, p(out)),
+                (reduce::Rows, i(cfg.d)),
+            ],
+        )
+    };
+    let o_out = if split { b.x1_part } else { 0 };
     let mut phases: Vec<(Row, Blocks, Vec<usize>)> = if halves.len() == 1 {
         let g = Groups::all(cfg);
         vec![
             (qkv_row(0, g), beside_attention(cfg, grid), vec![]),
             (attn_row(g), all, vec![0]),
-            (oproj_row(Slot::WO0, g, 0, 0), beside_attention(cfg, grid), vec![1]),
+            (oproj_row(Slot::WO0, g, 0, o_out), beside_attention(cfg, grid), vec![1]),
         ]
     } else {
         let (h0, h1) = (halves[0], halves[1]);
@@ -579,19 +609,31 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan) -> Vec<Row> {
             (attn_row(h0), a, vec![0]),
             (oproj_row(Slot::WO0, h0, 0, b.x1_part), a, vec![2]),
             (attn_row(h1), bb, vec![1]),
-            (oproj_row(Slot::WO1, h1, b.x1_part, 0), all, vec![3, 4]),
+            (oproj_row(Slot::WO1, h1, b.x1_part, o_out), all, vec![3, 4]),
         ]
     };
+    if split {
+        let writers = (0..phases.len()).filter(|&k| phases[k].0[0] == Op::OProj as i64).collect();
+        phases.push((reduce_row(b.x1_part, 0, b.x1), all, writers));
+    }
     let o = phases.len() - 1;
     for k in 0..parts {
         phases.push((gateup_row(k), all, vec![o]));
     }
     for k in 0..parts {
-        phases.push((down_row(k), all, vec![o + 1 + k]));
+        let mut r = down_row(k);
+        if split && k + 1 == parts {
+            r[down::PartOut as usize] = p(b.down_part);
+        }
+        phases.push((r, all, vec![o + 1 + k]));
     }
-    // In a stack, a layer's Qkv phases read the layer before's output, which its Down phases write.
-    // Every other phase reads it only after its own layer's Qkv (through the waits above).
-    let downs = phases.len() - parts..phases.len();
+    if split {
+        phases.push((reduce_row(b.down_part, b.x1, 0), all, (phases.len() - parts..phases.len()).collect()));
+    }
+    // In a stack, a layer's Qkv phases read the layer before's output, which its Down phases write (or,
+    // split over GPUs, the Reduce after them). Every other phase reads it only after its own layer's Qkv
+    // (through the waits above).
+    let downs = if split { phases.len() - 1..phases.len() } else { phases.len() - parts..phases.len() };
     phases
         .into_iter()
         .map(|(mut r, blocks, waits)| {
@@ -654,7 +696,7 @@ pub fn gemv_rows(row: &Row) -> Option<usize> {
         Op::OProj => Some(w(oproj::Rows as usize)),
         Op::GateUp => Some(2 * w(gateup::Ffn as usize)),
         Op::Down => Some(w(down::Rows as usize)),
-        Op::Nop | Op::Attention => None,
+        Op::Nop | Op::Attention | Op::Reduce => None,
     }
 }
 
@@ -667,7 +709,7 @@ pub fn share(row: &Row, cfg: &Config) -> f64 {
         Some(Op::OProj) => row[oproj::Cols as usize] as f64 / cfg.q_dim() as f64,
         Some(Op::GateUp) => row[gateup::Ffn as usize] as f64 / cfg.ffn as f64,
         Some(Op::Down) => row[down::Cols as usize] as f64 / cfg.ffn as f64,
-        Some(Op::Nop) | None => 1.0,
+        Some(Op::Nop | Op::Reduce) | None => 1.0,
     }
 }
 
@@ -732,6 +774,7 @@ mod tests {
         check("oproj", oproj::ALL);
         check("gateup", gateup::ALL);
         check("down", down::ALL);
+        check("reduce", reduce::ALL);
     }
 
     fn buffers() -> Buffers {
@@ -766,7 +809,7 @@ mod tests {
 
     /// The program as it runs for `layer()`.
     fn compiled(cfg: &Config, grid: u32, plan: Plan) -> Vec<Row> {
-        compile(cfg, &buffers(), grid, plan).iter().map(|r| resolve_row(r, &layer().table())).collect()
+        compile(cfg, &buffers(), grid, plan, 1).iter().map(|r| resolve_row(r, &layer().table())).collect()
     }
 
     /// A layer's table resolves every reference to its slot's address plus the offset; other words
@@ -778,7 +821,7 @@ mod tests {
         assert_eq!(resolve(layer_ref(Slot::WDown2, 1 << 40), &t), 23 + (1 << 40));
         assert_eq!(resolve(7, &t), 7);
         let cfg = Config::graded();
-        let prog = compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132));
+        let prog = compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132), 1);
         let other = LayerBuffers { k_cache: 1000, ..layer() };
         assert_eq!(resolve_row(&prog[0], &other.table())[qkv::KCache as usize], 1000);
         for r in &prog {
@@ -797,6 +840,7 @@ mod tests {
             Op::OProj => oproj::ALL.len(),
             Op::GateUp => gateup::ALL.len(),
             Op::Down => down::ALL.len(),
+            Op::Reduce => reduce::ALL.len(),
         }
     }
 

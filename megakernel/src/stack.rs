@@ -170,7 +170,7 @@ impl CompiledStack {
         let arena =
             s.alloc_zeros::<u8>(lanes * lane.stride).context("allocating the megakernel's activation buffers")?;
         let buffers = lane.buffers(device_address(dev, &arena), device_address(dev, &cos), device_address(dev, &sin));
-        let rows = program::compile(cfg, &buffers, grid, layout);
+        let rows = program::compile(cfg, &buffers, grid, layout, 1);
         if rows.len() > program::MAX_PHASES {
             return Err(SubmissionError::Unsupported(format!(
                 "the layer compiled to {} phases; the kernel's program holds {}",
@@ -728,7 +728,7 @@ mod tests {
         };
         for grid in [132u32, 16, 7] {
             let plan = check_fits(&cfg, grid, Forced::default()).unwrap();
-            let rows = program::compile(&cfg, &buffers, grid, plan);
+            let rows = program::compile(&cfg, &buffers, grid, plan, 1);
             let most = qkv_head_rows(&rows, cfg.hd);
             for r in rows.iter().filter(|r| r[0] == program::Op::Qkv as i64) {
                 let (n, set) = (program::gemv_rows(r).unwrap(), Blocks::of(r));

@@ -7,6 +7,7 @@ pub mod config;
 pub mod data;
 pub mod family;
 pub mod gates;
+pub mod parallel;
 pub mod rng;
 pub mod schedule;
 mod statement;
@@ -36,6 +37,8 @@ pub enum SpecError {
         human_bytes(*limit)
     )]
     TooLarge { bytes: Option<u64>, limit: u64 },
+    #[error("{name} does not split over {gpus} GPUs: {reason}")]
+    Unsplittable { name: String, gpus: usize, reason: String },
 }
 
 /// `bytes` in decimal units with two decimals: `5.91 TB`.
