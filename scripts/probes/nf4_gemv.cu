@@ -1,0 +1,384 @@
+// What dequantising nf4 weights inside the weight stream costs (issue 49), before the megakernel
+// streams them: a GEMV over bitsandbytes nf4 weights (two 4-bit codes a byte, the high nibble first;
+// an f32 absmax per 64 weights) against the same GEMV over the bf16 weights the model loader makes of
+// them (each weight the f32 product of its code's value and its block's absmax, rounded once to bf16).
+// At 4.5 bits a weight, a token reads 0.28 of bf16's bytes, so the stream must dequantise about 3.5
+// times as many weights a second: roughly five instructions a weight against bf16's two, near what an
+// SM issues at the read rate. This probe measures how close each way of dequantising gets to the read
+// rate, and checks that the two bitwise ways give the bf16 GEMV's outputs bit for bit.
+//
+// Every variant runs the megakernel's arithmetic (`dot8`'s products in its order, with x widened to f32
+// once as the batch step holds it; `warp_reduce`; thread t taking 16-byte vectors t + v * THREADS of a
+// row; the warps' sums added in warp order):
+//   bf16      the loader's dequantised weights, 16 bytes a vector (the reference and the bf16 rate);
+//   codebook  the 16 code values in shared memory: per weight a nibble, a lookup, an f32 product with
+//             the block's absmax, a round to bf16 (two at a time), then dot8 as for bf16: bitwise bf16's;
+//   pairs     a 256-entry table of both values of a byte: one 8-byte lookup per two weights, then as
+//             codebook: bitwise bf16's;
+//   fused     not bitwise: each vector's codes' values dotted with x in f32, the sum times the absmax
+//             (no rounding to bf16): what the rounding costs, and its outputs' largest relative
+//             difference from bf16's.
+// Each launch reads every copy of a shape (over 512 MB of packed weights, far past the 60 MB L2); the
+// read rate is a plain 16-byte stream over the bf16 copies. Build and run on the GPU:
+//   nvcc -O3 -std=c++17 -arch=sm_90a -I kernels/include -o nf4_gemv scripts/probes/nf4_gemv.cu && ./nf4_gemv
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <cuda_runtime.h>
+#include <vector>
+
+#include "layer_math.cuh"
+
+constexpr int THREADS = 256;
+constexpr int BLOCK_WARPS = THREADS / WARP;
+constexpr int BLOCKS_PER_SM = 2;
+constexpr int NF4_BLOCK = 64;                       // weights per absmax (bitsandbytes' usual blocksize)
+constexpr int VECS_PER_ABSMAX = NF4_BLOCK / VEC;    // 16-byte vectors (8 weights) per absmax
+constexpr size_t PACKED_TARGET = 512ull << 20;      // packed bytes a launch reads, at least
+constexpr int IN_FLIGHT_BYTES = 32 << 10;           // bytes a block loads before it computes, at most
+constexpr int MAX_LOADS = 16;                       // vectors a thread loads before it computes, at most
+constexpr int REPS = 20;
+
+// bitsandbytes' NF4 code values, code 0 to 15.
+__constant__ float NF4_VALUES[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+                                     -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+                                     0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+                                     0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+
+// The tables the lookups read, in shared memory: the 16 code values, and both values of each byte
+// (high nibble, low nibble). Every gemv block writes them first.
+__shared__ float s_values[16];
+__shared__ float2 s_pairs[256];
+
+// Code e (0..7) of the 8 a 32-bit word holds, its bytes in memory order, each byte's high nibble first.
+__device__ __forceinline__ uint32_t code(uint32_t word, int e) { return (word >> (8 * (e / 2) + (e % 2 == 0 ? 4 : 0))) & 0xF; }
+
+// The byte offset, in a table of 2^SCALE_LOG2-byte entries, of the entry the field of `word` at bit
+// `shift` (`mask` wide) names: one shift and one mask, the entry size folded into the shift.
+template <int SCALE_LOG2>
+__device__ __forceinline__ uint32_t entry(uint32_t word, int shift, uint32_t mask) {
+    const uint32_t m = mask << SCALE_LOG2;
+    return shift >= SCALE_LOG2 ? (word >> (shift - SCALE_LOG2)) & m : (word << (SCALE_LOG2 - shift)) & m;
+}
+__device__ __forceinline__ float value(uint32_t word, int e) {
+    return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(s_values) + entry<2>(word, 8 * (e / 2) + (e % 2 == 0 ? 4 : 0), 0xF));
+}
+__device__ __forceinline__ float2 pair(uint32_t word, int j) {
+    return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(s_pairs) + entry<3>(word, 8 * j, 0xFF));
+}
+
+// The loader's weight: the code's value times the block's absmax in f32, rounded once to bf16.
+__device__ __forceinline__ bf162 weights2(float v0, float v1, float absmax) {
+    return __floats2bfloat162_rn(__fmul_rn(v0, absmax), __fmul_rn(v1, absmax));
+}
+
+// acc + the dot of 8 bf16 weights with x (widened), in dot8's order: dot8's bits. Each bf16 pair widens
+// in two instructions (a shift, a mask) where __bfloat1622float2 took three.
+__device__ __forceinline__ float dot8f(uint4 w, const float (&x)[VEC], float acc) {
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        acc = fmaf(__uint_as_float(words[j] << 16), x[2 * j], acc);
+        acc = fmaf(__uint_as_float(words[j] & 0xFFFF0000u), x[2 * j + 1], acc);
+    }
+    return acc;
+}
+
+// One variant's view of a matrix of rows of `vecs` vectors: from row r0 on (`at`), what a thread loads
+// for vector v of row r0 + i (`Raw`, by 32-bit offsets from the group's first row), and how it adds
+// that vector's products with x to acc.
+struct Bf16 {
+    static constexpr int BYTES = 16;
+    struct Raw {
+        uint4 w;
+    };
+    struct Rows {
+        const uint4* w;
+        int vecs;
+        __device__ Raw load(int i, int v) const { return {__ldcs(w + i * vecs + v)}; }
+    };
+    const uint4* w;
+    int vecs;
+    __device__ Rows at(int r0) const { return {w + (size_t)r0 * vecs, vecs}; }
+    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc) const { return dot8f(raw.w, x, acc); }
+};
+
+struct Nf4 {
+    static constexpr int BYTES = 4;  // plus an absmax per 8 vectors, read through L1
+    struct Raw {
+        uint32_t codes;
+        float absmax;
+    };
+    struct Rows {
+        const uint32_t* codes;
+        const float* absmax;
+        int vecs;
+        __device__ Raw load(int i, int v) const {
+            return {__ldcs(codes + i * vecs + v), __ldg(absmax + (i * vecs + v) / VECS_PER_ABSMAX)};
+        }
+    };
+    const uint32_t* codes;
+    const float* absmax;
+    int vecs;
+    __device__ Rows at(int r0) const {
+        return {codes + (size_t)r0 * vecs, absmax + (size_t)r0 * vecs / VECS_PER_ABSMAX, vecs};
+    }
+};
+
+struct Codebook : Nf4 {
+    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc) const {
+        uint4 w;
+        bf162* h = reinterpret_cast<bf162*>(&w);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[j] = weights2(value(raw.codes, 2 * j), value(raw.codes, 2 * j + 1), raw.absmax);
+        return dot8f(w, x, acc);
+    }
+};
+
+struct Pairs : Nf4 {
+    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc) const {
+        uint4 w;
+        bf162* h = reinterpret_cast<bf162*>(&w);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 p = pair(raw.codes, j);
+            h[j] = weights2(p.x, p.y, raw.absmax);
+        }
+        return dot8f(w, x, acc);
+    }
+};
+
+struct Fused : Nf4 {
+    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc) const {
+        float part = 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) part = fmaf(value(raw.codes, e), x[e], part);
+        return fmaf(part, raw.absmax, acc);
+    }
+};
+
+enum class Kind { Bf16, Codebook, Pairs, Fused };
+constexpr const char* NAMES[] = {"bf16", "codebook", "pairs", "fused"};
+
+// y = W x for rows [0, rows) of W, a block taking an even share of them, ROWS at a time: every load of
+// those rows issued before any product, each row's sum in the megakernel's order.
+template <int VPT, typename W>
+__global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) gemv(W w, const uint4* x, float* y, int rows) {
+    // IN_FLIGHT_BYTES a block, within MAX_LOADS loads a thread (more spilled at 128 registers).
+    constexpr int BY_BYTES = IN_FLIGHT_BYTES / (W::BYTES * VPT * THREADS), BY_LOADS = MAX_LOADS / VPT;
+    constexpr int ROWS = BY_BYTES < 1 ? 1 : BY_BYTES < BY_LOADS ? BY_BYTES : BY_LOADS;
+    static_assert(THREADS == 256, "one thread per entry of the byte table");
+    __shared__ float red[ROWS][BLOCK_WARPS];
+    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    if (t < 16) s_values[t] = NF4_VALUES[t];
+    s_pairs[t] = make_float2(NF4_VALUES[t >> 4], NF4_VALUES[t & 15]);
+    __syncthreads();  // the tables are written before any lookup
+    float xs[VPT][VEC];
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+        const uint4 h = t + v * THREADS < w.vecs ? x[t + v * THREADS] : make_uint4(0, 0, 0, 0);
+        const bf162* p = reinterpret_cast<const bf162*>(&h);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(p[j]);
+            xs[v][2 * j] = f.x;
+            xs[v][2 * j + 1] = f.y;
+        }
+    }
+    const int first = (int)((long long)rows * blockIdx.x / gridDim.x), last = (int)((long long)rows * (blockIdx.x + 1) / gridDim.x);
+    for (int r0 = first; r0 < last; r0 += ROWS) {
+        const typename W::Rows rows_here = w.at(r0);
+        typename W::Raw raw[ROWS][VPT];
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+            for (int v = 0; v < VPT; ++v)
+                if (r0 + i < last && t + v * THREADS < w.vecs) raw[i][v] = rows_here.load(i, t + v * THREADS);
+        float acc[ROWS];
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            acc[i] = 0.0f;
+#pragma unroll
+            for (int v = 0; v < VPT; ++v)
+                if (r0 + i < last && t + v * THREADS < w.vecs) acc[i] = w.dot(raw[i][v], xs[v], acc[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
+        if (lane == 0)
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) red[i][warp] = acc[i];
+        __syncthreads();  // every warp's sums are in red before they are added
+        if (t < ROWS && r0 + t < last) {
+            float total = red[t][0];
+            for (int k = 1; k < BLOCK_WARPS; ++k) total += red[t][k];
+            y[r0 + t] = total;
+        }
+        __syncthreads();  // red is read before the next rows overwrite it
+    }
+}
+
+// A 64-bit hash of i (splitmix64's finaliser), for the data.
+__device__ uint64_t mix(uint64_t i) {
+    i += 0x9E3779B97F4A7C15ull;
+    i = (i ^ (i >> 30)) * 0xBF58476D1CE4E5B9ull;
+    i = (i ^ (i >> 27)) * 0x94D049BB133111EBull;
+    return i ^ (i >> 31);
+}
+
+// Random codes, absmax in [0.01, 0.11) and x in [-1, 1); the loader's bf16 weights of the codes.
+__global__ void fill(uint32_t* codes, float* absmax, uint4* x, size_t vectors, int x_vecs, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < vectors; i += (size_t)gridDim.x * blockDim.x) {
+        const uint32_t word = (uint32_t)mix(seed ^ i);
+        codes[i] = word;
+        if (i % VECS_PER_ABSMAX == 0) absmax[i / VECS_PER_ABSMAX] = 0.01f + 0.1f * (float)(mix(~seed ^ i) >> 40) / (float)(1ull << 24);
+        if (i < (size_t)x_vecs) {
+            bf162 h[4];
+            for (int j = 0; j < 4; ++j) {
+                const uint64_t r = mix(seed * 3 + i * 4 + j);
+                h[j] = __floats2bfloat162_rn((float)(r >> 40) / (float)(1ull << 23) - 1.0f, (float)((r >> 8) & 0xFFFFFF) / (float)(1ull << 23) - 1.0f);
+            }
+            x[i] = *reinterpret_cast<uint4*>(h);
+        }
+    }
+}
+
+__global__ void dequantise(const uint32_t* codes, const float* absmax, uint4* dequant, size_t vectors) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < vectors; i += (size_t)gridDim.x * blockDim.x) {
+        const float a = absmax[i / VECS_PER_ABSMAX];
+        bf162 h[4];
+        for (int j = 0; j < 4; ++j) h[j] = weights2(NF4_VALUES[code(codes[i], 2 * j)], NF4_VALUES[code(codes[i], 2 * j + 1)], a);
+        dequant[i] = *reinterpret_cast<uint4*>(h);
+    }
+}
+
+// The read rate's stream: every 16-byte vector summed (so the loads are not dropped).
+__global__ void read_stream(const uint4* p, size_t n, uint32_t* sink) {
+    uint32_t s = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const uint4 v = __ldcs(p + i);
+        s ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (s == 0x12345678u) *sink = s;
+}
+
+#define CHECK(call)                                                                      \
+    do {                                                                                 \
+        const cudaError_t e_ = (call);                                                   \
+        if (e_ != cudaSuccess) {                                                         \
+            printf("%s failed: %s\n", #call, cudaGetErrorString(e_));                    \
+            return 1;                                                                    \
+        }                                                                                \
+    } while (0)
+
+struct Shape {
+    const char* name;
+    int rows, cols;
+};
+
+// Mean microseconds of REPS launches of f after two warm-ups, from one pair of events.
+template <typename F>
+float time_us(F f) {
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    f();
+    f();
+    cudaEventRecord(a);
+    for (int i = 0; i < REPS; ++i) f();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    return ms * 1e3f / REPS;
+}
+
+template <int VPT>
+void launch(Kind kind, const uint4* dequant, const uint32_t* codes, const float* absmax, const uint4* x, float* y, int rows, int vecs, int grid) {
+    const Nf4 n{codes, absmax, vecs};
+    switch (kind) {
+        case Kind::Bf16: gemv<VPT><<<grid, THREADS>>>(Bf16{dequant, vecs}, x, y, rows); break;
+        case Kind::Codebook: gemv<VPT><<<grid, THREADS>>>(Codebook{n}, x, y, rows); break;
+        case Kind::Pairs: gemv<VPT><<<grid, THREADS>>>(Pairs{n}, x, y, rows); break;
+        case Kind::Fused: gemv<VPT><<<grid, THREADS>>>(Fused{n}, x, y, rows); break;
+    }
+}
+
+// VPT for rows of `vecs` vectors: the loops unroll at compile time.
+void launch_any(Kind kind, const uint4* dequant, const uint32_t* codes, const float* absmax, const uint4* x, float* y, int rows, int vecs, int grid) {
+    switch ((vecs + THREADS - 1) / THREADS) {
+        case 1: launch<1>(kind, dequant, codes, absmax, x, y, rows, vecs, grid); break;
+        case 2: launch<2>(kind, dequant, codes, absmax, x, y, rows, vecs, grid); break;
+        case 4: launch<4>(kind, dequant, codes, absmax, x, y, rows, vecs, grid); break;
+        case 7: launch<7>(kind, dequant, codes, absmax, x, y, rows, vecs, grid); break;
+        default: printf("no instance for %d vectors a row\n", vecs);
+    }
+}
+
+int main() {
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess) {
+        printf("no CUDA device\n");
+        return 1;
+    }
+    const int grid = sms * BLOCKS_PER_SM;
+    // Llama-3.2-1B's gate/up (packed side by side) and down; Llama-3.1-8B's.
+    const Shape shapes[] = {{"1B gate/up", 16384, 2048}, {"1B down", 2048, 8192}, {"8B gate/up", 28672, 4096}, {"8B down", 4096, 14336}};
+    uint32_t* sink = nullptr;
+    CHECK(cudaMalloc(&sink, 4));
+    printf("%-11s %-9s %10s %10s %10s  %s\n", "shape", "variant", "us", "TB/s read", "x floor", "outputs against bf16's");
+    for (const Shape& s : shapes) {
+        const int vecs = s.cols / VEC;
+        const size_t per_copy = (size_t)s.rows * vecs * (4 + 4.0 / VECS_PER_ABSMAX);
+        const int copies = (int)((PACKED_TARGET + per_copy - 1) / per_copy);
+        const int rows = s.rows * copies;
+        const size_t vectors = (size_t)rows * vecs;
+        uint32_t* codes = nullptr;
+        float *absmax = nullptr, *y = nullptr;
+        uint4 *dequant = nullptr, *x = nullptr;
+        CHECK(cudaMalloc(&codes, vectors * 4));
+        CHECK(cudaMalloc(&absmax, vectors / VECS_PER_ABSMAX * 4));
+        CHECK(cudaMalloc(&dequant, vectors * 16));
+        CHECK(cudaMalloc(&x, vecs * 16));
+        CHECK(cudaMalloc(&y, (size_t)rows * 4 * 4));  // one output per variant
+        fill<<<sms * 8, 256>>>(codes, absmax, x, vectors, vecs, 0x5EED ^ s.rows);
+        dequantise<<<sms * 8, 256>>>(codes, absmax, dequant, vectors);
+        CHECK(cudaDeviceSynchronize());
+        // The read rate over the bf16 copies, and each variant's floor at it: its bytes over that rate.
+        const float read_us = time_us([&] { read_stream<<<sms * 4, 512>>>(dequant, vectors, sink); });
+        const double read_rate = vectors * 16.0 / (read_us * 1e-6);
+        const double bytes[] = {vectors * 16.0, (double)per_copy * copies, (double)per_copy * copies, (double)per_copy * copies};
+        std::vector<float> out[4];
+        for (int k = 0; k < 4; ++k) {
+            const Kind kind = (Kind)k;
+            float* yk = y + (size_t)rows * k;
+            CHECK(cudaMemset(yk, 0xFF, (size_t)rows * 4));  // NaN: a row the kernel skipped shows
+            const float us = time_us([&] { launch_any(kind, dequant, codes, absmax, x, yk, rows, vecs, grid); });
+            CHECK(cudaGetLastError());
+            CHECK(cudaDeviceSynchronize());
+            out[k].resize(rows);
+            CHECK(cudaMemcpy(out[k].data(), yk, (size_t)rows * 4, cudaMemcpyDeviceToHost));
+            char verdict[96] = "the reference";
+            if (k > 0) {
+                size_t differ = 0;
+                double worst = 0;
+                for (int r = 0; r < rows; ++r) {
+                    if (memcmp(&out[k][r], &out[0][r], 4) != 0) ++differ;
+                    const double d = fabs((double)out[k][r] - out[0][r]) / (fabs((double)out[0][r]) + 1e-6);
+                    worst = d > worst || d != d ? d : worst;
+                }
+                if (differ == 0) snprintf(verdict, sizeof verdict, "bitwise equal");
+                else snprintf(verdict, sizeof verdict, "%zu of %d differ, worst %.1e relative", differ, rows, worst);
+            }
+            printf("%-11s %-9s %10.1f %10.2f %10.3f  %s\n", s.name, NAMES[k], us, bytes[k] / (us * 1e-6) / 1e12, us / (bytes[k] / read_rate * 1e6), verdict);
+        }
+        printf("%-11s %-9s %10.1f %10.2f %10s  (%d copies, %.0f MB packed)\n", s.name, "read", read_us, read_rate / 1e12, "1", copies, per_copy * copies / 1e6);
+        cudaFree(codes);
+        cudaFree(absmax);
+        cudaFree(dequant);
+        cudaFree(x);
+        cudaFree(y);
+    }
+    return 0;
+}
