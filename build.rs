@@ -14,7 +14,7 @@ const OWNERS: &[Owner<'static>] = &[
     Owner { name: "reference", folder: "reference", hopper_only: &[], rdc: &[] },
     // redteam_cdp.cu launches kernels from the device: relocatable device code, device-linked.
     Owner { name: "redteam", folder: "redteam", hopper_only: &[], rdc: &["redteam_cdp.cu"] },
-    Owner { name: "megakernel", folder: "megakernel", hopper_only: &["megakernel.cu"], rdc: &[] },
+    Owner { name: "megakernel", folder: "megakernel", hopper_only: &["megakernel.cu", "split.cu"], rdc: &[] },
 ];
 
 fn main() {

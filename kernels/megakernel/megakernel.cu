@@ -12,18 +12,8 @@
 
 // The kernels: one layer (the rows carry its addresses), and a stack of up to PROGRAM_MAX_LAYERS
 // layers (the rows name each layer's addresses through its table). Two instances of one program
-// runner, so that a one-layer launch carries no tables in its parameter block.
-#define MEGAKERNEL_PARAMS(TABLES)                                                                                             \
-    const __grid_constant__ Program<TABLES> program, /* by value: see program.cuh */                                        \
-        uint32_t phases,                             /* rows of the program: one layer's phases */                          \
-        uint32_t layers, uint32_t phase_begin, uint32_t phase_end, const bf16* __restrict__ x, /* (d) */                    \
-        bf16* __restrict__ out,                      /* (d) */                                                              \
-        bf16* __restrict__ hidden,                   /* (layers - 1, d); null for one layer */                              \
-        uint32_t d, uint32_t pos, uint32_t step,     /* steps launched before this one */                                   \
-        unsigned* __restrict__ phase_done,           /* (PROGRAM_MAX_PHASES): see wait_for */                               \
-        uint32_t red_rows, uint64_t* __restrict__ trace /* (gridDim.x, phase_end - phase_begin, TRACE_STAMPS) or null */
-#define MEGAKERNEL_ARGS program, phases, layers, phase_begin, phase_end, x, out, hidden, d, pos, step, phase_done, red_rows, trace
-
+// runner, so that a one-layer launch carries no tables in its parameter block (their parameters:
+// MEGAKERNEL_PARAMS, vm_run.cuh).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_bf16(MEGAKERNEL_PARAMS(1)) { run_program<1, false>(MEGAKERNEL_ARGS); }
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_stack_bf16(MEGAKERNEL_PARAMS(PROGRAM_MAX_LAYERS)) {
     run_program<PROGRAM_MAX_LAYERS, false>(MEGAKERNEL_ARGS);

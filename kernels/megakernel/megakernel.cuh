@@ -50,6 +50,7 @@
 #include "op_oproj.cuh"
 #include "op_gateup.cuh"
 #include "op_down.cuh"
+#include "op_reduce.cuh"
 #include "vm_run.cuh"
 #include "op_head.cuh"
 #include "vm_model.cuh"

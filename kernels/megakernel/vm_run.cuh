@@ -8,6 +8,7 @@
 #include "op_oproj.cuh"
 #include "op_gateup.cuh"
 #include "op_down.cuh"
+#include "op_reduce.cuh"
 
 // 128-byte aligned: where dynamic shared memory starts depends on the static variables before it, and
 // ring slots 16 bytes off a 32-byte boundary made every bulk copy, so every GEMV phase, about 25% slower
@@ -92,8 +93,9 @@ __device__ __noinline__ void attention_call(const OpRow& op, uint32_t pos, uint4
 // kernels keep their measured machine code. The GEMV phases are forced inline into it: as a call,
 // ptxas saves the caller's registers around it (the model kernel spilled 120 bytes when the inliner
 // left phase_gateup out). ATTN_CALL: attention through attention_call (the model kernels' instances
-// without q/k norms).
-template <uint32_t TABLES, bool SLICED, bool TRACED = false, bool ATTN_CALL = false>
+// without q/k norms). SPLIT: the split kernel's, which also runs Reduce rows (op_reduce.cuh); the other
+// kernels' instances compile none of it, so their machine code is what it was.
+template <uint32_t TABLES, bool SLICED, bool TRACED = false, bool ATTN_CALL = false, bool SPLIT = false>
 __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, bool chained, const StepIo& io, unsigned* phase_done,
                                           Ring& ring, const Partials& part, uint64_t* trace_at, const bf16* qk_norms) {
     const OpRow op = walk.op(f);
@@ -104,6 +106,13 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
     stamp(TRACE_START);
     const bf16* x_l = l == 0 ? io.x : io.hidden + (size_t)(l - 1) * io.d;
     bf16* out_l = l + 1 == walk.layers ? io.out : io.hidden + (size_t)l * io.d;
+    if constexpr (SPLIT) {
+        if (op[0] == OP_REDUCE) {
+            phase_reduce(op, x_l, out_l);
+            finish_phase(phase_done, f % walk.phases);
+            return;
+        }
+    }
     switch (op[0]) {
         case OP_NOP: break;
         case OP_QKV:
@@ -129,8 +138,8 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
 // phase 0, in one launch or several (the launcher enforces it), so that the counts a phase waits for
 // are this step's. `trace`, when not null, receives each block's phase stamps (zero for the phases it
 // does not run, and for the stamps a phase does not take). SLICED: as run_phase's, for layers with
-// rows of at most 2048 columns somewhere (the launcher picks the instance).
-template <uint32_t TABLES, bool SLICED>
+// rows of at most 2048 columns somewhere (the launcher picks the instance); SPLIT: as run_phase's.
+template <uint32_t TABLES, bool SLICED, bool SPLIT = false>
 __device__ __forceinline__ void run_program(const Program<TABLES>& program, uint32_t phases, uint32_t layers, uint32_t phase_begin,
                                             uint32_t phase_end, const bf16* x, bf16* out, bf16* hidden, uint32_t d, uint32_t pos,
                                             uint32_t step, unsigned* phase_done, uint32_t red_rows, uint64_t* trace) {
@@ -146,9 +155,22 @@ __device__ __forceinline__ void run_program(const Program<TABLES>& program, uint
     // Each phase's first weights stream in before it waits (see finish_phase).
     if (f < phase_end) prime_inputs<SLICED>(walk.op(f), ring, pos, nullptr);
     while (f < phase_end) {
-        run_phase<TABLES, SLICED>(walk, f, f >= phases, io, phase_done, ring, part,
+        run_phase<TABLES, SLICED, false, false, SPLIT>(walk, f, f >= phases, io, phase_done, ring, part,
                   trace == nullptr ? nullptr : trace + ((size_t)blockIdx.x * traced + (f - phase_begin)) * TRACE_STAMPS, nullptr);
         f = walk.next_own(f + 1, phase_end);
         if (f < phase_end) prime_inputs<SLICED>(walk.op(f), ring, pos, nullptr);
     }
 }
+
+// The parameters of the kernels that run a program (megakernel.cu's, split.cu's), and the call of
+// run_program with them.
+#define MEGAKERNEL_PARAMS(TABLES)                                                                                             \
+    const __grid_constant__ Program<TABLES> program, /* by value: see program.cuh */                                        \
+        uint32_t phases,                             /* rows of the program: one layer's phases */                          \
+        uint32_t layers, uint32_t phase_begin, uint32_t phase_end, const bf16* __restrict__ x, /* (d) */                    \
+        bf16* __restrict__ out,                      /* (d) */                                                              \
+        bf16* __restrict__ hidden,                   /* (layers - 1, d); null for one layer */                              \
+        uint32_t d, uint32_t pos, uint32_t step,     /* steps launched before this one */                                   \
+        unsigned* __restrict__ phase_done,           /* (PROGRAM_MAX_PHASES): see wait_for */                               \
+        uint32_t red_rows, uint64_t* __restrict__ trace /* (gridDim.x, phase_end - phase_begin, TRACE_STAMPS) or null */
+#define MEGAKERNEL_ARGS program, phases, layers, phase_begin, phase_end, x, out, hidden, d, pos, step, phase_done, red_rows, trace

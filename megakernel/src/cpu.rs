@@ -8,7 +8,7 @@ use reference::golden::{self, KvCache, RopeTable, Weights};
 use spec::{Config, Tensor};
 
 use super::pack::{self, Groups, Packing, qkv_source};
-use super::program::{self, Buffers, LayerBuffers, Op, Plan, Row, attn, down, gateup, oproj, qkv};
+use super::program::{self, Buffers, LayerBuffers, Op, Plan, Row, Split, attn, down, gateup, oproj, qkv};
 
 /// Host buffers addressed like device memory: region `i` starts at `(i + 1) << REGION_SHIFT`.
 #[derive(Default)]
@@ -184,15 +184,14 @@ fn layer_buffers(a: &mut Arena, cfg: &Config, w: &Weights, cache: &KvCache, plan
 impl CpuStack {
     /// Packs (or, `in_place`, leaves as handed over) and compiles exactly as the GPU `build_stack` does
     /// for a grid of `grid` blocks laid out as `plan` says, over host buffers: one layer per `(weights,
-    /// cache)`; `cfg` and the layers are one GPU's share of a layer split over `ranks` GPUs (1: the
-    /// whole layer).
+    /// cache)`; split over GPUs (`split`), `cfg` and the layers are one GPU's share.
     pub fn build(
         cfg: &Config,
         layers: &[(Weights, KvCache)],
         grid: u32,
         plan: Plan,
         in_place: bool,
-        ranks: usize,
+        split: Split,
     ) -> Self {
         let mut a = Arena::default();
         let rope = RopeTable::new(cfg);
@@ -215,7 +214,7 @@ impl CpuStack {
             act: a.alloc(&zeros(2 * cfg.ffn)),
             down_part: a.alloc(&zeros(4 * cfg.d)),
         };
-        let program = program::compile(cfg, &buffers, grid, plan, ranks);
+        let program = program::compile(cfg, &buffers, grid, plan, split);
         Self {
             cfg: cfg.clone(),
             arena: a,
@@ -442,7 +441,7 @@ mod tests {
                 (golden::generate_weights(&cfg, s), KvCache::generate(&cfg, s))
             })
             .collect();
-        let mut stack = CpuStack::build(&cfg, &layers, grid, plan, in_place, 1);
+        let mut stack = CpuStack::build(&cfg, &layers, grid, plan, in_place, Split::None);
         assert_eq!(stack.program.len(), phases, "{} on {grid} blocks", cfg.name);
         let mut golden_caches: Vec<KvCache> = layers.iter().map(|(_, c)| c.clone()).collect();
         let table = RopeTable::new(&cfg);

@@ -1,5 +1,6 @@
 //! The megakernel's kernel files: `kernels/megakernel/megakernel.cu` (one layer and a stack, which
-//! the judge launches; compiled by the root build script), and with the `model` feature
+//! the judge launches) and `split.cu` (the stack with Reduce rows, a layer split over GPUs), compiled
+//! by the root build script; and with the `model` feature
 //! `kernels/megakernel/model/model.cu` (a whole checkpoint; compiled by this crate's build script),
 //! both running the device code of `kernels/megakernel/megakernel.cuh` (the machine, `vm_*.cuh`, and
 //! one file per kind of task, `op_*.cuh`, with the program's layout, `program.cuh`), built for Hopper.
@@ -38,7 +39,7 @@ pub const GATHER: &str = "gather_rows_u4";
 pub const GATHER_BLOCK: u32 = 256;
 
 /// The megakernel's device code, every header of `kernels/megakernel/` in the order `megakernel.cuh`
-/// includes them, then the judge's kernels: what the tests that check a Rust mirror against the kernel
+/// includes them, then the judge's kernels and the split kernel: what the tests that check a Rust mirror against the kernel
 /// read (a test checks that no header of the folder is missing here).
 #[cfg(test)]
 pub const DEVICE_SOURCE: &str = concat!(
@@ -55,11 +56,13 @@ pub const DEVICE_SOURCE: &str = concat!(
     include_str!("../../kernels/megakernel/op_oproj.cuh"),
     include_str!("../../kernels/megakernel/op_gateup.cuh"),
     include_str!("../../kernels/megakernel/op_down.cuh"),
+    include_str!("../../kernels/megakernel/op_reduce.cuh"),
     include_str!("../../kernels/megakernel/vm_run.cuh"),
     include_str!("../../kernels/megakernel/op_head.cuh"),
     include_str!("../../kernels/megakernel/vm_model.cuh"),
     include_str!("../../kernels/megakernel/vm_batch.cuh"),
     include_str!("../../kernels/megakernel/megakernel.cu"),
+    include_str!("../../kernels/megakernel/split.cu"),
 );
 
 #[cfg(feature = "model")]

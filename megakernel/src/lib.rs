@@ -27,8 +27,8 @@ use spec::Config;
 
 use submission::{Layer, Submission, SubmissionError, device_address};
 
-use kernels::{MEGAKERNEL, has_narrow_rows};
-use program::Forced;
+use kernels::{MEGAKERNEL, SPLIT, has_narrow_rows};
+use program::{Forced, Split};
 use stack::{CompiledStack, ProgramParam, StackOptions, Target};
 
 pub use kernels::{GATHER, GATHER_BLOCK, MAX_BATCH, THREADS, TRACE_STAMPS};
@@ -49,6 +49,8 @@ pub struct Megakernel {
     forced: Forced,
     /// Whether a stack streams Qkv and GateUp in place (`None`: only when packed copies do not fit).
     in_place: Option<bool>,
+    /// `Split::Over(1)`: the split kernel's path on one GPU (`split_over_one`).
+    split: Split,
     built: Option<Built>,
 }
 
@@ -78,6 +80,9 @@ impl LayerProgram {
         }
     }
 
+    /// The split kernel (`split.cu`): a stack's rows and tables, Reduce rows among them.
+    const SPLIT_KERNEL: &'static str = "megakernel_split_bf16";
+
     /// The kernel that runs a stack of `layers` layers of `cfg`: its sliced instance where some GEMV's
     /// rows run in slices of the block (as the model kernel's, `has_narrow_rows`).
     fn kernel(layers: usize, cfg: &Config) -> &'static str {
@@ -92,7 +97,16 @@ impl LayerProgram {
 
 impl Megakernel {
     pub fn new(mode: Mode) -> Self {
-        Self { mode, forced: Forced::default(), in_place: None, built: None }
+        Self { mode, forced: Forced::default(), in_place: None, split: Split::None, built: None }
+    }
+
+    /// The same through the path of a stack split over GPUs, over this one GPU: the program with its
+    /// Reduce rows (`Split::Over(1)`) on the split kernel (`split.cu`), whose outputs must be the
+    /// unsplit kernel's bit for bit. It runs wide stacks (two layers or more, no rows in slices) and
+    /// refuses the rest.
+    pub fn split_over_one(mut self) -> Self {
+        self.split = Split::Over(1);
+        self
     }
 
     /// The same, with the parts of the plan `forced` names in place of the compiler's choice (for
@@ -219,8 +233,8 @@ impl Megakernel {
             Some(t) => args.arg(t),
             None => args.arg(&no_trace),
         };
-        // SAFETY: megakernel_[sliced_]bf16 / megakernel_stack_[sliced_]bf16(program: Program<1 or MAX_STACK_LAYERS> by value, as
-        // `LayerProgram::kernel` pairs them, phases: u32, layers: u32 (at most its tables), phase_begin: u32, phase_end: u32, x (d), out (d), hidden (null, or (layers - 1, d),
+        // SAFETY: megakernel_[sliced_]bf16 / megakernel_stack_[sliced_]bf16 / megakernel_split_bf16(program: Program<1 or
+        // MAX_STACK_LAYERS> by value, as `LayerProgram::kernel` pairs them (the split kernel: a stack's), phases: u32, layers: u32 (at most its tables), phase_begin: u32, phase_end: u32, x (d), out (d), hidden (null, or (layers - 1, d),
         // checked above), d: u32, pos: u32, step: u32, phase_done (MAX_PHASES), red_rows: u32, trace (null
         // or grid * (end - begin) * TRACE_STAMPS u64)); the grid is co-resident (occupancy-sized, and the
         // cooperative launch fails rather than run it otherwise), smem as build_stack sized it; the phases
@@ -275,9 +289,24 @@ impl Submission for Megakernel {
     }
 
     fn build_stack(&mut self, dev: &Device, layers: &mut [Layer<'_>], cfg: &Config) -> Result<(), SubmissionError> {
-        let opts = StackOptions { forced: self.forced, in_place: self.in_place, ..StackOptions::new(Target::Layers) };
-        let stack =
-            CompiledStack::build(dev, layers, cfg, &opts, (&MEGAKERNEL, LayerProgram::kernel(layers.len(), cfg)))?;
+        let opts = StackOptions {
+            forced: self.forced,
+            in_place: self.in_place,
+            split: self.split,
+            ..StackOptions::new(Target::Layers)
+        };
+        let kernel = match self.split {
+            Split::None => (&MEGAKERNEL, LayerProgram::kernel(layers.len(), cfg)),
+            Split::Over(_) if layers.len() < 2 || has_narrow_rows(cfg) => {
+                return Err(SubmissionError::Unsupported(format!(
+                    "the split kernel runs stacks of two layers or more without rows in slices, not {} layer(s) of {}",
+                    layers.len(),
+                    cfg.name
+                )));
+            }
+            Split::Over(_) => (&SPLIT, LayerProgram::SPLIT_KERNEL),
+        };
+        let stack = CompiledStack::build(dev, layers, cfg, &opts, kernel)?;
         self.built = Some(Built { program: LayerProgram::of(&stack), stack });
         Ok(())
     }
@@ -318,5 +347,10 @@ mod tests {
                 assert!(crate::kernels::DEVICE_SOURCE.contains(&entry), "{name} is not a kernel of megakernel.cu");
             }
         }
+        let split = format!(" {}(MEGAKERNEL_PARAMS(PROGRAM_MAX_LAYERS))", LayerProgram::SPLIT_KERNEL);
+        assert!(
+            include_str!("../../kernels/megakernel/split.cu").contains(&split),
+            "the split kernel takes a stack's program"
+        );
     }
 }

@@ -436,6 +436,17 @@ fn beside_attention(cfg: &Config, grid: u32) -> Blocks {
     if grid >= 8 * n_kv { Blocks { first: n_kv, count: grid - n_kv, stride: 1 } } else { Blocks::first(grid) }
 }
 
+/// Whether the program reduces O's and Down's products across the GPUs a layer is split over
+/// (`spec::parallel`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// One GPU, no Reduce rows: the program the one-GPU kernels run.
+    None,
+    /// Split over this many GPUs, with the Reduce rows; over one, the split's own path on one GPU,
+    /// whose outputs must be the unsplit program's bit for bit.
+    Over(usize),
+}
+
 /// The layer as a program for a grid of `grid` blocks laid out as `plan` says.
 ///
 /// With one role: Qkv, attention and the O projection, each waiting for the one before, attention on
@@ -468,14 +479,19 @@ fn beside_attention(cfg: &Config, grid: u32) -> Blocks {
 /// once: the part it needs finished a whole GateUp part ago. Parts beyond two exist for `ffn` over
 /// `MAX_ROW`: a middle part adds its products to the partials and writes them back.
 ///
-/// Split over `ranks` GPUs (`cfg` one GPU's share, `spec::parallel::shard`; 1: the whole layer on one
-/// GPU, the program above), O's and Down's last parts leave their f32 partials too, and a Reduce phase
-/// after each, on every block and waiting for every phase that writes those partials, adds every GPU's
-/// partials to the residual: x1 after O, the layer's output after Down (which a stack's next layer then
-/// waits for in place of Down's phases). Two more phases a layer.
-pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan, ranks: usize) -> Vec<Row> {
-    assert!(ranks >= 1, "a layer runs on one GPU or more");
-    let split = ranks > 1;
+/// Split over GPUs ([`Split::Over`], `cfg` one GPU's share, `spec::parallel::shard`), O's and Down's
+/// last parts leave their f32 partials too, and a Reduce phase after each, on every block and waiting
+/// for every phase that writes those partials, adds every GPU's partials to the residual: x1 after O,
+/// the layer's output after Down (which a stack's next layer then waits for in place of Down's
+/// phases). Two more phases a layer.
+pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan, split: Split) -> Vec<Row> {
+    let split = match split {
+        Split::None => false,
+        Split::Over(ranks) => {
+            assert!(ranks >= 1, "a layer is split over one GPU or more");
+            true
+        }
+    };
     let i = |v: usize| v as i64;
     let p = |v: u64| v as i64;
     let eps = cfg.eps.to_bits() as i64;
@@ -688,6 +704,16 @@ pub fn describe(cfg: &Config, plan: Plan, rows: &[Row], pos: usize) -> String {
     )
 }
 
+/// The operation of the task's layer that phase `row` computes or completes: a Reduce row completes the
+/// O projection (it writes x1) or Down (it writes the layer's output).
+pub fn layer_op_of(row: &Row) -> Option<LayerOp> {
+    match Op::from_word(row[0])? {
+        Op::Reduce if row[reduce::Out as usize] == 0 => Some(LayerOp::Down),
+        Op::Reduce => Some(LayerOp::OProj),
+        op => op.layer_op(),
+    }
+}
+
 /// Rows of the GEMV `row` streams (the kernel's `gemv_of`); `None` for a phase without one.
 pub fn gemv_rows(row: &Row) -> Option<usize> {
     let w = |i: usize| row[i] as usize;
@@ -701,7 +727,7 @@ pub fn gemv_rows(row: &Row) -> Option<usize> {
 }
 
 /// The share of its operation's bytes (`ByteModel::by_op`) that `row` reads: the part of the groups, of
-/// the O projection's columns or of `ffn` it covers.
+/// the O projection's columns or of `ffn` it covers (a Reduce row, none).
 pub fn share(row: &Row, cfg: &Config) -> f64 {
     match Op::from_word(row[0]) {
         Some(Op::Qkv) => row[qkv::NKv as usize] as f64 / cfg.n_kv as f64,
@@ -709,7 +735,8 @@ pub fn share(row: &Row, cfg: &Config) -> f64 {
         Some(Op::OProj) => row[oproj::Cols as usize] as f64 / cfg.q_dim() as f64,
         Some(Op::GateUp) => row[gateup::Ffn as usize] as f64 / cfg.ffn as f64,
         Some(Op::Down) => row[down::Cols as usize] as f64 / cfg.ffn as f64,
-        Some(Op::Nop | Op::Reduce) | None => 1.0,
+        Some(Op::Reduce) => 0.0,
+        Some(Op::Nop) | None => 1.0,
     }
 }
 
@@ -809,7 +836,7 @@ mod tests {
 
     /// The program as it runs for `layer()`.
     fn compiled(cfg: &Config, grid: u32, plan: Plan) -> Vec<Row> {
-        compile(cfg, &buffers(), grid, plan, 1).iter().map(|r| resolve_row(r, &layer().table())).collect()
+        compile(cfg, &buffers(), grid, plan, Split::None).iter().map(|r| resolve_row(r, &layer().table())).collect()
     }
 
     /// A layer's table resolves every reference to its slot's address plus the offset; other words
@@ -821,7 +848,7 @@ mod tests {
         assert_eq!(resolve(layer_ref(Slot::WDown2, 1 << 40), &t), 23 + (1 << 40));
         assert_eq!(resolve(7, &t), 7);
         let cfg = Config::graded();
-        let prog = compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132), 1);
+        let prog = compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132), Split::None);
         let other = LayerBuffers { k_cache: 1000, ..layer() };
         assert_eq!(resolve_row(&prog[0], &other.table())[qkv::KCache as usize], 1000);
         for r in &prog {

@@ -11,7 +11,7 @@ use reference::golden::{self, KvCache, Weights};
 use spec::{Config, SpecError};
 
 use super::cpu::{self, Arena, CpuStack, Ran};
-use super::program::{Plan, Row, reduce};
+use super::program::{Plan, Row, Split, reduce};
 
 /// GPU `rank`'s share of a layer's weights split `ranks` ways: its query heads' rows of Wq, its KV
 /// heads' rows of Wk and Wv, its ffn columns' rows of Wgate and Wup, the matching columns of Wo and
@@ -78,7 +78,7 @@ impl SplitCpu {
     ) -> Self {
         let ranks = shares.len();
         let gpus: Vec<CpuStack> =
-            shares.iter().map(|s| CpuStack::build(share, s, grid, plan, in_place, ranks)).collect();
+            shares.iter().map(|s| CpuStack::build(share, s, grid, plan, in_place, Split::Over(ranks))).collect();
         assert!(gpus.windows(2).all(|g| g[0].program == g[1].program), "every GPU runs the same program");
         Self { gpus }
     }
@@ -245,12 +245,12 @@ mod tests {
     #[test]
     fn a_split_program_reduces_after_o_and_after_down() {
         let cfg = four_heads(1);
-        let buffers = CpuStack::build(&cfg, &layers_of(&cfg), 132, Plan::choose(&cfg, 132), false, 1).buffers;
+        let buffers = CpuStack::build(&cfg, &layers_of(&cfg), 132, Plan::choose(&cfg, 132), false, Split::None).buffers;
         for (roles, parts) in [(1, 1), (1, 3), (2, 2)] {
             let plan = Plan::with(&cfg, 132, Forced { roles: Some(roles), mlp_parts: Some(parts) }).unwrap();
-            let one = program::compile(&cfg, &buffers, 132, plan, 1);
+            let one = program::compile(&cfg, &buffers, 132, plan, Split::None);
             assert!(one.iter().all(|r| r[0] != Op::Reduce as i64));
-            let split = program::compile(&cfg, &buffers, 132, plan, 2);
+            let split = program::compile(&cfg, &buffers, 132, plan, Split::Over(2));
             assert_eq!(split.len(), one.len() + 2, "{roles} roles, {parts} parts");
             let at = |op: Op| -> Vec<usize> { (0..split.len()).filter(|&k| split[k][0] == op as i64).collect() };
             let (reduces, opros, downs, gateups) = (at(Op::Reduce), at(Op::OProj), at(Op::Down), at(Op::GateUp));
@@ -273,13 +273,14 @@ mod tests {
         }
     }
 
-    /// Split two and four ways, packed and in place, in one role and two and the MLP in one to three
-    /// parts, over three layers: every layer's output and every cache are the golden model's.
+    /// Split one, two and four ways (one: the split's own path, its Reduce rows over one GPU), packed
+    /// and in place, in one role and two and the MLP in one to three parts, over three layers: every
+    /// layer's output and every cache are the golden model's.
     #[test]
     fn the_split_step_is_the_golden_step() {
         let cfg = four_heads(3);
         let layers = layers_of(&cfg);
-        for ranks in [2, 4] {
+        for ranks in [1, 2, 4] {
             let share = spec::parallel::shard(&cfg, ranks).unwrap();
             let mut plans = vec![None, Some(Plan { roles: 1, mlp_parts: 3 })];
             if share.n_kv >= 2 {

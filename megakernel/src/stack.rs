@@ -19,7 +19,7 @@ use crate::kernels::{
     ATTN_MAX_GROUP, ATTN_MAX_HD, GATHER, GATHER_BLOCK, MAX_BATCH, MEGAKERNEL, RING_BYTES, THREADS, WARPS,
 };
 use crate::pack::{self, Packing};
-use crate::program::{self, Blocks, Buffers, Forced, Plan};
+use crate::program::{self, Blocks, Buffers, Forced, Plan, Split};
 
 /// A phase of the compiled program as `grader profile` reports it: the layer's operation it computes,
 /// the share of that operation's bytes it reads, and the blocks that run it.
@@ -53,12 +53,15 @@ pub struct StackOptions {
     pub in_place: Option<bool>,
     /// RoPE's table when it is not the layer's own (a model's scaled frequencies).
     pub rope: Option<RopeTable>,
+    /// Whether the program reduces across GPUs (`program::Split`; the judge's kernels take
+    /// `Split::None`, and the split kernel `Split::Over(1)`, the split's own path on one GPU).
+    pub split: Split,
 }
 
 impl StackOptions {
     /// The compiler's choices throughout, for `target`.
     pub fn new(target: Target) -> StackOptions {
-        StackOptions { target, forced: Forced::default(), in_place: None, rope: None }
+        StackOptions { target, forced: Forced::default(), in_place: None, rope: None, split: Split::None }
     }
 }
 
@@ -170,7 +173,7 @@ impl CompiledStack {
         let arena =
             s.alloc_zeros::<u8>(lanes * lane.stride).context("allocating the megakernel's activation buffers")?;
         let buffers = lane.buffers(device_address(dev, &arena), device_address(dev, &cos), device_address(dev, &sin));
-        let rows = program::compile(cfg, &buffers, grid, layout, 1);
+        let rows = program::compile(cfg, &buffers, grid, layout, opts.split);
         if rows.len() > program::MAX_PHASES {
             return Err(SubmissionError::Unsupported(format!(
                 "the layer compiled to {} phases; the kernel's program holds {}",
@@ -208,7 +211,7 @@ impl CompiledStack {
         let plan = rows
             .iter()
             .map(|r| PhasePlan {
-                op: program::Op::from_word(r[0]).and_then(program::Op::layer_op).expect("compile emits layer ops"),
+                op: program::layer_op_of(r).expect("compile emits the layer's ops and their Reduce rows"),
                 share: program::share(r, cfg),
                 blocks: Blocks::of(r),
             })
@@ -728,7 +731,7 @@ mod tests {
         };
         for grid in [132u32, 16, 7] {
             let plan = check_fits(&cfg, grid, Forced::default()).unwrap();
-            let rows = program::compile(&cfg, &buffers, grid, plan, 1);
+            let rows = program::compile(&cfg, &buffers, grid, plan, Split::None);
             let most = qkv_head_rows(&rows, cfg.hd);
             for r in rows.iter().filter(|r| r[0] == program::Op::Qkv as i64) {
                 let (n, set) = (program::gemv_rows(r).unwrap(), Blocks::of(r));

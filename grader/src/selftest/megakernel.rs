@@ -2,14 +2,16 @@
 //! against the phase-per-launch mode bit for bit, and a repeated step bit for bit, in each of the
 //! plans a shape admits (one role, and two where the layer has two KV heads or more), whichever the
 //! compiler would choose for it; and the same over a stack of layers in one launch, each layer against
-//! the eager layer on the megakernel's own input to it.
+//! the eager layer on the megakernel's own input to it; and the split kernel over one GPU (the path of
+//! a stack split over GPUs, its Reduce rows adding this GPU's own partials) against the stack kernel,
+//! bit for bit.
 
-use cuda::Context;
 use cuda::cudarc::driver::CudaSlice;
+use cuda::{Context, Device};
 use half::bf16;
 use megakernel::program::Forced;
 use megakernel::{Megakernel, Mode};
-use reference::gpu::{DeviceCache, Eager, generate_weights};
+use reference::gpu::{DeviceCache, DeviceWeights, Eager, generate_weights};
 use spec::data::{input, layer_seed};
 use spec::{Config, Gates};
 use submission::{Layer, Submission};
@@ -52,7 +54,88 @@ pub fn checks() -> Vec<Check> {
             name: "megakernel matches eager over a stack streamed in place (3 x graded)",
             run: |c| stack_matches(c, Config { name: "graded-x3".into(), layers: 3, ..Config::graded() }, 2, true),
         },
+        Check {
+            name: "megakernel split over one GPU equals the stack kernel bit for bit (3 x graded)",
+            run: |c| split_over_one(c, Config { name: "graded-x3".into(), layers: 3, ..Config::graded() }, 2),
+        },
     ]
+}
+
+/// Every layer's output of one step of `mk` over `weights` on `caches`, in order (the hidden states,
+/// then out), each output poisoned with NaN before the step.
+fn stack_states(
+    dev: &Device,
+    mk: &mut Megakernel,
+    weights: &[DeviceWeights],
+    caches: &mut [DeviceCache],
+    x: &CudaSlice<bf16>,
+    pos: usize,
+) -> Result<Vec<bf16>, Failure> {
+    let row = x.len();
+    let poisoned = |n: usize| dev.stream().clone_htod(&vec![bf16::NAN; n]).context("allocating an output");
+    let (mut hidden, mut out) = (poisoned((weights.len() - 1) * row)?, poisoned(row)?);
+    mk.stack_step(dev, &mut Layer::stack(weights, caches), x, pos, Some(&mut hidden), &mut out)?;
+    let mut states = dev.stream().clone_dtoh(&hidden).context("reading the hidden states")?;
+    states.extend(dev.stream().clone_dtoh(&out).context("reading an output")?);
+    Ok(states)
+}
+
+/// `steps` steps over a stack through the split kernel over one GPU (its Reduce rows adding this GPU's
+/// own partials: `Megakernel::split_over_one`), fused and a launch per phase, and through the stack
+/// kernel, each on caches of its own: the split program has two more phases a layer, and every layer's
+/// output and every cache are the stack kernel's bit for bit.
+fn split_over_one(ctx: &mut Ctx, cfg: Config, steps: usize) -> CheckResult {
+    let dev = &ctx.dev;
+    if !dev.is_hopper() {
+        return Err(Failure("the megakernel needs an sm_90 (Hopper) card".into()));
+    }
+    let seeds: Vec<u64> = (0..cfg.layers).map(|l| layer_seed(ctx.seed, l)).collect();
+    let weights = seeds.iter().map(|&s| generate_weights(dev, &cfg, s)).collect::<Result<Vec<_>, _>>()?;
+    let caches = || seeds.iter().map(|&s| DeviceCache::generate(dev, &cfg, s)).collect::<Result<Vec<_>, _>>();
+    let mut runs = [
+        ("the stack kernel", Megakernel::new(Mode::Fused), caches()?),
+        ("the split kernel", Megakernel::new(Mode::Fused).split_over_one(), caches()?),
+        ("the split kernel a launch per phase", Megakernel::new(Mode::PerPhase).split_over_one(), caches()?),
+    ];
+    for (_, mk, c) in &mut runs {
+        mk.build_stack(dev, &mut Layer::stack(&weights, c), &cfg)?;
+    }
+    let (plain, split) = (runs[0].1.phases().unwrap_or(0), runs[1].1.phases().unwrap_or(0));
+    ensure(split == plain + 2 * cfg.layers as u32, || {
+        format!(
+            "the split program has {split} phases over {} layers, the stack's {plain}: not two Reduce rows a layer",
+            cfg.layers
+        )
+    })?;
+    let seed: u64 = rand::random();
+    for s in 0..steps {
+        let pos = cfg.prefill + s;
+        let x = dev.stream().clone_htod(&input(&cfg, seed, s)).context("uploading x")?;
+        let mut states = Vec::new();
+        for (_, mk, c) in &mut runs {
+            states.push(stack_states(dev, mk, &weights, c, &x, pos)?);
+        }
+        for ((what, _, _), got) in runs.iter().zip(&states).skip(1) {
+            ensure(bits(got) == bits(&states[0]), || {
+                format!("pos {pos}: {what}'s states differ from the stack kernel's: {}", Diff::of(got, &states[0]))
+            })?;
+        }
+    }
+    let read = |v: &CudaSlice<bf16>| dev.stream().clone_dtoh(v).context("reading a cache");
+    for (what, _, c) in runs.iter().skip(1) {
+        for (l, (a, b)) in c.iter().zip(&runs[0].2).enumerate() {
+            ensure(bits(&read(&a.k)?) == bits(&read(&b.k)?) && bits(&read(&a.v)?) == bits(&read(&b.v)?), || {
+                format!("layer {l}: {what}'s caches differ from the stack kernel's")
+            })?;
+        }
+    }
+    Ok(format!(
+        "{} layers, {steps} steps: the split kernel's states and caches (fused, and a launch per phase) equal the stack \
+         kernel's bit for bit, {} phases a layer against {}; input seed {seed:#x}",
+        cfg.layers,
+        split / cfg.layers as u32,
+        plain / cfg.layers as u32
+    ))
 }
 
 /// `steps` steps of the fused megakernel over the `cfg.layers` layers of a stack (each with its own
@@ -79,13 +162,8 @@ fn stack_matches(ctx: &mut Ctx, cfg: Config, steps: usize, in_place: bool) -> Ch
     let seed: u64 = rand::random();
     let poisoned = |n: usize| dev.stream().clone_htod(&vec![bf16::NAN; n]).context("allocating an output");
     let read = |v: &CudaSlice<bf16>| dev.stream().clone_dtoh(v).context("reading an output");
-    // One step of `mk` on its own caches: every layer's output in order (the hidden states, then out).
     let run = |mk: &mut Megakernel, caches: &mut Vec<DeviceCache>, x: &CudaSlice<bf16>, pos: usize| {
-        let (mut hidden, mut out) = (poisoned((depth - 1) * row)?, poisoned(row)?);
-        mk.stack_step(dev, &mut Layer::stack(&weights, caches), x, pos, Some(&mut hidden), &mut out)?;
-        let mut states = read(&hidden)?;
-        states.extend(read(&out)?);
-        Ok::<_, Failure>(states)
+        stack_states(dev, mk, &weights, caches, x, pos)
     };
     let mut worst = (0f64, 0);
     for s in 0..steps {
