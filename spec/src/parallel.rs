@@ -45,6 +45,13 @@ pub fn bytes_per_gpu(cfg: &Config, gpus: usize, calls: usize) -> Result<u64, Spe
     crate::bytes::data_bytes(&share, calls).ok_or(SpecError::TooLarge { bytes: None, limit: u64::MAX })
 }
 
+/// Bytes each GPU moves for one token of the whole stack split `gpus` ways, the floor's byte model
+/// ([`crate::ByteModel::stack`] of the [`shard`]): the floor of a split run is each GPU's bytes over its
+/// own measured bandwidth, the slowest GPU's.
+pub fn token_bytes_per_gpu(cfg: &Config, gpus: usize) -> Result<u64, SpecError> {
+    Ok(crate::ByteModel::stack(&shard(cfg, gpus)?).total)
+}
+
 /// The fewest GPUs, of the counts the layer splits into, whose shares each fit `device_bytes`; `None`
 /// where no count up to [`MAX_GPUS`] does.
 pub fn fewest_gpus(cfg: &Config, device_bytes: u64, calls: usize) -> Option<usize> {
@@ -107,6 +114,20 @@ mod tests {
         let seventy = find_stack("stack-70b").unwrap().config();
         assert_eq!(fewest_gpus(&seventy, H200_BYTES, crate::schedule::call_count(&seventy).unwrap()), Some(1));
         assert_eq!(fewest_gpus(&big, 50_000_000_000, calls), None, "over 8 GPUs of 50 GB");
+    }
+
+    /// docs/parallel.md's table: a token's bytes per GPU, and its floor at 4.2 TB/s.
+    #[test]
+    fn the_floor_per_gpu_is_the_shares_bytes() {
+        let seventy = find_stack("stack-70b").unwrap().config();
+        let gb = |cfg: &Config, gpus| token_bytes_per_gpu(cfg, gpus).unwrap() as f64 / 1e9;
+        for (gpus, want) in [(1, 138.26), (2, 69.13), (4, 34.57), (8, 17.29)] {
+            assert!((gb(&seventy, gpus) - want).abs() < 0.01, "{gpus} GPUs: {}", gb(&seventy, gpus));
+        }
+        assert!((gb(&stack_405b(), 8) - 100.70).abs() < 0.01, "{}", gb(&stack_405b(), 8));
+        let floor_ms = token_bytes_per_gpu(&seventy, 8).unwrap() as f64 / 4.2e12 * 1e3;
+        assert!((floor_ms - 4.12).abs() < 0.005, "{floor_ms}");
+        assert_eq!(token_bytes_per_gpu(&seventy, 1).unwrap(), ByteModel::stack(&seventy).total);
     }
 
     #[test]
