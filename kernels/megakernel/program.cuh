@@ -51,8 +51,8 @@ constexpr int64_t OP_ATTENTION = 2; // chunked attention of q over the cache, co
 constexpr int64_t OP_O_PROJ = 3;    // x1 = x + Wo a
 constexpr int64_t OP_GATE_UP = 4;   // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2)
 constexpr int64_t OP_DOWN = 5;      // out = x1 + Wd act
-// out = residual + every GPU's partials in rank order, for a layer split over GPUs: emitted only for
-// that split, which this kernel does not run yet (it traps on the opcode, as on any it does not know).
+// out = residual + every GPU's partials in rank order, for a layer split over GPUs (op_reduce.cuh):
+// only the split kernel (split.cu) runs it; the others trap on it, as on any opcode they do not know.
 constexpr int64_t OP_REDUCE = 6;
 
 // The last two words of every row: the blocks that run it (first + i * stride for i < count: the count in

@@ -158,9 +158,10 @@ pub enum Op {
     GateUp = 4,
     /// `out = x1 + Wd act`.
     Down = 5,
-    /// A layer split over GPUs (`compile`'s `ranks`): `out = residual + the sum of every GPU's partials`,
-    /// in rank order, where O's and Down's last parts left their partial products. Only the CPU
-    /// executor runs it so far; the one-GPU kernel never meets it (issue 50's multi-GPU kernel will).
+    /// A layer split over GPUs ([`Split::Over`]): `out = residual + the sum of every GPU's partials`, in
+    /// rank order, where O's and Down's last parts left their partial products. The CPU executor runs
+    /// it across the GPUs' shares (`split::SplitCpu`), the split kernel (`split.cu`) over one GPU; the
+    /// judge's kernels never meet it.
     Reduce = 6,
 }
 
