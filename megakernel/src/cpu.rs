@@ -85,6 +85,41 @@ pub(crate) enum Ran {
     Reduce(Row),
 }
 
+/// Runs the phases of a step of `layers` layers of `program` in `order` (phase f is row f % rows of layer
+/// f / rows) through `run(layer, row, its input)`, which returns the layer's output where the row wrote
+/// it; each layer's input is `x` for the first and the layer before's output for the others. Each
+/// layer's output, or where a phase read a layer's input that no phase before it had written (a
+/// dependency the program lacks).
+pub(crate) fn walk_order(
+    program: &[Row],
+    layers: usize,
+    order: &[usize],
+    x: &[bf16],
+    mut run: impl FnMut(usize, &Row, &[bf16]) -> Option<Vec<bf16>>,
+) -> Result<Vec<Vec<bf16>>, String> {
+    let n = program.len();
+    assert!(order.len() == n * layers, "an order names every phase once");
+    let mut outs: Vec<Option<Vec<bf16>>> = vec![None; layers];
+    for &f in order {
+        let (l, row) = (f / n, &program[f % n]);
+        let input = match l {
+            0 => Some(x),
+            _ => outs[l - 1].as_deref(),
+        };
+        let x_l = match input {
+            Some(v) => v,
+            None if program::reads_layer_input(row) => {
+                return Err(format!("phase {f} (layer {l}) read its input before layer {} wrote it", l - 1));
+            }
+            None => &[],
+        };
+        if let Some(o) = run(l, row, x_l) {
+            outs[l] = Some(o);
+        }
+    }
+    outs.into_iter().enumerate().map(|(l, o)| o.ok_or_else(|| format!("layer {l} wrote no output"))).collect()
+}
+
 /// `rows` rows of the product of the parts' columns side by side, in order, each part read from its
 /// arena, with the golden model's rounding: the whole GEMV from its packed column parts (which checks
 /// every packing).
@@ -238,20 +273,20 @@ impl CpuStack {
     /// One step: every row of the program in order, for each layer in turn, each row resolved for its
     /// layer; returns each layer's output (the last one is the step's).
     pub fn step(&mut self, x: &[bf16], pos: usize) -> Vec<Vec<bf16>> {
-        let mut outs: Vec<Vec<bf16>> = Vec::with_capacity(self.layers.len());
-        for l in 0..self.layers.len() {
-            let x_l = if l == 0 { x.to_vec() } else { outs[l - 1].clone() };
-            let mut out = Vec::new();
-            for row in self.program.clone() {
-                match self.run_row(l, &row, &x_l, pos) {
-                    Ran::Done => {}
-                    Ran::Output(o) => out = o,
-                    Ran::Reduce(_) => panic!("a Reduce row needs every GPU's share of the layer (split::SplitCpu)"),
-                }
-            }
-            outs.push(out);
-        }
-        outs
+        let order: Vec<usize> = (0..self.program.len() * self.layers.len()).collect();
+        self.step_in_order(x, pos, &order).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// One step with its phases run in `order` (each once, numbered over every layer as
+    /// `program::dependencies` numbers them); each layer's output, or where a phase read a layer's
+    /// input that no phase before it had written.
+    pub fn step_in_order(&mut self, x: &[bf16], pos: usize, order: &[usize]) -> Result<Vec<Vec<bf16>>, String> {
+        let (program, layers) = (self.program.clone(), self.layers.len());
+        walk_order(&program, layers, order, x, |l, row, x_l| match self.run_row(l, row, x_l, pos) {
+            Ran::Done => None,
+            Ran::Output(o) => Some(o),
+            Ran::Reduce(_) => panic!("a Reduce row needs every GPU's share of the layer (split::SplitCpu)"),
+        })
     }
 
     /// Row `row` of layer `l`, whose input is `x`.
@@ -414,6 +449,79 @@ impl CpuStack {
     }
 }
 
+/// What the CPU executors' tests share: orders of a step's phases that its dependencies allow, and a
+/// run beside the golden model.
+#[cfg(test)]
+pub(crate) mod checks {
+    use half::bf16;
+    use reference::golden::{self, KvCache, RopeTable, Weights};
+    use spec::Config;
+
+    /// An order of a step's phases that keeps `after` (`program::dependencies`), each ready phase
+    /// picked by a generator seeded with `seed`.
+    pub fn order_from(after: &[Vec<usize>], seed: u64) -> Vec<usize> {
+        let mut waiting: Vec<usize> = after.iter().map(Vec::len).collect();
+        let mut followers = vec![Vec::new(); after.len()];
+        for (f, before) in after.iter().enumerate() {
+            for &b in before {
+                followers[b].push(f);
+            }
+        }
+        let mut ready: Vec<usize> = (0..after.len()).filter(|&f| waiting[f] == 0).collect();
+        let (mut state, mut order) = (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, Vec::new());
+        while !ready.is_empty() {
+            // xorshift64: any spread will do.
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let f = ready.swap_remove((state % ready.len() as u64) as usize);
+            order.push(f);
+            for &g in &followers[f] {
+                waiting[g] -= 1;
+                if waiting[g] == 0 {
+                    ready.push(g);
+                }
+            }
+        }
+        assert_eq!(order.len(), after.len(), "the dependencies have a cycle");
+        order
+    }
+
+    /// A fresh seed for each run's inputs, said in the message of any mismatch.
+    pub fn input_seed() -> u64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    }
+
+    /// `steps` steps of `step(x, pos, step index)` beside the golden model's over `layers`, from fresh
+    /// inputs: the golden caches where every layer's output is the golden model's bit for bit; else
+    /// where they first differ.
+    pub fn against_golden(
+        cfg: &Config,
+        layers: &[(Weights, KvCache)],
+        steps: usize,
+        mut step: impl FnMut(&[bf16], usize, usize) -> Result<Vec<Vec<bf16>>, String>,
+    ) -> Result<Vec<KvCache>, String> {
+        let table = RopeTable::new(cfg);
+        let mut caches: Vec<KvCache> = layers.iter().map(|(_, c)| c.clone()).collect();
+        let seed = input_seed();
+        for s in 0..steps {
+            let x = spec::data::input(cfg, seed, s);
+            let pos = cfg.prefill + s;
+            let got = step(&x, pos, s)?;
+            assert_eq!(got.len(), cfg.layers);
+            let mut state = x;
+            for (l, ((w, _), cache)) in layers.iter().zip(&mut caches).enumerate() {
+                state = golden::step(cfg, w, cache, &table, &state, pos);
+                assert!(state.iter().any(|v| v.to_f32() != 0.0));
+                if got[l] != state {
+                    return Err(format!("{} step {s} layer {l} differs (input seed {seed:#x})", cfg.name));
+                }
+            }
+        }
+        Ok(caches)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -434,33 +542,69 @@ mod tests {
     /// with its own weights and cache: every layer's output is the golden model's step on the layer
     /// before's.
     fn matches_golden_laid_out(cfg: Config, grid: u32, plan: Plan, in_place: bool, phases: usize, steps: usize) {
+        let (mut stack, layers) = built(&cfg, grid, plan, in_place);
+        assert_eq!(stack.program.len(), phases, "{} on {grid} blocks", cfg.name);
+        let caches = checks::against_golden(&cfg, &layers, steps, |x, pos, _| Ok(stack.step(x, pos)))
+            .unwrap_or_else(|e| panic!("{e}"));
+        for (l, cache) in caches.iter().enumerate() {
+            assert_eq!(&stack.cache(l), cache, "{}: layer {l}'s caches differ", cfg.name);
+        }
+    }
+
+    /// The stack of `cfg.layers` layers of seeded weights and caches, built for the executor.
+    fn built(cfg: &Config, grid: u32, plan: Plan, in_place: bool) -> (CpuStack, Vec<(Weights, KvCache)>) {
         let seed: u64 = 0x5EED ^ cfg.d as u64;
         let layers: Vec<(Weights, KvCache)> = (0..cfg.layers)
             .map(|l| {
                 let s = spec::data::layer_seed(seed, l);
-                (golden::generate_weights(&cfg, s), KvCache::generate(&cfg, s))
+                (golden::generate_weights(cfg, s), KvCache::generate(cfg, s))
             })
             .collect();
-        let mut stack = CpuStack::build(&cfg, &layers, grid, plan, in_place, Split::None);
-        assert_eq!(stack.program.len(), phases, "{} on {grid} blocks", cfg.name);
-        let mut golden_caches: Vec<KvCache> = layers.iter().map(|(_, c)| c.clone()).collect();
-        let table = RopeTable::new(&cfg);
-        let input_seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-        for s in 0..steps {
-            let x = spec::data::input(&cfg, input_seed, s);
-            let pos = cfg.prefill + s;
-            let got = stack.step(&x, pos);
-            assert_eq!(got.len(), cfg.layers);
-            let mut state = x;
-            for (l, ((w, _), cache)) in layers.iter().zip(&mut golden_caches).enumerate() {
-                state = golden::step(&cfg, w, cache, &table, &state, pos);
-                assert!(state.iter().any(|v| v.to_f32() != 0.0));
-                assert_eq!(got[l], state, "{} step {s} layer {l} (input seed {input_seed:#x})", cfg.name);
-            }
-        }
-        for (l, cache) in golden_caches.iter().enumerate() {
+        (CpuStack::build(cfg, &layers, grid, plan, in_place, Split::None), layers)
+    }
+
+    /// `orders` steps of the stack, each in another order its dependencies allow: the golden step, and
+    /// the golden caches at the end.
+    fn matches_golden_in_any_order(cfg: &Config, plan: Plan, in_place: bool, orders: usize) {
+        let (mut stack, layers) = built(cfg, 132, plan, in_place);
+        let after = program::dependencies(&stack.program, cfg.layers);
+        let caches = checks::against_golden(cfg, &layers, orders, |x, pos, s| {
+            stack.step_in_order(x, pos, &checks::order_from(&after, s as u64))
+        })
+        .unwrap_or_else(|e| panic!("{plan:?}, in place {in_place}: {e}"));
+        for (l, cache) in caches.iter().enumerate() {
             assert_eq!(&stack.cache(l), cache, "{}: layer {l}'s caches differ", cfg.name);
         }
+    }
+
+    /// Every order of a step's phases that their dependencies allow computes the golden step: one role
+    /// and two, the MLP in one to three parts, packed and in place, over three layers (so the layers'
+    /// phases interleave as far as their waits let them).
+    #[test]
+    fn every_order_the_dependencies_allow_computes_the_golden_step() {
+        let cfg = Config { layers: 3, n_kv: 4, ..Config::tiny() };
+        for (roles, parts) in [(1, 1), (1, 3), (2, 2), (2, 3)] {
+            let plan = Plan::with(&cfg, 132, program::Forced { roles: Some(roles), mlp_parts: Some(parts) }).unwrap();
+            matches_golden_in_any_order(&cfg, plan, false, 12);
+        }
+        matches_golden_in_any_order(&cfg, Plan { roles: 1, mlp_parts: 1 }, true, 12);
+    }
+
+    /// The check can fail: without GateUp's wait for the O projection, some order the remaining
+    /// dependencies allow reads x1 before it is written.
+    #[test]
+    fn a_missing_wait_is_caught_by_some_order() {
+        let cfg = Config { layers: 3, n_kv: 4, ..Config::tiny() };
+        let (mut stack, layers) = built(&cfg, 132, Plan { roles: 1, mlp_parts: 1 }, false);
+        let gateup = stack.program.iter().position(|r| r[0] == Op::GateUp as i64).unwrap();
+        let oproj = stack.program.iter().position(|r| r[0] == Op::OProj as i64).unwrap();
+        assert!(stack.program[gateup][program::WAITS_WORD] >> oproj & 1 == 1);
+        stack.program[gateup][program::WAITS_WORD] &= !(1 << oproj);
+        let after = program::dependencies(&stack.program, cfg.layers);
+        let caught = checks::against_golden(&cfg, &layers, 64, |x, pos, s| {
+            stack.step_in_order(x, pos, &checks::order_from(&after, s as u64))
+        });
+        assert!(caught.is_err(), "64 orders without GateUp's wait all computed the golden step");
     }
 
     /// A stack of three layers, in both roles: each layer reads its own weights and cache, and the

@@ -664,6 +664,55 @@ pub fn compile(cfg: &Config, b: &Buffers, grid: u32, plan: Plan, split: Split) -
         .collect()
 }
 
+/// Whether phase `row` reads its layer's input (`x`, or the layer before's output): Qkv, the O
+/// projection (its residual), and a Reduce row whose residual it is.
+pub fn reads_layer_input(row: &Row) -> bool {
+    match Op::from_word(row[0]) {
+        Some(Op::Qkv | Op::OProj) => true,
+        Some(Op::Reduce) => row[reduce::Residual as usize] == 0,
+        _ => false,
+    }
+}
+
+/// What each phase of a step over `layers` layers must follow, the phases numbered over every layer as
+/// the kernel numbers them (phase f is row f % rows.len() of layer f / rows.len()): the phases its waits
+/// word names (of its own layer, and from `PREV_LAYER_WAITS` of the layer before within the step), and
+/// the part of a split GEMV whose partials it adds where both run on the same blocks with the same
+/// rows, which no wait orders: each block adds only what it wrote itself, in program order. Nothing else
+/// orders two phases, so any order that keeps these (`cpu::CpuStack::step_in_order`) is one the kernel
+/// may run; the CPU executor's tests run such orders against the golden model.
+#[cfg(test)]
+pub(crate) fn dependencies(rows: &[Row], layers: usize) -> Vec<Vec<usize>> {
+    let n = rows.len();
+    let partials = |r: &Row| match Op::from_word(r[0]) {
+        Some(Op::OProj) => Some((r[oproj::PartIn as usize], r[oproj::PartOut as usize])),
+        Some(Op::Down) => Some((r[down::PartIn as usize], r[down::PartOut as usize])),
+        _ => None,
+    };
+    (0..n * layers)
+        .map(|f| {
+            let (l, i) = (f / n, f % n);
+            let waits = rows[i][WAITS_WORD];
+            let mut after: Vec<usize> = (0..n).filter(|&w| (waits >> w) & 1 == 1).map(|w| l * n + w).collect();
+            if l > 0 {
+                after.extend((0..n).filter(|&w| (waits >> (PREV_LAYER_WAITS + w)) & 1 == 1).map(|w| (l - 1) * n + w));
+            }
+            // The part before whose partials this one adds, run by the same blocks over the same rows.
+            if let Some((part_in, _)) = partials(&rows[i]).filter(|&(part_in, _)| part_in != 0) {
+                let writer = (0..i).rev().find(|&j| partials(&rows[j]).is_some_and(|(_, out)| out == part_in));
+                if let Some(j) = writer.filter(|&j| {
+                    rows[j][BLOCKS_WORD] == rows[i][BLOCKS_WORD] && gemv_rows(&rows[j]) == gemv_rows(&rows[i])
+                }) {
+                    after.push(l * n + j);
+                }
+            }
+            after.sort_unstable();
+            after.dedup();
+            after
+        })
+        .collect()
+}
+
 /// The program compiled with `plan` in words: its phases, its roles, the MLP's parts and how its first
 /// attention phase splits the cache at position `pos` (`grader profile` prints it).
 pub fn describe(cfg: &Config, plan: Plan, rows: &[Row], pos: usize) -> String {

@@ -86,28 +86,25 @@ impl SplitCpu {
     /// One step on every GPU, row by row in step, each Reduce row done across them; returns each
     /// layer's output, which every GPU then holds.
     pub fn step(&mut self, x: &[bf16], pos: usize) -> Vec<Vec<bf16>> {
-        let program = self.gpus[0].program.clone();
-        let mut outs: Vec<Vec<bf16>> = Vec::new();
-        for l in 0..self.gpus[0].layers.len() {
-            let x_l = if l == 0 { x.to_vec() } else { outs[l - 1].clone() };
-            let mut out = Vec::new();
-            for row in &program {
-                let ran: Vec<Ran> = self.gpus.iter_mut().map(|g| g.run_row(l, row, &x_l, pos)).collect();
-                match &ran[0] {
-                    Ran::Done => {}
-                    Ran::Output(_) => panic!("a GPU's share wrote the layer's output alone: only a Reduce row may"),
-                    Ran::Reduce(r) => {
-                        assert!(ran.iter().all(|o| matches!(o, Ran::Reduce(q) if q == r)), "every GPU reduces alike");
-                        if let Some(o) = self.reduce(r, &x_l) {
-                            out = o;
-                        }
-                    }
+        let order: Vec<usize> = (0..self.gpus[0].program.len() * self.gpus[0].layers.len()).collect();
+        self.step_in_order(x, pos, &order).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The same with the phases run in `order` (as `CpuStack::step_in_order` takes it), every GPU in
+    /// the same order.
+    pub fn step_in_order(&mut self, x: &[bf16], pos: usize, order: &[usize]) -> Result<Vec<Vec<bf16>>, String> {
+        let (program, layers) = (self.gpus[0].program.clone(), self.gpus[0].layers.len());
+        cpu::walk_order(&program, layers, order, x, |l, row, x_l| {
+            let ran: Vec<Ran> = self.gpus.iter_mut().map(|g| g.run_row(l, row, x_l, pos)).collect();
+            match &ran[0] {
+                Ran::Done => None,
+                Ran::Output(_) => panic!("a GPU's share wrote the layer's output alone: only a Reduce row may"),
+                Ran::Reduce(r) => {
+                    assert!(ran.iter().all(|o| matches!(o, Ran::Reduce(q) if q == r)), "every GPU reduces alike");
+                    self.reduce(r, x_l)
                 }
             }
-            assert!(!out.is_empty(), "layer {l}'s program wrote no output");
-            outs.push(out);
-        }
-        outs
+        })
     }
 
     /// A Reduce row: the residual plus the GEMV whose parts every GPU holds, its columns in rank order
@@ -152,8 +149,8 @@ impl SplitCpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::checks;
     use crate::program::{self, BLOCKS_WORD, Forced, Op, PREV_LAYER_WAITS, WAITS_WORD};
-    use reference::golden::RopeTable;
 
     /// A tiny layer with four KV heads, so that it splits two and four ways and a two-way share still
     /// has the two heads the two-role plan needs.
@@ -170,35 +167,20 @@ mod tests {
             .collect()
     }
 
-    /// A fresh seed for each run's inputs, said in the message of any mismatch.
-    fn input_seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-    }
-
-    /// Steps the split stack and the golden model side by side: `Ok` where every layer's output and, at
-    /// the end, every cache are the golden model's bit for bit; else where they first differ.
+    /// Steps the split stack and the golden model side by side, each step's phases in the order
+    /// `order(step index)` gives (`None`: the program's): `Ok` where every layer's output and, at the end,
+    /// every cache are the golden model's bit for bit; else where they first differ.
     fn against_golden(
         cfg: &Config,
         layers: &[(Weights, KvCache)],
         split: &mut SplitCpu,
         steps: usize,
+        order: impl Fn(usize) -> Option<Vec<usize>>,
     ) -> Result<(), String> {
-        let table = RopeTable::new(cfg);
-        let mut caches: Vec<KvCache> = layers.iter().map(|(_, c)| c.clone()).collect();
-        let seed = input_seed();
-        for s in 0..steps {
-            let x = spec::data::input(cfg, seed, s);
-            let pos = cfg.prefill + s;
-            let got = split.step(&x, pos);
-            let mut state = x;
-            for (l, ((w, _), cache)) in layers.iter().zip(&mut caches).enumerate() {
-                state = golden::step(cfg, w, cache, &table, &state, pos);
-                assert!(state.iter().any(|v| v.to_f32() != 0.0));
-                if got[l] != state {
-                    return Err(format!("step {s} layer {l} differs (input seed {seed:#x})"));
-                }
-            }
-        }
+        let caches = checks::against_golden(cfg, layers, steps, |x, pos, s| match order(s) {
+            Some(o) => split.step_in_order(x, pos, &o),
+            None => Ok(split.step(x, pos)),
+        })?;
         for (l, cache) in caches.iter().enumerate() {
             if &split.cache(l) != cache {
                 return Err(format!("layer {l}'s caches differ"));
@@ -292,8 +274,12 @@ mod tests {
                         continue; // in place runs one role, one part (as the GPU's stack does)
                     }
                     let mut split = SplitCpu::build(&cfg, &layers, ranks, 132, plan, in_place).unwrap();
-                    against_golden(&cfg, &layers, &mut split, 2)
+                    against_golden(&cfg, &layers, &mut split, 2, |_| None)
                         .unwrap_or_else(|e| panic!("{ranks} GPUs, {plan:?}, in place {in_place}: {e}"));
+                    // Then in orders the dependencies allow: the Reduce rows' waits are all they need.
+                    let after = program::dependencies(&split.gpus[0].program, cfg.layers);
+                    against_golden(&cfg, &layers, &mut split, 6, |s| Some(checks::order_from(&after, s as u64)))
+                        .unwrap_or_else(|e| panic!("{ranks} GPUs, {plan:?}, in place {in_place}, reordered: {e}"));
                 }
             }
         }
@@ -310,7 +296,7 @@ mod tests {
             .collect();
         shares.reverse();
         let mut swapped = SplitCpu::of_shares(&share, shares, 132, Plan::choose(&share, 132), false);
-        assert!(against_golden(&cfg, &layers, &mut swapped, 1).is_err());
+        assert!(against_golden(&cfg, &layers, &mut swapped, 1, |_| None).is_err());
     }
 
     #[test]
