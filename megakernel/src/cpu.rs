@@ -228,6 +228,10 @@ impl CpuStack {
         in_place: bool,
         split: Split,
     ) -> Self {
+        assert!(
+            !in_place || plan == Plan { roles: 1, mlp_parts: 1 },
+            "streaming in place runs one role and one MLP part"
+        );
         let mut a = Arena::default();
         let rope = RopeTable::new(cfg);
         let zeros = |n: usize| vec![0u8; n];

@@ -51,7 +51,8 @@ pub struct SplitCpu {
 impl SplitCpu {
     /// `layers` split over `ranks` GPUs, each share packed (or, `in_place`, left as handed over) and
     /// compiled for a grid of `grid` blocks laid out as `plan` says (`None`: the compiler's plan for the
-    /// share). Refused where the layer does not split `ranks` ways.
+    /// share, or in place one role and one MLP part, as the GPU streams in place). Refused where the
+    /// layer does not split `ranks` ways.
     pub fn build(
         cfg: &Config,
         layers: &[(Weights, KvCache)],
@@ -64,7 +65,8 @@ impl SplitCpu {
         let shares = (0..ranks)
             .map(|r| layers.iter().map(|(w, c)| (shard_weights(cfg, w, r, ranks), shard_cache(c, r, ranks))).collect())
             .collect();
-        Ok(Self::of_shares(&share, shares, grid, plan.unwrap_or_else(|| Plan::choose(&share, grid)), in_place))
+        let chosen = if in_place { Plan { roles: 1, mlp_parts: 1 } } else { Plan::choose(&share, grid) };
+        Ok(Self::of_shares(&share, shares, grid, plan.unwrap_or(chosen), in_place))
     }
 
     /// The GPUs holding `shares` (GPU r the r-th, one `(weights, cache)` per layer, of the share's shape
