@@ -88,8 +88,9 @@ pub struct DeviceArg {
 #[derive(Debug, Args)]
 pub struct ConfigArg {
     /// Configuration: graded, small, tiny, a member of the family `grader sweep` judges (llama-3.2-1b,
-    /// llama-3-8b, 70b-128k, ...: `grader sweep --help` lists them), or the path of a JSON file with
-    /// every field (`grader spec --config tiny --json` prints one).
+    /// llama-3-8b, 70b-128k, ...: `grader sweep --help` lists them), a named stack judged as a whole
+    /// (stack-1b, stack-8b, stack-70b; stack-405b, 805 GB, is refused where one GPU cannot hold it), or the
+    /// path of a JSON file with every field (`grader spec --config tiny --json` prints one).
     #[arg(long, default_value = "graded", value_name = "NAME|FILE")]
     pub config: String,
 }

@@ -1,8 +1,9 @@
 //! The Llama family around the graded layer: the shapes a user of `--config` will judge, each one
 //! layer at the task's schedule, named as `grader sweep` and `--config` accept them. The graded
 //! layer is the task; these are the neighbourhood its verdict must hold in. Also the named stacks
-//! ([`STACKS`]): whole models' depths of one member's layer, which `grader spec` describes and the
-//! judge does not grade yet (docs/stack.md).
+//! ([`STACKS`]): whole models' depths of one member's layer, which `grader run` judges as a whole
+//! (docs/stack.md); the deepest, Llama-3.1-405B's, holds more than one GPU's memory and waits for the
+//! split over GPUs (docs/parallel.md).
 
 use crate::Config;
 
@@ -90,8 +91,10 @@ pub struct Stack {
     pub layers: usize,
 }
 
-/// The whole-model depths the task statement names (16 to 80 layers).
-pub const STACKS: [Stack; 3] = [
+/// The whole-model depths the task statement names (16 to 80 layers), and Llama-3.1-405B's (126), which
+/// needs eight H200s (`crate::parallel::fewest_gpus`).
+pub const STACKS: [Stack; 4] = [
+    Stack { name: "stack-405b", what: "Llama-3.1-405B: 126 layers (eight GPUs' memory)", member: "405b", layers: 126 },
     Stack { name: "stack-70b", what: "a 70B model: 80 layers of the graded shape", member: "graded", layers: 80 },
     Stack { name: "stack-8b", what: "Llama-3-8B: 32 layers", member: "llama-3-8b", layers: 32 },
     Stack { name: "stack-1b", what: "Llama-3.2-1B: 16 layers", member: "llama-3.2-1b", layers: 16 },

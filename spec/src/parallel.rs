@@ -64,9 +64,8 @@ mod tests {
     use crate::bytes::{ByteModel, data_bytes};
     use crate::family::{find, find_stack};
 
-    /// The 405B layer 126 deep: Llama-3.1-405B's depth.
     fn stack_405b() -> Config {
-        Config { name: "405b x126".into(), layers: 126, ..find("405b").unwrap().config() }
+        find_stack("stack-405b").unwrap().config()
     }
 
     /// The H200's device memory (150.1 GB), as the device machine reports it.

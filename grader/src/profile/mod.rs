@@ -101,6 +101,7 @@ pub fn command(device: usize, args: &ProfileArgs) -> Result<Outcome, GraderError
         }
     }
     let dev = Device::open(device)?;
+    crate::run::fits_one_gpu(&cfg, 0, dev.facts().total_mem_bytes as u64)?;
     let progress = Progress::new(args.quiet);
     progress.say("measuring the copy bandwidth");
     let bw = bandwidth::measure(&dev, 2 << 30, 20)?;

@@ -112,6 +112,28 @@ pub fn command(device: usize, args: &RunArgs) -> Result<Outcome, GraderError> {
     Ok(if report.verdict.passed { Outcome::Pass } else { Outcome::Fail })
 }
 
+/// Refuses, before any work, a config whose one copy of the data (every layer's weights and caches, every
+/// call's input and output) is more than the GPU holds, naming how many GPUs of this size the split over
+/// GPUs would need (`spec::parallel`, docs/parallel.md), which the grader does not run yet (`grader
+/// profile` asks it too, for the weights and caches alone: `calls` 0).
+pub(crate) fn fits_one_gpu(cfg: &Config, calls: usize, device_bytes: u64) -> Result<(), GraderError> {
+    let need = spec::bytes::data_bytes(cfg, calls).unwrap_or(u64::MAX);
+    if need <= device_bytes {
+        return Ok(());
+    }
+    let split = match spec::parallel::fewest_gpus(cfg, device_bytes, calls) {
+        Some(n) => format!("split over GPUs it would need {n} of them (docs/parallel.md)"),
+        None => format!("split over GPUs it would need more than {} of them", spec::parallel::MAX_GPUS),
+    };
+    Err(GraderError::Usage(format!(
+        "{} needs {} of device memory for one copy of its weights, caches and calls, more than this GPU's {}: {split}, \
+         and the grader runs one GPU for now",
+        cfg.name,
+        spec::human_bytes(need),
+        spec::human_bytes(device_bytes)
+    )))
+}
+
 /// The whole judgement of one submission, checked by `preflight::submission`.
 pub fn judge(
     dev: &Device,
@@ -123,11 +145,12 @@ pub fn judge(
     dump_dir: Option<&std::path::Path>,
 ) -> Result<Report, GraderError> {
     let facts: DeviceFacts = dev.facts().clone();
+    let calls = spec::schedule(cfg);
+    fits_one_gpu(cfg, calls.len(), facts.total_mem_bytes as u64)?;
     let submission = &chosen.label();
     progress.say(&format!("{} ({} SMs), config '{}', submission '{submission}'", facts.name, facts.sms, cfg.name));
     progress.say("measuring the copy and read-only bandwidths (the floor and the timing bound)");
     let bw = bandwidth::measure(dev, RUN_BANDWIDTH_BYTES, RUN_BANDWIDTH_REPS)?;
-    let calls = spec::schedule(cfg);
 
     progress.say(&match cfg.layers {
         1 => "generating the weights and the prefilled cache".to_string(),
@@ -283,4 +306,28 @@ fn performance(
         build_s: paced.build_s,
         host: HostShare::of(&f.record, calls.iter().filter(|c| c.phase == Phase::Timed).map(|c| c.index)),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fits_one_gpu;
+    use spec::family::find_stack;
+
+    /// On an H200's 150.1 GB the named stacks up to 70B fit; the 405B stack is refused before any work,
+    /// naming the GPUs the split would need.
+    #[test]
+    fn a_stack_over_one_gpus_memory_is_refused_naming_the_gpus_it_needs() {
+        let h200 = 150_100_000_000;
+        let calls = |cfg: &spec::Config| spec::call_count(cfg).unwrap();
+        for name in ["stack-70b", "stack-8b", "stack-1b"] {
+            let cfg = find_stack(name).unwrap().config();
+            fits_one_gpu(&cfg, calls(&cfg), h200).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        let big = find_stack("stack-405b").unwrap().config();
+        let said = fits_one_gpu(&big, calls(&big), h200).unwrap_err().to_string();
+        assert!(said.contains("stack-405b needs 805.49 GB") && said.contains("150.10 GB"), "{said}");
+        assert!(said.contains("it would need 8 of them"), "{said}");
+        let said = fits_one_gpu(&big, calls(&big), 50_000_000_000).unwrap_err().to_string();
+        assert!(said.contains("more than 8 of them"), "{said}");
+    }
 }
