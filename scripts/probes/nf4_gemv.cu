@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstring>
 #include <cuda_runtime.h>
+#include <type_traits>
 #include <vector>
 
 #include "layer_math.cuh"
@@ -60,11 +61,27 @@ __device__ __forceinline__ uint32_t entry(uint32_t word, int shift, uint32_t mas
     const uint32_t m = mask << SCALE_LOG2;
     return shift >= SCALE_LOG2 ? (word >> (shift - SCALE_LOG2)) & m : (word << (SCALE_LOG2 - shift)) & m;
 }
-__device__ __forceinline__ float value(uint32_t word, int e) {
-    return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(s_values) + entry<2>(word, 8 * (e / 2) + (e % 2 == 0 ? 4 : 0), 0xF));
+// The byte offsets into s_values (code * 4) of the 8 codes of `word`, in element order: every high
+// nibble's offset in one register and every low nibble's in another, a byte each (two shifts and two
+// masks), then each byte moved out by a byte permute: 12 instructions for 8 codes, where a shift and
+// a mask each take 16.
+__device__ __forceinline__ void offsets(uint32_t word, uint32_t (&off)[VEC]) {
+    const uint32_t hi = (word >> 2) & 0x3C3C3C3Cu, lo = (word << 2) & 0x3C3C3C3Cu;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        off[2 * j] = __byte_perm(hi, 0, 0x4440 + j);  // element 2j: byte j's high nibble, zero-extended
+        off[2 * j + 1] = __byte_perm(lo, 0, 0x4440 + j);
+    }
 }
-__device__ __forceinline__ float2 pair(uint32_t word, int j) {
-    return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(s_pairs) + entry<3>(word, 8 * j, 0xFF));
+// The tables' addresses, taken once per kernel: read through a helper each time, the compiler
+// recomputed the shared window's base for every vector (S2UR, ULEA: half an instruction a weight).
+struct Tables {
+    const char* values;  // s_values
+    const char* pairs;   // s_pairs
+};
+__device__ __forceinline__ float value_at(const Tables& tb, uint32_t offset) { return *reinterpret_cast<const float*>(tb.values + offset); }
+__device__ __forceinline__ float2 pair(const Tables& tb, uint32_t word, int j) {
+    return *reinterpret_cast<const float2*>(tb.pairs + entry<3>(word, 8 * j, 0xFF));
 }
 
 // The loader's weight: the code's value times the block's absmax in f32, rounded once to bf16.
@@ -100,7 +117,7 @@ struct Bf16 {
     const uint4* w;
     int vecs;
     __device__ Rows at(int r0) const { return {w + (size_t)r0 * vecs, vecs}; }
-    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc) const { return dot8f(raw.w, x, acc); }
+    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc, const Tables&) const { return dot8f(raw.w, x, acc); }
 };
 
 struct Nf4 {
@@ -126,22 +143,24 @@ struct Nf4 {
 };
 
 struct Codebook : Nf4 {
-    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc) const {
+    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc, const Tables& tb) const {
+        uint32_t off[VEC];
+        offsets(raw.codes, off);
         uint4 w;
         bf162* h = reinterpret_cast<bf162*>(&w);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) h[j] = weights2(value(raw.codes, 2 * j), value(raw.codes, 2 * j + 1), raw.absmax);
+        for (int j = 0; j < 4; ++j) h[j] = weights2(value_at(tb, off[2 * j]), value_at(tb, off[2 * j + 1]), raw.absmax);
         return dot8f(w, x, acc);
     }
 };
 
 struct Pairs : Nf4 {
-    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc) const {
+    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc, const Tables& tb) const {
         uint4 w;
         bf162* h = reinterpret_cast<bf162*>(&w);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const float2 p = pair(raw.codes, j);
+            const float2 p = pair(tb, raw.codes, j);
             h[j] = weights2(p.x, p.y, raw.absmax);
         }
         return dot8f(w, x, acc);
@@ -149,10 +168,12 @@ struct Pairs : Nf4 {
 };
 
 struct Fused : Nf4 {
-    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc) const {
+    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc, const Tables& tb) const {
+        uint32_t off[VEC];
+        offsets(raw.codes, off);
         float part = 0.0f;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) part = fmaf(value(raw.codes, e), x[e], part);
+        for (int e = 0; e < VEC; ++e) part = fmaf(value_at(tb, off[e]), x[e], part);
         return fmaf(part, raw.absmax, acc);
     }
 };
@@ -173,10 +194,11 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) gemv(W w, const uint4*
     if (t < 16) s_values[t] = NF4_VALUES[t];
     s_pairs[t] = make_float2(NF4_VALUES[t >> 4], NF4_VALUES[t & 15]);
     __syncthreads();  // the tables are written before any lookup
+    const Tables tb{reinterpret_cast<const char*>(s_values), reinterpret_cast<const char*>(s_pairs)};
     float xs[VPT][VEC];
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
-        const uint4 h = t + v * THREADS < w.vecs ? x[t + v * THREADS] : make_uint4(0, 0, 0, 0);
+        const uint4 h = x[t + v * THREADS];
         const bf162* p = reinterpret_cast<const bf162*>(&h);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -187,21 +209,28 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) gemv(W w, const uint4*
     }
     const int first = (int)((long long)rows * blockIdx.x / gridDim.x), last = (int)((long long)rows * (blockIdx.x + 1) / gridDim.x);
     for (int r0 = first; r0 < last; r0 += ROWS) {
-        const typename W::Rows rows_here = w.at(r0);
-        typename W::Raw raw[ROWS][VPT];
-#pragma unroll
-        for (int i = 0; i < ROWS; ++i)
-#pragma unroll
-            for (int v = 0; v < VPT; ++v)
-                if (r0 + i < last && t + v * THREADS < w.vecs) raw[i][v] = rows_here.load(i, t + v * THREADS);
+        // Rows of VPT * THREADS vectors exactly (main checks it): only the block's last group of rows
+        // can be short, and the full groups run a copy of the loop without a guard, as a ring's full
+        // stages do (guarded, every row was a branch of its own).
         float acc[ROWS];
+        const auto products = [&](auto guarded) {
+            const typename W::Rows rows_here = w.at(r0);
+            typename W::Raw raw[ROWS][VPT];
 #pragma unroll
-        for (int i = 0; i < ROWS; ++i) {
-            acc[i] = 0.0f;
+            for (int i = 0; i < ROWS; ++i)
 #pragma unroll
-            for (int v = 0; v < VPT; ++v)
-                if (r0 + i < last && t + v * THREADS < w.vecs) acc[i] = w.dot(raw[i][v], xs[v], acc[i]);
-        }
+                for (int v = 0; v < VPT; ++v)
+                    if (!decltype(guarded)::value || r0 + i < last) raw[i][v] = rows_here.load(i, t + v * THREADS);
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) {
+                acc[i] = 0.0f;
+#pragma unroll
+                for (int v = 0; v < VPT; ++v)
+                    if (!decltype(guarded)::value || r0 + i < last) acc[i] = w.dot(raw[i][v], xs[v], acc[i], tb);
+            }
+        };
+        if (r0 + ROWS <= last) products(std::false_type{});
+        else products(std::true_type{});
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
         if (lane == 0)
@@ -330,6 +359,10 @@ int main() {
     printf("%-11s %-9s %10s %10s %10s  %s\n", "shape", "variant", "us", "TB/s read", "x floor", "outputs against bf16's");
     for (const Shape& s : shapes) {
         const int vecs = s.cols / VEC;
+        if (vecs % THREADS != 0) {
+            printf("%s: rows of %d vectors, not a multiple of %d: the probe's loops take whole ones\n", s.name, vecs, THREADS);
+            return 1;
+        }
         const size_t per_copy = (size_t)s.rows * vecs * (4 + 4.0 / VECS_PER_ABSMAX);
         const int copies = (int)((PACKED_TARGET + per_copy - 1) / per_copy);
         const int rows = s.rows * copies;
