@@ -73,22 +73,17 @@ __global__ void __launch_bounds__(THREADS) hops(ncclWindow_t win, ncclDevComm co
     if (t == 0) ns[blockIdx.x] = end - start;
 }
 
-#define CHECK_CUDA(call)                                                                                      \
-    do {                                                                                                      \
-        const cudaError_t e_ = (call);                                                                        \
-        if (e_ != cudaSuccess) {                                                                              \
-            printf("GPU %d: %s failed: %s\n", rank, #call, cudaGetErrorString(e_));                           \
-            return false;                                                                                     \
-        }                                                                                                     \
+// A failed call of GPU `rank`'s part, said in one line, and the part given up.
+#define CHECK(call, ok, describe)                                                                 \
+    do {                                                                                         \
+        const auto e_ = (call);                                                                  \
+        if (e_ != ok) {                                                                          \
+            printf("GPU %d: %s failed: %s\n", rank, #call, describe(e_));                         \
+            return false;                                                                        \
+        }                                                                                        \
     } while (0)
-#define CHECK_NCCL(call)                                                                                      \
-    do {                                                                                                      \
-        const ncclResult_t e_ = (call);                                                                       \
-        if (e_ != ncclSuccess) {                                                                              \
-            printf("GPU %d: %s failed: %s\n", rank, #call, ncclGetErrorString(e_));                           \
-            return false;                                                                                     \
-        }                                                                                                     \
-    } while (0)
+#define CHECK_CUDA(call) CHECK(call, cudaSuccess, cudaGetErrorString)
+#define CHECK_NCCL(call) CHECK(call, ncclSuccess, ncclGetErrorString)
 
 struct Case {
     int d;
