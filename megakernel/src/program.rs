@@ -681,8 +681,7 @@ pub fn reads_layer_input(row: &Row) -> bool {
 /// rows, which no wait orders: each block adds only what it wrote itself, in program order. Nothing else
 /// orders two phases, so any order that keeps these (`cpu::CpuStack::step_in_order`) is one the kernel
 /// may run; the CPU executor's tests run such orders against the golden model.
-#[cfg(test)]
-pub(crate) fn dependencies(rows: &[Row], layers: usize) -> Vec<Vec<usize>> {
+pub fn dependencies(rows: &[Row], layers: usize) -> Vec<Vec<usize>> {
     let n = rows.len();
     let partials = |r: &Row| match Op::from_word(r[0]) {
         Some(Op::OProj) => Some((r[oproj::PartIn as usize], r[oproj::PartOut as usize])),
@@ -747,11 +746,24 @@ pub fn describe(cfg: &Config, plan: Plan, rows: &[Row], pos: usize) -> String {
         )
     });
     format!(
-        "{} phases; {roles}; the MLP in {parts} part(s) of ffn ({}){}",
+        "{} phases, {} on the longest chain; {roles}; the MLP in {parts} part(s) of ffn ({}){}",
         rows.len(),
+        longest_chain(rows),
         widths.join(" + "),
         attention.unwrap_or_default()
     )
+}
+
+/// Phases on a layer's longest chain of [`dependencies`]: the hand-offs a token pays in every layer
+/// whatever its bytes, the count the dataflow work (issue 47) is to cut. A phase depends only on
+/// phases before it, so one pass in row order finds it.
+pub fn longest_chain(rows: &[Row]) -> usize {
+    let after = dependencies(rows, 1);
+    let mut depth = vec![0usize; rows.len()];
+    for f in 0..rows.len() {
+        depth[f] = 1 + after[f].iter().map(|&p| depth[p]).max().unwrap_or(0);
+    }
+    depth.into_iter().max().unwrap_or(0)
 }
 
 /// The operation of the task's layer that phase `row` computes or completes: a Reduce row completes the
@@ -1082,13 +1094,16 @@ mod tests {
         let text = describe(&cfg, Plan::choose(&cfg, 132), &compiled(&cfg, 132, Plan::choose(&cfg, 132)), 4127);
         assert_eq!(
             text,
-            "10 phases; two roles (KV heads 0-3 on the even blocks, 4-7 on the odd); the MLP in 2 part(s) of ffn \
-             (14336 + 14336); attention in chunks of 64 slots, at position 4127 65 chunks per KV head as 33 splits of 2 \
-             (4 heads over 132 teams)"
+            "10 phases, 7 on the longest chain; two roles (KV heads 0-3 on the even blocks, 4-7 on the odd); the MLP in \
+             2 part(s) of ffn (14336 + 14336); attention in chunks of 64 slots, at position 4127 65 chunks per KV head as \
+             33 splits of 2 (4 heads over 132 teams)"
         );
         let one = describe(&cfg, Plan::choose(&cfg, 1), &compiled(&cfg, 1, Plan::choose(&cfg, 1)), 4127);
         assert!(
-            one.starts_with("5 phases; one role (every phase on every block); the MLP in 1 part(s) of ffn (28672)"),
+            one.starts_with(
+                "5 phases, 5 on the longest chain; one role (every phase on every block); the MLP in 1 part(s) of ffn \
+                 (28672)"
+            ),
             "{one}"
         );
         assert!(one.ends_with("65 chunks per KV head as 1 splits of 65 (8 heads over 2 teams)"), "{one}");

@@ -225,7 +225,7 @@ mod tests {
 
     /// On one GPU the program has no Reduce row; split, one after O's last phase and one after Down's
     /// last, each on every block and waiting for the phases that leave its partials, GateUp waiting for
-    /// the first and the next layer's Qkv for the second.
+    /// the first and the next layer's Qkv for the second: two more phases on the layer's longest chain.
     #[test]
     fn a_split_program_reduces_after_o_and_after_down() {
         let cfg = four_heads(1);
@@ -252,6 +252,7 @@ mod tests {
             for &k in &reduces {
                 assert_eq!(split[k][BLOCKS_WORD], program::Blocks::first(132).word());
             }
+            assert_eq!(program::longest_chain(&split), program::longest_chain(&one) + 2, "two more hand-offs a layer");
             assert_eq!(split[reduces[0]][reduce::Parts as usize], buffers.x1_part as i64);
             assert_eq!(split[reduces[1]][reduce::Parts as usize], buffers.down_part as i64);
         }
