@@ -42,14 +42,7 @@ pub fn shard(cfg: &Config, gpus: usize) -> Result<Config, SpecError> {
 /// ([`crate::bytes::data_bytes`] of the [`shard`]).
 pub fn bytes_per_gpu(cfg: &Config, gpus: usize, calls: usize) -> Result<u64, SpecError> {
     let share = shard(cfg, gpus)?;
-    crate::bytes::data_bytes(&share, calls).ok_or(SpecError::TooLarge { bytes: None, limit: u64::MAX })
-}
-
-/// Bytes each GPU moves for one token of the whole stack split `gpus` ways, the floor's byte model
-/// ([`crate::ByteModel::stack`] of the [`shard`]): the floor of a split run is each GPU's bytes over its
-/// own measured bandwidth, the slowest GPU's.
-pub fn token_bytes_per_gpu(cfg: &Config, gpus: usize) -> Result<u64, SpecError> {
-    Ok(crate::ByteModel::stack(&shard(cfg, gpus)?).total)
+    crate::bytes::data_bytes(&share, calls).ok_or(SpecError::TooLarge { bytes: None, limit: crate::MAX_DEVICE_BYTES })
 }
 
 /// The fewest GPUs, of the counts the layer splits into, whose shares each fit `device_bytes`; `None`
@@ -119,14 +112,15 @@ mod tests {
     #[test]
     fn the_floor_per_gpu_is_the_shares_bytes() {
         let seventy = find_stack("stack-70b").unwrap().config();
-        let gb = |cfg: &Config, gpus| token_bytes_per_gpu(cfg, gpus).unwrap() as f64 / 1e9;
+        // A GPU's bytes a token, the floor's numerator: its share's byte model.
+        let token_bytes = |cfg: &Config, gpus| ByteModel::stack(&shard(cfg, gpus).unwrap()).total;
+        let gb = |cfg: &Config, gpus| token_bytes(cfg, gpus) as f64 / 1e9;
         for (gpus, want) in [(1, 138.26), (2, 69.13), (4, 34.57), (8, 17.29)] {
             assert!((gb(&seventy, gpus) - want).abs() < 0.01, "{gpus} GPUs: {}", gb(&seventy, gpus));
         }
         assert!((gb(&stack_405b(), 8) - 100.70).abs() < 0.01, "{}", gb(&stack_405b(), 8));
-        let floor_ms = token_bytes_per_gpu(&seventy, 8).unwrap() as f64 / 4.2e12 * 1e3;
+        let floor_ms = token_bytes(&seventy, 8) as f64 / 4.2e12 * 1e3;
         assert!((floor_ms - 4.12).abs() < 0.005, "{floor_ms}");
-        assert_eq!(token_bytes_per_gpu(&seventy, 1).unwrap(), ByteModel::stack(&seventy).total);
     }
 
     #[test]

@@ -123,7 +123,7 @@ pub(crate) fn fits_one_gpu(cfg: &Config, calls: usize, device_bytes: u64) -> Res
     }
     let split = match spec::parallel::fewest_gpus(cfg, device_bytes, calls) {
         Some(n) => format!("split over GPUs it would need {n} of them (docs/parallel.md)"),
-        None => format!("split over GPUs it would need more than {} of them", spec::parallel::MAX_GPUS),
+        None => format!("no split of it over up to {} GPUs of this size holds it", spec::parallel::MAX_GPUS),
     };
     Err(GraderError::Usage(format!(
         "{} needs {} of device memory for one copy of its weights, caches and calls, more than this GPU's {}: {split}, \
@@ -328,6 +328,6 @@ mod tests {
         assert!(said.contains("stack-405b needs 805.49 GB") && said.contains("150.10 GB"), "{said}");
         assert!(said.contains("it would need 8 of them"), "{said}");
         let said = fits_one_gpu(&big, calls(&big), 50_000_000_000).unwrap_err().to_string();
-        assert!(said.contains("more than 8 of them"), "{said}");
+        assert!(said.contains("no split of it over up to 8 GPUs"), "{said}");
     }
 }
