@@ -9,9 +9,12 @@ with sdpa attention (their spread is what "agreeing with transformers" can mean)
 relative error of each against transformers' eager path and how often the greedy tokens agree.
 Then `megakernel check` (the GPU against the CPU model) and `megakernel generate` on each checkpoint.
 With --nf4 every checkpoint is first loaded by transformers with bitsandbytes nf4 and saved again, and
-both sides run that one (transformers computing through bitsandbytes).
+both sides run that one (transformers computing through bitsandbytes). With --fp8 every checkpoint is
+quantised by transformers to fine-grained fp8 and saved again, and both sides run that one
+(transformers reading it dequantised to bf16, as it does without a GPU: its fp8 matmul is a kernel
+fetched from the Hub).
 
-    python3 scripts/hf-agreement.py [PATH_TO_megakernel] [--out DIR] [--shapes a,b] [--nf4]
+    python3 scripts/hf-agreement.py [PATH_TO_megakernel] [--out DIR] [--shapes a,b] [--nf4 | --fp8]
 
 Needs torch, transformers and tokenizers (the GPU machine has them), bitsandbytes for --nf4 (the GPU
 machine lacks it: install its wheel first) and an H100/H200.
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_checkpoints import SHAPES, agreement_checkpoint, nf4_checkpoint
+from hf_checkpoints import FP8_DEQUANTIZED, SHAPES, agreement_checkpoint, fp8_block, fp8_checkpoint, nf4_checkpoint
 
 TOKENS = 24
 
@@ -45,7 +48,9 @@ def main():
     p.add_argument("binary", nargs="?", default="target/release/megakernel")
     p.add_argument("--out", default=None, help="where to write the checkpoints (default: a temporary folder)")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
-    p.add_argument("--nf4", action="store_true", help="each checkpoint saved again in bitsandbytes nf4, and run so")
+    quant = p.add_mutually_exclusive_group()
+    quant.add_argument("--nf4", action="store_true", help="each checkpoint saved again in bitsandbytes nf4, and run so")
+    quant.add_argument("--fp8", action="store_true", help="each checkpoint saved again in fine-grained fp8, and run so")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     root = Path(args.out or tempfile.mkdtemp(prefix="hf-agreement-"))
@@ -55,13 +60,18 @@ def main():
     for name in names:
         out = root / name
         vocab = agreement_checkpoint(name, out)
+        place = {}
         if args.nf4:
             out, dense = root / f"{name}-nf4", out
             nf4_checkpoint(dense, out, device)
+            # A 4-bit model cannot be moved once loaded: it is loaded onto the device.
+            place = {"device_map": {"": device}}
+        elif args.fp8:
+            out, dense = root / f"{name}-fp8", out
+            fp8_checkpoint(dense, out, fp8_block(SHAPES[name]))
+            place = {"quantization_config": FP8_DEQUANTIZED}
         tokens = torch.randint(3, vocab, (1, TOKENS))
         logits = {}
-        # A 4-bit model cannot be moved once loaded: it is loaded onto the device.
-        place = {"device_map": {"": device}} if args.nf4 else {}
         for impl in ("eager", "sdpa"):
             m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, attn_implementation=impl, **place)
             m = m if args.nf4 else m.to(device)

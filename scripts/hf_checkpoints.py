@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, FineGrainedFP8Config, LlamaConfig, Qwen3Config
+from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
 ROOT = Path(__file__).resolve().parent.parent
 BOS, EOS = 1, 2
@@ -114,6 +115,38 @@ def nf4_checkpoint(dense, out, device):
     model.save_pretrained(out)
     if (dense / "tokenizer.json").exists():
         shutil.copy(dense / "tokenizer.json", out / "tokenizer.json")
+
+
+def fp8_block(shape):
+    """The largest of 128 x 128 and 64 x 64 that tiles every projection of shape (SHAPES' form): a
+    block that does not tile a weight leaves it unquantised with a stray scale, which the loader
+    refuses (megakernel/src/model/quantized)."""
+    d, ffn, _, heads, kv, *_, head_dim = shape
+    head = head_dim if isinstance(head_dim, int) else d // heads
+    sizes = (d, ffn, heads * head, kv * head)
+    return next((b, b) for b in (128, 64, 32) if all(n % b == 0 for n in sizes))
+
+
+def fp8_checkpoint(dense, out, block, scale_fmt="float"):
+    """The bf16 checkpoint `dense` quantised by transformers to fine-grained fp8 (e4m3 weights, a scale
+    a block of `block`, f32 or e8m0 by `scale_fmt`) and saved into `out` with its tokenizer. Quantising
+    is torch arithmetic that transformers' environment check keeps to GPUs of compute capability 8.9
+    and up: the check is skipped while it runs, so a CPU quantises too."""
+    check = FineGrainedFP8HfQuantizer.validate_environment
+    FineGrainedFP8HfQuantizer.validate_environment = lambda self, *args, **kwargs: None
+    try:
+        quant = FineGrainedFP8Config(weight_block_size=block, scale_fmt=scale_fmt)
+        model = AutoModelForCausalLM.from_pretrained(dense, device_map="cpu", dtype=torch.bfloat16, quantization_config=quant)
+        model.save_pretrained(out)
+    finally:
+        FineGrainedFP8HfQuantizer.validate_environment = check
+    if (dense / "tokenizer.json").exists():
+        shutil.copy(dense / "tokenizer.json", out / "tokenizer.json")
+
+
+# Loads an fp8 checkpoint dequantised to bf16, the weights the megakernel's loader reads: transformers'
+# fp8 matmul needs a kernel fetched from the Hub, which the GPU machine cannot reach.
+FP8_DEQUANTIZED = FineGrainedFP8Config(dequantize=True)
 
 
 def speed_checkpoint(name, out):

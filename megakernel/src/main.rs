@@ -21,7 +21,7 @@ use spec::rng::{bits, stream_key};
     name = "megakernel",
     about = "Run a Hugging Face Llama-family checkpoint with the megakernel: a whole generation in one launch",
     after_help = "Supported: model_type \"llama\" (Llama 2, 3, 3.1, 3.2 with plain or llama3-scaled RoPE, TinyLlama, SmolLM2, \
-                  ...) and \"qwen3\", bf16, f16 or f32 safetensors, or bitsandbytes nf4 (read into bf16). Anything else is refused naming the config field. Needs an \
+                  ...) and \"qwen3\", bf16, f16 or f32 safetensors, or quantised in bitsandbytes nf4 or fine-grained fp8 (read into bf16). Anything else is refused naming the config field. Needs an \
                   H100/H200 (sm_90)."
 )]
 struct Cli {

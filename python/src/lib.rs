@@ -155,10 +155,10 @@ fn loaded_weights(
     })
 }
 
-/// Why a model loaded in 4 bits is read from its folder: a loaded model's tensors come through DLPack
-/// in bf16, f16 or f32 (`loaded_weights`), where the folder's loader reads nf4's codes and scales.
-const LOADED_NF4: &str = "a model loaded in 4 bits (bitsandbytes nf4) is read from the folder it saves: model.save_pretrained(DIR), then \
-     from_pretrained(DIR)";
+/// Why a quantised model is read from its folder: a loaded model's tensors come through DLPack in
+/// bf16, f16 or f32 (`loaded_weights`), where the folder's loader reads the codes and their scales.
+const LOADED_QUANTIZED: &str =
+    "is read from the folder it was saved to: model.save_pretrained(DIR), then from_pretrained(DIR)";
 
 /// Why a loaded model without a tokenizer given has no text.
 const NO_TOKENIZER: &str = "no tokenizer: pass a loaded one to from_pretrained (tokenizer=) for text in and out";
@@ -189,10 +189,10 @@ impl Model {
             }
             Source::Loaded(name, config_json, tensors) => {
                 let cfg = ModelConfig::parse(&name, Path::new("the model's config"), &config_json).map_err(refused)?;
-                if cfg.nf4 {
+                if let Some(q) = cfg.quantized {
                     return Err(refused(ModelError::Unsupported {
                         field: "quantization_config",
-                        why: LOADED_NF4.into(),
+                        why: format!("a model loaded in {} {LOADED_QUANTIZED}", q.name()),
                     }));
                 }
                 let weights = loaded_weights(&cfg, &tensors, dev.as_ref()).map_err(refused)?;

@@ -20,6 +20,8 @@ from persistent_layer import MegakernelError, MegaModel
 
 MEGAKERNEL = os.environ.get("PL_MEGAKERNEL", "megakernel")
 TOKENS = [5, 17, 96, 40, 2]
+# transformers-written checkpoints of the loader's tests (megakernel/tests/fixtures).
+FIXTURES = Path(__file__).resolve().parents[2] / "megakernel/tests/fixtures"
 
 
 def f32_bits(values) -> list:
@@ -292,23 +294,26 @@ class Loader(unittest.TestCase):
                 MegaModel.from_pretrained(Path(tmp) / "nothing", on="cpu")
             self.assertIn("config.json", str(caught.exception))
 
-    def test_a_bitsandbytes_nf4_checkpoint_gives_the_commands_logits(self) -> None:
-        # transformers' save of a model loaded in nf4 (megakernel/tests/fixtures, scripts/nf4_fixture.py).
-        fixture = Path(__file__).resolve().parents[2] / "megakernel/tests/fixtures/nf4-double/checkpoint"
-        tokens = [1, 5, 9, 3, 7, 30, 12]
-        run = cli("logits", "--model", str(fixture), "--tokens", ",".join(map(str, tokens)), "--on", "cpu")
-        self.assertEqual(run.returncode, 0, run.stderr)
-        want = json.loads(run.stdout)["logits"]
-        model = MegaModel.from_pretrained(fixture, max_seq=len(tokens), on="cpu")
-        for pos, token in enumerate(tokens):
-            self.assertEqual(f32_bits(model.decode_step(token, pos)), f32_bits(want[pos]), f"position {pos}")
+    def test_quantised_checkpoints_give_the_commands_logits(self) -> None:
+        # transformers' saves of models quantised to nf4 and to fp8 (megakernel/tests/fixtures, written by
+        # scripts/nf4_fixture.py and scripts/fp8_fixture.py).
+        for variant in ("nf4-double", "fp8-ue8m0"):
+            fixture = FIXTURES / variant / "checkpoint"
+            tokens = [1, 5, 9, 3, 7, 30, 12]
+            run = cli("logits", "--model", str(fixture), "--tokens", ",".join(map(str, tokens)), "--on", "cpu")
+            self.assertEqual(run.returncode, 0, run.stderr)
+            want = json.loads(run.stdout)["logits"]
+            model = MegaModel.from_pretrained(fixture, max_seq=len(tokens), on="cpu")
+            for pos, token in enumerate(tokens):
+                self.assertEqual(f32_bits(model.decode_step(token, pos)), f32_bits(want[pos]), f"{variant}: position {pos}")
 
-    def test_a_model_loaded_in_4_bits_is_sent_to_its_folder(self) -> None:
-        fixture = Path(__file__).resolve().parents[2] / "megakernel/tests/fixtures/nf4/checkpoint"
-        with self.assertRaises(MegakernelError) as caught:
-            MegaModel.from_pretrained(dl.LoadedModel(fixture, {}), on="cpu")
-        self.assertIn("field 'quantization_config'", str(caught.exception))
-        self.assertIn("model.save_pretrained(DIR), then from_pretrained(DIR)", str(caught.exception))
+    def test_a_loaded_quantised_model_is_sent_to_its_folder(self) -> None:
+        for variant, words in (("nf4", "a model loaded in bitsandbytes nf4"), ("fp8", "a model loaded in fine-grained fp8")):
+            with self.assertRaises(MegakernelError) as caught:
+                MegaModel.from_pretrained(dl.LoadedModel(FIXTURES / variant / "checkpoint", {}), on="cpu")
+            self.assertIn("field 'quantization_config'", str(caught.exception))
+            self.assertIn(words, str(caught.exception))
+            self.assertIn("model.save_pretrained(DIR), then from_pretrained(DIR)", str(caught.exception))
 
     def test_bad_arguments_are_refused_before_any_work(self) -> None:
         with self.assertRaises(ValueError):

@@ -1,11 +1,12 @@
 //! A Hugging Face checkpoint directory: `config.json` read into the model's shape, every field the
 //! loader does not implement refused with a sentence that names it; and the weights, from
 //! `model.safetensors` or the shards `model.safetensors.index.json` names, into host buffers in bf16
-//! (f32 and f16 tensors rounded to nearest even once, on load).
+//! (f32 and f16 tensors rounded to nearest even once, on load; quantised weights dequantised,
+//! `quantized`).
 //!
-//! Supported: `model_type` "llama" (Llama 2 and 3, TinyLlama, SmolLM2 and the like) with RoPE without
-//! scaling, SiLU, no biases, tied or separate embeddings. Not yet: Llama-3.1's "llama3" RoPE scaling
-//! and Qwen3's per-head q/k RMSNorm (each refused by name).
+//! Supported: `model_type` "llama" (Llama 2 and 3, TinyLlama, SmolLM2 and the like) and "qwen3" (its
+//! per-head q/k RMSNorm), RoPE without scaling or with Llama 3.1's "llama3", SiLU, no biases, tied or
+//! separate embeddings; docs/model.md has the whole table of what is read and what is refused.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -17,7 +18,7 @@ use serde::Deserialize;
 use spec::Config;
 use spec::data::{LayerWeights, Tensor};
 
-use super::nf4;
+use super::quantized::{Part, Quantization};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -71,8 +72,9 @@ pub struct ModelConfig {
     pub rope: RopeScaling,
     /// Qwen3's per-head RMSNorm of the queries and keys before RoPE (`golden::QkNorm`).
     pub qk_norm: bool,
-    /// Its weights are bitsandbytes nf4 (`quantization_config`), which a folder's tensors give.
-    pub nf4: bool,
+    /// How its weights are quantised (`quantization_config`), which a folder's tensors give; None
+    /// where they are not.
+    pub quantized: Option<Quantization>,
 }
 
 /// How the model scales RoPE's frequencies (`theta^(-2i / hd)`, the layer's).
@@ -168,42 +170,6 @@ const DEFAULT_ROPE_THETA: f64 = 10_000.0;
 /// Llama's default context, where `config.json` gives none.
 const DEFAULT_CONTEXT: usize = 2048;
 
-/// A quantised checkpoint the loader reads: bitsandbytes' nf4 (`nf4`), whose weights it dequantises as
-/// it reads them; any other quantisation is refused with what it is.
-fn quantization_of(q: &serde_json::Value) -> Result<(), ModelError> {
-    let field = |name: &str| {
-        q.get(name).and_then(|v| v.as_str().map(str::to_string).or_else(|| v.as_bool().map(|b| b.to_string())))
-    };
-    let refuse = |why: String| Err(unsupported("quantization_config", why));
-    let takes = "the loader reads bitsandbytes nf4 (load_in_4bit, bnb_4bit_quant_type 'nf4') besides bf16, f16 and f32";
-    match field("quant_method").as_deref() {
-        Some("bitsandbytes") => {}
-        Some(other) => return refuse(format!("quant_method '{other}': {takes}")),
-        None => return refuse(format!("no quant_method: {takes}")),
-    }
-    if field("load_in_8bit").as_deref() == Some("true") {
-        return refuse(format!("load_in_8bit (LLM.int8): {takes}"));
-    }
-    if field("load_in_4bit").as_deref() != Some("true") {
-        return refuse(format!("bitsandbytes without load_in_4bit: {takes}"));
-    }
-    match field("bnb_4bit_quant_type").as_deref() {
-        Some("nf4") => {}
-        other => {
-            return refuse(format!(
-                "bnb_4bit_quant_type {}: {takes}",
-                other.map_or("missing".into(), |t| format!("'{t}'"))
-            ));
-        }
-    }
-    match field("bnb_4bit_quant_storage").as_deref() {
-        None | Some("uint8") => Ok(()),
-        Some(other) => {
-            refuse(format!("bnb_4bit_quant_storage '{other}' (it reads the codes stored as uint8): {takes}"))
-        }
-    }
-}
-
 fn unsupported(field: &'static str, why: impl Into<String>) -> ModelError {
     ModelError::Unsupported { field, why: why.into() }
 }
@@ -245,9 +211,10 @@ impl ModelConfig {
         if raw.use_sliding_window == Some(true) {
             return Err(unsupported("use_sliding_window", "true: every layer attends over the whole cache"));
         }
-        if let Some(q) = &raw.quantization_config {
-            quantization_of(q)?;
-        }
+        let quantized = match &raw.quantization_config {
+            None | Some(serde_json::Value::Null) => None,
+            Some(q) => Some(Quantization::of(q).map_err(|why| unsupported("quantization_config", why))?),
+        };
         let (theta, rope) = rope_of(&raw)?;
         if let Some(act) = raw.hidden_act.as_deref().filter(|&a| a != "silu") {
             return Err(unsupported("hidden_act", format!("'{act}': the layer's MLP is SwiGLU (silu)")));
@@ -297,7 +264,7 @@ impl ModelConfig {
             eos,
             rope,
             qk_norm,
-            nf4: raw.quantization_config.is_some(),
+            quantized,
         })
     }
 }
@@ -348,7 +315,7 @@ impl ModelWeights {
     /// Reads every tensor of `cfg`'s model from `dir`'s safetensors files, each checked for its name
     /// and shape.
     pub fn read(dir: &Path, cfg: &ModelConfig) -> Result<ModelWeights, ModelError> {
-        let mut got = read_tensors(dir, &wanted(cfg))?;
+        let mut got = read_tensors(dir, &wanted(cfg), cfg.quantized)?;
         Self::from_tensors(cfg, |name, _| Ok(got.remove(name).expect("read_tensors returns every tensor asked for")))
     }
 
@@ -482,21 +449,22 @@ impl Header {
     }
 
     /// Tensor `name`'s dtype and bytes, read alone; None where the file has no such tensor.
-    fn tensor(mut self, name: &str) -> Result<Option<nf4::Part>, String> {
+    fn tensor(mut self, name: &str) -> Result<Option<Part>, String> {
         use std::io::{Read, Seek, SeekFrom};
         #[derive(Deserialize)]
         struct Entry {
             dtype: Dtype,
+            shape: Vec<usize>,
             data_offsets: [u64; 2],
         }
         let Some(entry) = self.entries.remove(name) else { return Ok(None) };
-        let Entry { dtype, data_offsets: [begin, end] } =
+        let Entry { dtype, shape, data_offsets: [begin, end] } =
             serde_json::from_value(entry).map_err(|e| format!("the header's '{name}': {e}"))?;
         let len = end.checked_sub(begin).ok_or(format!("the header's '{name}': its range ends before it begins"))?;
         let mut data = vec![0u8; len as usize];
         self.file.seek(SeekFrom::Start(self.data_start + begin)).map_err(|e| e.to_string())?;
         self.file.read_exact(&mut data).map_err(|e| format!("reading '{name}': {e}"))?;
-        Ok(Some(nf4::Part { dtype, data }))
+        Ok(Some(Part { dtype, shape, data }))
     }
 }
 
@@ -541,9 +509,13 @@ fn tensor_files(dir: &Path) -> Result<BTreeMap<String, PathBuf>, ModelError> {
 }
 
 /// The tensors `wanted` (name and shape), in bf16, by name: each file read once, each tensor checked
-/// for its shape and converted (f32 and f16 rounded to nearest even once; a bitsandbytes nf4 weight
-/// dequantised, `nf4`).
-fn read_tensors(dir: &Path, wanted: &[(String, Vec<usize>)]) -> Result<HashMap<String, Vec<bf16>>, ModelError> {
+/// for its shape and converted (f32 and f16 rounded to nearest even once; a weight stored in the
+/// type of the checkpoint's quantisation, `quantized`, dequantised).
+fn read_tensors(
+    dir: &Path,
+    wanted: &[(String, Vec<usize>)],
+    quantized: Option<Quantization>,
+) -> Result<HashMap<String, Vec<bf16>>, ModelError> {
     let files = tensor_files(dir)?;
     let mut by_file: BTreeMap<&PathBuf, Vec<&(String, Vec<usize>)>> = BTreeMap::new();
     for w in wanted {
@@ -562,22 +534,29 @@ fn read_tensors(dir: &Path, wanted: &[(String, Vec<usize>)]) -> Result<HashMap<S
         for (name, shape) in tensors {
             let bad = |why: String| ModelError::Tensor { path: path.clone(), name: name.clone(), why };
             let view = file.tensor(name).map_err(|e| bad(e.to_string()))?;
-            if view.dtype() == Dtype::U8 {
-                let part = |suffix: &str| quantization_part(&files, &file, path, &format!("{name}.{suffix}"));
-                got.insert(name.clone(), nf4::dequantize(shape, view.data(), part).map_err(bad)?);
-                continue;
-            }
-            if view.shape() != shape.as_slice() {
+            // nf4's codes are stored packed, in a shape of their own: its state names the weight's.
+            if view.dtype() != Dtype::U8 && view.shape() != shape.as_slice() {
                 return Err(bad(format!("shape {:?}, expected {shape:?}", view.shape())));
             }
             let element = match view.dtype() {
                 Dtype::BF16 => Element::Bf16,
                 Dtype::F16 => Element::F16,
                 Dtype::F32 => Element::F32,
-                other => {
-                    return Err(bad(format!("dtype {other:?}: the loader reads bf16, f16, f32 and bitsandbytes nf4")));
+                stored => {
+                    let q = quantized.filter(|q| q.stored() == stored).ok_or_else(|| {
+                        bad(match quantized {
+                            None => format!("dtype {stored:?}, but config.json names no quantisation"),
+                            Some(q) => format!("dtype {stored:?}: {} stores its weights in {:?}", q.name(), q.stored()),
+                        })
+                    })?;
+                    let part = |other: &str| quantization_part(&files, &file, path, other);
+                    got.insert(name.clone(), q.dequantize(name, shape, view.data(), part).map_err(bad)?);
+                    continue;
                 }
             };
+            if let Some(why) = quantized.and_then(|q| q.stray_part(name, |part| files.contains_key(part))) {
+                return Err(bad(why));
+            }
             got.insert(name.clone(), element.to_bf16(view.data()));
         }
     }
@@ -592,8 +571,12 @@ fn quantization_part(
     file: &SafeTensors,
     path: &Path,
     name: &str,
-) -> Result<Option<nf4::Part>, String> {
-    let part = |view: safetensors::tensor::TensorView| nf4::Part { dtype: view.dtype(), data: view.data().to_vec() };
+) -> Result<Option<Part>, String> {
+    let part = |view: safetensors::tensor::TensorView| Part {
+        dtype: view.dtype(),
+        shape: view.shape().to_vec(),
+        data: view.data().to_vec(),
+    };
     let Some(other) = files.get(name).filter(|&p| p != path) else {
         return Ok(file.tensor(name).ok().map(part));
     };

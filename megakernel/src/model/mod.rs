@@ -1,5 +1,5 @@
 //! A whole model as the megakernel runs it: a Hugging Face Llama-family checkpoint read from its
-//! directory (`hf`; bitsandbytes nf4 weights dequantised as they are read, `nf4`) with its tokenizer
+//! directory (`hf`; bitsandbytes nf4 and fp8 weights dequantised as they are read, `quantized`) with its tokenizer
 //! (`text`); its decode step on the CPU (`cpu`: the token's
 //! embedding, every decoder layer as the golden model computes it, the final norm, the LM head in f32
 //! and a greedy argmax with a fixed tie rule); and the same on the GPU in one launch of the model
@@ -12,7 +12,7 @@
 pub mod cpu;
 pub mod gpu;
 pub mod hf;
-pub mod nf4;
+pub mod quantized;
 pub mod request;
 pub mod text;
 pub mod together;

@@ -13,6 +13,7 @@ use spec::Config;
 use spec::data::Tensor;
 
 use super::hf::{ModelConfig, ModelError, ModelWeights};
+use super::quantized::Quantization;
 use super::{CpuModel, Lane, Stop, Text, argmax, generate_together};
 
 /// A layer's tensors by their Hugging Face names below `model.layers.{i}.` (less `.weight`): its two
@@ -150,7 +151,7 @@ fn a_llama_config_reads_into_the_layers_shape() {
     let l = &cfg.layer;
     assert_eq!((l.layers, l.d, l.ffn, l.n_q, l.n_kv, l.hd), (2, 64, 96, 4, 2, 16));
     assert_eq!((l.eps, l.theta, l.max_seq_len), (1e-5, 10_000.0, 256));
-    assert_eq!((cfg.vocab, cfg.tied, cfg.bos, cfg.eos.clone(), cfg.nf4), (97, false, Some(1), vec![2, 3], false));
+    assert_eq!((cfg.vocab, cfg.tied, cfg.bos, cfg.eos.clone(), cfg.quantized), (97, false, Some(1), vec![2, 3], None));
     // Defaults where the fields are missing: as many KV heads as query heads, hd = d / heads.
     let mut sparse = llama_json(true);
     for field in ["num_key_value_heads", "rope_theta", "eos_token_id", "rope_scaling"] {
@@ -548,25 +549,32 @@ fn prompts_generated_together_are_each_their_own_generation() {
     assert_eq!(e, "prompt 1: a prompt of 13 tokens is longer than the caches' 12 positions");
 }
 
+/// A bf16 tensor's values.
+fn bf16s(view: TensorView) -> Vec<bf16> {
+    assert_eq!(view.dtype(), Dtype::BF16);
+    view.data().chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect()
+}
+
+/// A fixture of `tests/fixtures`: its checkpoint's folder and a file of its expected tensors, both read.
+fn fixture(variant: &str, expected: &str) -> (PathBuf, Vec<u8>, Vec<u8>) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(variant);
+    let checkpoint = dir.join("checkpoint");
+    let stored = std::fs::read(checkpoint.join("model.safetensors")).unwrap();
+    (checkpoint, stored, std::fs::read(dir.join(expected)).unwrap())
+}
+
 /// A checkpoint transformers saved with bitsandbytes nf4, without and with double quantisation
 /// (`tests/fixtures`, written by `scripts/nf4_fixture.py`): every quantised weight reads as bitsandbytes'
 /// own dequantisation of it, bit for bit, and every other tensor as it is stored.
 #[test]
 fn nf4_checkpoints_read_as_bitsandbytes_dequantises_them() {
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     for variant in ["nf4", "nf4-double"] {
-        let checkpoint = fixtures.join(variant).join("checkpoint");
+        let (checkpoint, stored_bytes, expected_bytes) = fixture(variant, "bnb-dequantized.safetensors");
         let cfg = ModelConfig::read(&checkpoint).unwrap();
-        assert!(cfg.nf4, "{variant}: its config names the quantisation");
+        assert_eq!(cfg.quantized, Some(Quantization::Nf4), "{variant}: its config names the quantisation");
         let weights = ModelWeights::read(&checkpoint, &cfg).unwrap();
-        let expected_bytes = std::fs::read(fixtures.join(variant).join("bnb-dequantized.safetensors")).unwrap();
         let expected = safetensors::SafeTensors::deserialize(&expected_bytes).unwrap();
-        let stored_bytes = std::fs::read(checkpoint.join("model.safetensors")).unwrap();
         let stored = safetensors::SafeTensors::deserialize(&stored_bytes).unwrap();
-        let bf16s = |view: TensorView| -> Vec<bf16> {
-            assert_eq!(view.dtype(), Dtype::BF16);
-            view.data().chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect()
-        };
         let (norms, matrices) = LAYER_TENSORS.split_at(2);
         assert_eq!(expected.names().len(), matrices.len(), "{variant}: a quantised weight the test does not name");
         for &(t, name) in matrices {
@@ -582,6 +590,83 @@ fn nf4_checkpoints_read_as_bitsandbytes_dequantises_them() {
         assert_eq!(weights.norm, bf16s(stored.tensor("model.norm.weight").unwrap()));
         assert_eq!(weights.lm_head.as_deref(), Some(bf16s(stored.tensor("lm_head.weight").unwrap()).as_slice()));
     }
+}
+
+/// Checkpoints transformers saved with fp8 weights (`tests/fixtures`, written by
+/// `scripts/fp8_fixture.py`): a Llama with f32 scales over blocks of 32 x 64 and a Qwen3 with e8m0
+/// scales over blocks of 32 x 32. Every tensor reads as transformers reads the checkpoint back in bf16,
+/// bit for bit, and every projection is stored in e4m3.
+#[test]
+fn fp8_checkpoints_read_as_transformers_dequantises_them() {
+    for (variant, block, qk_norm) in [("fp8", [32, 64], false), ("fp8-ue8m0", [32, 32], true)] {
+        let (checkpoint, stored_bytes, expected_bytes) = fixture(variant, "transformers-dequantized.safetensors");
+        let cfg = ModelConfig::read(&checkpoint).unwrap();
+        assert_eq!(cfg.quantized, Some(Quantization::Fp8 { block: Some(block) }), "{variant}");
+        assert_eq!(cfg.qk_norm, qk_norm, "{variant}");
+        let weights = ModelWeights::read(&checkpoint, &cfg).unwrap();
+        let expected = safetensors::SafeTensors::deserialize(&expected_bytes).unwrap();
+        let stored = safetensors::SafeTensors::deserialize(&stored_bytes).unwrap();
+        let want = |name: &str| bf16s(expected.tensor(name).unwrap());
+        for (t, name) in LAYER_TENSORS {
+            let name = format!("model.layers.0.{name}.weight");
+            assert_eq!(weights.layers[0].get(t), &want(&name), "{variant}: {name}");
+            let quantised = stored.tensor(&name).unwrap().dtype() == Dtype::F8_E4M3;
+            assert_eq!(
+                quantised,
+                !matches!(t, Tensor::InNorm | Tensor::PostNorm),
+                "{variant}: {name} is stored in e4m3 where it is a projection"
+            );
+        }
+        if qk_norm {
+            assert_eq!(weights.qk_norms[0][0], want("model.layers.0.self_attn.q_norm.weight"));
+            assert_eq!(weights.qk_norms[0][1], want("model.layers.0.self_attn.k_norm.weight"));
+        }
+        assert_eq!(weights.embed, want("model.embed_tokens.weight"));
+        assert_eq!(weights.norm, want("model.norm.weight"));
+        assert_eq!(weights.lm_head.as_deref(), Some(want("lm_head.weight").as_slice()));
+    }
+}
+
+/// The fp8 fixture with one weight rewritten: k_proj in bf16 beside its scale (as transformers saves a
+/// weight its block does not divide), an e4m3 tensor where the config names no quantisation, and an
+/// e4m3 tensor in an nf4 checkpoint: each is refused naming the tensor and what it is.
+#[test]
+fn fp8_tensors_out_of_place_are_refused_naming_them() {
+    let (checkpoint, stored_bytes, expected_bytes) = fixture("fp8", "transformers-dequantized.safetensors");
+    let stored = safetensors::SafeTensors::deserialize(&stored_bytes).unwrap();
+    let expected = safetensors::SafeTensors::deserialize(&expected_bytes).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(checkpoint.join("config.json")).unwrap()).unwrap();
+    let k_proj = "model.layers.0.self_attn.k_proj.weight";
+    // The checkpoint with `config`, k_proj replaced by its dequantised bf16 where `k_in_bf16`.
+    let write = |name: &str, config: &serde_json::Value, k_in_bf16: bool| {
+        let dir = scratch(name);
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let views: Vec<(String, TensorView<'_>)> = stored
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| if k_in_bf16 && n == k_proj { (n, expected.tensor(k_proj).unwrap()) } else { (n, v) })
+            .collect();
+        let file = safetensors::serialize(views, None::<HashMap<String, String>>).unwrap();
+        std::fs::write(dir.join("model.safetensors"), file).unwrap();
+        let cfg = ModelConfig::read(&dir).unwrap();
+        ModelWeights::read(&dir, &cfg).unwrap_err().to_string()
+    };
+    let text = write("fp8-stray-scale", &config, true);
+    assert!(
+        text.contains(k_proj) && text.contains("beside a 'model.layers.0.self_attn.k_proj.weight_scale_inv'"),
+        "{text}"
+    );
+    assert!(text.contains("quantise with a block that divides every weight"), "{text}");
+    let mut plain = config.clone();
+    plain.as_object_mut().unwrap().remove("quantization_config");
+    let text = write("fp8-unnamed", &plain, false);
+    assert!(text.contains("dtype F8_E4M3, but config.json names no quantisation"), "{text}");
+    let mut nf4 = config.clone();
+    nf4["quantization_config"] =
+        json!({"quant_method": "bitsandbytes", "load_in_4bit": true, "bnb_4bit_quant_type": "nf4"});
+    let text = write("fp8-as-nf4", &nf4, false);
+    assert!(text.contains("dtype F8_E4M3: bitsandbytes nf4 stores its weights in U8"), "{text}");
 }
 
 /// The nf4 fixture in two shards that part weights from their parts both ways (q_proj's parts in the
@@ -610,20 +695,37 @@ fn an_nf4_weights_parts_are_found_in_another_shard() {
     assert_eq!(ModelWeights::read(&dir, &cfg).unwrap(), ModelWeights::read(&checkpoint, &cfg).unwrap());
 }
 
+/// A Llama config whose `quantization_config` is `base` with `changes` made.
+fn quantized_config(base: &serde_json::Value, changes: serde_json::Value) -> serde_json::Value {
+    let mut q = base.clone();
+    for (k, v) in changes.as_object().unwrap() {
+        q[k] = v.clone();
+    }
+    let mut c = llama_json(false);
+    c["quantization_config"] = q;
+    c
+}
+
+/// `config` is refused naming `quantization_config`, with `words` and what the loader reads.
+fn assert_quantization_refused(name: &str, config: serde_json::Value, words: &str) {
+    match config_of(name, config) {
+        Err(e @ ModelError::Unsupported { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("field 'quantization_config'") && text.contains(words), "{name}: {text}");
+            assert!(
+                text.contains("bitsandbytes nf4") && text.contains("fp8 e4m3"),
+                "{name}: says what it reads: {text}"
+            );
+        }
+        other => panic!("{name}: {other:?}"),
+    }
+}
+
 #[test]
 fn quantisations_the_loader_does_not_read_are_refused_naming_them() {
     let nf4 = json!({"quant_method": "bitsandbytes", "load_in_4bit": true, "bnb_4bit_quant_type": "nf4",
                      "bnb_4bit_quant_storage": "uint8"});
-    let with = |changes: serde_json::Value| {
-        let mut q = nf4.clone();
-        for (k, v) in changes.as_object().unwrap() {
-            q[k] = v.clone();
-        }
-        let mut c = llama_json(false);
-        c["quantization_config"] = q;
-        c
-    };
-    config_of("nf4-config", with(json!({}))).unwrap();
+    assert_eq!(config_of("nf4-config", quantized_config(&nf4, json!({}))).unwrap().quantized, Some(Quantization::Nf4));
     for (name, changes, words) in [
         ("gptq", json!({"quant_method": "gptq"}), "quant_method 'gptq'"),
         ("int8", json!({"load_in_8bit": true, "load_in_4bit": false}), "load_in_8bit"),
@@ -631,13 +733,29 @@ fn quantisations_the_loader_does_not_read_are_refused_naming_them() {
         ("storage", json!({"bnb_4bit_quant_storage": "bfloat16"}), "'bfloat16'"),
         ("not-4bit", json!({"load_in_4bit": false}), "without load_in_4bit"),
     ] {
-        match config_of(name, with(changes)) {
-            Err(e @ ModelError::Unsupported { .. }) => {
-                let text = e.to_string();
-                assert!(text.contains("field 'quantization_config'") && text.contains(words), "{name}: {text}");
-                assert!(text.contains("bitsandbytes nf4"), "{name}: says what it reads: {text}");
-            }
-            other => panic!("{name}: {other:?}"),
-        }
+        assert_quantization_refused(name, quantized_config(&nf4, changes), words);
+    }
+}
+
+#[test]
+fn fp8_configs_read_their_block_and_what_the_loader_does_not_compute_is_refused() {
+    let fp8 = json!({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "float",
+                     "weight_block_size": [128, 128], "dequantize": false, "modules_to_not_convert": null});
+    for (name, changes, block) in [
+        ("fp8-config", json!({}), Some([128, 128])),
+        ("fp8-ue8m0", json!({"scale_fmt": "ue8m0", "weight_block_size": [1, 64]}), Some([1, 64])),
+        ("fp8-per-weight", json!({"weight_block_size": null}), None),
+    ] {
+        let cfg = config_of(name, quantized_config(&fp8, changes)).unwrap();
+        assert_eq!(cfg.quantized, Some(Quantization::Fp8 { block }), "{name}");
+    }
+    for (name, changes, words) in [
+        ("e5m2", json!({"fmt": "e5m2"}), "fp8 fmt 'e5m2'"),
+        ("static", json!({"activation_scheme": "static"}), "activation_scheme 'static'"),
+        ("scale-fmt", json!({"scale_fmt": "ue4m3"}), "scale_fmt 'ue4m3'"),
+        ("zero-block", json!({"weight_block_size": [0, 128]}), "weight_block_size [0,128]"),
+        ("one-size", json!({"weight_block_size": [128]}), "weight_block_size [128]"),
+    ] {
+        assert_quantization_refused(name, quantized_config(&fp8, changes), words);
     }
 }

@@ -12,14 +12,10 @@ use half::{bf16, f16};
 use safetensors::Dtype;
 use serde::Deserialize;
 
+use super::Part;
+
 /// The suffix of the tensor that holds a quantised weight's JSON state.
 pub const STATE: &str = "quant_state.bitsandbytes__nf4";
-
-/// A tensor of a quantised weight, as its file holds it.
-pub struct Part {
-    pub dtype: Dtype,
-    pub data: Vec<u8>,
-}
 
 /// The JSON state bitsandbytes writes beside each quantised weight.
 #[derive(Deserialize)]
@@ -123,12 +119,12 @@ mod tests {
     use super::*;
 
     fn f32s(v: &[f32]) -> Part {
-        Part { dtype: Dtype::F32, data: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
+        Part { dtype: Dtype::F32, shape: vec![v.len()], data: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
     }
 
     fn state(json: serde_json::Value) -> Part {
         let data = json.to_string().into_bytes();
-        Part { dtype: Dtype::U8, data }
+        Part { dtype: Dtype::U8, shape: vec![data.len()], data }
     }
 
     /// A weight's parts by suffix, as the loader hands them over.
@@ -166,7 +162,7 @@ mod tests {
             "quant_type": "nf4", "blocksize": 2, "dtype": "bfloat16", "shape": [8],
             "nested_blocksize": 3, "nested_offset": 0.25
         }));
-        let absmax_codes = Part { dtype: Dtype::U8, data: vec![128, 64, 0, 255] };
+        let absmax_codes = Part { dtype: Dtype::U8, shape: vec![4], data: vec![128, 64, 0, 255] };
         let got = dequantize(
             &[8],
             &[0x99; 4],
@@ -225,10 +221,10 @@ mod tests {
         short[2] = ("absmax", f32s(&[1.0]));
         assert!(refused(&[4], &[0; 2], short).contains("absmax holds 1 values, expected 2"));
         let mut nested = whole();
-        nested[2] = ("absmax", Part { dtype: Dtype::U8, data: vec![0, 0] });
+        nested[2] = ("absmax", Part { dtype: Dtype::U8, shape: vec![2], data: vec![0, 0] });
         assert!(refused(&[4], &[0; 2], nested).contains("no nested block size"));
         let mut f16_map = whole();
-        f16_map[1] = ("quant_map", Part { dtype: Dtype::F16, data: vec![0; 32] });
+        f16_map[1] = ("quant_map", Part { dtype: Dtype::F16, shape: vec![16], data: vec![0; 32] });
         assert!(refused(&[4], &[0; 2], f16_map).contains("quant_map in F16"));
         let text = refused(&[4], &[0; 2], {
             let mut v = whole();
