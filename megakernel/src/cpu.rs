@@ -166,7 +166,7 @@ fn column_parts<const N: usize, F: Fn(usize) -> (Tensor, usize)>(
 }
 
 /// The layer with only the query and KV heads a phase row names (its operands point at the first).
-fn sub_config(cfg: &Config, n_q: usize, n_kv: usize) -> Config {
+pub(crate) fn sub_config(cfg: &Config, n_q: usize, n_kv: usize) -> Config {
     Config { n_q, n_kv, ..cfg.clone() }
 }
 
@@ -461,6 +461,9 @@ pub(crate) mod checks {
     use reference::golden::{self, KvCache, RopeTable, Weights};
     use spec::Config;
 
+    use super::CpuStack;
+    use crate::program::{Plan, Split};
+
     /// An order of a step's phases that keeps `after` (`program::dependencies`), each ready phase
     /// picked by a generator seeded with `seed`.
     pub fn order_from(after: &[Vec<usize>], seed: u64) -> Vec<usize> {
@@ -489,6 +492,26 @@ pub(crate) mod checks {
         }
         assert_eq!(order.len(), after.len(), "the dependencies have a cycle");
         order
+    }
+
+    /// The stack of `cfg.layers` layers of seeded weights and caches, built for the executor.
+    pub fn built(cfg: &Config, grid: u32, plan: Plan, in_place: bool) -> (CpuStack, Vec<(Weights, KvCache)>) {
+        let seed: u64 = 0x5EED ^ cfg.d as u64;
+        let layers: Vec<(Weights, KvCache)> = (0..cfg.layers)
+            .map(|l| {
+                let s = spec::data::layer_seed(seed, l);
+                (golden::generate_weights(cfg, s), KvCache::generate(cfg, s))
+            })
+            .collect();
+        (CpuStack::build(cfg, &layers, grid, plan, in_place, Split::None), layers)
+    }
+
+    /// Whether each layer's cache (`cache(l)`) is the golden model's (`golden`, from `against_golden`).
+    pub fn same_caches(golden: &[KvCache], cache: impl Fn(usize) -> KvCache) -> Result<(), String> {
+        match golden.iter().enumerate().find(|&(l, c)| &cache(l) != c) {
+            Some((l, _)) => Err(format!("layer {l}'s caches differ")),
+            None => Ok(()),
+        }
     }
 
     /// A fresh seed for each run's inputs, said in the message of any mismatch.
@@ -528,6 +551,7 @@ pub(crate) mod checks {
 
 #[cfg(test)]
 mod tests {
+    use super::checks::built;
     use super::*;
 
     /// The compiler's program for a grid of `grid` blocks (`phases` of them), run by the executor, is
@@ -553,18 +577,6 @@ mod tests {
         for (l, cache) in caches.iter().enumerate() {
             assert_eq!(&stack.cache(l), cache, "{}: layer {l}'s caches differ", cfg.name);
         }
-    }
-
-    /// The stack of `cfg.layers` layers of seeded weights and caches, built for the executor.
-    fn built(cfg: &Config, grid: u32, plan: Plan, in_place: bool) -> (CpuStack, Vec<(Weights, KvCache)>) {
-        let seed: u64 = 0x5EED ^ cfg.d as u64;
-        let layers: Vec<(Weights, KvCache)> = (0..cfg.layers)
-            .map(|l| {
-                let s = spec::data::layer_seed(seed, l);
-                (golden::generate_weights(cfg, s), KvCache::generate(cfg, s))
-            })
-            .collect();
-        (CpuStack::build(cfg, &layers, grid, plan, in_place, Split::None), layers)
     }
 
     /// `orders` steps of the stack, each in another order its dependencies allow: the golden step, and

@@ -12,6 +12,7 @@
 pub mod batch;
 pub mod cpu;
 pub mod kernels;
+pub mod machine;
 #[cfg(feature = "model")]
 pub mod model;
 pub mod pack;

@@ -183,12 +183,7 @@ mod tests {
             Some(o) => split.step_in_order(x, pos, &o),
             None => Ok(split.step(x, pos)),
         })?;
-        for (l, cache) in caches.iter().enumerate() {
-            if &split.cache(l) != cache {
-                return Err(format!("layer {l}'s caches differ"));
-            }
-        }
-        Ok(())
+        checks::same_caches(&caches, |l| split.cache(l))
     }
 
     #[test]

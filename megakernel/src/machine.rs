@@ -1,0 +1,447 @@
+//! A step as the grid's blocks run it, task by task (issue 47's dataflow graph, on the CPU first).
+//!
+//! Each block walks its own list of tasks in a fixed order. A task is one block's share of one phase
+//! of one layer (its rows of a GEMV, its KV heads of attention); it waits until counters reach
+//! targets, computes its share with the golden model's functions, and adds one to every counter it
+//! signals. Nothing else orders two tasks: no barrier, no phase boundary. `TaskGraph::compile` builds
+//! the lists from a program and says which counters each task waits on: a phase's whole count for
+//! every wait the program's rows name (the kernel's protocol today), or, `Waits::KvHeads`, attention on
+//! each of its KV heads' own Qkv rows only (the first narrowing of the dataflow plan: a KV head's
+//! attention starts once the blocks that wrote its q, k and v rows are done, whatever the others do).
+//!
+//! `run` executes the graph with the blocks interleaved by a seeded choice among those whose next
+//! task is ready, so a wait that is missing or too low shows as a step that differs from the golden
+//! model's, and a cycle of waits as a deadlock, before a kernel runs the graph. Every buffer a task
+//! writes is poisoned (NaN) before the step, so a read that comes too early reads NaN, not last step's
+//! value. It runs programs of one role with the MLP in one part (no partial sums), packed weights.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use half::bf16;
+use reference::golden::{self, KvCache, RopeTable};
+use spec::{Config, Tensor};
+
+use super::cpu::{Arena, CpuStack, sub_config};
+use super::pack::{Groups, qkv_source};
+use super::program::{self, Blocks, Op, PREV_LAYER_WAITS, Row, WAITS_WORD, attn, down, gateup, oproj, qkv};
+
+/// A counter of the graph: phase `phase` of layer `layer`, whole (`group` None) or for one KV group's
+/// rows (Qkv's, `Waits::KvHeads`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Counter {
+    pub layer: usize,
+    pub phase: usize,
+    pub group: Option<usize>,
+}
+
+/// One block's share of phase `phase` of layer `layer`: `units` of its op (packed rows of Qkv, KV heads
+/// of attention, rows of the O projection and Down, elements of act for GateUp).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Task {
+    pub layer: usize,
+    pub phase: usize,
+    pub units: Range<usize>,
+    /// Counters and the counts they must reach before the task starts.
+    pub waits: Vec<(Counter, u32)>,
+    pub signals: Vec<Counter>,
+}
+
+/// What attention waits for of the Qkv phase of its layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waits {
+    /// Every Qkv task (the program's phase-wide wait).
+    Phases,
+    /// The Qkv tasks that wrote its KV heads' rows.
+    KvHeads,
+}
+
+/// Every block's list of tasks, in the order it runs them.
+#[derive(Debug, Clone)]
+pub struct TaskGraph {
+    pub blocks: Vec<Vec<Task>>,
+}
+
+/// How many units phase `row` splits among its blocks.
+fn units(row: &Row, cfg: &Config) -> usize {
+    let w = |i: usize| row[i] as usize;
+    match Op::from_word(row[0]).expect("a compiled row") {
+        // RoPE rotates a pair of packed rows: a block takes whole pairs.
+        Op::Qkv => (w(qkv::NQ as usize) + 2 * w(qkv::NKv as usize)) * cfg.hd / 2,
+        Op::Attention => w(attn::NKv as usize),
+        Op::OProj => w(oproj::Rows as usize),
+        // A gate row and its up row make one element of act.
+        Op::GateUp => w(gateup::Ffn as usize),
+        Op::Down => w(down::Rows as usize),
+        op => panic!("the block machine runs no {op:?} row"),
+    }
+}
+
+/// The KV groups whose rows packed rows `rows` of Qkv hold.
+fn groups_of(cfg: &Config, rows: Range<usize>) -> Vec<usize> {
+    let mut groups: Vec<usize> = rows
+        .map(|p| match qkv_source(cfg, Groups::all(cfg), p) {
+            (Tensor::Wq, r) => r / cfg.hd / cfg.group(),
+            (_, r) => r / cfg.hd,
+        })
+        .collect();
+    groups.sort_unstable();
+    groups.dedup();
+    groups
+}
+
+impl TaskGraph {
+    /// The tasks of `layers` layers of `program` on `grid` blocks: each phase's units split evenly over
+    /// the blocks its row names, in order; each block's tasks in program order, layer after layer.
+    pub fn compile(program: &[Row], layers: usize, cfg: &Config, grid: usize, waits: Waits) -> TaskGraph {
+        let n = program.len();
+        let qkv_phase = program.iter().position(|r| r[0] == Op::Qkv as i64).expect("a Qkv row");
+        let mut shares: Vec<Vec<(usize, Range<usize>)>> = Vec::with_capacity(n);
+        for row in program {
+            assert!(!has_parts(row), "the block machine runs no partial sums");
+            assert!(row[0] != Op::Attention as i64 || row[attn::NKv as usize] as usize == cfg.n_kv, "one role");
+            let total = units(row, cfg);
+            let blocks = Blocks::of(row);
+            let count = blocks.count as usize;
+            shares.push(
+                (0..count)
+                    .map(|i| {
+                        let block = blocks.first as usize + i * blocks.stride as usize;
+                        assert!(block < grid, "block {block} of a grid of {grid}");
+                        (block, i * total / count..(i + 1) * total / count)
+                    })
+                    .filter(|(_, u)| !u.is_empty())
+                    .collect(),
+            );
+        }
+        // How many of Qkv's tasks write each KV group's rows.
+        let qkv_rows = |units: &Range<usize>| 2 * units.start..2 * units.end;
+        let mut writers = vec![0u32; cfg.n_kv];
+        for (_, u) in &shares[qkv_phase] {
+            for g in groups_of(cfg, qkv_rows(u)) {
+                writers[g] += 1;
+            }
+        }
+        let whole = |layer: usize, phase: usize| (Counter { layer, phase, group: None }, shares[phase].len() as u32);
+        let mut blocks = vec![Vec::new(); grid];
+        for layer in 0..layers {
+            for (phase, row) in program.iter().enumerate() {
+                let mask = row[WAITS_WORD];
+                let narrowed = waits == Waits::KvHeads && row[0] == Op::Attention as i64;
+                for (block, u) in &shares[phase] {
+                    let mut task_waits = Vec::new();
+                    for w in (0..n).filter(|&w| mask >> w & 1 == 1) {
+                        if narrowed && w == qkv_phase {
+                            task_waits
+                                .extend(u.clone().map(|g| (Counter { layer, phase: w, group: Some(g) }, writers[g])));
+                        } else {
+                            task_waits.push(whole(layer, w));
+                        }
+                    }
+                    if layer > 0 {
+                        task_waits.extend(
+                            (0..n).filter(|&w| mask >> (PREV_LAYER_WAITS + w) & 1 == 1).map(|w| whole(layer - 1, w)),
+                        );
+                    }
+                    let mut signals = vec![Counter { layer, phase, group: None }];
+                    if phase == qkv_phase {
+                        signals.extend(groups_of(cfg, qkv_rows(u)).into_iter().map(|g| Counter {
+                            layer,
+                            phase,
+                            group: Some(g),
+                        }));
+                    }
+                    blocks[*block].push(Task { layer, phase, units: u.clone(), waits: task_waits, signals });
+                }
+            }
+        }
+        TaskGraph { blocks }
+    }
+
+    /// Every task, as (block, index in its list).
+    pub fn tasks(&self) -> impl Iterator<Item = (usize, usize, &Task)> {
+        self.blocks.iter().enumerate().flat_map(|(b, list)| list.iter().enumerate().map(move |(i, t)| (b, i, t)))
+    }
+}
+
+/// Whether a GEMV row adds or leaves partial sums (a part of a GEMV split by columns).
+fn has_parts(row: &Row) -> bool {
+    match Op::from_word(row[0]) {
+        Some(Op::OProj) => row[oproj::PartIn as usize] != 0 || row[oproj::PartOut as usize] != 0,
+        Some(Op::Down) => row[down::PartIn as usize] != 0 || row[down::PartOut as usize] != 0,
+        _ => false,
+    }
+}
+
+/// One step of `stack` at `pos` from `x` as `graph` runs it, the blocks interleaved by a generator
+/// seeded with `seed`: each layer's output, or the tasks left when no block's next task is ready.
+pub fn run(
+    stack: &mut CpuStack,
+    graph: &TaskGraph,
+    x: &[bf16],
+    pos: usize,
+    seed: u64,
+) -> Result<Vec<Vec<bf16>>, String> {
+    let (cfg, layers) = (stack.cfg.clone(), stack.layers.len());
+    assert!(stack.layers.iter().all(|l| l.in_place.is_none()), "the block machine runs packed weights");
+    poison(stack);
+    let mut outputs = vec![vec![bf16::NAN; cfg.d]; layers];
+    let mut counts: HashMap<Counter, u32> = HashMap::new();
+    let mut next = vec![0usize; graph.blocks.len()];
+    let mut state = seed | 1;
+    loop {
+        let ready: Vec<usize> = (0..graph.blocks.len())
+            .filter(|&b| {
+                graph.blocks[b]
+                    .get(next[b])
+                    .is_some_and(|t| t.waits.iter().all(|(c, target)| counts.get(c).copied().unwrap_or(0) >= *target))
+            })
+            .collect();
+        if ready.is_empty() {
+            let left: Vec<String> = (0..graph.blocks.len())
+                .filter_map(|b| graph.blocks[b].get(next[b]).map(|t| format!("block {b}: {t:?}")))
+                .collect();
+            if left.is_empty() {
+                return Ok(outputs);
+            }
+            return Err(format!("deadlock: no block's next task is ready; {}", left.join("; ")));
+        }
+        // xorshift64: any interleaving the waits allow must compute the same step.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let b = ready[(state % ready.len() as u64) as usize];
+        let task = &graph.blocks[b][next[b]];
+        run_task(stack, task, x, &mut outputs, pos);
+        for c in &task.signals {
+            *counts.entry(*c).or_insert(0) += 1;
+        }
+        next[b] += 1;
+    }
+}
+
+/// The step's scratch (q, the attention output, x1, act), NaN: a task that reads one before its writer
+/// has run reads NaN rather than what the layer before or the step before left there. (A cache slot is
+/// written at `pos` only; an attention that reads slot `pos` too early reads the step before's value
+/// there, which the golden check catches through its output.)
+fn poison(stack: &mut CpuStack) {
+    let (b, cfg) = (&stack.buffers, &stack.cfg);
+    for (addr, n) in [(b.q, cfg.q_dim()), (b.a, cfg.q_dim()), (b.x1, cfg.d), (b.act, cfg.ffn)] {
+        stack.arena.write_bf16(addr as i64, &vec![bf16::NAN; n]);
+    }
+}
+
+/// Rows `rows` of the row-major matrix at `w` of `cols` columns times `h`, as the golden model's GEMV
+/// computes each row (a row's sum does not depend on the others).
+fn rows_times(arena: &Arena, w: i64, rows: Range<usize>, cols: usize, h: &[bf16]) -> Vec<bf16> {
+    golden::gemv(&arena.bf16(w + (2 * rows.start * cols) as i64, rows.len() * cols), rows.len(), cols, h)
+}
+
+/// Task `t`: its units of its phase, reading the layer's input (`x` for layer 0, else the layer
+/// before's output) and writing its rows of the layer's output where it is Down's.
+fn run_task(stack: &mut CpuStack, t: &Task, x: &[bf16], outputs: &mut [Vec<bf16>], pos: usize) {
+    let row = program::resolve_row(&stack.program[t.phase], &stack.layers[t.layer].table());
+    let x_l = if t.layer == 0 { x.to_vec() } else { outputs[t.layer - 1].clone() };
+    let cfg = stack.cfg.clone();
+    let d = cfg.d;
+    let w = |i: usize| row[i];
+    let u = t.units.clone();
+    let arena = &mut stack.arena;
+    match Op::from_word(row[0]).expect("a compiled row") {
+        Op::Qkv => {
+            let h = golden::rmsnorm(
+                &x_l,
+                &arena.bf16(w(qkv::Norm as usize), d),
+                f32::from_bits(w(qkv::EpsBits as usize) as u32),
+            );
+            let rows = 2 * u.start..2 * u.end;
+            let y = rows_times(arena, w(qkv::W as usize), rows.clone(), d, &h);
+            // RoPE rotates within a pair of packed rows, all in this task: rotate whole vectors that
+            // hold this task's rows and keep only those.
+            let (mut q, mut k, mut v) =
+                (vec![bf16::ZERO; cfg.q_dim()], vec![bf16::ZERO; cfg.kv_dim()], vec![bf16::ZERO; cfg.kv_dim()]);
+            let mut mine = Vec::with_capacity(rows.len());
+            for (p, &value) in rows.clone().zip(&y) {
+                let (tensor, r) = qkv_source(&cfg, Groups::all(&cfg), p);
+                match tensor {
+                    Tensor::Wq => q[r] = value,
+                    Tensor::Wk => k[r] = value,
+                    _ => v[r] = value,
+                }
+                mine.push((tensor, r));
+            }
+            let (max_seq, half) = (cfg.max_seq_len, cfg.hd / 2);
+            let table = RopeTable {
+                cos: arena.f32(w(qkv::Cos as usize), max_seq * half),
+                sin: arena.f32(w(qkv::Sin as usize), max_seq * half),
+                half,
+            };
+            golden::rope(&mut q, cfg.n_q, cfg.hd, &table, pos);
+            golden::rope(&mut k, cfg.n_kv, cfg.hd, &table, pos);
+            for (tensor, r) in mine {
+                let slot = |r: usize| 2 * ((r / cfg.hd * max_seq + pos) * cfg.hd + r % cfg.hd) as i64;
+                match tensor {
+                    Tensor::Wq => arena.write_bf16(w(qkv::QOut as usize) + 2 * r as i64, &[q[r]]),
+                    Tensor::Wk => arena.write_bf16(w(qkv::KCache as usize) + slot(r), &[k[r]]),
+                    _ => arena.write_bf16(w(qkv::VCache as usize) + slot(r), &[v[r]]),
+                }
+            }
+        }
+        Op::Attention => {
+            // KV head h's slots and its group's query heads, as a layer of one KV head.
+            let (g, hd, per_head) = (cfg.group(), cfg.hd, cfg.max_seq_len * cfg.hd);
+            let one = sub_config(&cfg, g, 1);
+            for h in u {
+                let at = |word: usize| w(word) + (2 * h * per_head) as i64;
+                let cache = KvCache {
+                    k: arena.bf16(at(attn::KCache as usize), per_head),
+                    v: arena.bf16(at(attn::VCache as usize), per_head),
+                };
+                let q = arena.bf16(w(attn::Q as usize) + (2 * h * g * hd) as i64, g * hd);
+                let a = golden::attention(&one, &q, &cache, pos);
+                arena.write_bf16(w(attn::AOut as usize) + (2 * h * g * hd) as i64, &a);
+            }
+        }
+        Op::OProj => {
+            let cols = w(oproj::Cols as usize) as usize;
+            let y = rows_times(arena, w(oproj::W as usize), u.clone(), cols, &arena.bf16(w(oproj::A as usize), cols));
+            let x1 = golden::add(&x_l[u.clone()], &y);
+            arena.write_bf16(w(oproj::X1Out as usize) + 2 * u.start as i64, &x1);
+        }
+        Op::GateUp => {
+            let eps = f32::from_bits(w(gateup::EpsBits as usize) as u32);
+            let h2 =
+                golden::rmsnorm(&arena.bf16(w(gateup::X1 as usize), d), &arena.bf16(w(gateup::Norm as usize), d), eps);
+            let y = rows_times(arena, w(gateup::W as usize), 2 * u.start..2 * u.end, d, &h2);
+            let (gate, up): (Vec<bf16>, Vec<bf16>) = y.chunks(2).map(|p| (p[0], p[1])).unzip();
+            arena.write_bf16(w(gateup::ActOut as usize) + 2 * u.start as i64, &golden::silu_mul(&gate, &up));
+        }
+        Op::Down => {
+            let cols = w(down::Cols as usize) as usize;
+            let y = rows_times(arena, w(down::W as usize), u.clone(), cols, &arena.bf16(w(down::Act as usize), cols));
+            let x1 = arena.bf16(w(down::X1 as usize) + 2 * u.start as i64, u.len());
+            outputs[t.layer][u.clone()].copy_from_slice(&golden::add(&x1, &y));
+        }
+        op => panic!("the block machine runs no {op:?} row"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use reference::golden::Weights;
+
+    use super::*;
+    use crate::cpu::checks::{self, built};
+    use crate::program::Plan;
+
+    const ONE_ROLE: Plan = Plan { roles: 1, mlp_parts: 1 };
+
+    /// Three layers of four KV heads, so that layers interleave and Qkv's blocks write some KV groups
+    /// and not others.
+    fn cfg() -> Config {
+        Config { layers: 3, n_kv: 4, ..Config::tiny() }
+    }
+
+    /// `steps` steps of `graph` over `stack`, each with its own interleaving: the golden step and caches,
+    /// or where they first differ.
+    fn against_golden(
+        stack: &mut CpuStack,
+        layers: &[(Weights, KvCache)],
+        graph: &TaskGraph,
+        steps: usize,
+        seed: u64,
+    ) -> Result<(), String> {
+        let cfg = stack.cfg.clone();
+        let caches = checks::against_golden(&cfg, layers, steps, |x, pos, s| {
+            run(stack, graph, x, pos, seed ^ (s as u64) << 32)
+        })?;
+        checks::same_caches(&caches, |l| stack.cache(l))
+    }
+
+    /// Any interleaving of the blocks computes the golden step, with the program's phase-wide waits
+    /// and with attention waiting only for its KV heads' Qkv writers: on one block, on grids whose
+    /// blocks' rows straddle KV groups, and on the H200's 132.
+    #[test]
+    fn every_interleaving_of_the_blocks_computes_the_golden_step() {
+        let cfg = cfg();
+        for grid in [1, 5, 16, 132] {
+            let (mut stack, layers) = built(&cfg, grid as u32, ONE_ROLE, false);
+            for waits in [Waits::Phases, Waits::KvHeads] {
+                let graph = TaskGraph::compile(&stack.program, cfg.layers, &cfg, grid, waits);
+                against_golden(&mut stack, &layers, &graph, 6, grid as u64)
+                    .unwrap_or_else(|e| panic!("{grid} blocks, {waits:?}: {e}"));
+            }
+        }
+    }
+
+    /// Narrowed, an attention task waits on its own KV groups' counters, each for every Qkv task that
+    /// writes a row of the group, and some wait for fewer Qkv tasks than the whole phase.
+    #[test]
+    fn attention_waits_only_for_the_qkv_tasks_that_write_its_heads() {
+        let cfg = cfg();
+        let (stack, _) = built(&cfg, 16, ONE_ROLE, false);
+        let graph = TaskGraph::compile(&stack.program, cfg.layers, &cfg, 16, Waits::KvHeads);
+        let qkv = stack.program.iter().position(|r| r[0] == Op::Qkv as i64).unwrap();
+        let attention = stack.program.iter().position(|r| r[0] == Op::Attention as i64).unwrap();
+        let qkv_tasks: Vec<&Task> =
+            graph.tasks().map(|(_, _, t)| t).filter(|t| t.layer == 0 && t.phase == qkv).collect();
+        let mut narrower = 0;
+        for (_, _, t) in graph.tasks().filter(|(_, _, t)| t.phase == attention) {
+            let on_qkv: Vec<&(Counter, u32)> =
+                t.waits.iter().filter(|(c, _)| c.phase == qkv && c.layer == t.layer).collect();
+            assert_eq!(
+                on_qkv.iter().map(|(c, _)| c.group.unwrap()).collect::<Vec<_>>(),
+                t.units.clone().collect::<Vec<_>>()
+            );
+            for (c, target) in on_qkv {
+                let writers = qkv_tasks.iter().filter(|q| q.signals.iter().any(|s| s.group == c.group)).count();
+                assert_eq!(*target as usize, writers, "{t:?}");
+            }
+            let waited: usize = t.waits.iter().filter(|(c, _)| c.phase == qkv).map(|&(_, n)| n as usize).sum();
+            narrower += usize::from(waited < qkv_tasks.len());
+        }
+        assert!(narrower > 0, "every attention task waits for all of Qkv");
+    }
+
+    /// The check can fail: attention waiting on the next KV group's writers, or for one writer fewer
+    /// than its group has, reads rows not yet written in some interleaving.
+    #[test]
+    fn a_wait_on_the_wrong_head_or_one_short_is_caught() {
+        let cfg = cfg();
+        let (mut stack, layers) = built(&cfg, 16, ONE_ROLE, false);
+        let graph = TaskGraph::compile(&stack.program, cfg.layers, &cfg, 16, Waits::KvHeads);
+        let mutated = |change: &dyn Fn(&mut Counter, &mut u32)| {
+            let mut g = graph.clone();
+            for list in &mut g.blocks {
+                for t in list.iter_mut() {
+                    for (c, target) in t.waits.iter_mut().filter(|(c, _)| c.group.is_some()) {
+                        change(c, target);
+                    }
+                }
+            }
+            g
+        };
+        let n_kv = cfg.n_kv;
+        let wrong_head = mutated(&|c, _| c.group = c.group.map(|g| (g + 1) % n_kv));
+        assert!(
+            against_golden(&mut stack, &layers, &wrong_head, 24, 1).is_err(),
+            "waits on the next head's writers all passed"
+        );
+        let short = mutated(&|_, target| *target -= 1);
+        assert!(against_golden(&mut stack, &layers, &short, 24, 2).is_err(), "waits one writer short all passed");
+    }
+
+    /// A cycle of waits stops every block: layer 0's first Qkv task waiting for its layer's Down.
+    #[test]
+    fn a_cycle_of_waits_is_reported_as_a_deadlock() {
+        let cfg = cfg();
+        let (mut stack, _) = built(&cfg, 5, ONE_ROLE, false);
+        let mut graph = TaskGraph::compile(&stack.program, cfg.layers, &cfg, 5, Waits::Phases);
+        let down = stack.program.iter().position(|r| r[0] == Op::Down as i64).unwrap();
+        let first = graph.blocks.iter_mut().find_map(|list| list.first_mut()).unwrap();
+        first.waits.push((Counter { layer: 0, phase: down, group: None }, 1));
+        let x = spec::data::input(&cfg, checks::input_seed(), 0);
+        let e = run(&mut stack, &graph, &x, cfg.prefill, 7).unwrap_err();
+        assert!(e.starts_with("deadlock: no block's next task is ready"), "{e}");
+    }
+}
