@@ -9,6 +9,11 @@
 //! each of its KV heads' own Qkv rows only (the first narrowing of the dataflow plan: a KV head's
 //! attention starts once the blocks that wrote its q, k and v rows are done, whatever the others do).
 //!
+//! A GEMV's rows split over its blocks as the kernel splits them (`block_rows`, in pairs), so a
+//! counter's target (how many Qkv tasks write a KV group's rows) is the one the kernel would wait for;
+//! attention's KV heads split over its blocks in ranges, where the kernel deals them to teams (which
+//! block takes a head changes nothing it waits for).
+//!
 //! `run` executes the graph with the blocks interleaved by a seeded choice among those whose next
 //! task is ready, so a wait that is missing or too low shows as a step that differs from the golden
 //! model's, and a cycle of waits as a deadlock, before a kernel runs the graph. Every buffer a task
@@ -35,8 +40,9 @@ pub struct Counter {
     pub group: Option<usize>,
 }
 
-/// One block's share of phase `phase` of layer `layer`: `units` of its op (packed rows of Qkv, KV heads
-/// of attention, rows of the O projection and Down, elements of act for GateUp).
+/// One block's share of phase `phase` of layer `layer`: `units` of its op, a GEMV's in pairs of rows
+/// (RoPE's pairs of Qkv, GateUp's gate and up rows of one element of act, two rows of the O projection
+/// and of Down), attention's in KV heads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Task {
     pub layer: usize,
@@ -62,19 +68,21 @@ pub struct TaskGraph {
     pub blocks: Vec<Vec<Task>>,
 }
 
+/// Rows of a GEMV's unit: the kernel's blocks take rows in pairs (`block_rows`, `qkv_unit`).
+const PAIR: usize = 2;
+
 /// How many units phase `row` splits among its blocks.
-fn units(row: &Row, cfg: &Config) -> usize {
-    let w = |i: usize| row[i] as usize;
+fn units(row: &Row) -> usize {
     match Op::from_word(row[0]).expect("a compiled row") {
-        // RoPE rotates a pair of packed rows: a block takes whole pairs.
-        Op::Qkv => (w(qkv::NQ as usize) + 2 * w(qkv::NKv as usize)) * cfg.hd / 2,
-        Op::Attention => w(attn::NKv as usize),
-        Op::OProj => w(oproj::Rows as usize),
-        // A gate row and its up row make one element of act.
-        Op::GateUp => w(gateup::Ffn as usize),
-        Op::Down => w(down::Rows as usize),
+        Op::Attention => row[attn::NKv as usize] as usize,
+        Op::Qkv | Op::OProj | Op::GateUp | Op::Down => program::gemv_rows(row).unwrap() / PAIR,
         op => panic!("the block machine runs no {op:?} row"),
     }
+}
+
+/// The rows of a GEMV's units `u`.
+fn pairs(u: &Range<usize>) -> Range<usize> {
+    PAIR * u.start..PAIR * u.end
 }
 
 /// The KV groups whose rows packed rows `rows` of Qkv hold.
@@ -91,8 +99,9 @@ fn groups_of(cfg: &Config, rows: Range<usize>) -> Vec<usize> {
 }
 
 impl TaskGraph {
-    /// The tasks of `layers` layers of `program` on `grid` blocks: each phase's units split evenly over
-    /// the blocks its row names, in order; each block's tasks in program order, layer after layer.
+    /// The tasks of `layers` layers of `program` on `grid` blocks: each phase's units split over the
+    /// blocks its row names as the kernel splits a GEMV's rows (`block_rows`: block i of n takes units
+    /// [i U / n, (i + 1) U / n)); each block's tasks in program order, layer after layer.
     pub fn compile(program: &[Row], layers: usize, cfg: &Config, grid: usize, waits: Waits) -> TaskGraph {
         let n = program.len();
         let qkv_phase = program.iter().position(|r| r[0] == Op::Qkv as i64).expect("a Qkv row");
@@ -100,7 +109,7 @@ impl TaskGraph {
         for row in program {
             assert!(!has_parts(row), "the block machine runs no partial sums");
             assert!(row[0] != Op::Attention as i64 || row[attn::NKv as usize] as usize == cfg.n_kv, "one role");
-            let total = units(row, cfg);
+            let total = units(row);
             let blocks = Blocks::of(row);
             let count = blocks.count as usize;
             shares.push(
@@ -115,10 +124,9 @@ impl TaskGraph {
             );
         }
         // How many of Qkv's tasks write each KV group's rows.
-        let qkv_rows = |units: &Range<usize>| 2 * units.start..2 * units.end;
         let mut writers = vec![0u32; cfg.n_kv];
         for (_, u) in &shares[qkv_phase] {
-            for g in groups_of(cfg, qkv_rows(u)) {
+            for g in groups_of(cfg, pairs(u)) {
                 writers[g] += 1;
             }
         }
@@ -145,7 +153,7 @@ impl TaskGraph {
                     }
                     let mut signals = vec![Counter { layer, phase, group: None }];
                     if phase == qkv_phase {
-                        signals.extend(groups_of(cfg, qkv_rows(u)).into_iter().map(|g| Counter {
+                        signals.extend(groups_of(cfg, pairs(u)).into_iter().map(|g| Counter {
                             layer,
                             phase,
                             group: Some(g),
@@ -254,7 +262,7 @@ fn run_task(stack: &mut CpuStack, t: &Task, x: &[bf16], outputs: &mut [Vec<bf16>
                 &arena.bf16(w(qkv::Norm as usize), d),
                 f32::from_bits(w(qkv::EpsBits as usize) as u32),
             );
-            let rows = 2 * u.start..2 * u.end;
+            let rows = pairs(&u);
             let y = rows_times(arena, w(qkv::W as usize), rows.clone(), d, &h);
             // RoPE rotates within a pair of packed rows, all in this task: rotate whole vectors that
             // hold this task's rows and keep only those.
@@ -303,24 +311,26 @@ fn run_task(stack: &mut CpuStack, t: &Task, x: &[bf16], outputs: &mut [Vec<bf16>
             }
         }
         Op::OProj => {
-            let cols = w(oproj::Cols as usize) as usize;
-            let y = rows_times(arena, w(oproj::W as usize), u.clone(), cols, &arena.bf16(w(oproj::A as usize), cols));
-            let x1 = golden::add(&x_l[u.clone()], &y);
-            arena.write_bf16(w(oproj::X1Out as usize) + 2 * u.start as i64, &x1);
+            let (cols, rows) = (w(oproj::Cols as usize) as usize, pairs(&u));
+            let y =
+                rows_times(arena, w(oproj::W as usize), rows.clone(), cols, &arena.bf16(w(oproj::A as usize), cols));
+            let x1 = golden::add(&x_l[rows.clone()], &y);
+            arena.write_bf16(w(oproj::X1Out as usize) + 2 * rows.start as i64, &x1);
         }
         Op::GateUp => {
             let eps = f32::from_bits(w(gateup::EpsBits as usize) as u32);
             let h2 =
                 golden::rmsnorm(&arena.bf16(w(gateup::X1 as usize), d), &arena.bf16(w(gateup::Norm as usize), d), eps);
-            let y = rows_times(arena, w(gateup::W as usize), 2 * u.start..2 * u.end, d, &h2);
+            let y = rows_times(arena, w(gateup::W as usize), pairs(&u), d, &h2);
             let (gate, up): (Vec<bf16>, Vec<bf16>) = y.chunks(2).map(|p| (p[0], p[1])).unzip();
             arena.write_bf16(w(gateup::ActOut as usize) + 2 * u.start as i64, &golden::silu_mul(&gate, &up));
         }
         Op::Down => {
-            let cols = w(down::Cols as usize) as usize;
-            let y = rows_times(arena, w(down::W as usize), u.clone(), cols, &arena.bf16(w(down::Act as usize), cols));
-            let x1 = arena.bf16(w(down::X1 as usize) + 2 * u.start as i64, u.len());
-            outputs[t.layer][u.clone()].copy_from_slice(&golden::add(&x1, &y));
+            let (cols, rows) = (w(down::Cols as usize) as usize, pairs(&u));
+            let y =
+                rows_times(arena, w(down::W as usize), rows.clone(), cols, &arena.bf16(w(down::Act as usize), cols));
+            let x1 = arena.bf16(w(down::X1 as usize) + 2 * rows.start as i64, rows.len());
+            outputs[t.layer][rows].copy_from_slice(&golden::add(&x1, &y));
         }
         op => panic!("the block machine runs no {op:?} row"),
     }
