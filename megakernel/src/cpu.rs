@@ -3,6 +3,8 @@
 //! checks the compiler and the packing (every pointer, size and layout the table names) without a
 //! GPU: its output must equal the golden model's step bit for bit, layer after layer in a stack.
 
+use std::ops::Range;
+
 use half::bf16;
 use reference::golden::{self, KvCache, RopeTable, Weights};
 use spec::{Config, Tensor};
@@ -49,6 +51,13 @@ impl Arena {
 
     pub fn f32(&self, addr: i64, n: usize) -> Vec<f32> {
         self.bytes(addr as u64, 4 * n).chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    }
+
+    pub fn write_f32(&mut self, addr: i64, v: &[f32]) {
+        let dst = self.bytes_mut(addr as u64, 4 * v.len());
+        for (d, x) in dst.chunks_mut(4).zip(v) {
+            d.copy_from_slice(&x.to_le_bytes());
+        }
     }
 
     pub fn write_bf16(&mut self, addr: i64, v: &[bf16]) {
@@ -120,18 +129,19 @@ pub(crate) fn walk_order(
     outs.into_iter().enumerate().map(|(l, o)| o.ok_or_else(|| format!("layer {l} wrote no output"))).collect()
 }
 
-/// `rows` rows of the product of the parts' columns side by side, in order, each part read from its
-/// arena, with the golden model's rounding: the whole GEMV from its packed column parts (which checks
-/// every packing).
-pub(crate) fn product(parts: &[(&Arena, Part)], rows: usize) -> Vec<bf16> {
-    let matrices: Vec<Vec<bf16>> = parts.iter().map(|&(a, (w, _, cols))| a.bf16(w, rows * cols)).collect();
-    let weights: Vec<bf16> = (0..rows)
+/// Rows `rows` of the product of the parts' columns side by side, in order, each part read from its
+/// arena, with the golden model's rounding: the GEMV from its packed column parts (which checks every
+/// packing).
+pub(crate) fn product(parts: &[(&Arena, Part)], rows: Range<usize>) -> Vec<bf16> {
+    let matrices: Vec<Vec<bf16>> =
+        parts.iter().map(|&(a, (w, _, cols))| a.bf16(w + (2 * rows.start * cols) as i64, rows.len() * cols)).collect();
+    let weights: Vec<bf16> = (0..rows.len())
         .flat_map(|i| {
             parts.iter().zip(&matrices).flat_map(move |(&(_, (_, _, c)), m)| m[i * c..(i + 1) * c].iter().copied())
         })
         .collect();
     let v: Vec<bf16> = parts.iter().flat_map(|&(a, (_, v, cols))| a.bf16(v, cols)).collect();
-    golden::gemv(&weights, rows, v.len(), &v)
+    golden::gemv(&weights, rows.len(), v.len(), &v)
 }
 
 /// The packed matrix `packing` describes, copied from the host weights.
@@ -411,7 +421,7 @@ impl CpuStack {
         }
         let parts = std::mem::take(&mut self.parts_so_far);
         let arena = &self.arena;
-        Some(product(&parts.iter().map(|&p| (arena, p)).collect::<Vec<_>>(), rows))
+        Some(product(&parts.iter().map(|&p| (arena, p)).collect::<Vec<_>>(), 0..rows))
     }
 
     /// `x1 = x + Wo a`, in one or two parts of columns (`split_gemv`).

@@ -18,7 +18,9 @@
 //! task is ready, so a wait that is missing or too low shows as a step that differs from the golden
 //! model's, and a cycle of waits as a deadlock, before a kernel runs the graph. Every buffer a task
 //! writes is poisoned (NaN) before the step, so a read that comes too early reads NaN, not last step's
-//! value. It runs programs of one role with the MLP in one part (no partial sums), packed weights.
+//! value; a part of a GEMV split by columns checks that the parts before it left their partial sums of
+//! its rows in its layer (the kernel's same-block chains, which no wait orders), and the last computes
+//! the whole product. It runs every plan (one role or two, the MLP in parts) over packed weights.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -27,7 +29,7 @@ use half::bf16;
 use reference::golden::{self, KvCache, RopeTable};
 use spec::{Config, Tensor};
 
-use super::cpu::{Arena, CpuStack, sub_config};
+use super::cpu::{self, Arena, CpuStack, Part, sub_config};
 use super::pack::{Groups, qkv_source};
 use super::program::{self, Blocks, Op, PREV_LAYER_WAITS, Row, WAITS_WORD, attn, down, gateup, oproj, qkv};
 
@@ -85,17 +87,54 @@ fn pairs(u: &Range<usize>) -> Range<usize> {
     PAIR * u.start..PAIR * u.end
 }
 
-/// The KV groups whose rows packed rows `rows` of Qkv hold.
-fn groups_of(cfg: &Config, rows: Range<usize>) -> Vec<usize> {
+/// The layer as a Qkv or attention row sees it: its own query and KV heads (a role's half of them).
+fn row_config(cfg: &Config, row: &Row) -> Config {
+    let (n_q, n_kv) = match Op::from_word(row[0]) {
+        Some(Op::Qkv) => (row[qkv::NQ as usize], row[qkv::NKv as usize]),
+        Some(Op::Attention) => (row[attn::NQ as usize], row[attn::NKv as usize]),
+        op => panic!("{op:?} names no heads"),
+    };
+    sub_config(cfg, n_q as usize, n_kv as usize)
+}
+
+/// The KV groups, numbered within the row's heads, whose rows packed rows `rows` of Qkv row `row` hold.
+fn groups_of(cfg: &Config, row: &Row, rows: Range<usize>) -> Vec<usize> {
+    let own = row_config(cfg, row);
     let mut groups: Vec<usize> = rows
-        .map(|p| match qkv_source(cfg, Groups::all(cfg), p) {
-            (Tensor::Wq, r) => r / cfg.hd / cfg.group(),
-            (_, r) => r / cfg.hd,
+        .map(|p| match qkv_source(&own, Groups::all(&own), p) {
+            (Tensor::Wq, r) => r / own.hd / own.group(),
+            (_, r) => r / own.hd,
         })
         .collect();
     groups.sort_unstable();
     groups.dedup();
     groups
+}
+
+/// The first KV head of each Qkv and attention row (a role's half starts past the other's): the Qkv
+/// rows write q at their first query head, in the order of their heads, and an attention row reads the
+/// q its Qkv row writes.
+fn first_kv_heads(program: &[Row]) -> Vec<Option<usize>> {
+    let mut writers: Vec<(i64, usize)> = program
+        .iter()
+        .filter(|r| r[0] == Op::Qkv as i64)
+        .map(|r| (r[qkv::QOut as usize], r[qkv::NKv as usize] as usize))
+        .collect();
+    writers.sort_unstable();
+    let mut first = HashMap::new();
+    let mut kv0 = 0;
+    for (q, n_kv) in writers {
+        first.insert(q, kv0);
+        kv0 += n_kv;
+    }
+    program
+        .iter()
+        .map(|r| match Op::from_word(r[0]) {
+            Some(Op::Qkv) => first.get(&r[qkv::QOut as usize]).copied(),
+            Some(Op::Attention) => Some(first[&r[attn::Q as usize]]),
+            _ => None,
+        })
+        .collect()
 }
 
 impl TaskGraph {
@@ -104,15 +143,12 @@ impl TaskGraph {
     /// [i U / n, (i + 1) U / n)); each block's tasks in program order, layer after layer.
     pub fn compile(program: &[Row], layers: usize, cfg: &Config, grid: usize, waits: Waits) -> TaskGraph {
         let n = program.len();
-        let qkv_phase = program.iter().position(|r| r[0] == Op::Qkv as i64).expect("a Qkv row");
-        let mut shares: Vec<Vec<(usize, Range<usize>)>> = Vec::with_capacity(n);
-        for row in program {
-            assert!(!has_parts(row), "the block machine runs no partial sums");
-            assert!(row[0] != Op::Attention as i64 || row[attn::NKv as usize] as usize == cfg.n_kv, "one role");
-            let total = units(row);
-            let blocks = Blocks::of(row);
-            let count = blocks.count as usize;
-            shares.push(
+        let kv0 = first_kv_heads(program);
+        let shares: Vec<Vec<(usize, Range<usize>)>> = program
+            .iter()
+            .map(|row| {
+                let (total, blocks) = (units(row), Blocks::of(row));
+                let count = blocks.count as usize;
                 (0..count)
                     .map(|i| {
                         let block = blocks.first as usize + i * blocks.stride as usize;
@@ -120,14 +156,20 @@ impl TaskGraph {
                         (block, i * total / count..(i + 1) * total / count)
                     })
                     .filter(|(_, u)| !u.is_empty())
-                    .collect(),
-            );
-        }
-        // How many of Qkv's tasks write each KV group's rows.
-        let mut writers = vec![0u32; cfg.n_kv];
-        for (_, u) in &shares[qkv_phase] {
-            for g in groups_of(cfg, pairs(u)) {
-                writers[g] += 1;
+                    .collect()
+            })
+            .collect();
+        // The KV heads each Qkv task writes rows of, and how many tasks write each (phase, head).
+        let heads_of = |phase: usize, u: &Range<usize>| -> Vec<usize> {
+            let first = kv0[phase].expect("a Qkv row");
+            groups_of(cfg, &program[phase], pairs(u)).into_iter().map(|g| first + g).collect()
+        };
+        let mut writers: HashMap<(usize, usize), u32> = HashMap::new();
+        for phase in (0..n).filter(|&p| program[p][0] == Op::Qkv as i64) {
+            for (_, u) in &shares[phase] {
+                for head in heads_of(phase, u) {
+                    *writers.entry((phase, head)).or_default() += 1;
+                }
             }
         }
         let whole = |layer: usize, phase: usize| (Counter { layer, phase, group: None }, shares[phase].len() as u32);
@@ -139,9 +181,16 @@ impl TaskGraph {
                 for (block, u) in &shares[phase] {
                     let mut task_waits = Vec::new();
                     for w in (0..n).filter(|&w| mask >> w & 1 == 1) {
-                        if narrowed && w == qkv_phase {
-                            task_waits
-                                .extend(u.clone().map(|g| (Counter { layer, phase: w, group: Some(g) }, writers[g])));
+                        if narrowed && program[w][0] == Op::Qkv as i64 {
+                            let first = kv0[phase].expect("an attention row");
+                            task_waits.extend(u.clone().map(|h| {
+                                let head = first + h;
+                                let target = writers.get(&(w, head)).copied();
+                                let target = target.unwrap_or_else(|| {
+                                    panic!("attention waits on Qkv row {w}, which writes no row of KV head {head}")
+                                });
+                                (Counter { layer, phase: w, group: Some(head) }, target)
+                            }));
                         } else {
                             task_waits.push(whole(layer, w));
                         }
@@ -152,8 +201,8 @@ impl TaskGraph {
                         );
                     }
                     let mut signals = vec![Counter { layer, phase, group: None }];
-                    if phase == qkv_phase {
-                        signals.extend(groups_of(cfg, pairs(u)).into_iter().map(|g| Counter {
+                    if row[0] == Op::Qkv as i64 {
+                        signals.extend(heads_of(phase, u).into_iter().map(|g| Counter {
                             layer,
                             phase,
                             group: Some(g),
@@ -172,17 +221,9 @@ impl TaskGraph {
     }
 }
 
-/// Whether a GEMV row adds or leaves partial sums (a part of a GEMV split by columns).
-fn has_parts(row: &Row) -> bool {
-    match Op::from_word(row[0]) {
-        Some(Op::OProj) => row[oproj::PartIn as usize] != 0 || row[oproj::PartOut as usize] != 0,
-        Some(Op::Down) => row[down::PartIn as usize] != 0 || row[down::PartOut as usize] != 0,
-        _ => false,
-    }
-}
-
 /// One step of `stack` at `pos` from `x` as `graph` runs it, the blocks interleaved by a generator
-/// seeded with `seed`: each layer's output, or the tasks left when no block's next task is ready.
+/// seeded with `seed`: each layer's output; or the tasks left when no block's next task is ready, or
+/// the first task that found partial sums another had not yet left.
 pub fn run(
     stack: &mut CpuStack,
     graph: &TaskGraph,
@@ -220,7 +261,7 @@ pub fn run(
         state ^= state << 17;
         let b = ready[(state % ready.len() as u64) as usize];
         let task = &graph.blocks[b][next[b]];
-        run_task(stack, task, x, &mut outputs, pos);
+        run_task(stack, task, x, &mut outputs, pos).map_err(|e| format!("block {b}: {task:?}: {e}"))?;
         for c in &task.signals {
             *counts.entry(*c).or_insert(0) += 1;
         }
@@ -228,14 +269,17 @@ pub fn run(
     }
 }
 
-/// The step's scratch (q, the attention output, x1, act), NaN: a task that reads one before its writer
-/// has run reads NaN rather than what the layer before or the step before left there. (A cache slot is
-/// written at `pos` only; an attention that reads slot `pos` too early reads the step before's value
-/// there, which the golden check catches through its output.)
+/// The step's scratch (q, the attention output, x1, act), NaN, and the partial sums' too: a task that
+/// reads one before its writer has run reads NaN rather than what the layer before or the step before
+/// left there. (A cache slot is written at `pos` only; an attention that reads slot `pos` too early
+/// reads the step before's value there, which the golden check catches through its output.)
 fn poison(stack: &mut CpuStack) {
     let (b, cfg) = (&stack.buffers, &stack.cfg);
     for (addr, n) in [(b.q, cfg.q_dim()), (b.a, cfg.q_dim()), (b.x1, cfg.d), (b.act, cfg.ffn)] {
         stack.arena.write_bf16(addr as i64, &vec![bf16::NAN; n]);
+    }
+    for addr in [b.x1_part, b.down_part].into_iter().filter(|&a| a != 0) {
+        stack.arena.write_f32(addr as i64, &vec![f32::NAN; cfg.d]);
     }
 }
 
@@ -245,79 +289,99 @@ fn rows_times(arena: &Arena, w: i64, rows: Range<usize>, cols: usize, h: &[bf16]
     golden::gemv(&arena.bf16(w + (2 * rows.start * cols) as i64, rows.len() * cols), rows.len(), cols, h)
 }
 
+// The O projection's and Down's rows name their operands at the same words.
+const _: () = assert!(
+    oproj::W as usize == down::W as usize
+        && oproj::A as usize == down::Act as usize
+        && oproj::Cols as usize == down::Cols as usize
+        && oproj::PartIn as usize == down::PartIn as usize
+        && oproj::PartOut as usize == down::PartOut as usize
+);
+
+/// A part of a GEMV split by columns (the O projection's halves, the MLP's parts), rows `rows` of it,
+/// for layer `layer`: checks that the parts before left their partials of these rows in this layer,
+/// then leaves its own where it is not the last (the layer's number plus one in each row's partial, a
+/// mark no other layer or step leaves); the last computes the whole product of these rows from every
+/// part's columns (`cpu::product`, the golden model's rounding) and returns it.
+fn column_part(
+    stack: &mut CpuStack,
+    layer: usize,
+    phase: usize,
+    rows: Range<usize>,
+) -> Result<Option<Vec<bf16>>, String> {
+    let table = stack.layers[layer].table();
+    let resolved = |p: usize| program::resolve_row(&stack.program[p], &table);
+    let row = resolved(phase);
+    let (part_in, part_out) = (row[oproj::PartIn as usize], row[oproj::PartOut as usize]);
+    let mark = (layer + 1) as f32;
+    if part_in != 0 {
+        let left = stack.arena.f32(part_in + 4 * rows.start as i64, rows.len());
+        if left.iter().any(|&v| v != mark) {
+            return Err(format!("rows {rows:?} read partials the parts before had not left in this layer: {left:?}"));
+        }
+    }
+    if part_out != 0 {
+        stack.arena.write_f32(part_out + 4 * rows.start as i64, &vec![mark; rows.len()]);
+        return Ok(None);
+    }
+    // The chain of parts back to the first: each one's partials are the next one's input.
+    let mut chain = vec![phase];
+    while let Some(&last) = chain.last() {
+        let wanted = resolved(last)[oproj::PartIn as usize];
+        if wanted == 0 {
+            break;
+        }
+        let before = (0..last).rev().find(|&p| {
+            program::gemv_rows(&stack.program[p]).is_some() && resolved(p)[oproj::PartOut as usize] == wanted
+        });
+        chain.push(before.expect("a part's partials have a writer before it"));
+    }
+    let parts: Vec<(&Arena, Part)> = chain
+        .iter()
+        .rev()
+        .map(|&p| {
+            let r = resolved(p);
+            (&stack.arena, (r[oproj::W as usize], r[oproj::A as usize], r[oproj::Cols as usize] as usize))
+        })
+        .collect();
+    Ok(Some(cpu::product(&parts, rows)))
+}
+
 /// Task `t`: its units of its phase, reading the layer's input (`x` for layer 0, else the layer
-/// before's output) and writing its rows of the layer's output where it is Down's.
-fn run_task(stack: &mut CpuStack, t: &Task, x: &[bf16], outputs: &mut [Vec<bf16>], pos: usize) {
+/// before's output) and writing its rows of the layer's output where it is Down's last part.
+fn run_task(stack: &mut CpuStack, t: &Task, x: &[bf16], outputs: &mut [Vec<bf16>], pos: usize) -> Result<(), String> {
     let row = program::resolve_row(&stack.program[t.phase], &stack.layers[t.layer].table());
     let x_l = if t.layer == 0 { x.to_vec() } else { outputs[t.layer - 1].clone() };
-    let cfg = stack.cfg.clone();
-    let d = cfg.d;
+    let d = stack.cfg.d;
     let w = |i: usize| row[i];
     let u = t.units.clone();
-    let arena = &mut stack.arena;
     match Op::from_word(row[0]).expect("a compiled row") {
-        Op::Qkv => {
-            let h = golden::rmsnorm(
-                &x_l,
-                &arena.bf16(w(qkv::Norm as usize), d),
-                f32::from_bits(w(qkv::EpsBits as usize) as u32),
-            );
-            let rows = pairs(&u);
-            let y = rows_times(arena, w(qkv::W as usize), rows.clone(), d, &h);
-            // RoPE rotates within a pair of packed rows, all in this task: rotate whole vectors that
-            // hold this task's rows and keep only those.
-            let (mut q, mut k, mut v) =
-                (vec![bf16::ZERO; cfg.q_dim()], vec![bf16::ZERO; cfg.kv_dim()], vec![bf16::ZERO; cfg.kv_dim()]);
-            let mut mine = Vec::with_capacity(rows.len());
-            for (p, &value) in rows.clone().zip(&y) {
-                let (tensor, r) = qkv_source(&cfg, Groups::all(&cfg), p);
-                match tensor {
-                    Tensor::Wq => q[r] = value,
-                    Tensor::Wk => k[r] = value,
-                    _ => v[r] = value,
-                }
-                mine.push((tensor, r));
-            }
-            let (max_seq, half) = (cfg.max_seq_len, cfg.hd / 2);
-            let table = RopeTable {
-                cos: arena.f32(w(qkv::Cos as usize), max_seq * half),
-                sin: arena.f32(w(qkv::Sin as usize), max_seq * half),
-                half,
-            };
-            golden::rope(&mut q, cfg.n_q, cfg.hd, &table, pos);
-            golden::rope(&mut k, cfg.n_kv, cfg.hd, &table, pos);
-            for (tensor, r) in mine {
-                let slot = |r: usize| 2 * ((r / cfg.hd * max_seq + pos) * cfg.hd + r % cfg.hd) as i64;
-                match tensor {
-                    Tensor::Wq => arena.write_bf16(w(qkv::QOut as usize) + 2 * r as i64, &[q[r]]),
-                    Tensor::Wk => arena.write_bf16(w(qkv::KCache as usize) + slot(r), &[k[r]]),
-                    _ => arena.write_bf16(w(qkv::VCache as usize) + slot(r), &[v[r]]),
-                }
-            }
-        }
+        Op::Qkv => qkv_rows(stack, &row, &x_l, pairs(&u), pos),
         Op::Attention => {
-            // KV head h's slots and its group's query heads, as a layer of one KV head.
-            let (g, hd, per_head) = (cfg.group(), cfg.hd, cfg.max_seq_len * cfg.hd);
-            let one = sub_config(&cfg, g, 1);
+            // The row's KV heads from its first: each head's slots and its group's query heads, as a
+            // layer of one KV head.
+            let own = row_config(&stack.cfg, &row);
+            let (g, hd, per_head) = (own.group(), own.hd, own.max_seq_len * own.hd);
+            let one = sub_config(&own, g, 1);
+            let arena = &mut stack.arena;
             for h in u {
-                let at = |word: usize| w(word) + (2 * h * per_head) as i64;
-                let cache = KvCache {
-                    k: arena.bf16(at(attn::KCache as usize), per_head),
-                    v: arena.bf16(at(attn::VCache as usize), per_head),
-                };
+                let at = |word: attn::Word| w(word as usize) + (2 * h * per_head) as i64;
+                let cache =
+                    KvCache { k: arena.bf16(at(attn::KCache), per_head), v: arena.bf16(at(attn::VCache), per_head) };
                 let q = arena.bf16(w(attn::Q as usize) + (2 * h * g * hd) as i64, g * hd);
                 let a = golden::attention(&one, &q, &cache, pos);
                 arena.write_bf16(w(attn::AOut as usize) + (2 * h * g * hd) as i64, &a);
             }
         }
         Op::OProj => {
-            let (cols, rows) = (w(oproj::Cols as usize) as usize, pairs(&u));
-            let y =
-                rows_times(arena, w(oproj::W as usize), rows.clone(), cols, &arena.bf16(w(oproj::A as usize), cols));
-            let x1 = golden::add(&x_l[rows.clone()], &y);
-            arena.write_bf16(w(oproj::X1Out as usize) + 2 * rows.start as i64, &x1);
+            let rows = pairs(&u);
+            if let Some(y) = column_part(stack, t.layer, t.phase, rows.clone())? {
+                let x1 = golden::add(&x_l[rows.clone()], &y);
+                stack.arena.write_bf16(w(oproj::X1Out as usize) + 2 * rows.start as i64, &x1);
+            }
         }
         Op::GateUp => {
+            let arena = &mut stack.arena;
             let eps = f32::from_bits(w(gateup::EpsBits as usize) as u32);
             let h2 =
                 golden::rmsnorm(&arena.bf16(w(gateup::X1 as usize), d), &arena.bf16(w(gateup::Norm as usize), d), eps);
@@ -326,13 +390,52 @@ fn run_task(stack: &mut CpuStack, t: &Task, x: &[bf16], outputs: &mut [Vec<bf16>
             arena.write_bf16(w(gateup::ActOut as usize) + 2 * u.start as i64, &golden::silu_mul(&gate, &up));
         }
         Op::Down => {
-            let (cols, rows) = (w(down::Cols as usize) as usize, pairs(&u));
-            let y =
-                rows_times(arena, w(down::W as usize), rows.clone(), cols, &arena.bf16(w(down::Act as usize), cols));
-            let x1 = arena.bf16(w(down::X1 as usize) + 2 * rows.start as i64, rows.len());
-            outputs[t.layer][rows].copy_from_slice(&golden::add(&x1, &y));
+            let rows = pairs(&u);
+            if let Some(y) = column_part(stack, t.layer, t.phase, rows.clone())? {
+                let x1 = stack.arena.bf16(w(down::X1 as usize) + 2 * rows.start as i64, rows.len());
+                outputs[t.layer][rows].copy_from_slice(&golden::add(&x1, &y));
+            }
         }
         op => panic!("the block machine runs no {op:?} row"),
+    }
+    Ok(())
+}
+
+/// Packed rows `rows` of Qkv row `row` (its heads from its first, `row_config`) from input `x`: the
+/// projection, RoPE and the append at `pos`, as the golden model computes them.
+fn qkv_rows(stack: &mut CpuStack, row: &Row, x: &[bf16], rows: Range<usize>, pos: usize) {
+    let own = row_config(&stack.cfg, row);
+    let (d, hd, max_seq) = (own.d, own.hd, own.max_seq_len);
+    let w = |i: qkv::Word| row[i as usize];
+    let arena = &mut stack.arena;
+    let h = golden::rmsnorm(x, &arena.bf16(w(qkv::Norm), d), f32::from_bits(w(qkv::EpsBits) as u32));
+    let y = rows_times(arena, w(qkv::W), rows.clone(), d, &h);
+    // RoPE rotates within a pair of packed rows, all in this task: rotate whole vectors that hold this
+    // task's rows and keep only those.
+    let (mut q, mut k, mut v) =
+        (vec![bf16::ZERO; own.q_dim()], vec![bf16::ZERO; own.kv_dim()], vec![bf16::ZERO; own.kv_dim()]);
+    let mut mine = Vec::with_capacity(rows.len());
+    for (p, &value) in rows.zip(&y) {
+        let (tensor, r) = qkv_source(&own, Groups::all(&own), p);
+        match tensor {
+            Tensor::Wq => q[r] = value,
+            Tensor::Wk => k[r] = value,
+            _ => v[r] = value,
+        }
+        mine.push((tensor, r));
+    }
+    let half = hd / 2;
+    let table =
+        RopeTable { cos: arena.f32(w(qkv::Cos), max_seq * half), sin: arena.f32(w(qkv::Sin), max_seq * half), half };
+    golden::rope(&mut q, own.n_q, hd, &table, pos);
+    golden::rope(&mut k, own.n_kv, hd, &table, pos);
+    let slot = |r: usize| 2 * ((r / hd * max_seq + pos) * hd + r % hd) as i64;
+    for (tensor, r) in mine {
+        match tensor {
+            Tensor::Wq => arena.write_bf16(w(qkv::QOut) + 2 * r as i64, &[q[r]]),
+            Tensor::Wk => arena.write_bf16(w(qkv::KCache) + slot(r), &[k[r]]),
+            _ => arena.write_bf16(w(qkv::VCache) + slot(r), &[v[r]]),
+        }
     }
 }
 
@@ -342,7 +445,7 @@ mod tests {
 
     use super::*;
     use crate::cpu::checks::{self, built};
-    use crate::program::Plan;
+    use crate::program::{Forced, Plan};
 
     const ONE_ROLE: Plan = Plan { roles: 1, mlp_parts: 1 };
 
@@ -368,20 +471,56 @@ mod tests {
         checks::same_caches(&caches, |l| stack.cache(l))
     }
 
+    /// The plan of `roles` roles and `parts` MLP parts on `grid` blocks.
+    fn plan(cfg: &Config, grid: usize, roles: usize, parts: usize) -> Plan {
+        Plan::with(cfg, grid as u32, Forced { roles: Some(roles), mlp_parts: Some(parts) }).unwrap()
+    }
+
     /// Any interleaving of the blocks computes the golden step, with the program's phase-wide waits
-    /// and with attention waiting only for its KV heads' Qkv writers: on one block, on grids whose
-    /// blocks' rows straddle KV groups, and on the H200's 132.
+    /// and with attention waiting only for its KV heads' Qkv writers: one role and two, the MLP in one
+    /// to three parts, on one block, on grids whose blocks' rows straddle KV groups, and on the H200's
+    /// 132.
     #[test]
     fn every_interleaving_of_the_blocks_computes_the_golden_step() {
         let cfg = cfg();
-        for grid in [1, 5, 16, 132] {
-            let (mut stack, layers) = built(&cfg, grid as u32, ONE_ROLE, false);
-            for waits in [Waits::Phases, Waits::KvHeads] {
-                let graph = TaskGraph::compile(&stack.program, cfg.layers, &cfg, grid, waits);
-                against_golden(&mut stack, &layers, &graph, 6, grid as u64)
-                    .unwrap_or_else(|e| panic!("{grid} blocks, {waits:?}: {e}"));
+        for (roles, parts, grids) in
+            [(1, 1, &[1, 5, 16, 132][..]), (1, 3, &[5, 132]), (2, 2, &[5, 16, 132]), (2, 3, &[16])]
+        {
+            for &grid in grids {
+                let (mut stack, layers) = built(&cfg, grid as u32, plan(&cfg, grid, roles, parts), false);
+                for waits in [Waits::Phases, Waits::KvHeads] {
+                    let graph = TaskGraph::compile(&stack.program, cfg.layers, &cfg, grid, waits);
+                    against_golden(&mut stack, &layers, &graph, 4, grid as u64)
+                        .unwrap_or_else(|e| panic!("{roles} roles, {parts} parts, {grid} blocks, {waits:?}: {e}"));
+                }
             }
         }
+    }
+
+    /// The checks of partial sums can fail: the O projection's second half without its wait for the
+    /// first, or Down's second part on other rows than the first's on a block (whose partials then
+    /// come from a block no wait orders before it), reads partials not yet left in some interleaving.
+    #[test]
+    fn a_part_that_reads_partials_not_yet_left_is_caught() {
+        let cfg = cfg();
+        let (mut stack, layers) = built(&cfg, 16, plan(&cfg, 16, 2, 2), false);
+        let of = |op: Op, stack: &CpuStack| -> Vec<usize> {
+            (0..stack.program.len()).filter(|&p| stack.program[p][0] == op as i64).collect()
+        };
+        let (oprojs, downs) = (of(Op::OProj, &stack), of(Op::Down, &stack));
+        let program = stack.program.clone();
+        assert!(program[oprojs[1]][WAITS_WORD] >> oprojs[0] & 1 == 1);
+        stack.program[oprojs[1]][WAITS_WORD] &= !(1 << oprojs[0]);
+        let graph = TaskGraph::compile(&stack.program, cfg.layers, &cfg, 16, Waits::Phases);
+        let e = against_golden(&mut stack, &layers, &graph, 24, 3).unwrap_err();
+        assert!(e.contains("read partials the parts before had not left"), "{e}");
+        stack.program = program;
+        let mut blocks = Blocks::of(&stack.program[downs[1]]);
+        blocks.count -= 1;
+        stack.program[downs[1]][program::BLOCKS_WORD] = blocks.word();
+        let graph = TaskGraph::compile(&stack.program, cfg.layers, &cfg, 16, Waits::Phases);
+        let e = against_golden(&mut stack, &layers, &graph, 24, 4).unwrap_err();
+        assert!(e.contains("read partials the parts before had not left"), "{e}");
     }
 
     /// Narrowed, an attention task waits on its own KV groups' counters, each for every Qkv task that

@@ -117,7 +117,7 @@ impl SplitCpu {
         let parts: Vec<Vec<cpu::Part>> = self.gpus.iter_mut().map(|g| g.take_parts(w(reduce::Parts))).collect();
         let all: Vec<(&Arena, cpu::Part)> =
             self.gpus.iter().zip(&parts).flat_map(|(g, ps)| ps.iter().map(move |&p| (&g.arena, p))).collect();
-        let y = cpu::product(&all, rows);
+        let y = cpu::product(&all, 0..rows);
         let residual = match w(reduce::Residual) {
             0 => x.to_vec(),
             at => {
