@@ -1,4 +1,4 @@
-//! A step as the grid's blocks run it, task by task (issue 47's dataflow graph, on the CPU first).
+//! A step as the grid's blocks run it, task by task: the dataflow plan of docs/perf.md, on the CPU first.
 //!
 //! Each block walks its own list of tasks in a fixed order. A task is one block's share of one phase
 //! of one layer (its rows of a GEMV, its KV heads of attention); it waits until counters reach

@@ -755,7 +755,7 @@ pub fn describe(cfg: &Config, plan: Plan, rows: &[Row], pos: usize) -> String {
 }
 
 /// Phases on a layer's longest chain of [`dependencies`]: the hand-offs a token pays in every layer
-/// whatever its bytes, the count the dataflow work (issue 47) is to cut. A phase depends only on
+/// whatever its bytes, the count the dataflow plan (docs/perf.md) is to cut. A phase depends only on
 /// phases before it, so one pass in row order finds it.
 pub fn longest_chain(rows: &[Row]) -> usize {
     let after = dependencies(rows, 1);
