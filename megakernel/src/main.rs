@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use cuda::{Context, Device};
 use megakernel::Trace;
 use megakernel::batch::BatchGemv;
-use megakernel::model::{CpuModel, GpuModel, Lane, ModelConfig, ModelWeights, Stop, Text, argmax, gpu};
+use megakernel::model::{CpuModel, GpuModel, Lane, MAX_EOS, ModelConfig, ModelWeights, Stop, Text, argmax, gpu};
 use spec::rng::{bits, stream_key};
 
 #[derive(Parser)]
@@ -254,8 +254,8 @@ fn summary(cfg: &ModelConfig, model: &GpuModel) -> String {
 fn generate(args: &ModelArgs, prompt: &str, max_new: usize) -> Result<(), Failure> {
     let text = Text::read(&args.model)?;
     let (dev, mut model, cfg, _) = load(args, 1, |cfg| match cfg.eos.len() {
-        n if n > gpu::MAX_EOS => {
-            Err(format!("config.json names {n} end-of-sequence tokens; the kernel stops at {}", gpu::MAX_EOS).into())
+        n if n > MAX_EOS => {
+            Err(format!("config.json names {n} end-of-sequence tokens; the kernel stops at {}", MAX_EOS).into())
         }
         _ => Ok(()),
     })?;

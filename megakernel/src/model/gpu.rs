@@ -17,16 +17,13 @@ use spec::bytes::ByteModel;
 use submission::{Layer, SubmissionError, device_address};
 
 use super::hf::{ModelConfig, ModelWeights};
-use super::request::{Limits, Stop};
+use super::request::{Lane, Limits, MAX_EOS, Stop};
 use super::together::generate_together;
 use crate::kernels::model::MODEL;
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
 use crate::program;
 use crate::stack::{CompiledStack, ProgramParam, StackOptions, Target, fit_one_block, rows_beside};
 use crate::trace::Trace;
-
-/// End-of-sequence tokens a launch stops at, at most (the kernel's `MODEL_MAX_EOS`).
-pub const MAX_EOS: usize = 4;
 
 /// Lanes of a batch step at most (the kernel's `MAX_BATCH`).
 pub const MAX_BATCH: usize = crate::MAX_BATCH;
@@ -83,21 +80,6 @@ const _: () = assert!(std::mem::size_of::<BatchArgs>() == BATCH_ARGS_BYTES);
 // SAFETY: plain old data of the layout `struct BatchArgs` declares (three 8-byte words, then u32 words,
 // the last padding made explicit; checked by the size above).
 unsafe impl DeviceRepr for BatchArgs {}
-
-/// One lane of a batch step: `token` at position `pos` of sequence `seq`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Lane {
-    pub seq: usize,
-    pub token: u32,
-    pub pos: usize,
-}
-
-impl Lane {
-    /// The lanes of a chunk of sequence `seq`'s prompt: `tokens` at positions `pos0, pos0 + 1, ...`.
-    pub fn chunk(seq: usize, pos0: usize, tokens: &[u32]) -> Vec<Lane> {
-        tokens.iter().enumerate().map(|(i, &token)| Lane { seq, token, pos: pos0 + i }).collect()
-    }
-}
 
 /// Why `lanes` cannot be one batch step of a model of `sequences` sequences, `context` positions and
 /// `vocab` tokens; `None` when they can. Lanes of one sequence must hold consecutive positions in lane

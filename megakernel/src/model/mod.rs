@@ -18,9 +18,9 @@ pub mod text;
 pub mod together;
 
 pub use cpu::{CpuModel, argmax};
-pub use gpu::{Generation, GpuModel, GpuModelError, Lane};
+pub use gpu::{Generation, GpuModel, GpuModelError};
 pub use hf::{Element, ModelConfig, ModelError, ModelWeights};
-pub use request::{Limits, Stop};
+pub use request::{Lane, Limits, MAX_EOS, Stop};
 pub use text::Text;
 pub use together::{check_together, generate_together};
 

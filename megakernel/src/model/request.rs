@@ -1,9 +1,27 @@
 //! What a model's decode step and generation take, the same on both executors (the GPU's model kernel
 //! and the CPU model the Python binding also runs): tokens within the vocabulary, positions and prompts
 //! within the caches, a new token at least, at most [`MAX_EOS`] end-of-sequence tokens; refused in the
-//! same words wherever they are asked for. And why a generation stopped, read from its tokens.
+//! same words wherever they are asked for; a batch step's lanes. And why a generation stopped, read
+//! from its tokens.
 
-use super::gpu::MAX_EOS;
+/// End-of-sequence tokens a launch stops at, at most (the kernel's `MODEL_MAX_EOS`, which
+/// `gpu.rs`'s tests check).
+pub const MAX_EOS: usize = 4;
+
+/// One lane of a batch step: `token` at position `pos` of sequence `seq`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lane {
+    pub seq: usize,
+    pub token: u32,
+    pub pos: usize,
+}
+
+impl Lane {
+    /// The lanes of a chunk of sequence `seq`'s prompt: `tokens` at positions `pos0, pos0 + 1, ...`.
+    pub fn chunk(seq: usize, pos0: usize, tokens: &[u32]) -> Vec<Lane> {
+        tokens.iter().enumerate().map(|(i, &token)| Lane { seq, token, pos: pos0 + i }).collect()
+    }
+}
 
 /// A model's vocabulary and the depth of its caches.
 #[derive(Debug, Clone, Copy)]

@@ -4,7 +4,7 @@
 //! is bitwise its own decode step's); each sequence stops as `generate` stops it. So the tokens are those
 //! of each prompt's own generation, and the weights stream once a step for all of them.
 
-use super::gpu::Lane;
+use super::request::Lane;
 use super::request::{Limits, Stop};
 
 /// What generations of `prompts` together may ask for: 1 to `sequences` prompts, each a generation
