@@ -235,9 +235,16 @@ fn load(
 
 fn summary(cfg: &ModelConfig, model: &GpuModel) -> String {
     let l = &cfg.layer;
+    // A quantised checkpoint's weights were dequantised on load: say which bytes a floor counts.
+    let weights = match cfg.quantized {
+        None => String::new(),
+        Some(q) => {
+            format!("\nweights: {} read into bf16; the kernel streams bf16, so a floor counts bf16's bytes", q.name())
+        }
+    };
     format!(
         "model: {} layers, d {}, ffn {}, {} heads / {} KV heads of {}, vocab {}, {} head; caches of {} positions\n\
-         program: {}",
+         program: {}{weights}",
         l.layers,
         l.d,
         l.ffn,
