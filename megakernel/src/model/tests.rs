@@ -669,30 +669,40 @@ fn fp8_tensors_out_of_place_are_refused_naming_them() {
     assert!(text.contains("dtype F8_E4M3: bitsandbytes nf4 stores its weights in U8"), "{text}");
 }
 
-/// The nf4 fixture in two shards that part weights from their parts both ways (q_proj's parts in the
-/// second, down_proj's codes there and its parts in the first): it reads as the one file does.
+/// Each quantised fixture in two shards that part weights from their parts both ways (q_proj's parts
+/// in the second, down_proj's codes there and its parts in the first): it reads as the one file does.
 #[test]
-fn an_nf4_weights_parts_are_found_in_another_shard() {
-    let checkpoint = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nf4-double/checkpoint");
-    let bytes = std::fs::read(checkpoint.join("model.safetensors")).unwrap();
-    let whole = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let second =
-        |name: &str| name.contains("self_attn.q_proj.weight.") || name == "model.layers.0.mlp.down_proj.weight";
-    let dir = scratch("nf4-shards");
-    std::fs::copy(checkpoint.join("config.json"), dir.join("config.json")).unwrap();
-    let mut weight_map = serde_json::Map::new();
-    for (file, in_second) in [("model-00001-of-00002.safetensors", false), ("model-00002-of-00002.safetensors", true)] {
-        let views: Vec<(String, TensorView<'_>)> =
-            whole.tensors().into_iter().filter(|(name, _)| second(name) == in_second).collect();
-        for (name, _) in &views {
-            weight_map.insert(name.clone(), json!(file));
+fn a_quantised_weights_parts_are_found_in_another_shard() {
+    for (variant, q_parts) in [("nf4-double", "self_attn.q_proj.weight."), ("fp8", "self_attn.q_proj.weight_scale_inv")]
+    {
+        let checkpoint = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(variant).join("checkpoint");
+        let bytes = std::fs::read(checkpoint.join("model.safetensors")).unwrap();
+        let whole = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let second = |name: &str| name.contains(q_parts) || name == "model.layers.0.mlp.down_proj.weight";
+        assert!(whole.names().iter().any(|n| n.contains(q_parts)), "{variant}: q_proj has parts");
+        let dir = scratch(&format!("{variant}-shards"));
+        std::fs::copy(checkpoint.join("config.json"), dir.join("config.json")).unwrap();
+        let mut weight_map = serde_json::Map::new();
+        for (file, in_second) in
+            [("model-00001-of-00002.safetensors", false), ("model-00002-of-00002.safetensors", true)]
+        {
+            let views: Vec<(String, TensorView<'_>)> =
+                whole.tensors().into_iter().filter(|(name, _)| second(name) == in_second).collect();
+            for (name, _) in &views {
+                weight_map.insert(name.clone(), json!(file));
+            }
+            std::fs::write(dir.join(file), safetensors::serialize(views, None::<HashMap<String, String>>).unwrap())
+                .unwrap();
         }
-        std::fs::write(dir.join(file), safetensors::serialize(views, None::<HashMap<String, String>>).unwrap())
-            .unwrap();
+        let index = json!({ "weight_map": weight_map }).to_string();
+        std::fs::write(dir.join("model.safetensors.index.json"), index).unwrap();
+        let cfg = ModelConfig::read(&checkpoint).unwrap();
+        assert_eq!(
+            ModelWeights::read(&dir, &cfg).unwrap(),
+            ModelWeights::read(&checkpoint, &cfg).unwrap(),
+            "{variant}"
+        );
     }
-    std::fs::write(dir.join("model.safetensors.index.json"), json!({ "weight_map": weight_map }).to_string()).unwrap();
-    let cfg = ModelConfig::read(&checkpoint).unwrap();
-    assert_eq!(ModelWeights::read(&dir, &cfg).unwrap(), ModelWeights::read(&checkpoint, &cfg).unwrap());
 }
 
 /// A Llama config whose `quantization_config` is `base` with `changes` made.
