@@ -5,11 +5,14 @@ checkpoints of real models' shapes written by `save_pretrained` (no downloads).
 
 transformers' figure is (T(1 + N tokens) - T(1 token)) / N over greedy generations forced to their
 length, the median of three after warm-up: the decode steps alone, its prefill and set-up left out;
-"compiled" is `generate`'s own torch.compile of the forward, which a static cache turns on.
+"compiled" is `generate`'s own torch.compile of the forward, which a static cache turns on. With --nf4
+each checkpoint is loaded by transformers with bitsandbytes nf4 and saved again: transformers decodes
+through bitsandbytes, and the megakernel reads the saved folder (its weights dequantised to bf16 on
+load, so its floor is bf16's).
 
-    python3 scripts/hf-speed.py [PATH_TO_megakernel] [--sizes llama-3.2-1b,llama-3.1-8b] [--tokens 128] [--out DIR]
+    python3 scripts/hf-speed.py [PATH_TO_megakernel] [--sizes llama-3.2-1b,llama-3.1-8b] [--tokens 128] [--out DIR] [--nf4]
 
-Needs torch and transformers and an H100/H200.
+Needs torch and transformers and an H100/H200, and bitsandbytes for --nf4.
 """
 import argparse
 import subprocess
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hf_checkpoints import SIZES, speed_checkpoint, time_generate
+from hf_checkpoints import SIZES, nf4_checkpoint, speed_checkpoint, time_generate
 
 
 def main():
@@ -29,6 +32,7 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--no-compile", action="store_true", help="skip the compiled figure (compiling takes minutes)")
     p.add_argument("--megakernel-only", action="store_true", help="write the checkpoints and bench only the megakernel")
+    p.add_argument("--nf4", action="store_true", help="each checkpoint in bitsandbytes nf4, on both sides")
     args = p.parse_args()
     unknown = [n for n in args.sizes.split(",") if n not in SIZES]
     if unknown:
@@ -36,11 +40,16 @@ def main():
     root = Path(args.out or tempfile.mkdtemp(prefix="hf-speed-"))
     rows = []
     for name in args.sizes.split(","):
-        out = root / name
+        out, label = root / name, f"{name}-nf4" if args.nf4 else name
         model = speed_checkpoint(name, out)
+        if args.nf4:
+            del model
+            torch.cuda.empty_cache()
+            out, dense = root / f"{name}-nf4", out
+            model = nf4_checkpoint(dense, out, "cuda")
         run = subprocess.run([args.binary, "bench", "--model", str(out), "--tokens", str(args.tokens)],
                              capture_output=True, text=True)
-        print(f"== megakernel bench --model {name} --tokens {args.tokens} (rc {run.returncode})\n{run.stdout}{run.stderr}",
+        print(f"== megakernel bench --model {label} --tokens {args.tokens} (rc {run.returncode})\n{run.stdout}{run.stderr}",
               flush=True)
         if not args.megakernel_only:
             eager = time_generate(model, args.tokens, compiled=False)
@@ -49,15 +58,15 @@ def main():
                 try:
                     compiled = time_generate(model, args.tokens, compiled=True)
                 except Exception as e:  # report and go on: the other figures still stand
-                    print(f"{name}: compiled generate failed: {type(e).__name__}: {e}")
-            rows.append((name, eager, compiled))
-            print(f"{name}: transformers static cache {eager:.3f} ms/token, compiled "
+                    print(f"{label}: compiled generate failed: {type(e).__name__}: {e}")
+            rows.append((label, eager, compiled))
+            print(f"{label}: transformers static cache {eager:.3f} ms/token, compiled "
                   f"{'-' if compiled is None else f'{compiled:.3f}'} ms/token", flush=True)
         del model
         torch.cuda.empty_cache()
-    print(f"{'model':<16} {'transformers static':>20} {'+ torch.compile':>16}")
-    for name, eager, compiled in rows:
-        print(f"{name:<16} {eager:>20.3f} {'-' if compiled is None else f'{compiled:.3f}':>16}")
+    print(f"{'model':<20} {'transformers static':>20} {'+ torch.compile':>16}")
+    for label, eager, compiled in rows:
+        print(f"{label:<20} {eager:>20.3f} {'-' if compiled is None else f'{compiled:.3f}':>16}")
 
 
 if __name__ == "__main__":

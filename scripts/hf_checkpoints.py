@@ -107,7 +107,7 @@ def agreement_checkpoint(name, out):
 def nf4_checkpoint(dense, out, device):
     """The bf16 checkpoint `dense` loaded by transformers with bitsandbytes nf4 (double quantisation:
     both kinds of scale are read) onto `device` and saved into `out` with its tokenizer, as a user
-    saves a model loaded in 4 bits."""
+    saves a model loaded in 4 bits; returns the loaded model."""
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16, quantization_config=quant,
@@ -115,16 +115,20 @@ def nf4_checkpoint(dense, out, device):
     model.save_pretrained(out)
     if (dense / "tokenizer.json").exists():
         shutil.copy(dense / "tokenizer.json", out / "tokenizer.json")
+    return model
 
 
 def fp8_block(shape):
-    """The largest of 128 x 128 and 64 x 64 that tiles every projection of shape (SHAPES' form): a
-    block that does not tile a weight leaves it unquantised with a stray scale, which the loader
+    """The largest square block of 128, 64 or 32 that tiles every projection of shape (SHAPES' form):
+    a block that does not tile a weight leaves it unquantised with a stray scale, which the loader
     refuses (megakernel/src/model/quantized)."""
     d, ffn, _, heads, kv, *_, head_dim = shape
     head = head_dim if isinstance(head_dim, int) else d // heads
     sizes = (d, ffn, heads * head, kv * head)
-    return next((b, b) for b in (128, 64, 32) if all(n % b == 0 for n in sizes))
+    for b in (128, 64, 32):
+        if all(n % b == 0 for n in sizes):
+            return (b, b)
+    raise ValueError(f"no block of 128, 64 or 32 tiles the projections {sizes}")
 
 
 def fp8_checkpoint(dense, out, block, scale_fmt="float"):
