@@ -18,12 +18,20 @@
 //   fused     not bitwise: each vector's codes' values dotted with x in f32, the sum times the absmax
 //             (no rounding to bf16): what the rounding costs, and its outputs' largest relative
 //             difference from bf16's.
+// And for fp8 (the step beyond nf4: e4m3 weights, an f32 scale a block of 128 x 128, as transformers'
+// FineGrainedFP8Config and Qwen3's FP8 checkpoints store them; half of bf16's bytes), against the bf16
+// GEMV over the loader's weights of the same codes (each code's value times its block's scale in f32,
+// rounded once to bf16):
+//   fp8-round each pair of codes made f16 by one conversion (sm_89 and later), widened, times the
+//             block's scale, rounded to bf16, then dot8: bitwise bf16's;
+//   fp8-fused not bitwise: each vector's values dotted with x in f32, the sum times the scale.
 // Each launch reads every copy of a shape (over 512 MB of packed weights, far past the 60 MB L2); the
 // read rate is a plain 16-byte stream over the bf16 copies. Build and run on the GPU:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I kernels/include -o nf4_gemv scripts/probes/nf4_gemv.cu && ./nf4_gemv
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <type_traits>
 #include <vector>
@@ -35,9 +43,12 @@ constexpr int BLOCK_WARPS = THREADS / WARP;
 constexpr int BLOCKS_PER_SM = 2;
 constexpr int NF4_BLOCK = 64;                       // weights per absmax (bitsandbytes' usual blocksize)
 constexpr int VECS_PER_ABSMAX = NF4_BLOCK / VEC;    // 16-byte vectors (8 weights) per absmax
+constexpr int FP8_BLOCK = 128;                      // rows and columns an fp8 scale covers
+constexpr int VECS_PER_SCALE = FP8_BLOCK / VEC;     // 16-byte bf16 vectors (8 weights) a scale covers in a row
 constexpr size_t PACKED_TARGET = 512ull << 20;      // packed bytes a launch reads, at least
 constexpr int IN_FLIGHT_BYTES = 32 << 10;           // bytes a block loads before it computes, at most
 constexpr int MAX_LOADS = 16;                       // vectors a thread loads before it computes, at most
+constexpr int MAX_HELD_BYTES = 160;                 // bytes of loads a thread holds before it computes, at most
 constexpr int REPS = 20;
 
 // bitsandbytes' NF4 code values, code 0 to 15.
@@ -178,16 +189,80 @@ struct Fused : Nf4 {
     }
 };
 
-enum class Kind { Bf16, Codebook, Pairs, Fused };
-constexpr const char* NAMES[] = {"bf16", "codebook", "pairs", "fused"};
+// Two e4m3 codes (the first in the low byte) as f32, exactly: one conversion to f16x2, widened.
+__device__ __forceinline__ float2 e4m3x2(uint32_t pair) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)pair, __NV_E4M3);
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// The loader's fp8 weights of a pair of codes: each value times the block's scale in f32, rounded once
+// to bf16.
+__device__ __forceinline__ bf162 fp8_weights2(uint32_t pair, float scale) {
+    const float2 v = e4m3x2(pair);
+    return __floats2bfloat162_rn(__fmul_rn(v.x, scale), __fmul_rn(v.y, scale));
+}
+
+struct Fp8 {
+    static constexpr int BYTES = 8;  // plus a scale per 16 vectors of a row and 128 rows, read through L1
+    struct Raw {
+        uint2 codes;
+        float scale;
+    };
+    struct Rows {
+        const uint2* codes;
+        const float* scales;  // the whole matrix's: a row's block row is (r0 + i) / FP8_BLOCK
+        int vecs, r0;
+        __device__ Raw load(int i, int v) const {
+            const float* block_row = scales + (size_t)((r0 + i) / FP8_BLOCK) * (vecs / VECS_PER_SCALE);
+            return {__ldcs(codes + (size_t)i * vecs + v), __ldg(block_row + v / VECS_PER_SCALE)};
+        }
+    };
+    const uint2* codes;
+    const float* scales;
+    int vecs;
+    __device__ Rows at(int r0) const { return {codes + (size_t)r0 * vecs, scales, vecs, r0}; }
+};
+
+struct Fp8Rounded : Fp8 {
+    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc, const Tables&) const {
+        uint4 w;
+        bf162* h = reinterpret_cast<bf162*>(&w);
+        h[0] = fp8_weights2(raw.codes.x & 0xFFFF, raw.scale);
+        h[1] = fp8_weights2(raw.codes.x >> 16, raw.scale);
+        h[2] = fp8_weights2(raw.codes.y & 0xFFFF, raw.scale);
+        h[3] = fp8_weights2(raw.codes.y >> 16, raw.scale);
+        return dot8f(w, x, acc);
+    }
+};
+
+struct Fp8Fused : Fp8 {
+    __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc, const Tables&) const {
+        const uint32_t pairs[4] = {raw.codes.x & 0xFFFF, raw.codes.x >> 16, raw.codes.y & 0xFFFF, raw.codes.y >> 16};
+        float part = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 v = e4m3x2(pairs[j]);
+            part = fmaf(v.x, x[2 * j], part);
+            part = fmaf(v.y, x[2 * j + 1], part);
+        }
+        return fmaf(part, raw.scale, acc);
+    }
+};
+
+enum class Kind { Bf16, Codebook, Pairs, Fused, Fp8Rounded, Fp8Fused };
+constexpr int KINDS = 6;
+constexpr const char* NAMES[KINDS] = {"bf16", "codebook", "pairs", "fused", "fp8-round", "fp8-fused"};
 
 // y = W x for rows [0, rows) of W, a block taking an even share of them, ROWS at a time: every load of
 // those rows issued before any product, each row's sum in the megakernel's order.
 template <int VPT, typename W>
 __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) gemv(W w, const uint4* x, float* y, int rows) {
-    // IN_FLIGHT_BYTES a block, within MAX_LOADS loads a thread (more spilled at 128 registers).
+    // IN_FLIGHT_BYTES a block, within MAX_LOADS loads and MAX_HELD_BYTES of them a thread (more spilled
+    // at 128 registers: fp8's 12 bytes a vector, its codes and scale, at two rows of 7 vectors).
     constexpr int BY_BYTES = IN_FLIGHT_BYTES / (W::BYTES * VPT * THREADS), BY_LOADS = MAX_LOADS / VPT;
-    constexpr int ROWS = BY_BYTES < 1 ? 1 : BY_BYTES < BY_LOADS ? BY_BYTES : BY_LOADS;
+    constexpr int BY_HELD = MAX_HELD_BYTES / ((int)sizeof(typename W::Raw) * VPT);
+    constexpr int BY_REGS = BY_LOADS < BY_HELD ? BY_LOADS : BY_HELD;
+    constexpr int ROWS = BY_BYTES < 1 || BY_REGS < 1 ? 1 : BY_BYTES < BY_REGS ? BY_BYTES : BY_REGS;
     static_assert(THREADS == 256, "one thread per entry of the byte table");
     __shared__ float red[ROWS][BLOCK_WARPS];
     const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
@@ -280,6 +355,30 @@ __global__ void dequantise(const uint32_t* codes, const float* absmax, uint4* de
     }
 }
 
+// Random e4m3 codes (NaN's two codes replaced by 448's) and scales in [0.0005, 0.0015): weights up to
+// about 0.7, as the nf4 data's; then the loader's bf16 weights of them.
+__global__ void fill_fp8(uint2* codes, float* scales, size_t vectors, size_t n_scales, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < vectors; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t r = mix(seed ^ i);
+        for (int b = 0; b < 8; ++b) {
+            if (((r >> (8 * b)) & 0x7F) == 0x7F) r ^= 1ull << (8 * b);  // 0x7F and 0xFF are NaN: 0x7E, 0xFE instead
+        }
+        codes[i] = make_uint2((uint32_t)r, (uint32_t)(r >> 32));
+        if (i < n_scales) scales[i] = 0.0005f + 0.001f * (float)(mix(~seed ^ i) >> 40) / (float)(1ull << 24);
+    }
+}
+
+__global__ void dequantise_fp8(const uint2* codes, const float* scales, uint4* dequant, size_t vectors, int vecs) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < vectors; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = i / vecs, v = i % vecs;
+        const float scale = scales[row / FP8_BLOCK * (vecs / VECS_PER_SCALE) + v / VECS_PER_SCALE];
+        const uint2 c = codes[i];
+        bf162 h[4] = {fp8_weights2(c.x & 0xFFFF, scale), fp8_weights2(c.x >> 16, scale), fp8_weights2(c.y & 0xFFFF, scale),
+                      fp8_weights2(c.y >> 16, scale)};
+        dequant[i] = *reinterpret_cast<uint4*>(h);
+    }
+}
+
 // The read rate's stream: every 16-byte vector summed (so the loads are not dropped).
 __global__ void read_stream(const uint4* p, size_t n, uint32_t* sink) {
     uint32_t s = 0;
@@ -323,26 +422,52 @@ float time_us(F f) {
     return ms * 1e3f / REPS;
 }
 
+// A shape's weights in every form the variants read: the bf16 reference's (the loader's weights of
+// the nf4 codes, or of the fp8 codes), the nf4 codes and absmax, the fp8 codes and scales.
+struct Data {
+    const uint4* dequant;
+    const uint32_t* codes;
+    const float* absmax;
+    const uint2* codes8;
+    const float* scales;
+};
+
 template <int VPT>
-void launch(Kind kind, const uint4* dequant, const uint32_t* codes, const float* absmax, const uint4* x, float* y, int rows, int vecs, int grid) {
-    const Nf4 n{codes, absmax, vecs};
+void launch(Kind kind, const Data& d, const uint4* x, float* y, int rows, int vecs, int grid) {
+    const Nf4 n{d.codes, d.absmax, vecs};
+    const Fp8 f{d.codes8, d.scales, vecs};
     switch (kind) {
-        case Kind::Bf16: gemv<VPT><<<grid, THREADS>>>(Bf16{dequant, vecs}, x, y, rows); break;
+        case Kind::Bf16: gemv<VPT><<<grid, THREADS>>>(Bf16{d.dequant, vecs}, x, y, rows); break;
         case Kind::Codebook: gemv<VPT><<<grid, THREADS>>>(Codebook{n}, x, y, rows); break;
         case Kind::Pairs: gemv<VPT><<<grid, THREADS>>>(Pairs{n}, x, y, rows); break;
         case Kind::Fused: gemv<VPT><<<grid, THREADS>>>(Fused{n}, x, y, rows); break;
+        case Kind::Fp8Rounded: gemv<VPT><<<grid, THREADS>>>(Fp8Rounded{f}, x, y, rows); break;
+        case Kind::Fp8Fused: gemv<VPT><<<grid, THREADS>>>(Fp8Fused{f}, x, y, rows); break;
     }
 }
 
 // VPT for rows of `vecs` vectors: the loops unroll at compile time.
-void launch_any(Kind kind, const uint4* dequant, const uint32_t* codes, const float* absmax, const uint4* x, float* y, int rows, int vecs, int grid) {
+void launch_any(Kind kind, const Data& d, const uint4* x, float* y, int rows, int vecs, int grid) {
     switch ((vecs + THREADS - 1) / THREADS) {
-        case 1: launch<1>(kind, dequant, codes, absmax, x, y, rows, vecs, grid); break;
-        case 2: launch<2>(kind, dequant, codes, absmax, x, y, rows, vecs, grid); break;
-        case 4: launch<4>(kind, dequant, codes, absmax, x, y, rows, vecs, grid); break;
-        case 7: launch<7>(kind, dequant, codes, absmax, x, y, rows, vecs, grid); break;
+        case 1: launch<1>(kind, d, x, y, rows, vecs, grid); break;
+        case 2: launch<2>(kind, d, x, y, rows, vecs, grid); break;
+        case 4: launch<4>(kind, d, x, y, rows, vecs, grid); break;
+        case 7: launch<7>(kind, d, x, y, rows, vecs, grid); break;
         default: printf("no instance for %d vectors a row\n", vecs);
     }
+}
+
+// The verdict of outputs `got` against the reference's: bitwise, or how many differ and by how much.
+void verdict(const std::vector<float>& got, const std::vector<float>& want, char (&text)[96]) {
+    size_t differ = 0;
+    double worst = 0;
+    for (size_t r = 0; r < got.size(); ++r) {
+        if (memcmp(&got[r], &want[r], 4) != 0) ++differ;
+        const double d = fabs((double)got[r] - want[r]) / (fabs((double)want[r]) + 1e-6);
+        worst = d > worst || d != d ? d : worst;
+    }
+    if (differ == 0) snprintf(text, sizeof text, "bitwise equal");
+    else snprintf(text, sizeof text, "%zu of %zu differ, worst %.1e relative", differ, got.size(), worst);
 }
 
 int main() {
@@ -359,59 +484,60 @@ int main() {
     printf("%-11s %-9s %10s %10s %10s  %s\n", "shape", "variant", "us", "TB/s read", "x floor", "outputs against bf16's");
     for (const Shape& s : shapes) {
         const int vecs = s.cols / VEC;
-        if (vecs % THREADS != 0) {
-            printf("%s: rows of %d vectors, not a multiple of %d: the probe's loops take whole ones\n", s.name, vecs, THREADS);
+        if (vecs % THREADS != 0 || s.rows % FP8_BLOCK != 0) {
+            printf("%s: rows of %d vectors, not a multiple of %d, or %d rows, not of %d: the probe takes whole ones\n", s.name, vecs, THREADS,
+                   s.rows, FP8_BLOCK);
             return 1;
         }
         const size_t per_copy = (size_t)s.rows * vecs * (4 + 4.0 / VECS_PER_ABSMAX);
         const int copies = (int)((PACKED_TARGET + per_copy - 1) / per_copy);
         const int rows = s.rows * copies;
-        const size_t vectors = (size_t)rows * vecs;
+        const size_t vectors = (size_t)rows * vecs, n_scales = (size_t)rows / FP8_BLOCK * (vecs / VECS_PER_SCALE);
         uint32_t* codes = nullptr;
-        float *absmax = nullptr, *y = nullptr;
+        uint2* codes8 = nullptr;
+        float *absmax = nullptr, *scales = nullptr, *y = nullptr;
         uint4 *dequant = nullptr, *x = nullptr;
         CHECK(cudaMalloc(&codes, vectors * 4));
         CHECK(cudaMalloc(&absmax, vectors / VECS_PER_ABSMAX * 4));
+        CHECK(cudaMalloc(&codes8, vectors * 8));
+        CHECK(cudaMalloc(&scales, n_scales * 4));
         CHECK(cudaMalloc(&dequant, vectors * 16));
         CHECK(cudaMalloc(&x, vecs * 16));
-        CHECK(cudaMalloc(&y, (size_t)rows * 4 * 4));  // one output per variant
+        CHECK(cudaMalloc(&y, (size_t)rows * 4));
+        const Data data{dequant, codes, absmax, codes8, scales};
         fill<<<sms * 8, 256>>>(codes, absmax, x, vectors, vecs, 0x5EED ^ s.rows);
         dequantise<<<sms * 8, 256>>>(codes, absmax, dequant, vectors);
         CHECK(cudaDeviceSynchronize());
         // The read rate over the bf16 copies, and each variant's floor at it: its bytes over that rate.
         const float read_us = time_us([&] { read_stream<<<sms * 4, 512>>>(dequant, vectors, sink); });
         const double read_rate = vectors * 16.0 / (read_us * 1e-6);
-        const double bytes[] = {vectors * 16.0, (double)per_copy * copies, (double)per_copy * copies, (double)per_copy * copies};
-        std::vector<float> out[4];
-        for (int k = 0; k < 4; ++k) {
-            const Kind kind = (Kind)k;
-            float* yk = y + (size_t)rows * k;
-            CHECK(cudaMemset(yk, 0xFF, (size_t)rows * 4));  // NaN: a row the kernel skipped shows
-            const float us = time_us([&] { launch_any(kind, dequant, codes, absmax, x, yk, rows, vecs, grid); });
-            CHECK(cudaGetLastError());
-            CHECK(cudaDeviceSynchronize());
-            out[k].resize(rows);
-            CHECK(cudaMemcpy(out[k].data(), yk, (size_t)rows * 4, cudaMemcpyDeviceToHost));
-            char verdict[96] = "the reference";
-            if (k > 0) {
-                size_t differ = 0;
-                double worst = 0;
-                for (int r = 0; r < rows; ++r) {
-                    if (memcmp(&out[k][r], &out[0][r], 4) != 0) ++differ;
-                    const double d = fabs((double)out[k][r] - out[0][r]) / (fabs((double)out[0][r]) + 1e-6);
-                    worst = d > worst || d != d ? d : worst;
-                }
-                if (differ == 0) snprintf(verdict, sizeof verdict, "bitwise equal");
-                else snprintf(verdict, sizeof verdict, "%zu of %d differ, worst %.1e relative", differ, rows, worst);
-            }
-            printf("%-11s %-9s %10.1f %10.2f %10.3f  %s\n", s.name, NAMES[k], us, bytes[k] / (us * 1e-6) / 1e12, us / (bytes[k] / read_rate * 1e6), verdict);
-        }
-        printf("%-11s %-9s %10.1f %10.2f %10s  (%d copies, %.0f MB packed)\n", s.name, "read", read_us, read_rate / 1e12, "1", copies, per_copy * copies / 1e6);
-        cudaFree(codes);
-        cudaFree(absmax);
-        cudaFree(dequant);
-        cudaFree(x);
-        cudaFree(y);
+        // Variant `kind` timed and its outputs read back (NaN before the run: a row it skipped shows),
+        // printed against `reference`'s outputs (none: it is the reference).
+        const auto run = [&](Kind kind, double bytes, const std::vector<float>* reference) -> std::vector<float> {
+            std::vector<float> out(rows);
+            if (cudaMemset(y, 0xFF, (size_t)rows * 4) != cudaSuccess) return {};
+            const float us = time_us([&] { launch_any(kind, data, x, y, rows, vecs, grid); });
+            if (cudaGetLastError() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) return {};
+            if (cudaMemcpy(out.data(), y, (size_t)rows * 4, cudaMemcpyDeviceToHost) != cudaSuccess) return {};
+            char text[96] = "the reference";
+            if (reference != nullptr) verdict(out, *reference, text);
+            printf("%-11s %-9s %10.1f %10.2f %10.3f  %s\n", s.name, NAMES[(int)kind], us, bytes / (us * 1e-6) / 1e12, us / (bytes / read_rate * 1e6), text);
+            return out;
+        };
+        const double nf4_bytes = (double)per_copy * copies, fp8_bytes = vectors * 8.0 + n_scales * 4.0;
+        const std::vector<float> bf16_nf4 = run(Kind::Bf16, vectors * 16.0, nullptr);
+        if (bf16_nf4.empty()) return printf("%s: the bf16 run failed\n", s.name), 1;
+        for (Kind kind : {Kind::Codebook, Kind::Pairs, Kind::Fused}) run(kind, nf4_bytes, &bf16_nf4);
+        // The fp8 variants, against the bf16 GEMV over the loader's weights of their codes.
+        fill_fp8<<<sms * 8, 256>>>(codes8, scales, vectors, n_scales, 0xF8 ^ s.rows);
+        dequantise_fp8<<<sms * 8, 256>>>(codes8, scales, dequant, vectors, vecs);
+        CHECK(cudaDeviceSynchronize());
+        const std::vector<float> bf16_fp8 = run(Kind::Bf16, vectors * 16.0, nullptr);
+        if (bf16_fp8.empty()) return printf("%s: the bf16 run over the fp8 weights failed\n", s.name), 1;
+        for (Kind kind : {Kind::Fp8Rounded, Kind::Fp8Fused}) run(kind, fp8_bytes, &bf16_fp8);
+        printf("%-11s %-9s %10.1f %10.2f %10s  (%d copies, %.0f MB nf4, %.0f MB fp8)\n", s.name, "read", read_us, read_rate / 1e12, "1", copies,
+               nf4_bytes / 1e6, fp8_bytes / 1e6);
+        for (void* p : {(void*)codes, (void*)absmax, (void*)codes8, (void*)scales, (void*)dequant, (void*)x, (void*)y}) cudaFree(p);
     }
     return 0;
 }
