@@ -523,6 +523,19 @@ mod tests {
         assert!(e.contains("read partials the parts before had not left"), "{e}");
     }
 
+    /// At a real layer's shape and grid (Llama-3.2-1B's, two layers, on the H200's 132 blocks, the
+    /// compiler's own plan): both protocols compute the golden step.
+    #[test]
+    fn the_machine_runs_a_real_layers_shape_on_132_blocks() {
+        let member = spec::family::find("llama-3.2-1b").unwrap().config();
+        let cfg = Config { layers: 2, prefill: 200, max_seq_len: 256, ..member };
+        let (mut stack, layers) = built(&cfg, 132, Plan::choose(&cfg, 132), false);
+        for waits in [Waits::Phases, Waits::KvHeads] {
+            let graph = TaskGraph::compile(&stack.program, cfg.layers, &cfg, 132, waits);
+            against_golden(&mut stack, &layers, &graph, 2, 5).unwrap_or_else(|e| panic!("{waits:?}: {e}"));
+        }
+    }
+
     /// Narrowed, an attention task waits on its own KV groups' counters, each for every Qkv task that
     /// writes a row of the group, and some wait for fewer Qkv tasks than the whole phase.
     #[test]
