@@ -1,13 +1,13 @@
 //! A whole model as the megakernel runs it: a Hugging Face Llama-family checkpoint read from its
-//! directory (`hf`; bitsandbytes nf4 and fp8 weights dequantised as they are read, `quantized`) with its tokenizer
-//! (`text`); its decode step on the CPU (`cpu`: the token's
-//! embedding, every decoder layer as the golden model computes it, the final norm, the LM head in f32
-//! and a greedy argmax with a fixed tie rule); and the same on the GPU in one launch of the model
-//! kernel, for a decode step, a whole generation or a batch step of several sequences or prompt
-//! positions (`gpu`), checked against the CPU side (the `megakernel check` command); what a step or a
-//! generation may ask for, refused in the same words on both (`request`); several prompts generated
-//! together, a batch step per position (`together`). Where a token's time goes in a traced launch is
-//! the crate's `trace`, which reads a stack's step the same way.
+//! directory (`hf`; bitsandbytes nf4 and fp8 weights dequantised as they are read, `quantized`) with
+//! its tokenizer (`text`); its decode step on the CPU (`cpu`: the token's embedding, every decoder
+//! layer as the golden model computes it, the final norm, the LM head in f32 and a greedy argmax with
+//! a fixed tie rule); and the same on the GPU in one launch of the model kernel, for a decode step, a
+//! whole generation or a batch step of several sequences or prompt positions (`gpu`), checked against
+//! the CPU side (the `megakernel check` command); what a step or a generation may ask for, refused in
+//! the same words on both (`request`); several prompts generated together, a batch step per position
+//! (`together`). Where a token's time goes in a traced launch is the crate's `trace`, which reads a
+//! stack's step the same way.
 
 pub mod cpu;
 pub mod gpu;

@@ -124,9 +124,8 @@ fn fp8_of(q: &serde_json::Value, field: &impl Fn(&str) -> Option<String>) -> Res
         return Err(format!("fp8 fmt '{fmt}': {TAKES}"));
     }
     if let Some(scheme) = field("activation_scheme").filter(|s| s != "dynamic") {
-        return Err(format!(
-            "fp8 activation_scheme '{scheme}' (its activation scales would go unused: activations stay bf16 here): {TAKES}"
-        ));
+        let why = "its activation scales would go unused: activations stay bf16 here";
+        return Err(format!("fp8 activation_scheme '{scheme}' ({why}): {TAKES}"));
     }
     if let Some(fmt) = field("scale_fmt").filter(|f| f != "float" && f != "ue8m0") {
         return Err(format!("fp8 scale_fmt '{fmt}' (it reads 'float' and 'ue8m0'): {TAKES}"));
