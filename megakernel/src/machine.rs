@@ -289,13 +289,11 @@ fn rows_times(arena: &Arena, w: i64, rows: Range<usize>, cols: usize, h: &[bf16]
     golden::gemv(&arena.bf16(w + (2 * rows.start * cols) as i64, rows.len() * cols), rows.len(), cols, h)
 }
 
-// The O projection's and Down's rows name their operands at the same words.
+// The O projection's and Down's rows name their weights, input and columns at the same words.
 const _: () = assert!(
     oproj::W as usize == down::W as usize
         && oproj::A as usize == down::Act as usize
         && oproj::Cols as usize == down::Cols as usize
-        && oproj::PartIn as usize == down::PartIn as usize
-        && oproj::PartOut as usize == down::PartOut as usize
 );
 
 /// A part of a GEMV split by columns (the O projection's halves, the MLP's parts), rows `rows` of it,
@@ -309,10 +307,7 @@ fn column_part(
     phase: usize,
     rows: Range<usize>,
 ) -> Result<Option<Vec<bf16>>, String> {
-    let table = stack.layers[layer].table();
-    let resolved = |p: usize| program::resolve_row(&stack.program[p], &table);
-    let row = resolved(phase);
-    let (part_in, part_out) = (row[oproj::PartIn as usize], row[oproj::PartOut as usize]);
+    let (part_in, part_out) = program::partials(&stack.program[phase]).expect("a part of a GEMV split by columns");
     let mark = (layer + 1) as f32;
     if part_in != 0 {
         let left = stack.arena.f32(part_in + 4 * rows.start as i64, rows.len());
@@ -326,21 +321,15 @@ fn column_part(
     }
     // The chain of parts back to the first: each one's partials are the next one's input.
     let mut chain = vec![phase];
-    while let Some(&last) = chain.last() {
-        let wanted = resolved(last)[oproj::PartIn as usize];
-        if wanted == 0 {
-            break;
-        }
-        let before = (0..last).rev().find(|&p| {
-            program::gemv_rows(&stack.program[p]).is_some() && resolved(p)[oproj::PartOut as usize] == wanted
-        });
-        chain.push(before.expect("a part's partials have a writer before it"));
+    while let Some(before) = program::part_writer(&stack.program, *chain.last().unwrap()) {
+        chain.push(before);
     }
+    let table = stack.layers[layer].table();
     let parts: Vec<(&Arena, Part)> = chain
         .iter()
         .rev()
         .map(|&p| {
-            let r = resolved(p);
+            let r = program::resolve_row(&stack.program[p], &table);
             (&stack.arena, (r[oproj::W as usize], r[oproj::A as usize], r[oproj::Cols as usize] as usize))
         })
         .collect();

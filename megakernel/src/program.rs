@@ -674,6 +674,23 @@ pub fn reads_layer_input(row: &Row) -> bool {
     }
 }
 
+/// The partials a part of a GEMV split by columns adds (`PartIn`) and leaves (`PartOut`), 0 where it
+/// has none: for the O projection's and Down's rows; `None` for any other.
+pub fn partials(row: &Row) -> Option<(i64, i64)> {
+    match Op::from_word(row[0])? {
+        Op::OProj => Some((row[oproj::PartIn as usize], row[oproj::PartOut as usize])),
+        Op::Down => Some((row[down::PartIn as usize], row[down::PartOut as usize])),
+        _ => None,
+    }
+}
+
+/// The row before row `i` whose partials row `i` adds: the part before it in its GEMV's chain of
+/// parts (`None` for a first part, or a row of no GEMV split by columns).
+pub fn part_writer(rows: &[Row], i: usize) -> Option<usize> {
+    let (part_in, _) = partials(&rows[i]).filter(|&(part_in, _)| part_in != 0)?;
+    (0..i).rev().find(|&j| partials(&rows[j]).is_some_and(|(_, out)| out == part_in))
+}
+
 /// What each phase of a step over `layers` layers must follow, the phases numbered over every layer as
 /// the kernel numbers them (phase f is row f % rows.len() of layer f / rows.len()): the phases its waits
 /// word names (of its own layer, and from `PREV_LAYER_WAITS` of the layer before within the step), and
@@ -683,11 +700,6 @@ pub fn reads_layer_input(row: &Row) -> bool {
 /// may run; the CPU executor's tests run such orders against the golden model.
 pub fn dependencies(rows: &[Row], layers: usize) -> Vec<Vec<usize>> {
     let n = rows.len();
-    let partials = |r: &Row| match Op::from_word(r[0]) {
-        Some(Op::OProj) => Some((r[oproj::PartIn as usize], r[oproj::PartOut as usize])),
-        Some(Op::Down) => Some((r[down::PartIn as usize], r[down::PartOut as usize])),
-        _ => None,
-    };
     (0..n * layers)
         .map(|f| {
             let (l, i) = (f / n, f % n);
@@ -697,13 +709,10 @@ pub fn dependencies(rows: &[Row], layers: usize) -> Vec<Vec<usize>> {
                 after.extend((0..n).filter(|&w| (waits >> (PREV_LAYER_WAITS + w)) & 1 == 1).map(|w| (l - 1) * n + w));
             }
             // The part before whose partials this one adds, run by the same blocks over the same rows.
-            if let Some((part_in, _)) = partials(&rows[i]).filter(|&(part_in, _)| part_in != 0) {
-                let writer = (0..i).rev().find(|&j| partials(&rows[j]).is_some_and(|(_, out)| out == part_in));
-                if let Some(j) = writer.filter(|&j| {
-                    rows[j][BLOCKS_WORD] == rows[i][BLOCKS_WORD] && gemv_rows(&rows[j]) == gemv_rows(&rows[i])
-                }) {
-                    after.push(l * n + j);
-                }
+            if let Some(j) = part_writer(rows, i)
+                .filter(|&j| rows[j][BLOCKS_WORD] == rows[i][BLOCKS_WORD] && gemv_rows(&rows[j]) == gemv_rows(&rows[i]))
+            {
+                after.push(l * n + j);
             }
             after.sort_unstable();
             after.dedup();
