@@ -54,16 +54,18 @@ impl Arena {
     }
 
     pub fn write_f32(&mut self, addr: i64, v: &[f32]) {
-        let dst = self.bytes_mut(addr as u64, 4 * v.len());
-        for (d, x) in dst.chunks_mut(4).zip(v) {
-            d.copy_from_slice(&x.to_le_bytes());
-        }
+        self.write_words(addr, v.iter().map(|x| x.to_le_bytes()));
     }
 
     pub fn write_bf16(&mut self, addr: i64, v: &[bf16]) {
-        let dst = self.bytes_mut(addr as u64, 2 * v.len());
-        for (d, x) in dst.chunks_mut(2).zip(v) {
-            d.copy_from_slice(&x.to_le_bytes());
+        self.write_words(addr, v.iter().map(|x| x.to_le_bytes()));
+    }
+
+    /// Little-endian words of N bytes from `addr` on.
+    fn write_words<const N: usize>(&mut self, addr: i64, words: impl ExactSizeIterator<Item = [u8; N]>) {
+        let dst = self.bytes_mut(addr as u64, N * words.len());
+        for (d, w) in dst.chunks_mut(N).zip(words) {
+            d.copy_from_slice(&w);
         }
     }
 }

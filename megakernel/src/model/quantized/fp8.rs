@@ -66,7 +66,7 @@ pub fn dequantize(
 
 /// The e4m3 value (sign, four bits of exponent biased by 7, three of mantissa; exponent 0 subnormal)
 /// code `b` names, exact in f32; None for its NaN (every bit of exponent and mantissa set).
-pub fn e4m3(b: u8) -> Option<f32> {
+fn e4m3(b: u8) -> Option<f32> {
     let (exponent, mantissa) = ((b >> 3) & 0xF, b & 0x7);
     if exponent == 0xF && mantissa == 0x7 {
         return None;
