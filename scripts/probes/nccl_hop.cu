@@ -105,7 +105,13 @@ bool gpu(int rank, int ranks, ncclUniqueId id, int blocks, double* us, unsigned*
     CHECK_NCCL(ncclMemAlloc(&buf, bytes));
     CHECK_NCCL(ncclCommWindowRegister(comm, buf, bytes, &win, NCCL_WIN_COLL_SYMMETRIC));
     ncclDevComm dev;
+    // Releases after 2.28 version the struct through their initializer; 2.28 (the device machines'
+    // wheel, 2.28.9) has none and takes a zeroed struct.
+#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
     ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+#else
+    ncclDevCommRequirements reqs = {};
+#endif
     reqs.lsaBarrierCount = blocks;  // one barrier per block: block b meets block b of every GPU
     CHECK_NCCL(ncclDevCommCreate(comm, &reqs, &dev));
     unsigned long long* ns = nullptr;
