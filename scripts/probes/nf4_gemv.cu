@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bulk.cuh"
 #include "layer_math.cuh"
 
 constexpr int THREADS = 256;
@@ -50,6 +51,8 @@ constexpr int IN_FLIGHT_BYTES = 32 << 10;           // bytes a block loads befor
 constexpr int MAX_LOADS = 16;                       // vectors a thread loads before it computes, at most
 constexpr int MAX_HELD_BYTES = 160;                 // bytes of loads a thread holds before it computes, at most
 constexpr int REPS = 20;
+constexpr int RING_STAGES = 3;               // gemv_staged's ring: stages of a block's rows in shared memory
+constexpr int RING_STAGE_BYTES = 32 << 10;   // two blocks an SM: 192 KB of ring
 
 // bitsandbytes' NF4 code values, code 0 to 15.
 __constant__ float NF4_VALUES[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
@@ -125,9 +128,17 @@ struct Bf16 {
         int vecs;
         __device__ Raw load(int i, int v) const { return {__ldcs(w + i * vecs + v)}; }
     };
+    // The same rows in a ring stage (gemv_staged): the copy's source, and what a thread reads there.
+    struct Staged {
+        const uint4* w;
+        int vecs;
+        __device__ Raw load(int i, int v) const { return {w[i * vecs + v]}; }
+    };
     const uint4* w;
     int vecs;
     __device__ Rows at(int r0) const { return {w + (size_t)r0 * vecs, vecs}; }
+    __device__ const void* src(int r0) const { return w + (size_t)r0 * vecs; }
+    __device__ Staged staged(const void* slot, int) const { return {static_cast<const uint4*>(slot), vecs}; }
     __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc, const Tables&) const { return dot8f(raw.w, x, acc); }
 };
 
@@ -145,11 +156,22 @@ struct Nf4 {
             return {__ldcs(codes + i * vecs + v), __ldg(absmax + (i * vecs + v) / VECS_PER_ABSMAX)};
         }
     };
+    // Staged: the codes in the ring, the absmax still through L1.
+    struct Staged {
+        const uint32_t* codes;
+        const float* absmax;
+        int vecs;
+        __device__ Raw load(int i, int v) const { return {codes[i * vecs + v], __ldg(absmax + (i * vecs + v) / VECS_PER_ABSMAX)}; }
+    };
     const uint32_t* codes;
     const float* absmax;
     int vecs;
     __device__ Rows at(int r0) const {
         return {codes + (size_t)r0 * vecs, absmax + (size_t)r0 * vecs / VECS_PER_ABSMAX, vecs};
+    }
+    __device__ const void* src(int r0) const { return codes + (size_t)r0 * vecs; }
+    __device__ Staged staged(const void* slot, int r0) const {
+        return {static_cast<const uint32_t*>(slot), absmax + (size_t)r0 * vecs / VECS_PER_ABSMAX, vecs};
     }
 };
 
@@ -217,10 +239,22 @@ struct Fp8 {
             return {__ldcs(codes + (size_t)i * vecs + v), __ldg(block_row + v / VECS_PER_SCALE)};
         }
     };
+    // Staged: the codes in the ring, the scales still through L1.
+    struct Staged {
+        const uint2* codes;
+        const float* scales;
+        int vecs, r0;
+        __device__ Raw load(int i, int v) const {
+            const float* block_row = scales + (size_t)((r0 + i) / FP8_BLOCK) * (vecs / VECS_PER_SCALE);
+            return {codes[i * vecs + v], __ldg(block_row + v / VECS_PER_SCALE)};
+        }
+    };
     const uint2* codes;
     const float* scales;
     int vecs;
     __device__ Rows at(int r0) const { return {codes + (size_t)r0 * vecs, scales, vecs, r0}; }
+    __device__ const void* src(int r0) const { return codes + (size_t)r0 * vecs; }
+    __device__ Staged staged(const void* slot, int r0) const { return {static_cast<const uint2*>(slot), scales, vecs, r0}; }
 };
 
 struct Fp8Rounded : Fp8 {
@@ -249,6 +283,46 @@ struct Fp8Fused : Fp8 {
     }
 };
 
+// Every gemv block's start: the lookup tables written, and this thread's vectors of x widened to f32.
+template <int VPT>
+__device__ __forceinline__ Tables start_block(const uint4* x, float (&xs)[VPT][VEC]) {
+    const int t = threadIdx.x;
+    if (t < 16) s_values[t] = NF4_VALUES[t];
+    s_pairs[t] = make_float2(NF4_VALUES[t >> 4], NF4_VALUES[t & 15]);
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+        const uint4 h = x[t + v * THREADS];
+        const bf162* p = reinterpret_cast<const bf162*>(&h);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(p[j]);
+            xs[v][2 * j] = f.x;
+            xs[v][2 * j + 1] = f.y;
+        }
+    }
+    __syncthreads();  // the tables are written before any lookup
+    return Tables{reinterpret_cast<const char*>(s_values), reinterpret_cast<const char*>(s_pairs)};
+}
+
+// Rows r0 + i (i < count) of y from each thread's partial sums acc[i]: each warp's sum, then the warps'
+// in warp order (the megakernel's order). `red` holds ROWS rows of a block's warps.
+template <int ROWS>
+__device__ __forceinline__ void store_rows(float (&acc)[ROWS], float (*red)[BLOCK_WARPS], float* y, int r0, int count) {
+    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) red[i][warp] = acc[i];
+    __syncthreads();  // every warp's sums are in red before they are added
+    for (int i = t; i < count; i += THREADS) {
+        float total = red[i][0];
+        for (int k = 1; k < BLOCK_WARPS; ++k) total += red[i][k];
+        y[r0 + i] = total;
+    }
+    __syncthreads();  // red is read before the next rows overwrite it
+}
+
 enum class Kind { Bf16, Codebook, Pairs, Fused, Fp8Rounded, Fp8Fused };
 constexpr int KINDS = 6;
 constexpr const char* NAMES[KINDS] = {"bf16", "codebook", "pairs", "fused", "fp8-round", "fp8-fused"};
@@ -265,23 +339,9 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) gemv(W w, const uint4*
     constexpr int ROWS = BY_BYTES < 1 || BY_REGS < 1 ? 1 : BY_BYTES < BY_REGS ? BY_BYTES : BY_REGS;
     static_assert(THREADS == 256, "one thread per entry of the byte table");
     __shared__ float red[ROWS][BLOCK_WARPS];
-    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
-    if (t < 16) s_values[t] = NF4_VALUES[t];
-    s_pairs[t] = make_float2(NF4_VALUES[t >> 4], NF4_VALUES[t & 15]);
-    __syncthreads();  // the tables are written before any lookup
-    const Tables tb{reinterpret_cast<const char*>(s_values), reinterpret_cast<const char*>(s_pairs)};
+    const int t = threadIdx.x;
     float xs[VPT][VEC];
-#pragma unroll
-    for (int v = 0; v < VPT; ++v) {
-        const uint4 h = x[t + v * THREADS];
-        const bf162* p = reinterpret_cast<const bf162*>(&h);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float2 f = __bfloat1622float2(p[j]);
-            xs[v][2 * j] = f.x;
-            xs[v][2 * j + 1] = f.y;
-        }
-    }
+    const Tables tb = start_block<VPT>(x, xs);
     const int first = (int)((long long)rows * blockIdx.x / gridDim.x), last = (int)((long long)rows * (blockIdx.x + 1) / gridDim.x);
     for (int r0 = first; r0 < last; r0 += ROWS) {
         // Rows of VPT * THREADS vectors exactly (main checks it): only the block's last group of rows
@@ -306,18 +366,55 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) gemv(W w, const uint4*
         };
         if (r0 + ROWS <= last) products(std::false_type{});
         else products(std::true_type{});
+        store_rows<ROWS>(acc, red, y, r0, min(ROWS, last - r0));
+    }
+}
+
+// The ring's case (the megakernel's weight stream): the same GEMV with each block's rows copied into
+// shared memory by bulk copies, RING_STAGES stages of RING_STAGE_BYTES in a ring, RING_STAGES - 1 of
+// them in flight ahead of use, and each thread's vectors read from the stage. What a thread loads no
+// longer bounds the bytes in flight, so the variants differ only in their arithmetic (and in the
+// absmax or scale each still reads through L1).
+template <int VPT, typename W>
+__global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) gemv_staged(W w, const uint4* x, float* y, int rows) {
+    constexpr int ROW_BYTES = W::BYTES * VPT * THREADS, ROWS = RING_STAGE_BYTES / ROW_BYTES;
+    static_assert(ROWS >= 1, "a row fits a stage");
+    extern __shared__ __align__(128) char ring[];
+    __shared__ uint64_t full[RING_STAGES];
+    __shared__ float red[ROWS][BLOCK_WARPS];
+    const int t = threadIdx.x;
+    if (t == 0) {
+        for (int s = 0; s < RING_STAGES; ++s) mbar_init(&full[s], 1);  // one arrival: thread 0's expect_tx
+        // The initialised barriers are visible to the copy engine before any copy names them.
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    float xs[VPT][VEC];
+    const Tables tb = start_block<VPT>(x, xs);  // its barrier also orders the mbarriers' initialisation
+    const int first = (int)((long long)rows * blockIdx.x / gridDim.x), last = (int)((long long)rows * (blockIdx.x + 1) / gridDim.x);
+    const int stages = (last - first + ROWS - 1) / ROWS;
+    // Thread 0 copies stage k's rows into slot k % RING_STAGES; the slot's previous stage is dead (the
+    // caller is past a __syncthreads that follows every read of it).
+    const auto issue = [&](int k) {
+        if (t != 0 || k >= stages) return;
+        const int r0 = first + k * ROWS, bytes = min(ROWS, last - r0) * ROW_BYTES;
+        mbar_expect_tx(&full[k % RING_STAGES], bytes);
+        bulk_copy(ring + (k % RING_STAGES) * RING_STAGE_BYTES, w.src(r0), bytes, &full[k % RING_STAGES], l2_evict_first());
+    };
+    for (int k = 0; k < RING_STAGES - 1; ++k) issue(k);
+    for (int k = 0; k < stages; ++k) {
+        const int r0 = first + k * ROWS, count = min(ROWS, last - r0);
+        issue(k + RING_STAGES - 1);  // into the slot stage k - 1 used, freed by store_rows' last barrier
+        mbar_wait(&full[k % RING_STAGES], (k / RING_STAGES) & 1);  // stage k has landed
+        const typename W::Staged stage = w.staged(ring + (k % RING_STAGES) * RING_STAGE_BYTES, r0);
+        float acc[ROWS];
 #pragma unroll
-        for (int i = 0; i < ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
-        if (lane == 0)
+        for (int i = 0; i < ROWS; ++i) {
+            acc[i] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < ROWS; ++i) red[i][warp] = acc[i];
-        __syncthreads();  // every warp's sums are in red before they are added
-        if (t < ROWS && r0 + t < last) {
-            float total = red[t][0];
-            for (int k = 1; k < BLOCK_WARPS; ++k) total += red[t][k];
-            y[r0 + t] = total;
+            for (int v = 0; v < VPT; ++v)
+                if (i < count) acc[i] = w.dot(stage.load(i, t + v * THREADS), xs[v], acc[i], tb);
         }
-        __syncthreads();  // red is read before the next rows overwrite it
+        store_rows<ROWS>(acc, red, y, r0, count);
     }
 }
 
@@ -432,27 +529,39 @@ struct Data {
     const float* scales;
 };
 
+// One launch of variant w: its loads from global memory (gemv), or through the ring (gemv_staged).
+template <int VPT, typename W>
+void start(bool staged, W w, const uint4* x, float* y, int rows, int grid) {
+    if (!staged) {
+        gemv<VPT><<<grid, THREADS>>>(w, x, y, rows);
+        return;
+    }
+    constexpr int RING_BYTES = RING_STAGES * RING_STAGE_BYTES;
+    cudaFuncSetAttribute(gemv_staged<VPT, W>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_BYTES);
+    gemv_staged<VPT><<<grid, THREADS, RING_BYTES>>>(w, x, y, rows);
+}
+
 template <int VPT>
-void launch(Kind kind, const Data& d, const uint4* x, float* y, int rows, int vecs, int grid) {
+void launch(Kind kind, bool staged, const Data& d, const uint4* x, float* y, int rows, int vecs, int grid) {
     const Nf4 n{d.codes, d.absmax, vecs};
     const Fp8 f{d.codes8, d.scales, vecs};
     switch (kind) {
-        case Kind::Bf16: gemv<VPT><<<grid, THREADS>>>(Bf16{d.dequant, vecs}, x, y, rows); break;
-        case Kind::Codebook: gemv<VPT><<<grid, THREADS>>>(Codebook{n}, x, y, rows); break;
-        case Kind::Pairs: gemv<VPT><<<grid, THREADS>>>(Pairs{n}, x, y, rows); break;
-        case Kind::Fused: gemv<VPT><<<grid, THREADS>>>(Fused{n}, x, y, rows); break;
-        case Kind::Fp8Rounded: gemv<VPT><<<grid, THREADS>>>(Fp8Rounded{f}, x, y, rows); break;
-        case Kind::Fp8Fused: gemv<VPT><<<grid, THREADS>>>(Fp8Fused{f}, x, y, rows); break;
+        case Kind::Bf16: start<VPT>(staged, Bf16{d.dequant, vecs}, x, y, rows, grid); break;
+        case Kind::Codebook: start<VPT>(staged, Codebook{n}, x, y, rows, grid); break;
+        case Kind::Pairs: start<VPT>(staged, Pairs{n}, x, y, rows, grid); break;
+        case Kind::Fused: start<VPT>(staged, Fused{n}, x, y, rows, grid); break;
+        case Kind::Fp8Rounded: start<VPT>(staged, Fp8Rounded{f}, x, y, rows, grid); break;
+        case Kind::Fp8Fused: start<VPT>(staged, Fp8Fused{f}, x, y, rows, grid); break;
     }
 }
 
 // VPT for rows of `vecs` vectors: the loops unroll at compile time.
-void launch_any(Kind kind, const Data& d, const uint4* x, float* y, int rows, int vecs, int grid) {
+void launch_any(Kind kind, bool staged, const Data& d, const uint4* x, float* y, int rows, int vecs, int grid) {
     switch ((vecs + THREADS - 1) / THREADS) {
-        case 1: launch<1>(kind, d, x, y, rows, vecs, grid); break;
-        case 2: launch<2>(kind, d, x, y, rows, vecs, grid); break;
-        case 4: launch<4>(kind, d, x, y, rows, vecs, grid); break;
-        case 7: launch<7>(kind, d, x, y, rows, vecs, grid); break;
+        case 1: launch<1>(kind, staged, d, x, y, rows, vecs, grid); break;
+        case 2: launch<2>(kind, staged, d, x, y, rows, vecs, grid); break;
+        case 4: launch<4>(kind, staged, d, x, y, rows, vecs, grid); break;
+        case 7: launch<7>(kind, staged, d, x, y, rows, vecs, grid); break;
         default: printf("no instance for %d vectors a row\n", vecs);
     }
 }
@@ -481,7 +590,7 @@ int main() {
     const Shape shapes[] = {{"1B gate/up", 16384, 2048}, {"1B down", 2048, 8192}, {"8B gate/up", 28672, 4096}, {"8B down", 4096, 14336}};
     uint32_t* sink = nullptr;
     CHECK(cudaMalloc(&sink, 4));
-    printf("%-11s %-9s %10s %10s %10s  %s\n", "shape", "variant", "us", "TB/s read", "x floor", "outputs against bf16's");
+    printf("%-11s %-14s %10s %10s %10s  %s\n", "shape", "variant", "us", "TB/s read", "x floor", "outputs against bf16's");
     for (const Shape& s : shapes) {
         const int vecs = s.cols / VEC;
         if (vecs % THREADS != 0 || s.rows % FP8_BLOCK != 0) {
@@ -513,29 +622,35 @@ int main() {
         const double read_rate = vectors * 16.0 / (read_us * 1e-6);
         // Variant `kind` timed and its outputs read back (NaN before the run: a row it skipped shows),
         // printed against `reference`'s outputs (none: it is the reference).
-        const auto run = [&](Kind kind, double bytes, const std::vector<float>* reference) -> std::vector<float> {
+        // `staged`: through the ring (its name "-ring").
+        const auto run = [&](Kind kind, bool staged, double bytes, const std::vector<float>* reference) -> std::vector<float> {
             std::vector<float> out(rows);
             if (cudaMemset(y, 0xFF, (size_t)rows * 4) != cudaSuccess) return {};
-            const float us = time_us([&] { launch_any(kind, data, x, y, rows, vecs, grid); });
+            const float us = time_us([&] { launch_any(kind, staged, data, x, y, rows, vecs, grid); });
             if (cudaGetLastError() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) return {};
             if (cudaMemcpy(out.data(), y, (size_t)rows * 4, cudaMemcpyDeviceToHost) != cudaSuccess) return {};
             char text[96] = "the reference";
             if (reference != nullptr) verdict(out, *reference, text);
-            printf("%-11s %-9s %10.1f %10.2f %10.3f  %s\n", s.name, NAMES[(int)kind], us, bytes / (us * 1e-6) / 1e12, us / (bytes / read_rate * 1e6), text);
+            char name[32];
+            snprintf(name, sizeof name, "%s%s", NAMES[(int)kind], staged ? "-ring" : "");
+            printf("%-11s %-14s %10.1f %10.2f %10.3f  %s\n", s.name, name, us, bytes / (us * 1e-6) / 1e12, us / (bytes / read_rate * 1e6), text);
             return out;
         };
         const double nf4_bytes = (double)per_copy * copies, fp8_bytes = vectors * 8.0 + n_scales * 4.0;
-        const std::vector<float> bf16_nf4 = run(Kind::Bf16, vectors * 16.0, nullptr);
+        const std::vector<float> bf16_nf4 = run(Kind::Bf16, false, vectors * 16.0, nullptr);
         if (bf16_nf4.empty()) return printf("%s: the bf16 run failed\n", s.name), 1;
-        for (Kind kind : {Kind::Codebook, Kind::Pairs, Kind::Fused}) run(kind, nf4_bytes, &bf16_nf4);
+        for (Kind kind : {Kind::Codebook, Kind::Pairs, Kind::Fused}) run(kind, false, nf4_bytes, &bf16_nf4);
+        run(Kind::Bf16, true, vectors * 16.0, &bf16_nf4);
+        for (Kind kind : {Kind::Codebook, Kind::Fused}) run(kind, true, nf4_bytes, &bf16_nf4);
         // The fp8 variants, against the bf16 GEMV over the loader's weights of their codes.
         fill_fp8<<<sms * 8, 256>>>(codes8, scales, vectors, n_scales, 0xF8 ^ s.rows);
         dequantise_fp8<<<sms * 8, 256>>>(codes8, scales, dequant, vectors, vecs);
         CHECK(cudaDeviceSynchronize());
-        const std::vector<float> bf16_fp8 = run(Kind::Bf16, vectors * 16.0, nullptr);
+        const std::vector<float> bf16_fp8 = run(Kind::Bf16, false, vectors * 16.0, nullptr);
         if (bf16_fp8.empty()) return printf("%s: the bf16 run over the fp8 weights failed\n", s.name), 1;
-        for (Kind kind : {Kind::Fp8Rounded, Kind::Fp8Fused}) run(kind, fp8_bytes, &bf16_fp8);
-        printf("%-11s %-9s %10.1f %10.2f %10s  (%d copies, %.0f MB nf4, %.0f MB fp8)\n", s.name, "read", read_us, read_rate / 1e12, "1", copies,
+        for (bool staged : {false, true})
+            for (Kind kind : {Kind::Fp8Rounded, Kind::Fp8Fused}) run(kind, staged, fp8_bytes, &bf16_fp8);
+        printf("%-11s %-14s %10.1f %10.2f %10s  (%d copies, %.0f MB nf4, %.0f MB fp8)\n", s.name, "read", read_us, read_rate / 1e12, "1", copies,
                nf4_bytes / 1e6, fp8_bytes / 1e6);
         for (void* p : {(void*)codes, (void*)absmax, (void*)codes8, (void*)scales, (void*)dequant, (void*)x, (void*)y}) cudaFree(p);
     }
