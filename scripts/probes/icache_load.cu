@@ -11,7 +11,8 @@
 // ran): without the stream the first pass costs about as much as the second plus one L2 round trip per
 // fetch run; with the stream the first pass of 16-64 KB of code is 2-5 times its unloaded time, the
 // second pass unchanged; if so, a phase's first pass through several KB of new code costs about a
-// microsecond under load, the size of the sub-microsecond parts docs/perf.md could not explain.
+// microsecond under load, the size of the sub-microsecond parts docs/perf.md could not explain. (It
+// did not: docs/perf.md, call 4 of 2026-12-05.)
 //   nvcc -O3 -arch=sm_90a -o icache_load scripts/probes/icache_load.cu && ./icache_load
 #include <algorithm>
 #include <cstdint>

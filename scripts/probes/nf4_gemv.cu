@@ -25,6 +25,9 @@
 //   fp8-round each pair of codes made f16 by one conversion (sm_89 and later), widened, times the
 //             block's scale, rounded to bf16, then dot8: bitwise bf16's;
 //   fp8-fused not bitwise: each vector's values dotted with x in f32, the sum times the scale.
+// Each variant loads its vectors from global memory, so its bytes in flight are what a thread holds;
+// the `-ring` rows run the same arithmetic over stages of the block's rows that bulk copies bring into
+// shared memory (gemv_staged), as the megakernel streams weights, so that only the arithmetic differs.
 // Each launch reads every copy of a shape (over 512 MB of packed weights, far past the 60 MB L2); the
 // read rate is a plain 16-byte stream over the bf16 copies. Build and run on the GPU:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I kernels/include -o nf4_gemv scripts/probes/nf4_gemv.cu && ./nf4_gemv
