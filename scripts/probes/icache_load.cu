@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cuda_runtime.h>
 #include <vector>
+#include "probe.cuh"
 
 constexpr int THREADS = 512;       // the megakernel's block
 constexpr int RUNNERS = 8;         // blocks 0..7 run the code, as attention's 8 blocks at Llama-3.2-1B
@@ -26,12 +27,6 @@ constexpr int REPEATS = 20;        // launches per configuration
 constexpr unsigned long long SETTLE_NS = 100000;  // the runners start once the stream has run this long
 constexpr size_t STREAM_BYTES = 8ull << 30;       // far past the 60 MB L2
 constexpr int SMEM_BYTES = 120 << 10;             // unused; more than half an SM's, so one block an SM
-
-__device__ unsigned long long globaltimer() {
-    unsigned long long ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    return ns;
-}
 
 // Eight independent FMAs, one instruction each: a warp issues them back to back once fetched.
 #define FMA8                                                                                              \
@@ -95,18 +90,9 @@ __global__ void __launch_bounds__(THREADS, 1) probe(const uint4* buf, size_t wor
     if (s == 1.2345f) sink[1] = s;  // keeps the FMAs
 }
 
-#define CHECK(call)                                                                   \
-    do {                                                                              \
-        const cudaError_t e_ = (call);                                                \
-        if (e_ != cudaSuccess) {                                                      \
-            printf("%s failed: %s\n", #call, cudaGetErrorString(e_));                 \
-            return 1;                                                                 \
-        }                                                                             \
-    } while (0)
-
 template <int KB16>
 int measure(const uint4* buf, size_t words, int grid, unsigned long long* ns, float* sink) {
-    CHECK(cudaFuncSetAttribute(probe<KB16>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    TRY(cudaFuncSetAttribute(probe<KB16>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
     for (bool stream : {false, true}) {
         std::vector<unsigned long long> first, second;
         float total_ms = 0;
@@ -117,12 +103,12 @@ int measure(const uint4* buf, size_t words, int grid, unsigned long long* ns, fl
             cudaEventRecord(a);
             probe<KB16><<<grid, THREADS, SMEM_BYTES>>>(buf, words, stream, ns, sink);
             cudaEventRecord(b);
-            CHECK(cudaEventSynchronize(b));
+            TRY(cudaEventSynchronize(b));
             float ms = 0;
             cudaEventElapsedTime(&ms, a, b);
             total_ms += ms;
             std::vector<unsigned long long> h(RUNNERS * 2);
-            CHECK(cudaMemcpy(h.data(), ns, h.size() * sizeof h[0], cudaMemcpyDeviceToHost));
+            TRY(cudaMemcpy(h.data(), ns, h.size() * sizeof h[0], cudaMemcpyDeviceToHost));
             for (int i = 0; i < RUNNERS; ++i) {
                 first.push_back(h[2 * i]);
                 second.push_back(h[2 * i + 1]);
@@ -147,10 +133,10 @@ int main() {
     uint4* buf = nullptr;
     unsigned long long* ns = nullptr;
     float* sink = nullptr;
-    CHECK(cudaMalloc(&buf, STREAM_BYTES));
-    CHECK(cudaMemset(buf, 1, STREAM_BYTES));
-    CHECK(cudaMalloc(&ns, RUNNERS * 2 * sizeof *ns));
-    CHECK(cudaMalloc(&sink, 2 * sizeof *sink));
+    TRY(cudaMalloc(&buf, STREAM_BYTES));
+    TRY(cudaMemset(buf, 1, STREAM_BYTES));
+    TRY(cudaMalloc(&ns, RUNNERS * 2 * sizeof *ns));
+    TRY(cudaMalloc(&sink, 2 * sizeof *sink));
     const size_t words = STREAM_BYTES / 16;
     printf("%9s  %-9s %12s %12s %10s\n", "code", "others", "pass 1 ns", "pass 2 ns", "TB/s");
     if (measure<1>(buf, words, sms, ns, sink) || measure<4>(buf, words, sms, ns, sink) || measure<8>(buf, words, sms, ns, sink)) return 1;

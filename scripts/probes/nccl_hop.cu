@@ -19,18 +19,13 @@
 #include <nccl_device.h>
 #include <thread>
 #include <vector>
+#include "probe.cuh"
 
 constexpr int THREADS = 512;
 constexpr int ITERS = 4000;
 constexpr int MAX_D = 16384;       // the 405B layer's width; the 70B's is 8192
 constexpr int BUFFERS = 2;         // partials double-buffered: one barrier a hop (see hops)
 constexpr int MAX_GPUS = 8;
-
-__device__ unsigned long long globaltimer() {
-    unsigned long long ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    return ns;
-}
 
 // GPU `rank`'s partial of row r at hop `it`: exact in f32, different for every rank, row and hop.
 __device__ float partial(int rank, int it, int r) { return (float)((rank + 1) * (it % 7 + 1)) + (float)(r % 1024) * 0.25f; }

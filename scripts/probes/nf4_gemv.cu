@@ -41,6 +41,7 @@
 
 #include "bulk.cuh"
 #include "layer_math.cuh"
+#include "probe.cuh"
 
 constexpr int THREADS = 256;
 constexpr int BLOCK_WARPS = THREADS / WARP;
@@ -118,30 +119,34 @@ __device__ __forceinline__ float dot8f(uint4 w, const float (&x)[VEC], float acc
     return acc;
 }
 
-// One variant's view of a matrix of rows of `vecs` vectors: from row r0 on (`at`), what a thread loads
-// for vector v of row r0 + i (`Raw`, by 32-bit offsets from the group's first row), and how it adds
-// that vector's products with x to acc.
+// A thread's load of a weight word: streamed from global memory (gemv), or read from a ring stage in
+// shared memory (STAGED: gemv_staged).
+template <bool STAGED, typename T>
+__device__ __forceinline__ T fetch(const T* p) {
+    if constexpr (STAGED) return *p;
+    else return __ldcs(p);
+}
+
+// One variant's view of a matrix of rows of `vecs` vectors: from row r0 on, in global memory (`at`) or
+// in a ring stage (`staged`: the copy's source is `src`), what a thread loads for vector v of row r0 + i
+// (`Raw`, by 32-bit offsets from the group's first row), and how it adds that vector's products with x
+// to acc.
 struct Bf16 {
     static constexpr int BYTES = 16;
     struct Raw {
         uint4 w;
     };
+    template <bool STAGED>
     struct Rows {
         const uint4* w;
         int vecs;
-        __device__ Raw load(int i, int v) const { return {__ldcs(w + i * vecs + v)}; }
-    };
-    // The same rows in a ring stage (gemv_staged): the copy's source, and what a thread reads there.
-    struct Staged {
-        const uint4* w;
-        int vecs;
-        __device__ Raw load(int i, int v) const { return {w[i * vecs + v]}; }
+        __device__ Raw load(int i, int v) const { return {fetch<STAGED>(w + i * vecs + v)}; }
     };
     const uint4* w;
     int vecs;
-    __device__ Rows at(int r0) const { return {w + (size_t)r0 * vecs, vecs}; }
+    __device__ Rows<false> at(int r0) const { return {w + (size_t)r0 * vecs, vecs}; }
     __device__ const void* src(int r0) const { return w + (size_t)r0 * vecs; }
-    __device__ Staged staged(const void* slot, int) const { return {static_cast<const uint4*>(slot), vecs}; }
+    __device__ Rows<true> staged(const void* slot, int) const { return {static_cast<const uint4*>(slot), vecs}; }
     __device__ float dot(const Raw& raw, const float (&x)[VEC], float acc, const Tables&) const { return dot8f(raw.w, x, acc); }
 };
 
@@ -151,29 +156,24 @@ struct Nf4 {
         uint32_t codes;
         float absmax;
     };
+    // Staged, the codes are in the ring and the absmax still comes through L1.
+    template <bool STAGED>
     struct Rows {
         const uint32_t* codes;
         const float* absmax;
         int vecs;
         __device__ Raw load(int i, int v) const {
-            return {__ldcs(codes + i * vecs + v), __ldg(absmax + (i * vecs + v) / VECS_PER_ABSMAX)};
+            return {fetch<STAGED>(codes + i * vecs + v), __ldg(absmax + (i * vecs + v) / VECS_PER_ABSMAX)};
         }
-    };
-    // Staged: the codes in the ring, the absmax still through L1.
-    struct Staged {
-        const uint32_t* codes;
-        const float* absmax;
-        int vecs;
-        __device__ Raw load(int i, int v) const { return {codes[i * vecs + v], __ldg(absmax + (i * vecs + v) / VECS_PER_ABSMAX)}; }
     };
     const uint32_t* codes;
     const float* absmax;
     int vecs;
-    __device__ Rows at(int r0) const {
+    __device__ Rows<false> at(int r0) const {
         return {codes + (size_t)r0 * vecs, absmax + (size_t)r0 * vecs / VECS_PER_ABSMAX, vecs};
     }
     __device__ const void* src(int r0) const { return codes + (size_t)r0 * vecs; }
-    __device__ Staged staged(const void* slot, int r0) const {
+    __device__ Rows<true> staged(const void* slot, int r0) const {
         return {static_cast<const uint32_t*>(slot), absmax + (size_t)r0 * vecs / VECS_PER_ABSMAX, vecs};
     }
 };
@@ -233,31 +233,23 @@ struct Fp8 {
         uint2 codes;
         float scale;
     };
+    // Staged, the codes are in the ring and the scales still come through L1.
+    template <bool STAGED>
     struct Rows {
         const uint2* codes;
         const float* scales;  // the whole matrix's: a row's block row is (r0 + i) / FP8_BLOCK
         int vecs, r0;
         __device__ Raw load(int i, int v) const {
             const float* block_row = scales + (size_t)((r0 + i) / FP8_BLOCK) * (vecs / VECS_PER_SCALE);
-            return {__ldcs(codes + (size_t)i * vecs + v), __ldg(block_row + v / VECS_PER_SCALE)};
-        }
-    };
-    // Staged: the codes in the ring, the scales still through L1.
-    struct Staged {
-        const uint2* codes;
-        const float* scales;
-        int vecs, r0;
-        __device__ Raw load(int i, int v) const {
-            const float* block_row = scales + (size_t)((r0 + i) / FP8_BLOCK) * (vecs / VECS_PER_SCALE);
-            return {codes[i * vecs + v], __ldg(block_row + v / VECS_PER_SCALE)};
+            return {fetch<STAGED>(codes + (size_t)i * vecs + v), __ldg(block_row + v / VECS_PER_SCALE)};
         }
     };
     const uint2* codes;
     const float* scales;
     int vecs;
-    __device__ Rows at(int r0) const { return {codes + (size_t)r0 * vecs, scales, vecs, r0}; }
+    __device__ Rows<false> at(int r0) const { return {codes + (size_t)r0 * vecs, scales, vecs, r0}; }
     __device__ const void* src(int r0) const { return codes + (size_t)r0 * vecs; }
-    __device__ Staged staged(const void* slot, int r0) const { return {static_cast<const uint2*>(slot), scales, vecs, r0}; }
+    __device__ Rows<true> staged(const void* slot, int r0) const { return {static_cast<const uint2*>(slot), scales, vecs, r0}; }
 };
 
 struct Fp8Rounded : Fp8 {
@@ -352,7 +344,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) gemv(W w, const uint4*
         // stages do (guarded, every row was a branch of its own).
         float acc[ROWS];
         const auto products = [&](auto guarded) {
-            const typename W::Rows rows_here = w.at(r0);
+            const auto rows_here = w.at(r0);
             typename W::Raw raw[ROWS][VPT];
 #pragma unroll
             for (int i = 0; i < ROWS; ++i)
@@ -408,7 +400,7 @@ __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM) gemv_staged(W w, const
         const int r0 = first + k * ROWS, count = min(ROWS, last - r0);
         issue(k + RING_STAGES - 1);  // into the slot stage k - 1 used, freed by store_rows' last barrier
         mbar_wait(&full[k % RING_STAGES], (k / RING_STAGES) & 1);  // stage k has landed
-        const typename W::Staged stage = w.staged(ring + (k % RING_STAGES) * RING_STAGE_BYTES, r0);
+        const auto stage = w.staged(ring + (k % RING_STAGES) * RING_STAGE_BYTES, r0);
         float acc[ROWS];
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) {
@@ -489,14 +481,6 @@ __global__ void read_stream(const uint4* p, size_t n, uint32_t* sink) {
     if (s == 0x12345678u) *sink = s;
 }
 
-#define CHECK(call)                                                                      \
-    do {                                                                                 \
-        const cudaError_t e_ = (call);                                                   \
-        if (e_ != cudaSuccess) {                                                         \
-            printf("%s failed: %s\n", #call, cudaGetErrorString(e_));                    \
-            return 1;                                                                    \
-        }                                                                                \
-    } while (0)
 
 struct Shape {
     const char* name;
@@ -592,7 +576,7 @@ int main() {
     // Llama-3.2-1B's gate/up (packed side by side) and down; Llama-3.1-8B's.
     const Shape shapes[] = {{"1B gate/up", 16384, 2048}, {"1B down", 2048, 8192}, {"8B gate/up", 28672, 4096}, {"8B down", 4096, 14336}};
     uint32_t* sink = nullptr;
-    CHECK(cudaMalloc(&sink, 4));
+    TRY(cudaMalloc(&sink, 4));
     printf("%-11s %-14s %10s %10s %10s  %s\n", "shape", "variant", "us", "TB/s read", "x floor", "outputs against bf16's");
     for (const Shape& s : shapes) {
         const int vecs = s.cols / VEC;
@@ -609,17 +593,17 @@ int main() {
         uint2* codes8 = nullptr;
         float *absmax = nullptr, *scales = nullptr, *y = nullptr;
         uint4 *dequant = nullptr, *x = nullptr;
-        CHECK(cudaMalloc(&codes, vectors * 4));
-        CHECK(cudaMalloc(&absmax, vectors / VECS_PER_ABSMAX * 4));
-        CHECK(cudaMalloc(&codes8, vectors * 8));
-        CHECK(cudaMalloc(&scales, n_scales * 4));
-        CHECK(cudaMalloc(&dequant, vectors * 16));
-        CHECK(cudaMalloc(&x, vecs * 16));
-        CHECK(cudaMalloc(&y, (size_t)rows * 4));
+        TRY(cudaMalloc(&codes, vectors * 4));
+        TRY(cudaMalloc(&absmax, vectors / VECS_PER_ABSMAX * 4));
+        TRY(cudaMalloc(&codes8, vectors * 8));
+        TRY(cudaMalloc(&scales, n_scales * 4));
+        TRY(cudaMalloc(&dequant, vectors * 16));
+        TRY(cudaMalloc(&x, vecs * 16));
+        TRY(cudaMalloc(&y, (size_t)rows * 4));
         const Data data{dequant, codes, absmax, codes8, scales};
         fill<<<sms * 8, 256>>>(codes, absmax, x, vectors, vecs, 0x5EED ^ s.rows);
         dequantise<<<sms * 8, 256>>>(codes, absmax, dequant, vectors);
-        CHECK(cudaDeviceSynchronize());
+        TRY(cudaDeviceSynchronize());
         // The read rate over the bf16 copies, and each variant's floor at it: its bytes over that rate.
         const float read_us = time_us([&] { read_stream<<<sms * 4, 512>>>(dequant, vectors, sink); });
         const double read_rate = vectors * 16.0 / (read_us * 1e-6);
@@ -648,7 +632,7 @@ int main() {
         // The fp8 variants, against the bf16 GEMV over the loader's weights of their codes.
         fill_fp8<<<sms * 8, 256>>>(codes8, scales, vectors, n_scales, 0xF8 ^ s.rows);
         dequantise_fp8<<<sms * 8, 256>>>(codes8, scales, dequant, vectors, vecs);
-        CHECK(cudaDeviceSynchronize());
+        TRY(cudaDeviceSynchronize());
         const std::vector<float> bf16_fp8 = run(Kind::Bf16, false, vectors * 16.0, nullptr);
         if (bf16_fp8.empty()) return printf("%s: the bf16 run over the fp8 weights failed\n", s.name), 1;
         for (bool staged : {false, true})

@@ -7,15 +7,10 @@
 //   nvcc -O3 -arch=sm_90a -o trace_timer scripts/probes/trace_timer.cu && ./trace_timer
 #include <cstdio>
 #include <cuda_runtime.h>
+#include "probe.cuh"
 
 constexpr int STEPS = 4096;  // steps recorded
 constexpr int SKIP = 16;     // the first steps, while the loop warms up, left out
-
-__device__ unsigned long long globaltimer() {
-    unsigned long long ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    return ns;
-}
 
 __global__ void record_steps(unsigned long long* step_ns, unsigned long long* step_cycles) {
     unsigned long long last = globaltimer(), cycles = clock64();
