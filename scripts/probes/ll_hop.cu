@@ -30,7 +30,10 @@ __host__ __device__ constexpr size_t weight_bytes(int hop) {
 }
 constexpr int UNROLL = 8;
 
-enum Protocol { COUNTERS, LL, LL_BACKOFF };
+// LL_FENCED: LL with a `fence.acq_rel.gpu` before the producer's stores and after the consumer's
+// reads, which makes the hand-off a synchronisation in PTX's memory model (fence-fence), so that
+// whatever else the producer wrote before (a cache row) is visible to the consumer as well.
+enum Protocol { COUNTERS, LL, LL_BACKOFF, LL_FENCED };
 
 __device__ unsigned ld_acquire(const unsigned* p) {
     unsigned v;
@@ -45,6 +48,7 @@ __device__ ulonglong2 ld_relaxed2(const unsigned long long* p) {
     asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
     return v;
 }
+__device__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ void st_relaxed(unsigned long long* p, unsigned long long v) {
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -94,7 +98,7 @@ __device__ float input_counters(const Buffers& b, int hop, unsigned target) {
     return block_sum(s);
 }
 // The hop's input, summed: LL (each thread polls its own words until each has the sequence `seq`).
-__device__ float input_ll(const Buffers& b, int hop, unsigned seq, bool backoff) {
+__device__ float input_ll(const Buffers& b, int hop, unsigned seq, bool backoff, bool fenced) {
     const int in = (hop + HOPS - 1) % HOPS;
     constexpr int MAX_PER = MAX_WIDTH / 4 / THREADS;  // 16-byte loads (two words) a thread at most
     const int pairs = width(hop) / 4;
@@ -107,6 +111,7 @@ __device__ float input_ll(const Buffers& b, int hop, unsigned seq, bool backoff)
             if (backoff) __nanosleep(32);
         s += sum_pair((uint32_t)v.x) + sum_pair((uint32_t)v.y);
     }
+    if (fenced) fence_acq_rel();  // reads after this see what the producers wrote before their fence
     return block_sum(s);
 }
 
@@ -117,6 +122,7 @@ __device__ void output(const Buffers& b, int hop, Protocol p, float sum, unsigne
     const int words = width((hop + 1) % HOPS) / 2;
     const int first = words * blockIdx.x / gridDim.x, last = words * (blockIdx.x + 1) / gridDim.x;
     const uint32_t data = pair_of(sum * 1e-9f + (float)(seq % 64));
+    if (p == LL_FENCED) fence_acq_rel();  // every write before this one is visible to whoever reads it
     for (int i = first + threadIdx.x; i < last; i += THREADS) {
         if (p != COUNTERS) st_relaxed(b.ll[hop] + i, ((unsigned long long)seq << 32) | data);
         else reinterpret_cast<uint32_t*>(b.plain[hop])[i] = data;
@@ -158,7 +164,7 @@ __global__ void chain(Buffers b, int tokens, Protocol p, bool weights) {
                 const bool first = t == 0 && l == 0 && hop == 0;
                 const unsigned in_seq = hop == 0 ? seq - 1 : seq;
                 float s = 0.f;
-                if (!first) s = p == COUNTERS ? input_counters(b, hop, gridDim.x * in_seq) : input_ll(b, hop, in_seq, p == LL_BACKOFF);
+                if (!first) s = p == COUNTERS ? input_counters(b, hop, gridDim.x * in_seq) : input_ll(b, hop, in_seq, p == LL_BACKOFF, p == LL_FENCED);
                 if (weights) stream(b, l, hop);
                 output(b, hop, p, s, seq);
             }
@@ -211,9 +217,11 @@ int main() {
     row("counters, no weights", b, sms, TOKENS, COUNTERS, false);
     row("LL words, no weights", b, sms, TOKENS, LL, false);
     row("LL words, 32 ns back-off", b, sms, TOKENS, LL_BACKOFF, false);
+    row("LL words, fenced", b, sms, TOKENS, LL_FENCED, false);
     row("counters, 1B's weights streamed", b, sms, TOKENS / 4, COUNTERS, true);
     row("LL words, 1B's weights streamed", b, sms, TOKENS / 4, LL, true);
     row("LL, back-off, 1B's weights streamed", b, sms, TOKENS / 4, LL_BACKOFF, true);
+    row("LL, fenced, 1B's weights streamed", b, sms, TOKENS / 4, LL_FENCED, true);
     TRY(cudaDeviceSynchronize());
     TRY(cudaGetLastError());
     return 0;
