@@ -102,15 +102,33 @@ __device__ float input_ll(const Buffers& b, int hop, unsigned seq, bool backoff,
     const int in = (hop + HOPS - 1) % HOPS;
     constexpr int MAX_PER = MAX_WIDTH / 4 / THREADS;  // 16-byte loads (two words) a thread at most
     const int pairs = width(hop) / 4;
-    float s = 0.f;
+    // Every load of the thread in flight at once, then only those whose words lack the sequence again:
+    // a vector polled to completion before the next is loaded costs a round trip each.
+    ulonglong2 v[MAX_PER];
+    bool ready[MAX_PER];
+#pragma unroll
     for (int j = 0; j < MAX_PER; ++j) {
         const int i = threadIdx.x + j * THREADS;
-        if (i >= pairs) break;
-        ulonglong2 v;
-        for (v = ld_relaxed2(b.ll[in] + 2 * i); (unsigned)(v.x >> 32) != seq || (unsigned)(v.y >> 32) != seq; v = ld_relaxed2(b.ll[in] + 2 * i))
-            if (backoff) __nanosleep(32);
-        s += sum_pair((uint32_t)v.x) + sum_pair((uint32_t)v.y);
+        ready[j] = i >= pairs;
+        if (!ready[j]) v[j] = ld_relaxed2(b.ll[in] + 2 * i);
     }
+    for (;;) {
+        bool all = true;
+#pragma unroll
+        for (int j = 0; j < MAX_PER; ++j) {
+            if (!ready[j]) ready[j] = (unsigned)(v[j].x >> 32) == seq && (unsigned)(v[j].y >> 32) == seq;
+            all = all && ready[j];
+        }
+        if (all) break;
+        if (backoff) __nanosleep(32);
+#pragma unroll
+        for (int j = 0; j < MAX_PER; ++j)
+            if (!ready[j]) v[j] = ld_relaxed2(b.ll[in] + 2 * (threadIdx.x + j * THREADS));
+    }
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < MAX_PER; ++j)
+        if (threadIdx.x + j * THREADS < pairs) s += sum_pair((uint32_t)v[j].x) + sum_pair((uint32_t)v[j].y);
     if (fenced) fence_acq_rel();  // reads after this see what the producers wrote before their fence
     return block_sum(s);
 }
