@@ -10,8 +10,7 @@
 // after its wait, or its first PRIME_BYTES copied to shared memory (cp.async) before the wait so that
 // only the rest waits for the input. Build and run on the GPU:
 //   nvcc -O3 -arch=sm_90a -o dataflow_chain scripts/probes/dataflow_chain.cu && ./dataflow_chain
-#include <cstdio>
-#include <cuda_runtime.h>
+#include "probe.cuh"
 
 constexpr int HIDDEN = 2048, FFN = 8192, KV_HEADS = 8, LAYERS = 16, THREADS = 256;
 constexpr int TOKENS = 200;
@@ -160,16 +159,7 @@ struct Case {
 
 static float launch_ms(Counters* c, Buffers b, int blocks, int tokens, Case k) {
     cudaMemset(c, 0, sizeof(Counters));
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0), cudaEventCreate(&e1);
-    cudaEventRecord(e0);
-    chain<<<blocks, THREADS, k.prime_bytes>>>(c, b, tokens, k.dataflow, k.backoff, k.weights, k.prime_bytes / 16, k.waits);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms = 0.f;
-    cudaEventElapsedTime(&ms, e0, e1);
-    cudaEventDestroy(e0), cudaEventDestroy(e1);
-    return ms;
+    return elapsed_ms([&] { chain<<<blocks, THREADS, k.prime_bytes>>>(c, b, tokens, k.dataflow, k.backoff, k.weights, k.prime_bytes / 16, k.waits); });
 }
 
 // Five samples of us a layer, sorted (median at 2). Each is the difference of a `tokens`-token launch

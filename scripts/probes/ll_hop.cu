@@ -192,16 +192,7 @@ __global__ void chain(Buffers b, int tokens, Protocol p, bool weights) {
 static float launch_ms(Buffers b, int blocks, int tokens, Protocol p, bool weights) {
     cudaMemset(b.done, 0, HOPS * sizeof(unsigned));
     for (int h = 0; h < HOPS; ++h) cudaMemset(b.ll[h], 0, MAX_WIDTH * 4);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0), cudaEventCreate(&e1);
-    cudaEventRecord(e0);
-    chain<<<blocks, THREADS>>>(b, tokens, p, weights);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms = 0.f;
-    cudaEventElapsedTime(&ms, e0, e1);
-    cudaEventDestroy(e0), cudaEventDestroy(e1);
-    return ms;
+    return elapsed_ms([&] { chain<<<blocks, THREADS>>>(b, tokens, p, weights); });
 }
 
 // Five samples of us a layer, sorted (median at 2): a `tokens`-token launch less one of a tenth as many.

@@ -10,6 +10,21 @@ __device__ inline unsigned long long globaltimer() {
     return ns;
 }
 
+// Milliseconds between two events recorded around launch() on the default stream.
+template <typename Launch>
+float elapsed_ms(Launch launch) {
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0), cudaEventCreate(&e1);
+    cudaEventRecord(e0);
+    launch();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms = 0.f;
+    cudaEventElapsedTime(&ms, e0, e1);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    return ms;
+}
+
 // A failed CUDA call, said in one line, and 1 returned from the function that made it.
 #define TRY(call)                                                               \
     do {                                                                        \
