@@ -29,12 +29,6 @@ constexpr int UNROLL = PROBE_UNROLL;
 
 struct Counters { unsigned op[LAYERS][OPS][KV_HEADS]; };
 
-__device__ unsigned ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ void red_release(unsigned* p) { asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory"); }
 
 // Thread 0 waits until *c reaches target (counters only grow: one launch, never reset), then the block.
 __device__ void wait_count(const unsigned* c, unsigned target, bool backoff) {

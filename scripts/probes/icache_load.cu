@@ -97,24 +97,14 @@ int measure(const uint4* buf, size_t words, int grid, unsigned long long* ns, fl
         std::vector<unsigned long long> first, second;
         float total_ms = 0;
         for (int r = 0; r < REPEATS; ++r) {
-            cudaEvent_t a, b;
-            cudaEventCreate(&a);
-            cudaEventCreate(&b);
-            cudaEventRecord(a);
-            probe<KB16><<<grid, THREADS, SMEM_BYTES>>>(buf, words, stream, ns, sink);
-            cudaEventRecord(b);
-            TRY(cudaEventSynchronize(b));
-            float ms = 0;
-            cudaEventElapsedTime(&ms, a, b);
-            total_ms += ms;
+            total_ms += elapsed_ms([&] { probe<KB16><<<grid, THREADS, SMEM_BYTES>>>(buf, words, stream, ns, sink); });
+            TRY(cudaGetLastError());
             std::vector<unsigned long long> h(RUNNERS * 2);
             TRY(cudaMemcpy(h.data(), ns, h.size() * sizeof h[0], cudaMemcpyDeviceToHost));
             for (int i = 0; i < RUNNERS; ++i) {
                 first.push_back(h[2 * i]);
                 second.push_back(h[2 * i + 1]);
             }
-            cudaEventDestroy(a);
-            cudaEventDestroy(b);
         }
         std::sort(first.begin(), first.end());
         std::sort(second.begin(), second.end());

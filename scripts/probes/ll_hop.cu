@@ -35,12 +35,6 @@ constexpr int UNROLL = 8;
 // whatever else the producer wrote before (a cache row) is visible to the consumer as well.
 enum Protocol { COUNTERS, LL, LL_BACKOFF, LL_FENCED };
 
-__device__ unsigned ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ void red_release(unsigned* p) { asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory"); }
 // Two LL words (16 bytes) as one relaxed load: each 8-byte element is single-copy atomic, the pair
 // is not (each word's sequence is checked on its own).
 __device__ ulonglong2 ld_relaxed2(const unsigned long long* p) {

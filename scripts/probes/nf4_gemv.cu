@@ -490,19 +490,11 @@ struct Shape {
 // Mean microseconds of REPS launches of f after two warm-ups, from one pair of events.
 template <typename F>
 float time_us(F f) {
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
     f();
     f();
-    cudaEventRecord(a);
-    for (int i = 0; i < REPS; ++i) f();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
+    const float ms = elapsed_ms([&] {
+        for (int i = 0; i < REPS; ++i) f();
+    });
     return ms * 1e3f / REPS;
 }
 

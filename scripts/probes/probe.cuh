@@ -1,4 +1,5 @@
-// What the probes share: the clock of the megakernel's phase stamps, and a CUDA call checked.
+// What the probes share: the clock of the megakernel's phase stamps, the counters' release and acquire,
+// an event-timed launch, and a CUDA call checked.
 #pragma once
 #include <cstdio>
 #include <cuda_runtime.h>
@@ -9,6 +10,14 @@ __device__ inline unsigned long long globaltimer() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
     return ns;
 }
+
+// A counter's acquire load and release add, as the megakernel's phases signal and wait on them.
+__device__ inline unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ inline void red_release(unsigned* p) { asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory"); }
 
 // Milliseconds between two events recorded around launch() on the default stream.
 template <typename Launch>
