@@ -18,6 +18,7 @@ use serde::Deserialize;
 use spec::Config;
 use spec::data::{LayerWeights, Tensor};
 
+use super::quantized::fp8::Fp8Matrix;
 use super::quantized::{Part, Quantization};
 
 #[derive(Debug, thiserror::Error)]
@@ -304,6 +305,10 @@ pub struct ModelWeights {
     /// Each layer's q and k norm weights (`hd` each) when the model has them (`ModelConfig::qk_norm`),
     /// else empty.
     pub qk_norms: Vec<[Vec<bf16>; 2]>,
+    /// An fp8 checkpoint's layers as stored: each weight's codes and scales where it was quantised (the
+    /// norms never are), beside its bf16 in `layers` (the model kernel may stream them:
+    /// `model::fp8_stream`); empty for any other checkpoint.
+    pub fp8: Vec<LayerWeights<Option<Fp8Matrix>>>,
 }
 
 impl ModelWeights {
@@ -315,8 +320,23 @@ impl ModelWeights {
     /// Reads every tensor of `cfg`'s model from `dir`'s safetensors files, each checked for its name
     /// and shape.
     pub fn read(dir: &Path, cfg: &ModelConfig) -> Result<ModelWeights, ModelError> {
-        let mut got = read_tensors(dir, &wanted(cfg), cfg.quantized)?;
-        Self::from_tensors(cfg, |name, _| Ok(got.remove(name).expect("read_tensors returns every tensor asked for")))
+        let (mut got, mut fp8) = read_tensors(dir, &wanted(cfg), cfg.quantized)?;
+        let mut weights = Self::from_tensors(cfg, |name, _| {
+            Ok(got.remove(name).expect("read_tensors returns every tensor asked for"))
+        })?;
+        if !fp8.is_empty() {
+            weights.fp8 = (0..cfg.layer.layers)
+                .map(|i| {
+                    LayerWeights::try_from_fn(|t| {
+                        Ok::<_, std::convert::Infallible>(
+                            fp8.remove(&format!("model.layers.{i}.{}", layer_tensor(t, &cfg.layer).0)),
+                        )
+                    })
+                    .unwrap_or_else(|e| match e {})
+                })
+                .collect();
+        }
+        Ok(weights)
     }
 
     /// `cfg`'s model from `fetch`, which gives each tensor by its Hugging Face name in bf16 and is
@@ -345,7 +365,7 @@ impl ModelWeights {
             if cfg.qk_norm { (0..l.layers).map(|i| qk_names(i).map(|n| take(&n))).collect() } else { Vec::new() };
         let norm = take("model.norm.weight");
         let lm_head = (!cfg.tied).then(|| take("lm_head.weight"));
-        Ok(ModelWeights { embed, layers, norm, lm_head, qk_norms })
+        Ok(ModelWeights { embed, layers, norm, lm_head, qk_norms, fp8: Vec::new() })
     }
 }
 
@@ -510,12 +530,13 @@ fn tensor_files(dir: &Path) -> Result<BTreeMap<String, PathBuf>, ModelError> {
 
 /// The tensors `wanted` (name and shape), in bf16, by name: each file read once, each tensor checked
 /// for its shape and converted (f32 and f16 rounded to nearest even once; a weight stored in the
-/// type of the checkpoint's quantisation, `quantized`, dequantised).
+/// type of the checkpoint's quantisation, `quantized`, dequantised); and each fp8 weight's codes and
+/// scales, by name.
 fn read_tensors(
     dir: &Path,
     wanted: &[(String, Vec<usize>)],
     quantized: Option<Quantization>,
-) -> Result<HashMap<String, Vec<bf16>>, ModelError> {
+) -> Result<(HashMap<String, Vec<bf16>>, HashMap<String, Fp8Matrix>), ModelError> {
     let files = tensor_files(dir)?;
     let mut by_file: BTreeMap<&PathBuf, Vec<&(String, Vec<usize>)>> = BTreeMap::new();
     for w in wanted {
@@ -526,7 +547,7 @@ fn read_tensors(
         })?;
         by_file.entry(path).or_default().push(w);
     }
-    let mut got = HashMap::with_capacity(wanted.len());
+    let (mut got, mut fp8) = (HashMap::with_capacity(wanted.len()), HashMap::new());
     for (path, tensors) in by_file {
         let bytes = std::fs::read(path).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
         let file =
@@ -550,7 +571,11 @@ fn read_tensors(
                         })
                     })?;
                     let part = |other: &str| quantization_part(&files, &file, path, other);
-                    got.insert(name.clone(), q.dequantize(name, shape, view.data(), part).map_err(bad)?);
+                    let (values, stored) = q.dequantize(name, shape, view.data(), part).map_err(bad)?;
+                    got.insert(name.clone(), values);
+                    if let Some(m) = stored {
+                        fp8.insert(name.clone(), m);
+                    }
                     continue;
                 }
             };
@@ -560,7 +585,7 @@ fn read_tensors(
             got.insert(name.clone(), element.to_bf16(view.data()));
         }
     }
-    Ok(got)
+    Ok((got, fp8))
 }
 
 /// Tensor `name` of a quantised weight, or None where the checkpoint has none: from `file` (the

@@ -19,49 +19,85 @@ pub fn scale_name(name: &str) -> String {
     format!("{name}_scale_inv")
 }
 
+/// An fp8 weight as its checkpoint stores it: `rows x cols` e4m3 codes and the scale of each block of
+/// `block` (rows, columns), a grid of `(ceil(rows / block rows), ceil(cols / block cols))` in f32 (a
+/// whole-weight scale is one block of the weight's shape). Kept beside its bf16 weights for the model
+/// kernel's fp8 stream (`model::fp8_stream`), which streams the codes and scales as they are.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fp8Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub codes: Vec<u8>,
+    pub block: [usize; 2],
+    pub scales: Vec<f32>,
+}
+
+impl Fp8Matrix {
+    /// The weight of `shape` (rows, cols) whose e4m3 codes are `codes`, with its scales (`scales`: None
+    /// where the checkpoint has none) over blocks of `block` (the whole weight where None); or why it
+    /// is not a weight the loader reads (a NaN code or a scale that is not finite among them).
+    pub fn new(shape: &[usize], codes: &[u8], block: Option<[usize; 2]>, scales: Option<Part>) -> Result<Fp8Matrix, String> {
+        let &[rows, cols] = shape else {
+            return Err(format!("an fp8 weight of shape {shape:?}: the loader reads fp8 matrices"));
+        };
+        if codes.len() != rows * cols {
+            return Err(format!("{} bytes of e4m3 for {} elements", codes.len(), rows * cols));
+        }
+        let scales = scales.ok_or("F8_E4M3 without its 'weight_scale_inv': not a fine-grained fp8 weight")?;
+        let [block_rows, block_cols] = block.unwrap_or([rows, cols]);
+        let grid = [rows.div_ceil(block_rows), cols.div_ceil(block_cols)];
+        if scales.shape != grid {
+            return Err(format!(
+                "weight_scale_inv of shape {:?}, expected {grid:?} (blocks of {block_rows} x {block_cols})",
+                scales.shape
+            ));
+        }
+        let scale: Vec<f32> = match scales.dtype {
+            Dtype::F32 => scales.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F8_E8M0 => scales.data.iter().map(|&b| e8m0(b)).collect(),
+            other => return Err(format!("weight_scale_inv in {other:?}: transformers writes f32, or e8m0 with ue8m0")),
+        };
+        if scale.len() != grid[0] * grid[1] {
+            return Err(format!("weight_scale_inv holds {} values for its shape {grid:?}", scale.len()));
+        }
+        if let Some(k) = scale.iter().position(|s| !s.is_finite()) {
+            return Err(format!("weight_scale_inv's block {:?} is {}", [k / grid[1], k % grid[1]], scale[k]));
+        }
+        if let Some(i) = codes.iter().position(|&c| e4m3(c).is_none()) {
+            return Err(format!("element ({}, {}) is e4m3's NaN (0x{:02X})", i / cols, i % cols, codes[i]));
+        }
+        Ok(Fp8Matrix { rows, cols, codes: codes.to_vec(), block: [block_rows, block_cols], scales: scale })
+    }
+
+    /// The scale of element (r, c): its block's.
+    pub fn scale(&self, r: usize, c: usize) -> f32 {
+        self.scales[r / self.block[0] * self.cols.div_ceil(self.block[1]) + c / self.block[1]]
+    }
+
+    /// Every element in bf16: its code's value times its block's scale in f32, rounded once (`weight`).
+    pub fn dequantize(&self) -> Vec<bf16> {
+        (0..self.rows * self.cols).map(|i| weight(self.codes[i], self.scale(i / self.cols, i % self.cols))).collect()
+    }
+}
+
+/// The loader's bf16 weight of code `code` (not e4m3's NaN) in a block of scale `scale`: the value
+/// times the scale in f32, rounded once to bf16, as transformers dequantises (and as the model
+/// kernel's fp8 stream computes each weight, `fp8_weights2`).
+pub fn weight(code: u8, scale: f32) -> bf16 {
+    bf16::from_f32(e4m3(code).expect("a checked code") * scale)
+}
+
 /// The weight of `shape` (rows, cols) whose e4m3 codes are `codes`, from its scales (`scales`: None
-/// where the checkpoint has none) over blocks of `block` (the whole weight where None), in bf16.
+/// where the checkpoint has none) over blocks of `block` (the whole weight where None): the bf16
+/// weights and the codes they came from (`Fp8Matrix`).
 pub fn dequantize(
     shape: &[usize],
     codes: &[u8],
     block: Option<[usize; 2]>,
     scales: Option<Part>,
-) -> Result<Vec<bf16>, String> {
-    let &[rows, cols] = shape else {
-        return Err(format!("an fp8 weight of shape {shape:?}: the loader reads fp8 matrices"));
-    };
-    if codes.len() != rows * cols {
-        return Err(format!("{} bytes of e4m3 for {} elements", codes.len(), rows * cols));
-    }
-    let scales = scales.ok_or("F8_E4M3 without its 'weight_scale_inv': not a fine-grained fp8 weight")?;
-    let [block_rows, block_cols] = block.unwrap_or([rows, cols]);
-    let grid = [rows.div_ceil(block_rows), cols.div_ceil(block_cols)];
-    if scales.shape != grid {
-        return Err(format!(
-            "weight_scale_inv of shape {:?}, expected {grid:?} (blocks of {block_rows} x {block_cols})",
-            scales.shape
-        ));
-    }
-    let scale: Vec<f32> = match scales.dtype {
-        Dtype::F32 => scales.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        Dtype::F8_E8M0 => scales.data.iter().map(|&b| e8m0(b)).collect(),
-        other => return Err(format!("weight_scale_inv in {other:?}: transformers writes f32, or e8m0 with ue8m0")),
-    };
-    if scale.len() != grid[0] * grid[1] {
-        return Err(format!("weight_scale_inv holds {} values for its shape {grid:?}", scale.len()));
-    }
-    if let Some(k) = scale.iter().position(|s| !s.is_finite()) {
-        return Err(format!("weight_scale_inv's block {:?} is {}", [k / grid[1], k % grid[1]], scale[k]));
-    }
-    codes
-        .iter()
-        .enumerate()
-        .map(|(i, &code)| {
-            let (r, c) = (i / cols, i % cols);
-            let w = e4m3(code).ok_or_else(|| format!("element ({r}, {c}) is e4m3's NaN (0x{code:02X})"))?;
-            Ok(bf16::from_f32(w * scale[r / block_rows * grid[1] + c / block_cols]))
-        })
-        .collect()
+) -> Result<(Vec<bf16>, Fp8Matrix), String> {
+    let m = Fp8Matrix::new(shape, codes, block, scales)?;
+    Ok((m.dequantize(), m))
 }
 
 /// The e4m3 value (sign, four bits of exponent biased by 7, three of mantissa; exponent 0 subnormal)
@@ -136,7 +172,7 @@ mod tests {
         // 3 x 5 in blocks of 2 x 3: a grid of 2 x 2 whose last row and column of blocks are partial.
         let codes: Vec<u8> = (0..15).map(|i| 0x30 + i as u8).collect();
         let scales = [1.0, 3.0, 0.1, 7.0];
-        let got = dequantize(&[3, 5], &codes, Some([2, 3]), f32_scales([2, 2], &scales)).unwrap();
+        let got = dequantize(&[3, 5], &codes, Some([2, 3]), f32_scales([2, 2], &scales)).unwrap().0;
         let want: Vec<bf16> = (0..15)
             .map(|i| {
                 let (r, c) = (i / 5, i % 5);
@@ -147,14 +183,14 @@ mod tests {
         // 0x31 (1.125) times 0.1 is not a bf16: the one rounding shows.
         assert_ne!(got[1].to_f32(), 1.125 * 0.1);
         // With no block named, one scale covers the weight.
-        let got = dequantize(&[3, 5], &codes, None, f32_scales([1, 1], &[0.5])).unwrap();
+        let got = dequantize(&[3, 5], &codes, None, f32_scales([1, 1], &[0.5])).unwrap().0;
         assert!(got.iter().zip(&codes).all(|(w, &c)| *w == bf16::from_f32(e4m3(c).unwrap() * 0.5)));
     }
 
     #[test]
     fn ue8m0_scales_read_as_their_powers_of_two() {
         let scales = Part { dtype: Dtype::F8_E8M0, shape: vec![1, 2], data: vec![126, 131] };
-        let got = dequantize(&[1, 4], &[0x38, 0x40, 0x38, 0xC0], Some([1, 2]), Some(scales)).unwrap();
+        let got = dequantize(&[1, 4], &[0x38, 0x40, 0x38, 0xC0], Some([1, 2]), Some(scales)).unwrap().0;
         assert_eq!(got, [0.5, 1.0, 16.0, -32.0].map(bf16::from_f32));
     }
 
