@@ -6,8 +6,12 @@
 fn main() {
     if std::env::var_os("CARGO_FEATURE_MODEL").is_some() {
         let toolchain = cuda_build::Toolchain::from_links();
-        let model =
-            cuda_build::Owner { name: "model", folder: "megakernel/model", hopper_only: &["model.cu", "model_fp8.cu"], rdc: &[] };
+        let model = cuda_build::Owner {
+            name: "model",
+            folder: "megakernel/model",
+            hopper_only: &["model.cu", "model_fp8.cu"],
+            rdc: &[],
+        };
         cuda_build::build(&toolchain, &[model], "");
     } else {
         // Nothing to compile: run again only if the feature changes (cargo reruns then anyway).

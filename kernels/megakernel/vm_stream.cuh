@@ -121,6 +121,16 @@ __device__ inline void widen8(uint4 a, float (&f)[VEC]) {
     }
 }
 
+// dot8 with the second vector already widened (widen8): the same products in the same order, so the
+// same bits.
+__device__ inline float dot8f(uint4 a, const float (&x)[VEC], float acc) {
+    float w[VEC];
+    widen8(a, w);
+#pragma unroll
+    for (uint32_t e = 0; e < VEC; ++e) acc = fmaf(w[e], x[e], acc);
+    return acc;
+}
+
 // The warp's sums of N values per lane (N a power of two up to WARP), each summed as warp_reduce sums
 // one value: the same pairs at offsets 16, 8, ..., 1, so the same bits, in fewer shuffles than N
 // butterflies. Lane l holds value k at v[k ^ scatter_mask<N>()]: at each of the first log2(N) offsets
@@ -267,26 +277,31 @@ struct RowStream {
     // slice of bf16 rows; needs prime() first. Advances ring.seq past this stream's stages.
     __device__ void run(const Slice& s, Ring& ring, Partials part) const {
         static_assert(VEC_BYTES == 16, "bf16 rows");
-        run_rows(s, ring, part, [&](const uint4* slot, uint32_t, uint32_t i, uint32_t vec, uint4 x, float acc) { return dot8(slot[i * vecs + vec], x, acc); });
+        run_rows(s, ring, part, [&](const uint4* slot, uint32_t, uint32_t i, uint32_t v, float acc) { return dot8(slot[i * vecs + v * THREADS + threadIdx.x], s.h[v], acc); });
     }
 
     // run() for rows of e4m3 codes: each weight made the loader's bf16 (fp8_weights8) with the scale of
     // its row's FP8_SCALE_COLS columns, `scales` (rows of `groups` f32, the whole matrix's, row r0 of
     // this stream at row r0), then dotted as run() dots bf16 weights: every sum is run()'s over the
     // loader's weights, bit for bit. A stage's rows past its count are stale slot memory whose sums are
-    // never stored; their scales are read at its last row, so that no load falls past the matrix.
+    // never stored; their scales are read at its last row, so that no load falls past the matrix. The
+    // slice is widened to f32 once, not once a row as dot8 widens it: a weight's arithmetic is about 6
+    // instructions (the conversions, the scale, the rounding, the product), against which x's widening
+    // was one more.
     __device__ void run_fp8(const Slice& s, Ring& ring, Partials part, const float* scales, uint32_t groups) const {
         static_assert(VEC_BYTES == 8, "e4m3 rows");
-        run_rows(s, ring, part, [&](const uint4* slot, uint32_t st, uint32_t i, uint32_t vec, uint4 x, float acc) {
-            const uint32_t row = r0 + st * SLICE_ROWS + min(i, stage_count(st) - 1);
+        float x[VPT][VEC];
+#pragma unroll
+        for (uint32_t v = 0; v < VPT; ++v) widen8(s.h[v], x[v]);
+        run_rows(s, ring, part, [&](const uint4* slot, uint32_t st, uint32_t i, uint32_t v, float acc) {
+            const uint32_t vec = v * THREADS + threadIdx.x, row = r0 + st * SLICE_ROWS + min(i, stage_count(st) - 1);
             const float scale = __ldg(scales + (size_t)row * groups + vec / FP8_SCALE_VECS);
-            return dot8(fp8_weights8(reinterpret_cast<const uint2*>(slot)[i * vecs + vec], scale), x, acc);
+            return dot8f(fp8_weights8(reinterpret_cast<const uint2*>(slot)[i * vecs + vec], scale), x[v], acc);
         });
     }
 
-    // The walk of run() and run_fp8: dot(slot, st, i, vec, x, acc) adds to acc the products of slot row
-    // i's vector vec (thread t's v-th: t + v * THREADS) of stage st with x, this thread's vector of
-    // the slice.
+    // The walk of run() and run_fp8: dot(slot, st, i, v, acc) adds to acc the products of slot row i's
+    // vector t + v * THREADS of stage st (thread t's v-th) with this thread's v-th vector of the slice.
     template <typename Dot>
     __device__ __forceinline__ void run_rows(const Slice& s, Ring& ring, Partials part, Dot dot) const {
         const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
@@ -300,7 +315,7 @@ struct RowStream {
                 acc[i] = 0.0f;
 #pragma unroll
                 for (uint32_t v = 0; v < VPT; ++v) {
-                    if (t + v * THREADS < vecs) acc[i] = dot(slot, st, i, v * THREADS + t, s.h[v], acc[i]);
+                    if (t + v * THREADS < vecs) acc[i] = dot(slot, st, i, v, acc[i]);
                 }
             }
             // Independent butterflies, one per row, so their shuffles overlap.

@@ -140,12 +140,18 @@ pub(crate) fn walk_order(
 /// arena, with the golden model's rounding: the GEMV from its packed column parts (which checks every
 /// packing).
 pub(crate) fn product(parts: &[(&Arena, Part)], rows: Range<usize>) -> Vec<bf16> {
-    let bf16_rows = |a: &Arena, w: i64, rows: &Range<usize>, cols: usize| a.bf16(w + (2 * rows.start * cols) as i64, rows.len() * cols);
+    let bf16_rows = |a: &Arena, w: i64, rows: &Range<usize>, cols: usize| {
+        a.bf16(w + (2 * rows.start * cols) as i64, rows.len() * cols)
+    };
     product_read(parts, rows, bf16_rows)
 }
 
 /// `product` with each part's rows read by `read(arena, weights, rows, cols)`.
-fn product_read(parts: &[(&Arena, Part)], rows: Range<usize>, read: impl Fn(&Arena, i64, &Range<usize>, usize) -> Vec<bf16>) -> Vec<bf16> {
+fn product_read(
+    parts: &[(&Arena, Part)],
+    rows: Range<usize>,
+    read: impl Fn(&Arena, i64, &Range<usize>, usize) -> Vec<bf16>,
+) -> Vec<bf16> {
     let matrices: Vec<Vec<bf16>> = parts.iter().map(|&(a, (w, _, cols))| read(a, w, &rows, cols)).collect();
     let weights: Vec<bf16> = (0..rows.len())
         .flat_map(|i| {
@@ -290,14 +296,15 @@ impl CpuStack {
 
     /// From here on, the decode program of the model kernel's fp8 instances: each layer's wide GEMVs
     /// from its fp8 codes and scales (`layers`, whose dequantised weights this stack was built from),
-    /// packed by `fp8_stream`, read as the kernel makes each weight. Fails as `fp8_stream::layer_slots`
-    /// fails.
+    /// packed by `fp8_stream`, read as the kernel makes each weight. Fails as
+    /// `fp8_stream::layer_matrices` fails.
     #[cfg(feature = "model")]
     pub fn stream_fp8(&mut self, plan: Plan, layers: &[fp8_stream::Fp8Layer]) -> Result<(), String> {
         let mut tables = Vec::with_capacity(layers.len());
         for (buffers, layer) in self.layers.iter().zip(layers) {
-            let slots = fp8_stream::layer_slots(&self.cfg, plan, layer, |bytes| Ok(self.arena.alloc(&bytes)))?;
-            tables.push(slots.table(buffers.table()));
+            let packed = fp8_stream::layer_matrices(&self.cfg, plan, layer)?;
+            let placed: Vec<_> = packed.matrices.iter().map(|(slot, bytes)| (*slot, self.arena.alloc(bytes))).collect();
+            tables.push(fp8_stream::table(buffers.table(), &placed));
         }
         self.program = fp8_stream::decode_rows(&self.cfg, plan, &self.program);
         self.fp8 = Some(tables);

@@ -13,12 +13,12 @@
 //! way streams bf16, and says why (`Fp8Layout::plan`).
 
 use half::bf16;
-use spec::{Config, Tensor};
 use spec::data::LayerWeights;
+use spec::{Config, Tensor};
 
 use super::quantized::fp8::{Fp8Matrix, weight};
 use crate::kernels::SLICED_MAX_COLS;
-use crate::pack::{self, Groups, Packing, mlp_part};
+use crate::pack::{self, Packing, mlp_part};
 use crate::program::{self, LAYER_WORDS, Op, Plan, Row, Slot, gateup};
 
 /// Columns of a packed row one scale covers (the kernel's `FP8_SCALE_COLS`): the checkpoints' usual
@@ -88,23 +88,22 @@ pub fn unpack(bytes: &[u8], rows: usize, cols: usize) -> Vec<bf16> {
     (0..rows * cols).map(|i| weight(codes[i], scale(i / cols, i % cols))).collect()
 }
 
-/// Where the matrices of one layer's decode step come from: each slot that streams fp8, its packed
-/// matrix's address (the others keep the bf16 program's).
+/// One layer's fp8 matrices for its decode step: each slot that streams fp8 with its packed matrix (the
+/// other slots keep the bf16 program's).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Fp8Slots {
-    pub slots: Vec<(Slot, u64)>,
+pub struct Fp8Matrices {
+    pub matrices: Vec<(Slot, Vec<u8>)>,
     /// Bytes a decode step of this layer streams less than in bf16.
     pub saved: u64,
 }
 
-impl Fp8Slots {
-    /// `table` (the bf16 program's, for the same layer) with these slots' addresses put in.
-    pub fn table(&self, mut table: [i64; LAYER_WORDS]) -> [i64; LAYER_WORDS] {
-        for &(slot, at) in &self.slots {
-            table[slot as usize] = at as i64;
-        }
-        table
+/// `table` (the bf16 program's, for one layer) with each slot of `placed` (a slot of `Fp8Matrices` and
+/// where its matrix was put) in its place.
+pub fn table(mut table: [i64; LAYER_WORDS], placed: &[(Slot, u64)]) -> [i64; LAYER_WORDS] {
+    for &(slot, at) in placed {
+        table[slot as usize] = at as i64;
     }
+    table
 }
 
 /// GateUp's rows of MLP part `k` of `parts` (its gate/up pairs of `mlp_part`), as one packing.
@@ -119,29 +118,23 @@ fn gateup_part_offset(cfg: &Config, parts: usize, k: usize) -> usize {
     (0..k).map(|j| packed_bytes(2 * mlp_part(cfg, parts, j).len(), cfg.d)).sum()
 }
 
-/// One layer's fp8 matrices under `plan`, packed (`pack`) and placed by `place` (which returns each
-/// allocation's address): every GEMV that streams fp8 (`streams_fp8`). Fails as `pack` fails.
-pub fn layer_slots(
-    cfg: &Config,
-    plan: Plan,
-    layer: &Fp8Layer,
-    mut place: impl FnMut(Vec<u8>) -> Result<u64, String>,
-) -> Result<Fp8Slots, String> {
-    let mut out = Fp8Slots::default();
-    let mut put = |slot: Slot, bytes: Vec<u8>, rows: usize, cols: usize, out: &mut Fp8Slots| -> Result<(), String> {
+/// One layer's fp8 matrices under `plan`, packed (`pack`): every GEMV that streams fp8 (`streams_fp8`).
+/// Fails as `pack` fails.
+pub fn layer_matrices(cfg: &Config, plan: Plan, layer: &Fp8Layer) -> Result<Fp8Matrices, String> {
+    let mut out = Fp8Matrices::default();
+    let mut put = |slot: Slot, bytes: Vec<u8>, rows: usize, cols: usize| {
         out.saved += (2 * rows * cols - packed_bytes(rows, cols)) as u64;
-        out.slots.push((slot, place(bytes)?));
-        Ok(())
+        out.matrices.push((slot, bytes));
     };
     let halves = plan.halves(cfg);
     for (h, &g) in halves.iter().enumerate() {
         let qkv = pack::qkv(cfg, g);
         if streams_fp8(qkv.cols) {
-            put([Slot::WQkv0, Slot::WQkv1][h], pack(&qkv, layer)?, qkv.rows, qkv.cols, &mut out)?;
+            put([Slot::WQkv0, Slot::WQkv1][h], pack(&qkv, layer)?, qkv.rows, qkv.cols);
         }
-        let o = pack::oproj(cfg, if halves.len() == 2 { g } else { Groups::all(cfg) });
+        let o = pack::oproj(cfg, g);
         if streams_fp8(o.cols) {
-            put([Slot::WO0, Slot::WO1][h], pack(&o, layer)?, o.rows, o.cols, &mut out)?;
+            put([Slot::WO0, Slot::WO1][h], pack(&o, layer)?, o.rows, o.cols);
         }
     }
     let parts = plan.mlp_parts;
@@ -151,19 +144,19 @@ pub fn layer_slots(
             debug_assert_eq!(bytes.len(), gateup_part_offset(cfg, parts, k));
             bytes.extend(pack(&gateup_part(cfg, parts, k), layer)?);
         }
-        put(Slot::WGateUp, bytes, 2 * cfg.ffn, cfg.d, &mut out)?;
+        put(Slot::WGateUp, bytes, 2 * cfg.ffn, cfg.d);
     }
     for k in 0..parts {
         let down = pack::down(cfg, parts, k);
         if streams_fp8(down.cols) {
-            put([Slot::WDown0, Slot::WDown1, Slot::WDown2][k], pack(&down, layer)?, down.rows, down.cols, &mut out)?;
+            put([Slot::WDown0, Slot::WDown1, Slot::WDown2][k], pack(&down, layer)?, down.rows, down.cols);
         }
     }
     Ok(out)
 }
 
 /// The decode program's rows from the bf16 program's `rows` (compiled under `plan`): where GateUp
-/// streams fp8, each GateUp row names its part's matrix in the fp8 allocation (`layer_slots`); every
+/// streams fp8, each GateUp row names its part's matrix in the fp8 allocation (`layer_matrices`); every
 /// other word is the bf16 program's.
 pub fn decode_rows(cfg: &Config, plan: Plan, rows: &[Row]) -> Vec<Row> {
     let mut part = 0;
@@ -181,7 +174,7 @@ pub fn decode_rows(cfg: &Config, plan: Plan, rows: &[Row]) -> Vec<Row> {
 }
 
 /// Why a model whose layers are `layers` cannot stream fp8 in its decode steps, or None where it can
-/// (each layer's matrices then packed by `layer_slots`, which may still fail as `pack` does): it is
+/// (each layer's matrices then packed by `layer_matrices`, which may still fail as `pack` does): it is
 /// not an fp8 checkpoint, its layers have q/k norms (the q/k-norm instance streams bf16), it streams
 /// in place (no packed copies), or no GEMV has rows too wide for slices.
 pub fn refusal(cfg: &Config, plan: Plan, layers: &[Fp8Layer], qk_norm: bool, in_place: bool) -> Option<String> {
@@ -197,7 +190,9 @@ pub fn refusal(cfg: &Config, plan: Plan, layers: &[Fp8Layer], qk_norm: bool, in_
     let o = plan.halves(cfg).into_iter().map(|g| g.n_q(cfg) * cfg.hd);
     let down = (0..plan.mlp_parts).map(|k| mlp_part(cfg, plan.mlp_parts, k).len());
     if !o.chain([cfg.d]).chain(down).any(streams_fp8) {
-        return Some(format!("no GEMV has rows wider than {SLICED_MAX_COLS} columns (narrower rows stream bf16 in slices)"));
+        return Some(format!(
+            "no GEMV has rows wider than {SLICED_MAX_COLS} columns (narrower rows stream bf16 in slices)"
+        ));
     }
     None
 }
@@ -209,12 +204,15 @@ mod tests {
 
     use super::*;
     use crate::cpu::{CpuStack, checks};
-    use crate::program::{Buffers, Forced, Split};
+    use crate::pack::Groups;
+    use crate::program::{Forced, Split};
 
     /// A random fp8 weight of `rows` x `cols` in blocks of `block` from `key`: codes over every value
     /// but NaN's (both signs, subnormals included), scales across a few orders of magnitude.
     fn random_matrix(key: u64, rows: usize, cols: usize, block: [usize; 2]) -> Fp8Matrix {
-        let codes = (0..rows * cols).map(|i| (bits(key, i as u64) % 256) as u8).map(|c| if c & 0x7F == 0x7F { c - 1 } else { c });
+        let codes = (0..rows * cols)
+            .map(|i| (bits(key, i as u64) % 256) as u8)
+            .map(|c| if c & 0x7F == 0x7F { c - 1 } else { c });
         let grid = rows.div_ceil(block[0]) * cols.div_ceil(block[1]);
         let scales = (0..grid as u64)
             .map(|k| bits(key ^ 0x5CA1E, k))
@@ -232,7 +230,8 @@ mod tests {
                 let fp8 = Fp8Layer::try_from_fn(|t| {
                     let shape = t.shape(cfg);
                     Ok::<_, std::convert::Infallible>(
-                        (shape.len() == 2).then(|| random_matrix(stream_key(seed, t as u64), shape[0], shape[1], block)),
+                        (shape.len() == 2)
+                            .then(|| random_matrix(stream_key(seed, t as u64), shape[0], shape[1], block)),
                     )
                 })
                 .unwrap_or_else(|e| match e {});
@@ -310,7 +309,7 @@ mod tests {
     /// word is the bf16 program's, and a model whose d runs in slices keeps GateUp's rows as they were.
     #[test]
     fn decode_rows_move_only_gateups_weights() {
-        let buffers = Buffers { q: 1, cos: 2, sin: 3, part_o: 4, part_ml: 5, counters: 6, a: 7, x1_part: 8, x1: 9, act: 10, down_part: 11 };
+        let buffers = program::test_buffers();
         for (cfg, parts) in [(Config::graded(), 2), (Config { d: 2304, ffn: 6144, ..Config::graded() }, 3)] {
             let plan = Plan::with(&cfg, 132, Forced { roles: None, mlp_parts: Some(parts) }).unwrap();
             let rows = program::compile(&cfg, &buffers, 132, plan, Split::None);
@@ -349,8 +348,8 @@ mod tests {
         ] {
             let plan = Plan::with(&cfg, 132, Forced { roles: Some(roles), mlp_parts: Some(parts) }).unwrap();
             assert_eq!(refusal(&cfg, plan, &fp8, false, false), None);
-            let placed = layer_slots(&cfg, plan, &fp8[0], |_| Ok(0)).unwrap();
-            assert_eq!(placed.slots.iter().map(|s| s.0).collect::<Vec<_>>(), slots, "{roles} role(s)");
+            let packed = layer_matrices(&cfg, plan, &fp8[0]).unwrap();
+            assert_eq!(packed.matrices.iter().map(|m| m.0).collect::<Vec<_>>(), slots, "{roles} role(s)");
             let mut stack = CpuStack::build(&cfg, &layers, 132, plan, false, Split::None);
             stack.stream_fp8(plan, &fp8).unwrap();
             let caches = checks::against_golden(&cfg, &layers, 2, |x, pos, _| Ok(stack.step(x, pos)))
@@ -359,7 +358,8 @@ mod tests {
                 assert_eq!(&stack.cache(l), cache, "layer {l}'s caches");
             }
             if parts == 2 {
-                let gateup: Vec<usize> = (0..stack.program.len()).filter(|&i| stack.program[i][0] == Op::GateUp as i64).collect();
+                let gateup: Vec<usize> =
+                    (0..stack.program.len()).filter(|&i| stack.program[i][0] == Op::GateUp as i64).collect();
                 stack.program[gateup[1]][gateup::W as usize] = stack.program[gateup[0]][gateup::W as usize];
                 assert!(checks::against_golden(&cfg, &layers, 1, |x, pos, _| Ok(stack.step(x, pos))).is_err());
             }

@@ -16,10 +16,12 @@ use spec::Config;
 use spec::bytes::ByteModel;
 use submission::{Layer, SubmissionError, device_address};
 
+use super::fp8_stream::{self, Fp8Layer};
 use super::hf::{ModelConfig, ModelWeights};
+use super::quantized::Quantization;
 use super::request::{Lane, Limits, MAX_EOS, Stop};
 use super::together::generate_together;
-use crate::kernels::model::MODEL;
+use crate::kernels::model::{MODEL, MODEL_FP8};
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
 use crate::program;
 use crate::stack::{CompiledStack, ProgramParam, StackOptions, Target, fit_one_block, rows_beside};
@@ -149,6 +151,75 @@ fn model_kernel(qk_norm: bool, narrow: bool, traced: bool) -> &'static str {
     }
 }
 
+/// The model kernel's instance that streams an fp8 checkpoint's wide rows as codes
+/// (`kernels/megakernel/model/model_fp8.cu`): for layers with rows narrow enough for slices (`narrow`)
+/// or without.
+fn fp8_kernel(narrow: bool) -> &'static str {
+    if narrow { "megakernel_model_sliced_fp8" } else { "megakernel_model_fp8" }
+}
+
+/// What a model's decode steps stream its quantised GEMVs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightStream {
+    /// As the checkpoint stores them where the kernel can (an fp8 checkpoint's wide rows as codes,
+    /// `fp8_stream`), else bf16.
+    AsStored,
+    /// bf16 throughout (an fp8 checkpoint's weights as the loader dequantised them): the same outputs,
+    /// bit for bit, for comparing the two streams.
+    Bf16,
+}
+
+/// The decode step of an fp8 checkpoint (`fp8_stream`): the fp8 instance of the model kernel, its
+/// program (the bf16 program's rows and tables with the fp8 matrices in), and those matrices.
+struct Fp8Decode {
+    func: CudaFunction,
+    program: Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>,
+    /// Bytes a decode step streams less than the bf16 stream, over every layer.
+    saved: u64,
+    /// GEMV matrices a layer streams as codes.
+    matrices: usize,
+    _packed: Vec<CudaSlice<u8>>,
+}
+
+impl Fp8Decode {
+    /// The fp8 decode of `stack` (compiled for `cfg`'s layers of shape `layer`) from the checkpoint's
+    /// `fp8` layers: `Ok(Err(why))` where it cannot be (`fp8_stream::refusal`, or a weight `pack` does
+    /// not take), and the model then streams bf16.
+    fn build(
+        dev: &Device,
+        cfg: &ModelConfig,
+        layer: &Config,
+        stack: &CompiledStack,
+        fp8: &[Fp8Layer],
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<Result<Fp8Decode, String>, GpuModelError> {
+        if let Some(why) = fp8_stream::refusal(layer, stack.layout, fp8, cfg.qk_norm, stack.in_place) {
+            return Ok(Err(why));
+        }
+        let (mut tables, mut packed, mut saved, mut matrices) = (Vec::new(), Vec::new(), 0, 0);
+        for (l, (fp8_layer, bf16_table)) in fp8.iter().zip(&stack.tables).enumerate() {
+            progress(&format!("packing layer {} of {}'s fp8 codes", l + 1, fp8.len()));
+            let m = match fp8_stream::layer_matrices(layer, stack.layout, fp8_layer) {
+                Ok(m) => m,
+                Err(why) => return Ok(Err(format!("layer {l}: {why}"))),
+            };
+            let mut placed = Vec::new();
+            for (slot, bytes) in &m.matrices {
+                let up = dev.stream().clone_htod(bytes).context(format!("uploading layer {l}'s fp8 {slot:?}"))?;
+                placed.push((*slot, device_address(dev, &up)));
+                packed.push(up);
+            }
+            tables.push(fp8_stream::table(*bf16_table, &placed));
+            (saved, matrices) = (saved + m.saved, m.matrices.len());
+        }
+        let rows = fp8_stream::decode_rows(layer, stack.layout, &stack.rows);
+        let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
+        let func = dev.function(&MODEL_FP8, fp8_kernel(has_narrow_rows(layer)))?;
+        fit_one_block(&func, stack.smem, "the fp8 model kernel")?;
+        Ok(Ok(Fp8Decode { func, program, saved, matrices, _packed: packed }))
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GpuModelError {
     #[error(transparent)]
@@ -189,6 +260,8 @@ pub struct GpuModel {
     /// `grid * heads`).
     stack: CompiledStack,
     program: Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>,
+    /// An fp8 checkpoint's decode steps, where they stream codes; else why not (for the summary).
+    fp8: Result<Fp8Decode, String>,
     batch: BatchKernel,
     heads: u32,
     embed: CudaSlice<bf16>,
@@ -217,14 +290,15 @@ pub struct GpuModel {
 
 impl GpuModel {
     /// Uploads the model with caches of `context` positions (at most the model's own) for `sequences`
-    /// sequences (1 to [`MAX_BATCH`]: a batch step's) and compiles its stack; `progress` hears what it
-    /// is doing.
+    /// sequences (1 to [`MAX_BATCH`]: a batch step's) and compiles its stack, its decode steps streaming
+    /// as `stream` says; `progress` hears what it is doing.
     pub fn new(
         dev: &Device,
         cfg: &ModelConfig,
         weights: &ModelWeights,
         context: usize,
         sequences: usize,
+        stream: WeightStream,
         progress: &mut dyn FnMut(&str),
     ) -> Result<GpuModel, GpuModelError> {
         let layer = Config { max_seq_len: context.min(cfg.layer.max_seq_len), ..cfg.layer.clone() };
@@ -267,6 +341,10 @@ impl GpuModel {
         let program =
             ProgramParam::new(&stack.rows, &stack.tables).expect("rows and tables within the parameter block");
         let batch = batch_kernel(dev, &MODEL, stack.lane_rows)?;
+        let fp8 = match stream {
+            WeightStream::AsStored => Fp8Decode::build(dev, cfg, &layer, &stack, &weights.fp8, progress)?,
+            WeightStream::Bf16 => Err("bf16 asked for".into()),
+        };
         let grid = stack.grid as usize;
         let row = |n: usize, what: &str| s.alloc_zeros::<bf16>(n).context(format!("allocating {what}"));
         Ok(GpuModel {
@@ -285,6 +363,7 @@ impl GpuModel {
             layer,
             stack,
             program,
+            fp8,
             batch,
             heads: 0,
             embed,
@@ -303,6 +382,27 @@ impl GpuModel {
     /// The compiled plan in words.
     pub fn describe(&self) -> String {
         self.stack.describe(&self.layer, 0)
+    }
+
+    /// What the decode steps stream a quantised checkpoint's weights as, in words (None for a bf16,
+    /// f16 or f32 checkpoint).
+    pub fn streams(&self) -> Option<String> {
+        let q = self.cfg.quantized?;
+        Some(match &self.fp8 {
+            Ok(f) => format!(
+                "{}: decode steps stream the rows wider than {} columns as e4m3 codes, a scale a row per {} columns                  ({} GEMV matrices a layer), the rest bf16; {:.2} GB a token at position 0 against bf16's {:.2},                  which a floor counts; batch steps and traces stream bf16",
+                q.name(),
+                crate::kernels::SLICED_MAX_COLS,
+                fp8_stream::FP8_SCALE_COLS,
+                f.matrices,
+                self.bytes_at(0) as f64 / 1e9,
+                (self.bytes_at(0) + f.saved) as f64 / 1e9
+            ),
+            Err(why) if matches!(q, Quantization::Fp8 { .. }) => {
+                format!("{} read into bf16 and streamed as bf16 ({why}), so a floor counts bf16's bytes", q.name())
+            }
+            Err(_) => format!("{} read into bf16; the kernel streams bf16, so a floor counts bf16's bytes", q.name()),
+        })
     }
 
     /// The logits after `token` at position `pos` (its K and V appended to every layer's cache at
@@ -495,7 +595,8 @@ impl GpuModel {
     /// the final norm read, the logits written.
     pub fn bytes_at(&self, pos: usize) -> u64 {
         let (d, vocab) = (self.layer.d as u64, self.cfg.vocab as u64);
-        ByteModel::stack_at(&self.layer, pos).total + 2 * vocab * d + 2 * d + 4 * vocab
+        let saved = self.fp8.as_ref().map_or(0, |f| f.saved);
+        ByteModel::stack_at(&self.layer, pos).total + 2 * vocab * d + 2 * d + 4 * vocab - saved
     }
 
     /// What its decode steps and generations may ask for.
@@ -554,14 +655,21 @@ impl GpuModel {
         let b = &mut self.stack;
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
         let (cfg, phases, layers) = (b.launch_config(b.smem), b.phases(), b.layers());
-        let (func, stamps) = trace.map_or((&b.func, None), |(f, t)| (f, Some(t)));
+        // A trace runs the bf16 program in its traced instance; a decode of an fp8 checkpoint, the fp8
+        // instance and program where it has them.
+        let (func, program, stamps) = match (trace, &self.fp8) {
+            (Some((f, t)), _) => (f, &self.program, Some(t)),
+            (None, Ok(fp8)) => (&fp8.func, &fp8.program, None),
+            (None, Err(_)) => (&b.func, &self.program, None),
+        };
         let mut l = s.launch_builder(func);
-        l.arg(&*self.program).arg(&args).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
+        l.arg(&**program).arg(&args).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
         if let Some(t) = stamps {
             l.arg(t);
         }
-        // SAFETY: megakernel_model_bf16 and its instances take (program:
+        // SAFETY: megakernel_model_bf16 and its instances (the fp8 ones too, whose program names packed fp8
+        // matrices of the layout model_fp8.cu reads: fp8_stream) take (program:
         // Program<MAX_STACK_LAYERS> by value, model: ModelArgs by value (its buffers allocated above:
         // logits (vocab), candidates (grid), tokens (max_seq + 1), done (2)), phases, layers, out (d),
         // hidden ((layers - 1) x d or null for one layer), d, step, phase_done (MAX_PHASES + 1),

@@ -528,6 +528,9 @@ fn tensor_files(dir: &Path) -> Result<BTreeMap<String, PathBuf>, ModelError> {
     Ok(index)
 }
 
+/// An fp8 checkpoint's weights as stored, by name.
+type Fp8ByName = HashMap<String, Fp8Matrix>;
+
 /// The tensors `wanted` (name and shape), in bf16, by name: each file read once, each tensor checked
 /// for its shape and converted (f32 and f16 rounded to nearest even once; a weight stored in the
 /// type of the checkpoint's quantisation, `quantized`, dequantised); and each fp8 weight's codes and
@@ -536,7 +539,7 @@ fn read_tensors(
     dir: &Path,
     wanted: &[(String, Vec<usize>)],
     quantized: Option<Quantization>,
-) -> Result<(HashMap<String, Vec<bf16>>, HashMap<String, Fp8Matrix>), ModelError> {
+) -> Result<(HashMap<String, Vec<bf16>>, Fp8ByName), ModelError> {
     let files = tensor_files(dir)?;
     let mut by_file: BTreeMap<&PathBuf, Vec<&(String, Vec<usize>)>> = BTreeMap::new();
     for w in wanted {

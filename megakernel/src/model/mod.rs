@@ -20,7 +20,7 @@ pub mod text;
 pub mod together;
 
 pub use cpu::{CpuModel, argmax};
-pub use gpu::{Generation, GpuModel, GpuModelError};
+pub use gpu::{Generation, GpuModel, GpuModelError, WeightStream};
 pub use hf::{Element, ModelConfig, ModelError, ModelWeights};
 pub use request::{Lane, Limits, MAX_EOS, Stop};
 pub use text::Text;

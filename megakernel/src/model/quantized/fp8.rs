@@ -36,7 +36,12 @@ impl Fp8Matrix {
     /// The weight of `shape` (rows, cols) whose e4m3 codes are `codes`, with its scales (`scales`: None
     /// where the checkpoint has none) over blocks of `block` (the whole weight where None); or why it
     /// is not a weight the loader reads (a NaN code or a scale that is not finite among them).
-    pub fn new(shape: &[usize], codes: &[u8], block: Option<[usize; 2]>, scales: Option<Part>) -> Result<Fp8Matrix, String> {
+    pub fn new(
+        shape: &[usize],
+        codes: &[u8],
+        block: Option<[usize; 2]>,
+        scales: Option<Part>,
+    ) -> Result<Fp8Matrix, String> {
         let &[rows, cols] = shape else {
             return Err(format!("an fp8 weight of shape {shape:?}: the loader reads fp8 matrices"));
         };
