@@ -277,7 +277,10 @@ struct RowStream {
     // slice of bf16 rows; needs prime() first. Advances ring.seq past this stream's stages.
     __device__ void run(const Slice& s, Ring& ring, Partials part) const {
         static_assert(VEC_BYTES == 16, "bf16 rows");
-        run_rows(s, ring, part, [&](const uint4* slot, uint32_t, uint32_t i, uint32_t v, float acc) { return dot8(slot[i * vecs + v * THREADS + threadIdx.x], s.h[v], acc); });
+        run_rows(s, ring, part, [&](const uint4* slot, uint32_t, uint32_t i, uint32_t v, float acc) {
+            const uint32_t vec = v * THREADS + threadIdx.x;
+            return vec < vecs ? dot8(slot[i * vecs + vec], s.h[v], acc) : acc;
+        });
     }
 
     // run() for rows of e4m3 codes: each weight made the loader's bf16 (fp8_weights8) with the scale of
@@ -287,21 +290,26 @@ struct RowStream {
     // never stored; their scales are read at its last row, so that no load falls past the matrix. The
     // slice is widened to f32 once, not once a row as dot8 widens it: a weight's arithmetic is about 6
     // instructions (the conversions, the scale, the rounding, the product), against which x's widening
-    // was one more.
+    // was one more. No branch around a row's products: every thread has each of its vectors but perhaps
+    // the last, and for that one a thread past the row computes on the row's last vector and keeps acc,
+    // so that the rows' loads and arithmetic interleave as in the probe's unguarded loop.
     __device__ void run_fp8(const Slice& s, Ring& ring, Partials part, const float* scales, uint32_t groups) const {
         static_assert(VEC_BYTES == 8, "e4m3 rows");
         float x[VPT][VEC];
 #pragma unroll
         for (uint32_t v = 0; v < VPT; ++v) widen8(s.h[v], x[v]);
         run_rows(s, ring, part, [&](const uint4* slot, uint32_t st, uint32_t i, uint32_t v, float acc) {
-            const uint32_t vec = v * THREADS + threadIdx.x, row = r0 + st * SLICE_ROWS + min(i, stage_count(st) - 1);
-            const float scale = __ldg(scales + (size_t)row * groups + vec / FP8_SCALE_VECS);
-            return dot8f(fp8_weights8(reinterpret_cast<const uint2*>(slot)[i * vecs + vec], scale), x[v], acc);
+            const uint32_t vec = v * THREADS + threadIdx.x, at = min(vec, vecs - 1);
+            const uint32_t row = r0 + st * SLICE_ROWS + min(i, stage_count(st) - 1);
+            const float scale = __ldg(scales + (size_t)row * groups + at / FP8_SCALE_VECS);
+            const float sum = dot8f(fp8_weights8(reinterpret_cast<const uint2*>(slot)[i * vecs + at], scale), x[v], acc);
+            return v + 1 < VPT || vec < vecs ? sum : acc;
         });
     }
 
     // The walk of run() and run_fp8: dot(slot, st, i, v, acc) adds to acc the products of slot row i's
-    // vector t + v * THREADS of stage st (thread t's v-th) with this thread's v-th vector of the slice.
+    // vector t + v * THREADS of stage st (thread t's v-th) with this thread's v-th vector of the slice,
+    // where the row has that vector (acc as it was where not).
     template <typename Dot>
     __device__ __forceinline__ void run_rows(const Slice& s, Ring& ring, Partials part, Dot dot) const {
         const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
@@ -314,9 +322,7 @@ struct RowStream {
             for (uint32_t i = 0; i < SLICE_ROWS; ++i) {
                 acc[i] = 0.0f;
 #pragma unroll
-                for (uint32_t v = 0; v < VPT; ++v) {
-                    if (t + v * THREADS < vecs) acc[i] = dot(slot, st, i, v, acc[i]);
-                }
+                for (uint32_t v = 0; v < VPT; ++v) acc[i] = dot(slot, st, i, v, acc[i]);
             }
             // Independent butterflies, one per row, so their shuffles overlap.
 #pragma unroll
