@@ -390,7 +390,9 @@ impl GpuModel {
         let q = self.cfg.quantized?;
         Some(match &self.fp8 {
             Ok(f) => format!(
-                "{}: decode steps stream the rows wider than {} columns as e4m3 codes, a scale a row per {} columns                  ({} GEMV matrices a layer), the rest bf16; {:.2} GB a token at position 0 against bf16's {:.2},                  which a floor counts; batch steps and traces stream bf16",
+                "{}: decode steps stream the rows wider than {} columns as e4m3 codes, a scale a row per {} columns \
+                 ({} GEMV matrices a layer), the rest bf16; {:.2} GB a token at position 0 against bf16's {:.2}, \
+                 which a floor counts; batch steps and traces stream bf16",
                 q.name(),
                 crate::kernels::SLICED_MAX_COLS,
                 fp8_stream::FP8_SCALE_COLS,
