@@ -256,6 +256,16 @@ mod tests {
             .collect()
     }
 
+    /// The kernel reads a scale per FP8_SCALE_COLS columns, as the packing writes them, and streams
+    /// codes where it streams rows of more than SLICED_MAX_COLS columns outside slices.
+    #[test]
+    fn the_fp8_streams_constants_mirror_the_kernel() {
+        let cu = crate::kernels::DEVICE_SOURCE;
+        assert!(cu.contains(&format!("constexpr uint32_t FP8_SCALE_COLS = {FP8_SCALE_COLS};")));
+        assert!(cu.contains("__device__ inline bool streams_fp8(const Gemv& g) { return FP8 && !in_slices(g.cols); }"));
+        assert!(streams_fp8(SLICED_MAX_COLS + 16) && !streams_fp8(SLICED_MAX_COLS));
+    }
+
     /// Every packing of a layer, in one and two halves and one to three MLP parts: its fp8 bytes read as
     /// the kernel reads them are the loader's weights packed as the bf16 program packs them, bit for
     /// bit, with scales of 128 x 128 blocks or one for the whole weight.

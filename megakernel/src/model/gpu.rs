@@ -711,6 +711,23 @@ mod tests {
         }
     }
 
+    /// Every instance the model launches is an entry point of its file: model.cu's bf16 ones and their
+    /// traced twins, model_fp8.cu's fp8 ones.
+    #[test]
+    fn the_model_kernels_named_are_entry_points() {
+        let bf16 = include_str!("../../../kernels/megakernel/model/model.cu");
+        let fp8 = include_str!("../../../kernels/megakernel/model/model_fp8.cu");
+        for (qk_norm, narrow, traced) in (0..8).map(|i| (i & 1 == 1, i & 2 == 2, i & 4 == 4)) {
+            let params = if traced { "MODEL_TRACE_PARAMS" } else { "MODEL_PARAMS" };
+            let name = model_kernel(qk_norm, narrow, traced);
+            assert!(bf16.contains(&format!(" {name}({params})")), "{name} is not a kernel of model.cu");
+        }
+        for narrow in [false, true] {
+            let name = fp8_kernel(narrow);
+            assert!(fp8.contains(&format!(" {name}(MODEL_PARAMS)")), "{name} is not a kernel of model_fp8.cu");
+        }
+    }
+
     #[test]
     fn batch_steps_are_refused_naming_the_lane_and_what_is_wrong() {
         let lane = |seq, token, pos| Lane { seq, token, pos };
