@@ -203,6 +203,9 @@ __device__ inline uint4 fp8_weights8(uint2 codes, float scale) {
     return w;
 }
 
+// The largest power of two at most v (1 for v < 2).
+__host__ __device__ constexpr uint32_t floor_pow2(uint32_t v) { return v < 2 ? 1 : 2 * floor_pow2(v / 2); }
+
 // A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
 // thread; each stage is SLICE_ROWS consecutive rows per slice of the block, one bulk copy from a packed
 // matrix (or a few, one per run, from the handed layout: see RowSource). A layer kernel's stream (run)
@@ -212,9 +215,6 @@ __device__ inline uint4 fp8_weights8(uint2 codes, float scale) {
 // stages with the whole ring primed (up to six times the bytes primed below 4096 columns) made
 // Llama-3.2-1B 23% slower on the H200; full stages with one primed (SOLO_PRIMED), 11% faster
 // (docs/perf.md, "Full stages for the batch step" and "Qwen3's Qkv in full stages").
-// The largest power of two at most v (1 for v < 2).
-__host__ __device__ constexpr uint32_t floor_pow2(uint32_t v) { return v < 2 ? 1 : 2 * floor_pow2(v / 2); }
-
 // VEC_BYTES: the bytes a row holds for each 16-byte vector of the input: 16 for bf16 weights, 8 for
 // e4m3 codes (the fp8 stream: run_fp8).
 template <uint32_t VPT, uint32_t VEC_BYTES = 16>
@@ -292,7 +292,7 @@ struct RowStream {
     // this stream at row r0), then dotted as run() dots bf16 weights: every sum is run()'s over the
     // loader's weights, bit for bit. A stage's rows past its count are stale slot memory whose sums are
     // never stored; their scales are read at its last row, so that no load falls past the matrix. The
-    // slice is widened to f32 once, not once a row as dot8 widens it: a weight's arithmetic is about 6
+    // slice is widened to f32 once, not once a row as dot8 widens it: a weight's arithmetic is about 5
     // instructions (the conversions, the scale, the rounding, the product), against which x's widening
     // was one more. No branch around a row's products: every thread has each of its vectors but perhaps
     // the last, and for that one a thread past the row computes on the row's last vector and keeps acc,

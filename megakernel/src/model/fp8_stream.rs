@@ -10,7 +10,7 @@
 //! the kernel finds the scales after the codes of the phase's `rows` rows. GateUp's MLP parts are each
 //! such a matrix, one after the other, so the decode program's GateUp rows name their part's offset
 //! (`decode_rows`); every other fp8 matrix has a slot of its own. A checkpoint that cannot stream this
-//! way streams bf16, and says why (`Fp8Layout::plan`).
+//! way streams bf16, and says why (`refusal`, `pack`).
 
 use half::bf16;
 use spec::data::LayerWeights;
