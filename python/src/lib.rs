@@ -239,10 +239,14 @@ impl Model {
         self.cfg.bos
     }
 
-    /// The compiled plan in words (the GPU's), or what the CPU runs.
+    /// The compiled plan in words (the GPU's, and for a quantised checkpoint what its decode steps
+    /// stream), or what the CPU runs.
     fn describe(&self) -> String {
         match &self.engine {
-            Engine::Gpu { model, .. } => model.describe(),
+            Engine::Gpu { model, .. } => match model.streams() {
+                Some(weights) => format!("{}; weights: {weights}", model.describe()),
+                None => model.describe(),
+            },
             Engine::Cpu(_) => "the CPU model: the golden layers, the f32 head summed in f64".into(),
         }
     }
