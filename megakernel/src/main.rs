@@ -476,6 +476,24 @@ fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) ->
         worst <= tol,
         format!("logits beside the CPU model's, worst of {positions} positions {worst:.3e} (at most {tol:.2e})"),
     );
+    // An fp8 checkpoint whose decode steps stream its codes: the same positions again through the bf16
+    // stream (the caches written again, bit for bit where the streams agree), every logit the same bits.
+    if model.streams_codes() {
+        model.reset(&dev)?;
+        let mut differ = Vec::new();
+        for (pos, &t) in tokens.iter().enumerate() {
+            if !same_bits(&model.decode_step_bf16(&dev, t, pos)?, &gpu_logits[pos]) {
+                differ.push(pos);
+            }
+        }
+        verdict(
+            differ.is_empty(),
+            format!(
+                "decode steps streaming the fp8 codes: every position's logits the bits of the bf16 stream's{}",
+                if differ.is_empty() { String::new() } else { format!(" (not at positions {differ:?})") }
+            ),
+        );
+    }
     out!("     greedy token equal to the CPU model's at {agree} of {positions} positions (a near-tie may differ)");
     // A generation in one launch from the first half of the tokens, against a launch per token fed the
     // argmax of its own logits: the same tokens, and the kernel's choice is the logits' argmax.

@@ -417,8 +417,21 @@ impl GpuModel {
     /// `decode_step` leaving its logits on the GPU (`last_logits`, `last_logits_on_device`).
     pub fn step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<(), GpuModelError> {
         self.limits().step(token, pos)?;
-        self.launch(dev, pos, &[token], 1, &[], None)?;
+        self.launch(dev, pos, &[token], 1, &[], None, WeightStream::AsStored)?;
         Ok(())
+    }
+
+    /// Whether the decode steps stream an fp8 checkpoint's codes (`fp8_stream`).
+    pub fn streams_codes(&self) -> bool {
+        self.fp8.is_ok()
+    }
+
+    /// `decode_step` through the bf16 stream, where the decode steps stream codes: the same logits, bit
+    /// for bit (`megakernel check` holds them to it).
+    pub fn decode_step_bf16(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Vec<f32>, GpuModelError> {
+        self.limits().step(token, pos)?;
+        self.launch(dev, pos, &[token], 1, &[], None, WeightStream::Bf16)?;
+        self.last_logits(dev)
     }
 
     /// The logits of the last position the last launch decoded.
@@ -526,7 +539,8 @@ impl GpuModel {
     ) -> Result<Generation, GpuModelError> {
         self.limits().generation(prompt, max_new, eos)?;
         let start = Instant::now();
-        let ([positions, generated], kernel_ms) = self.launch(dev, 0, prompt, max_new, eos, None)?;
+        let ([positions, generated], kernel_ms) =
+            self.launch(dev, 0, prompt, max_new, eos, None, WeightStream::AsStored)?;
         let n = prompt.len();
         let mut tokens = vec![0i32; generated as usize];
         let s = dev.stream();
@@ -587,7 +601,8 @@ impl GpuModel {
             .stream()
             .alloc_zeros::<u64>(positions * grid * per_step * TRACE_STAMPS)
             .context("allocating the trace")?;
-        let ([ran, _], kernel_ms) = self.launch(dev, pos0, given, max_new, &[], Some((&traced, &mut stamps)))?;
+        let traced = Some((&traced, &mut stamps));
+        let ([ran, _], kernel_ms) = self.launch(dev, pos0, given, max_new, &[], traced, WeightStream::Bf16)?;
         let mut stamps = dev.stream().clone_dtoh(&stamps).context("reading the trace")?;
         stamps.truncate(ran as usize * grid * per_step * TRACE_STAMPS);
         Ok(Trace { stamps, grid, plan, layers, head: true, prompt: given.len(), kernel_ms })
@@ -639,7 +654,7 @@ impl GpuModel {
     /// One launch of the model kernel from position `pos0`, the tokens from there `given`; returns the
     /// positions it ran, the tokens it generated and the kernel's time in ms. With `trace` (the traced
     /// instance, and room for every position the launch may run, zeroed), that instance runs and
-    /// stamps it.
+    /// stamps it; else the fp8 instance where the decode steps stream codes and `stream` lets them.
     fn launch(
         &mut self,
         dev: &Device,
@@ -648,6 +663,7 @@ impl GpuModel {
         max_new: usize,
         eos: &[u32],
         trace: Option<(&CudaFunction, &mut CudaSlice<u64>)>,
+        stream: WeightStream,
     ) -> Result<([u32; 2], f32), GpuModelError> {
         let s = dev.stream();
         let given_i32: Vec<i32> = given.iter().map(|&t| t as i32).collect();
@@ -659,10 +675,10 @@ impl GpuModel {
         let (cfg, phases, layers) = (b.launch_config(b.smem), b.phases(), b.layers());
         // A trace runs the bf16 program in its traced instance; a decode of an fp8 checkpoint, the fp8
         // instance and program where it has them.
-        let (func, program, stamps) = match (trace, &self.fp8) {
-            (Some((f, t)), _) => (f, &self.program, Some(t)),
-            (None, Ok(fp8)) => (&fp8.func, &fp8.program, None),
-            (None, Err(_)) => (&b.func, &self.program, None),
+        let (func, program, stamps) = match (trace, &self.fp8, stream) {
+            (Some((f, t)), _, _) => (f, &self.program, Some(t)),
+            (None, Ok(fp8), WeightStream::AsStored) => (&fp8.func, &fp8.program, None),
+            (None, _, _) => (&b.func, &self.program, None),
         };
         let mut l = s.launch_builder(func);
         l.arg(&**program).arg(&args).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
