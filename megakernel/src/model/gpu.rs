@@ -220,6 +220,15 @@ impl Fp8Decode {
     }
 }
 
+/// Which instance of the model kernel a launch runs.
+enum Instance<'a> {
+    /// The timed one: the fp8 instance where the decode steps stream codes and the stream allows, else
+    /// the bf16 one.
+    Timed(WeightStream),
+    /// The traced twin (bf16), stamping into room for every position the launch may run, zeroed.
+    Traced(&'a CudaFunction, &'a mut CudaSlice<u64>),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GpuModelError {
     #[error(transparent)]
@@ -417,7 +426,7 @@ impl GpuModel {
     /// `decode_step` leaving its logits on the GPU (`last_logits`, `last_logits_on_device`).
     pub fn step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<(), GpuModelError> {
         self.limits().step(token, pos)?;
-        self.launch(dev, pos, &[token], 1, &[], None, WeightStream::AsStored)?;
+        self.launch(dev, pos, &[token], 1, &[], Instance::Timed(WeightStream::AsStored))?;
         Ok(())
     }
 
@@ -430,7 +439,7 @@ impl GpuModel {
     /// for bit (`megakernel check` holds them to it).
     pub fn decode_step_bf16(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Vec<f32>, GpuModelError> {
         self.limits().step(token, pos)?;
-        self.launch(dev, pos, &[token], 1, &[], None, WeightStream::Bf16)?;
+        self.launch(dev, pos, &[token], 1, &[], Instance::Timed(WeightStream::Bf16))?;
         self.last_logits(dev)
     }
 
@@ -540,7 +549,7 @@ impl GpuModel {
         self.limits().generation(prompt, max_new, eos)?;
         let start = Instant::now();
         let ([positions, generated], kernel_ms) =
-            self.launch(dev, 0, prompt, max_new, eos, None, WeightStream::AsStored)?;
+            self.launch(dev, 0, prompt, max_new, eos, Instance::Timed(WeightStream::AsStored))?;
         let n = prompt.len();
         let mut tokens = vec![0i32; generated as usize];
         let s = dev.stream();
@@ -601,8 +610,8 @@ impl GpuModel {
             .stream()
             .alloc_zeros::<u64>(positions * grid * per_step * TRACE_STAMPS)
             .context("allocating the trace")?;
-        let traced = Some((&traced, &mut stamps));
-        let ([ran, _], kernel_ms) = self.launch(dev, pos0, given, max_new, &[], traced, WeightStream::Bf16)?;
+        let ([ran, _], kernel_ms) =
+            self.launch(dev, pos0, given, max_new, &[], Instance::Traced(&traced, &mut stamps))?;
         let mut stamps = dev.stream().clone_dtoh(&stamps).context("reading the trace")?;
         stamps.truncate(ran as usize * grid * per_step * TRACE_STAMPS);
         Ok(Trace { stamps, grid, plan, layers, head: true, prompt: given.len(), kernel_ms })
@@ -651,10 +660,8 @@ impl GpuModel {
         }
     }
 
-    /// One launch of the model kernel from position `pos0`, the tokens from there `given`; returns the
-    /// positions it ran, the tokens it generated and the kernel's time in ms. With `trace` (the traced
-    /// instance, and room for every position the launch may run, zeroed), that instance runs and
-    /// stamps it; else the fp8 instance where the decode steps stream codes and `stream` lets them.
+    /// One launch of the model kernel, the `instance` given, from position `pos0`, the tokens from there
+    /// `given`; returns the positions it ran, the tokens it generated and the kernel's time in ms.
     fn launch(
         &mut self,
         dev: &Device,
@@ -662,8 +669,7 @@ impl GpuModel {
         given: &[u32],
         max_new: usize,
         eos: &[u32],
-        trace: Option<(&CudaFunction, &mut CudaSlice<u64>)>,
-        stream: WeightStream,
+        instance: Instance<'_>,
     ) -> Result<([u32; 2], f32), GpuModelError> {
         let s = dev.stream();
         let given_i32: Vec<i32> = given.iter().map(|&t| t as i32).collect();
@@ -675,10 +681,10 @@ impl GpuModel {
         let (cfg, phases, layers) = (b.launch_config(b.smem), b.phases(), b.layers());
         // A trace runs the bf16 program in its traced instance; a decode of an fp8 checkpoint, the fp8
         // instance and program where it has them.
-        let (func, program, stamps) = match (trace, &self.fp8, stream) {
-            (Some((f, t)), _, _) => (f, &self.program, Some(t)),
-            (None, Ok(fp8), WeightStream::AsStored) => (&fp8.func, &fp8.program, None),
-            (None, _, _) => (&b.func, &self.program, None),
+        let (func, program, stamps) = match (instance, &self.fp8) {
+            (Instance::Traced(f, t), _) => (f, &self.program, Some(t)),
+            (Instance::Timed(WeightStream::AsStored), Ok(fp8)) => (&fp8.func, &fp8.program, None),
+            (Instance::Timed(_), _) => (&b.func, &self.program, None),
         };
         let mut l = s.launch_builder(func);
         l.arg(&**program).arg(&args).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
