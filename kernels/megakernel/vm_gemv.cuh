@@ -52,11 +52,10 @@ __device__ inline uint32_t lanes_per_group(uint32_t G, uint32_t unit, uint32_t p
 // Rows of a chunk of a group of `live` lanes: as many whole units as their partials fit.
 __device__ inline uint32_t chunk_rows(uint32_t live, uint32_t unit, uint32_t part_rows) { return part_rows / live / unit * unit; }
 
-// Whether a GEMV's rows stream as e4m3 codes (run_fp8): in an FP8 instance (the model kernel's for
-// fp8 checkpoints, a decode step's), the rows too wide for slices; narrower rows stream bf16 there too.
-// The loader packs each matrix by the same rule (fp8_stream.rs).
-template <bool FP8>
-__device__ inline bool streams_fp8(const Gemv& g) { return FP8 && !in_slices(g.cols); }
+// Whether an FP8 instance (the model kernel's for fp8 checkpoints, a decode step's) streams a GEMV's
+// rows as e4m3 codes (run_fp8): those too wide for slices; narrower rows stream bf16 there too. The
+// loader packs each matrix by the same rule (fp8_stream.rs).
+__device__ inline bool streams_fp8(const Gemv& g) { return !in_slices(g.cols); }
 
 // An fp8 matrix's scales (run_fp8): after its codes, in the same allocation.
 __device__ inline const float* fp8_scales(const Gemv& g) {
@@ -78,7 +77,7 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
     // Packed (the loader packs every fp8 matrix): no row source to read.
     if constexpr (FP8) {
-        if (streams_fp8<FP8>(g)) return with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { stream.prime(ring); });
+        if (streams_fp8(g)) return with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { stream.prime(ring); });
     }
     with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) {
         using Stream = decltype(stream);
@@ -107,7 +106,7 @@ __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials
     if (!gemv_of(op, g)) __trap();
     stamp(TRACE_INPUT);
     if constexpr (FP8) {
-        if (streams_fp8<FP8>(g)) {
+        if (streams_fp8(g)) {
             with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { stream.run_fp8(s, ring, part, fp8_scales(g), fp8_groups(g)); });
             stamp(TRACE_STREAMED);
             return;

@@ -262,7 +262,7 @@ mod tests {
     fn the_fp8_streams_constants_mirror_the_kernel() {
         let cu = crate::kernels::DEVICE_SOURCE;
         assert!(cu.contains(&format!("constexpr uint32_t FP8_SCALE_COLS = {FP8_SCALE_COLS};")));
-        assert!(cu.contains("__device__ inline bool streams_fp8(const Gemv& g) { return FP8 && !in_slices(g.cols); }"));
+        assert!(cu.contains("__device__ inline bool streams_fp8(const Gemv& g) { return !in_slices(g.cols); }"));
         assert!(streams_fp8(SLICED_MAX_COLS + 16) && !streams_fp8(SLICED_MAX_COLS));
     }
 

@@ -325,16 +325,7 @@ impl ModelWeights {
             Ok(got.remove(name).expect("read_tensors returns every tensor asked for"))
         })?;
         if !fp8.is_empty() {
-            weights.fp8 = (0..cfg.layer.layers)
-                .map(|i| {
-                    LayerWeights::try_from_fn(|t| {
-                        Ok::<_, std::convert::Infallible>(
-                            fp8.remove(&format!("model.layers.{i}.{}", layer_tensor(t, &cfg.layer).0)),
-                        )
-                    })
-                    .unwrap_or_else(|e| match e {})
-                })
-                .collect();
+            weights.fp8 = layer_weights(&cfg.layer, |name| fp8.remove(name));
         }
         Ok(weights)
     }
@@ -353,20 +344,25 @@ impl ModelWeights {
         }
         let mut take = |name: &str| got.remove(name).expect("every tensor wanted was fetched");
         let embed = take("model.embed_tokens.weight");
-        let layers = (0..l.layers)
-            .map(|i| {
-                LayerWeights::try_from_fn(|t| {
-                    Ok::<_, std::convert::Infallible>(take(&format!("model.layers.{i}.{}", layer_tensor(t, l).0)))
-                })
-                .unwrap_or_else(|e| match e {})
-            })
-            .collect();
+        let layers = layer_weights(l, &mut take);
         let qk_norms =
             if cfg.qk_norm { (0..l.layers).map(|i| qk_names(i).map(|n| take(&n))).collect() } else { Vec::new() };
         let norm = take("model.norm.weight");
         let lm_head = (!cfg.tied).then(|| take("lm_head.weight"));
         Ok(ModelWeights { embed, layers, norm, lm_head, qk_norms, fp8: Vec::new() })
     }
+}
+
+/// Every layer's weights of a model of `l`'s layers, each from `take` given its Hugging Face name.
+fn layer_weights<T>(l: &Config, mut take: impl FnMut(&str) -> T) -> Vec<LayerWeights<T>> {
+    (0..l.layers)
+        .map(|i| {
+            LayerWeights::try_from_fn(|t| {
+                Ok::<_, std::convert::Infallible>(take(&format!("model.layers.{i}.{}", layer_tensor(t, l).0)))
+            })
+            .unwrap_or_else(|e| match e {})
+        })
+        .collect()
 }
 
 /// Every tensor `cfg`'s model reads, by its Hugging Face name, with its shape.
