@@ -1,13 +1,17 @@
-//! With the `model` feature, compiles the model's kernels (`kernels/megakernel/model/model.cu`, a
-//! whole checkpoint in one launch) with the nvcc the root package's build script found, and puts the
-//! CUDA library folders on the `megakernel` command's run path. The judge's kernels
+//! With the `model` feature, compiles the model's kernels (`kernels/megakernel/model/model.cu` and
+//! `model_fp8.cu`, a whole checkpoint in one launch) with the nvcc the root package's build script
+//! found, and puts the CUDA library folders on the `megakernel` command's run path. The judge's kernels
 //! (`kernels/megakernel/megakernel.cu`) are the root package's: the grader never waits for these.
 
 fn main() {
     if std::env::var_os("CARGO_FEATURE_MODEL").is_some() {
         let toolchain = cuda_build::Toolchain::from_links();
-        let model =
-            cuda_build::Owner { name: "model", folder: "megakernel/model", hopper_only: &["model.cu"], rdc: &[] };
+        let model = cuda_build::Owner {
+            name: "model",
+            folder: "megakernel/model",
+            hopper_only: &["model.cu", "model_fp8.cu"],
+            rdc: &[],
+        };
         cuda_build::build(&toolchain, &[model], "");
     } else {
         // Nothing to compile: run again only if the feature changes (cargo reruns then anyway).

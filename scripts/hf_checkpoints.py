@@ -131,16 +131,17 @@ def fp8_block(shape):
     raise ValueError(f"no block of 128, 64 or 32 tiles the projections {sizes}")
 
 
-def fp8_checkpoint(dense, out, block, scale_fmt="float"):
+def fp8_checkpoint(dense, out, block, scale_fmt="float", device="cpu"):
     """The bf16 checkpoint `dense` quantised by transformers to fine-grained fp8 (e4m3 weights, a scale
-    a block of `block`, f32 or e8m0 by `scale_fmt`) and saved into `out` with its tokenizer. Quantising
-    is torch arithmetic that transformers' environment check keeps to GPUs of compute capability 8.9
-    and up: the check is skipped while it runs, so a CPU quantises too."""
+    a block of `block`, f32 or e8m0 by `scale_fmt`) on `device` and saved into `out` with its tokenizer.
+    Quantising is torch arithmetic that transformers' environment check keeps to GPUs of compute
+    capability 8.9 and up: the check is skipped while it runs, so a CPU quantises too (an 8B model is
+    quicker on the GPU)."""
     check = FineGrainedFP8HfQuantizer.validate_environment
     FineGrainedFP8HfQuantizer.validate_environment = lambda self, *args, **kwargs: None
     try:
         quant = FineGrainedFP8Config(weight_block_size=block, scale_fmt=scale_fmt)
-        model = AutoModelForCausalLM.from_pretrained(dense, device_map="cpu", dtype=torch.bfloat16, quantization_config=quant)
+        model = AutoModelForCausalLM.from_pretrained(dense, device_map=device, dtype=torch.bfloat16, quantization_config=quant)
         model.save_pretrained(out)
     finally:
         FineGrainedFP8HfQuantizer.validate_environment = check

@@ -52,9 +52,22 @@ __device__ inline uint32_t lanes_per_group(uint32_t G, uint32_t unit, uint32_t p
 // Rows of a chunk of a group of `live` lanes: as many whole units as their partials fit.
 __device__ inline uint32_t chunk_rows(uint32_t live, uint32_t unit, uint32_t part_rows) { return part_rows / live / unit * unit; }
 
+// Whether an FP8 instance (the model kernel's for fp8 checkpoints, a decode step's) streams a GEMV's
+// rows as e4m3 codes (run_fp8): those too wide for slices; narrower rows stream bf16 there too. The
+// loader packs each matrix by the same rule (fp8_stream.rs).
+__device__ inline bool streams_fp8(const Gemv& g) { return !in_slices(g.cols); }
+
+// An fp8 matrix's scales (run_fp8): after its codes, in the same allocation.
+__device__ inline const float* fp8_scales(const Gemv& g) {
+    return reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(g.w) + (size_t)g.rows * g.cols);
+}
+// Scales a row of an fp8 matrix has: one for each FP8_SCALE_COLS columns, the last maybe partial.
+__device__ inline uint32_t fp8_groups(const Gemv& g) { return (g.cols + FP8_SCALE_COLS - 1) / FP8_SCALE_COLS; }
+
 // For a batch step of `lanes` lanes (0: a decode step) with partials of `part_rows` rows, the first
-// stream is its first group's first chunk (lanes_gemv); a decode step's is the block's rows.
-template <bool SLICED = false>
+// stream is its first group's first chunk (lanes_gemv); a decode step's is the block's rows. FP8: as
+// streams_fp8 (a decode step's only).
+template <bool SLICED = false, bool FP8 = false>
 __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_norms, uint32_t lanes = 0, uint32_t part_rows = 0) {
     Gemv g;
     if (!gemv_of(op, g)) return;
@@ -62,6 +75,10 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     const uint32_t unit = qkv_unit(op, qk_norms);
     uint32_t r0, r1;
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
+    // Packed (the loader packs every fp8 matrix): no row source to read.
+    if constexpr (FP8) {
+        if (streams_fp8(g)) return with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { stream.prime(ring); });
+    }
     with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) {
         using Stream = decltype(stream);
         // A decode step: run()'s stages; or, where its rows run in slices, a group of one's, in the model
@@ -82,11 +99,19 @@ __device__ inline void gemv_rows(const OpRow& op, uint32_t& r0, uint32_t& r1, co
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
-// primed).
+// primed). FP8: as streams_fp8.
+template <bool FP8 = false>
 __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     stamp(TRACE_INPUT);
+    if constexpr (FP8) {
+        if (streams_fp8(g)) {
+            with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { stream.run_fp8(s, ring, part, fp8_scales(g), fp8_groups(g)); });
+            stamp(TRACE_STREAMED);
+            return;
+        }
+    }
     with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) { stream.run(s, ring, part); });
     stamp(TRACE_STREAMED);
 }
@@ -102,7 +127,8 @@ __device__ inline void stamp_input(const Slice& s) {
 // kernel) and the rows run in slices (at most 2048 columns), as a group of one in full stages
 // (prime_solo), each thread holding the input of the thread whose columns it takes (column_thread).
 // The vector's products, sums and rounding are run()'s (run_group), so every output keeps its bits.
-template <bool SLICED, bool TRACED = false, typename In>
+// FP8: as gemv_phase's.
+template <bool SLICED, bool TRACED = false, bool FP8 = false, typename In>
 __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
     // in_slices(g.cols), spelled out: called here it changed the measured kernels' PTX.
@@ -115,7 +141,7 @@ __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ri
         if (TRACED) stamp(TRACE_STREAMED);
         return;
     }
-    gemv_phase(op, input(threadIdx.x), ring, part, r0, r1);
+    gemv_phase<FP8>(op, input(threadIdx.x), ring, part, r0, r1);
 }
 
 // The sum of row r's warp partials, in warp order.

@@ -2,6 +2,8 @@
 // a bulk copy, the input vector in registers (RowStream::run), or several input vectors against the
 // same rows, each with the bits it has alone (run_group, for batch steps and chunked prefill).
 #pragma once
+#include <cuda_fp8.h>
+
 #include "vm_config.cuh"
 #include "vm_deps.cuh"
 
@@ -119,6 +121,20 @@ __device__ inline void widen8(uint4 a, float (&f)[VEC]) {
     }
 }
 
+// dot8 with the second vector already widened (widen8): the same products in the same order, so the
+// same bits. Each pair of a's bf16 is widened by a shift and a mask, a bf16's f32 being its bits above
+// 16 zeros (__bfloat1622float2 took four instructions a pair where it followed a conversion that made
+// the pair).
+__device__ inline float dot8f(uint4 a, const float (&x)[VEC], float acc) {
+    const uint32_t pairs[VEC / 2] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (uint32_t j = 0; j < VEC / 2; ++j) {
+        acc = fmaf(__uint_as_float(pairs[j] << 16), x[2 * j], acc);
+        acc = fmaf(__uint_as_float(pairs[j] & 0xFFFF0000u), x[2 * j + 1], acc);
+    }
+    return acc;
+}
+
 // The warp's sums of N values per lane (N a power of two up to WARP), each summed as warp_reduce sums
 // one value: the same pairs at offsets 16, 8, ..., 1, so the same bits, in fewer shuffles than N
 // butterflies. Lane l holds value k at v[k ^ scatter_mask<N>()]: at each of the first log2(N) offsets
@@ -162,6 +178,34 @@ __device__ inline bool in_slices(uint32_t cols) { return row_slices(cols / VEC) 
 // first slice, its counterpart there in the others.
 __device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x & ((THREADS >> slices_log2(cols / VEC)) - 1); }
 
+// The fp8 stream's scales: one f32 for each FP8_SCALE_COLS columns of a packed row (the checkpoint's
+// blocks of 128 x 128 as transformers and Qwen3's FP8 checkpoints have them, expanded to each row by
+// the loader: megakernel/src/model/fp8_stream.rs), FP8_SCALE_VECS of a thread's 16-byte vectors of x.
+constexpr uint32_t FP8_SCALE_COLS = 128;
+constexpr uint32_t FP8_SCALE_VECS = FP8_SCALE_COLS / VEC;
+
+// Two e4m3 codes (the first in the low byte) as the loader's weights (quantized/fp8.rs): each value
+// exact in f16 by one conversion, widened, times the scale in f32 and rounded once to bf16.
+__device__ inline bf162 fp8_weights2(uint32_t pair, float scale) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)pair, __NV_E4M3);
+    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return __floats2bfloat162_rn(__fmul_rn(v.x, scale), __fmul_rn(v.y, scale));
+}
+
+// Eight e4m3 codes as a 16-byte vector of the loader's bf16 weights, in order.
+__device__ inline uint4 fp8_weights8(uint2 codes, float scale) {
+    uint4 w;
+    bf162* h = reinterpret_cast<bf162*>(&w);
+    h[0] = fp8_weights2(codes.x & 0xFFFF, scale);
+    h[1] = fp8_weights2(codes.x >> 16, scale);
+    h[2] = fp8_weights2(codes.y & 0xFFFF, scale);
+    h[3] = fp8_weights2(codes.y >> 16, scale);
+    return w;
+}
+
+// The largest power of two at most v (1 for v < 2).
+__host__ __device__ constexpr uint32_t floor_pow2(uint32_t v) { return v < 2 ? 1 : 2 * floor_pow2(v / 2); }
+
 // A GEMV's stream of weight rows [r0, r1) through the ring, for rows of at most VPT vectors per
 // thread; each stage is SLICE_ROWS consecutive rows per slice of the block, one bulk copy from a packed
 // matrix (or a few, one per run, from the handed layout: see RowSource). A layer kernel's stream (run)
@@ -171,16 +215,19 @@ __device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x & (
 // stages with the whole ring primed (up to six times the bytes primed below 4096 columns) made
 // Llama-3.2-1B 23% slower on the H200; full stages with one primed (SOLO_PRIMED), 11% faster
 // (docs/perf.md, "Full stages for the batch step" and "Qwen3's Qkv in full stages").
-template <uint32_t VPT>
+// VEC_BYTES: the bytes a row holds for each 16-byte vector of the input: 16 for bf16 weights, 8 for
+// e4m3 codes (the fp8 stream: run_fp8).
+template <uint32_t VPT, uint32_t VEC_BYTES = 16>
 struct RowStream {
     static constexpr uint32_t VECS_PER_THREAD = VPT;
-    static constexpr uint32_t SLICE_ROWS = STAGE_BYTES / 16 / (THREADS * VPT) > 0 ? STAGE_BYTES / 16 / (THREADS * VPT) : 1;
-    static_assert(SLICE_ROWS * THREADS * VPT * 16 <= STAGE_BYTES, "a row must fit a ring stage");
+    // As many rows a slice as a stage holds, rounded down to a power of two (bf16's are already).
+    static constexpr uint32_t SLICE_ROWS = floor_pow2(STAGE_BYTES / VEC_BYTES / (THREADS * VPT));
+    static_assert(SLICE_ROWS * THREADS * VPT * VEC_BYTES <= STAGE_BYTES, "a row must fit a ring stage");
     // Rows per reduce_scatter in run_group: two where a slice's rows pair up.
     static constexpr uint32_t ROWS_PER_SUM = SLICE_ROWS % 2 == 0 ? 2 : 1;
     // So that a stage's rows (SLICE_ROWS times the slices) are a power of two: nstages is a shift.
     static_assert((SLICE_ROWS & (SLICE_ROWS - 1)) == 0, "a power of two");
-    const bf16* w;  // (rows, vecs * VEC)
+    const bf16* w;  // (rows, vecs * VEC); for fp8, the codes (rows, vecs * VEC bytes) viewed as bf16 pairs
     uint32_t vecs, r0, n, slices, stage_rows, nstages;
     // Whether row_source may name an in-place source: false in the one-layer kernel, where the compiler
     // then drops every read of it (they cost the graded layer 10 us, docs/perf.md).
@@ -190,7 +237,7 @@ struct RowStream {
         : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), slices(group ? row_slices(vecs_) : 1), stage_rows(SLICE_ROWS * slices),
           nstages((r1_ - r0_ + stage_rows - 1) >> (31 - __clz(stage_rows))), in_place(in_place_) {}
 
-    __device__ const bf16* stage_src(uint32_t st) const { return w + (size_t)(r0 + st * stage_rows) * vecs * VEC; }
+    __device__ const bf16* stage_src(uint32_t st) const { return w + (size_t)(r0 + st * stage_rows) * vecs * (VEC_BYTES / 2); }
     __device__ uint32_t stage_count(uint32_t st) const { return min(stage_rows, n - st * stage_rows); }
 
     // Thread 0 starts the copy of stage st into its slot. The slot's previous contents must be dead:
@@ -199,14 +246,14 @@ struct RowStream {
         if (threadIdx.x != 0 || st >= nstages) return;
         const uint32_t k = ring.seq + st;
         uint4* slot = ring.data + (k % STAGES) * (STAGE_BYTES / 16);
-        mbar_expect_tx(&ring.full[k % STAGES], stage_count(st) * vecs * 16);
+        mbar_expect_tx(&ring.full[k % STAGES], stage_count(st) * vecs * VEC_BYTES);
         if (in_place && row_source.kind != SOURCE_PACKED) {
-            gather_stage(row_source, slot, r0 + st * stage_rows, stage_count(st), vecs * 16, &ring.full[k % STAGES]);
+            gather_stage(row_source, slot, r0 + st * stage_rows, stage_count(st), vecs * VEC_BYTES, &ring.full[k % STAGES]);
             return;
         }
         // Evict-first: each weight is read once a step, so its lines should not push out the cache and
         // the activations, which are read again (docs/perf.md measured it).
-        bulk_copy(slot, stage_src(st), stage_count(st) * vecs * 16, &ring.full[k % STAGES], l2_evict_first());
+        bulk_copy(slot, stage_src(st), stage_count(st) * vecs * VEC_BYTES, &ring.full[k % STAGES], l2_evict_first());
     }
 
     // The first STAGES - 1 stages. Weights do not depend on anything the layer computes, so this runs
@@ -231,8 +278,44 @@ struct RowStream {
     __device__ static uint32_t slot_row(uint32_t i, uint32_t pairs) { return pairs == 0 ? i : 2 * (i % pairs) + i / pairs; }
 
     // red[r - r0][warp] = the warp's partial dot product of row r with the slice, for a stream of one
-    // slice; needs prime() first. Advances ring.seq past this stream's stages.
+    // slice of bf16 rows; needs prime() first. Advances ring.seq past this stream's stages.
     __device__ void run(const Slice& s, Ring& ring, Partials part) const {
+        static_assert(VEC_BYTES == 16, "bf16 rows");
+        run_rows(s, ring, part, [&](const uint4* slot, uint32_t, uint32_t i, uint32_t v, float acc) {
+            const uint32_t vec = v * THREADS + threadIdx.x;
+            return vec < vecs ? dot8(slot[i * vecs + vec], s.h[v], acc) : acc;
+        });
+    }
+
+    // run() for rows of e4m3 codes: each weight made the loader's bf16 (fp8_weights8) with the scale of
+    // its row's FP8_SCALE_COLS columns, `scales` (rows of `groups` f32, the whole matrix's, row r0 of
+    // this stream at row r0), then dotted as run() dots bf16 weights: every sum is run()'s over the
+    // loader's weights, bit for bit. A stage's rows past its count are stale slot memory whose sums are
+    // never stored; their scales are read at its last row, so that no load falls past the matrix. The
+    // slice is widened to f32 once, not once a row as dot8 widens it: a weight's arithmetic is about 5
+    // instructions (the conversions, the scale, the rounding, the product), against which x's widening
+    // was one more. No branch around a row's products: every thread has each of its vectors but perhaps
+    // the last, and for that one a thread past the row computes on the row's last vector and keeps acc,
+    // so that the rows' loads and arithmetic interleave as in the probe's unguarded loop.
+    __device__ void run_fp8(const Slice& s, Ring& ring, Partials part, const float* scales, uint32_t groups) const {
+        static_assert(VEC_BYTES == 8, "e4m3 rows");
+        float x[VPT][VEC];
+#pragma unroll
+        for (uint32_t v = 0; v < VPT; ++v) widen8(s.h[v], x[v]);
+        run_rows(s, ring, part, [&](const uint4* slot, uint32_t st, uint32_t i, uint32_t v, float acc) {
+            const uint32_t vec = v * THREADS + threadIdx.x, at = min(vec, vecs - 1);
+            const uint32_t row = r0 + st * SLICE_ROWS + min(i, stage_count(st) - 1);
+            const float scale = __ldg(scales + (size_t)row * groups + at / FP8_SCALE_VECS);
+            const float sum = dot8f(fp8_weights8(reinterpret_cast<const uint2*>(slot)[i * vecs + at], scale), x[v], acc);
+            return v + 1 < VPT || vec < vecs ? sum : acc;
+        });
+    }
+
+    // The walk of run() and run_fp8: dot(slot, st, i, v, acc) adds to acc the products of slot row i's
+    // vector t + v * THREADS of stage st (thread t's v-th) with this thread's v-th vector of the slice,
+    // where the row has that vector (acc as it was where not).
+    template <typename Dot>
+    __device__ __forceinline__ void run_rows(const Slice& s, Ring& ring, Partials part, Dot dot) const {
         const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
         // The launcher sized red for fewer rows than this block got; or a group's stream (group_stream).
         if (n > part.rows || slices != 1) __trap();
@@ -243,9 +326,7 @@ struct RowStream {
             for (uint32_t i = 0; i < SLICE_ROWS; ++i) {
                 acc[i] = 0.0f;
 #pragma unroll
-                for (uint32_t v = 0; v < VPT; ++v) {
-                    if (t + v * THREADS < vecs) acc[i] = dot8(slot[i * vecs + v * THREADS + t], s.h[v], acc[i]);
-                }
+                for (uint32_t v = 0; v < VPT; ++v) acc[i] = dot(slot, st, i, v, acc[i]);
             }
             // Independent butterflies, one per row, so their shuffles overlap.
 #pragma unroll
@@ -340,19 +421,19 @@ __device__ inline void start_solo(const RowStream<1>& stream, const Ring& ring) 
     for (uint32_t st = SOLO_PRIMED; st < STAGES - 1; ++st) stream.issue(ring, st);
 }
 
-// Calls f(RowStream<VPT>) for the VPT of rows of `cols` bf16: the loops above unroll at compile time.
-// `group`: a stream for run_group (RowStream's).
-template <typename F>
+// Calls f(RowStream<VPT, VEC_BYTES>) for the VPT of rows of `cols` columns: the loops above unroll at
+// compile time. `group`: a stream for run_group (RowStream's).
+template <uint32_t VEC_BYTES = 16, typename F>
 __device__ void with_stream(const bf16* w, uint32_t cols, uint32_t r0, uint32_t r1, bool in_place, F f, bool group = false) {
     const uint32_t vecs = cols / VEC;
     switch ((vecs + THREADS - 1) / THREADS) {
-        case 1: f(RowStream<1>(w, vecs, r0, r1, in_place, group)); break;
-        case 2: f(RowStream<2>(w, vecs, r0, r1, in_place, group)); break;
-        case 3: f(RowStream<3>(w, vecs, r0, r1, in_place, group)); break;
-        case 4: f(RowStream<4>(w, vecs, r0, r1, in_place, group)); break;
-        case 5: f(RowStream<5>(w, vecs, r0, r1, in_place, group)); break;
-        case 6: f(RowStream<6>(w, vecs, r0, r1, in_place, group)); break;
-        case 7: f(RowStream<7>(w, vecs, r0, r1, in_place, group)); break;
+        case 1: f(RowStream<1, VEC_BYTES>(w, vecs, r0, r1, in_place, group)); break;
+        case 2: f(RowStream<2, VEC_BYTES>(w, vecs, r0, r1, in_place, group)); break;
+        case 3: f(RowStream<3, VEC_BYTES>(w, vecs, r0, r1, in_place, group)); break;
+        case 4: f(RowStream<4, VEC_BYTES>(w, vecs, r0, r1, in_place, group)); break;
+        case 5: f(RowStream<5, VEC_BYTES>(w, vecs, r0, r1, in_place, group)); break;
+        case 6: f(RowStream<6, VEC_BYTES>(w, vecs, r0, r1, in_place, group)); break;
+        case 7: f(RowStream<7, VEC_BYTES>(w, vecs, r0, r1, in_place, group)); break;
         default: __trap();  // the launcher refuses rows longer than MAX_VPT vectors per thread
     }
 }

@@ -9,6 +9,8 @@ use half::bf16;
 use reference::golden::{self, KvCache, RopeTable, Weights};
 use spec::{Config, Tensor};
 
+#[cfg(feature = "model")]
+use super::model::fp8_stream;
 use super::pack::{self, Groups, Packing, qkv_source};
 use super::program::{self, Buffers, LayerBuffers, Op, Plan, Row, Split, attn, down, gateup, oproj, qkv};
 
@@ -82,6 +84,9 @@ pub struct CpuStack {
     /// Down's; and, split over GPUs, the partials its last part left for a Reduce row (0: none yet).
     parts_so_far: Vec<Part>,
     partials_left: i64,
+    /// The decode program's tables where its wide GEMVs stream fp8 (`stream_fp8`), as the model
+    /// kernel's fp8 instances read them; None: the layers' own.
+    fp8: Option<Vec<[i64; program::LAYER_WORDS]>>,
 }
 
 /// One part of a GEMV split by columns: its weights' and its input's addresses, and its columns.
@@ -135,8 +140,19 @@ pub(crate) fn walk_order(
 /// arena, with the golden model's rounding: the GEMV from its packed column parts (which checks every
 /// packing).
 pub(crate) fn product(parts: &[(&Arena, Part)], rows: Range<usize>) -> Vec<bf16> {
-    let matrices: Vec<Vec<bf16>> =
-        parts.iter().map(|&(a, (w, _, cols))| a.bf16(w + (2 * rows.start * cols) as i64, rows.len() * cols)).collect();
+    let bf16_rows = |a: &Arena, w: i64, rows: &Range<usize>, cols: usize| {
+        a.bf16(w + (2 * rows.start * cols) as i64, rows.len() * cols)
+    };
+    product_read(parts, rows, bf16_rows)
+}
+
+/// `product` with each part's rows read by `read(arena, weights, rows, cols)`.
+fn product_read(
+    parts: &[(&Arena, Part)],
+    rows: Range<usize>,
+    read: impl Fn(&Arena, i64, &Range<usize>, usize) -> Vec<bf16>,
+) -> Vec<bf16> {
+    let matrices: Vec<Vec<bf16>> = parts.iter().map(|&(a, (w, _, cols))| read(a, w, &rows, cols)).collect();
     let weights: Vec<bf16> = (0..rows.len())
         .flat_map(|i| {
             parts.iter().zip(&matrices).flat_map(move |(&(_, (_, _, c)), m)| m[i * c..(i + 1) * c].iter().copied())
@@ -274,7 +290,35 @@ impl CpuStack {
             program,
             parts_so_far: Vec::new(),
             partials_left: 0,
+            fp8: None,
         }
+    }
+
+    /// From here on, the decode program of the model kernel's fp8 instances: each layer's wide GEMVs
+    /// from its fp8 codes and scales (`layers`, whose dequantised weights this stack was built from),
+    /// packed by `fp8_stream`, read as the kernel makes each weight. Fails as
+    /// `fp8_stream::layer_matrices` fails.
+    #[cfg(feature = "model")]
+    pub fn stream_fp8(&mut self, plan: Plan, layers: &[fp8_stream::Fp8Layer]) -> Result<(), String> {
+        let mut tables = Vec::with_capacity(layers.len());
+        for (buffers, layer) in self.layers.iter().zip(layers) {
+            let packed = fp8_stream::layer_matrices(&self.cfg, plan, layer)?;
+            let placed: Vec<_> = packed.matrices.iter().map(|(slot, bytes)| (*slot, self.arena.alloc(bytes))).collect();
+            tables.push(fp8_stream::table(buffers.table(), &placed));
+        }
+        self.program = fp8_stream::decode_rows(&self.cfg, plan, &self.program);
+        self.fp8 = Some(tables);
+        Ok(())
+    }
+
+    /// `rows` rows of `cols` weights from `w`: fp8 where the decode program streams it (`stream_fp8`),
+    /// bf16 otherwise.
+    fn weights(&self, w: i64, rows: usize, cols: usize) -> Vec<bf16> {
+        #[cfg(feature = "model")]
+        if self.fp8.is_some() && fp8_stream::streams_fp8(cols) {
+            return fp8_stream::unpack(self.arena.bytes(w as u64, fp8_stream::packed_bytes(rows, cols)), rows, cols);
+        }
+        self.arena.bf16(w, rows * cols)
     }
 
     /// Layer `l`'s cache as the program left it.
@@ -307,7 +351,8 @@ impl CpuStack {
 
     /// Row `row` of layer `l`, whose input is `x`.
     pub(crate) fn run_row(&mut self, l: usize, row: &Row, x: &[bf16], pos: usize) -> Ran {
-        let row = program::resolve_row(row, &self.layers[l].table());
+        let table = self.fp8.as_ref().map_or_else(|| self.layers[l].table(), |t| t[l]);
+        let row = program::resolve_row(row, &table);
         let in_place = self.layers[l].in_place;
         match Op::from_word(row[0]).unwrap_or_else(|| panic!("unknown opcode {}", row[0])) {
             Op::Nop => {}
@@ -357,7 +402,7 @@ impl CpuStack {
         let h = golden::rmsnorm(x, &self.arena.bf16(w(qkv::Norm), d), eps);
         let rows = (n_q + 2 * n_kv) * hd;
         let matrix = match in_place {
-            None => self.arena.bf16(w(qkv::W), rows * d),
+            None => self.weights(w(qkv::W), rows, d),
             Some([wk, wv, _]) => self.gathered(rows, d, |p| {
                 let (t, row) = qkv_source(cfg, Groups::all(cfg), p);
                 (
@@ -423,7 +468,9 @@ impl CpuStack {
         }
         let parts = std::mem::take(&mut self.parts_so_far);
         let arena = &self.arena;
-        Some(product(&parts.iter().map(|&p| (arena, p)).collect::<Vec<_>>(), 0..rows))
+        // Every part's whole rows: its own matrix of `rows` rows.
+        let read = |_: &Arena, w: i64, _: &Range<usize>, cols: usize| self.weights(w, rows, cols);
+        Some(product_read(&parts.iter().map(|&p| (arena, p)).collect::<Vec<_>>(), 0..rows, read))
     }
 
     /// `x1 = x + Wo a`, in one or two parts of columns (`split_gemv`).
@@ -444,7 +491,7 @@ impl CpuStack {
         let eps = f32::from_bits(w(gateup::EpsBits) as u32);
         let h2 = golden::rmsnorm(&self.arena.bf16(w(gateup::X1), d), &self.arena.bf16(w(gateup::Norm), d), eps);
         let matrix = match in_place {
-            None => self.arena.bf16(w(gateup::W), 2 * ffn * d),
+            None => self.weights(w(gateup::W), 2 * ffn, d),
             Some([_, _, wup]) => self.gathered(2 * ffn, d, |p| {
                 let (t, row) = pack::gateup_source(p);
                 (if t == Tensor::Wgate { w(gateup::W) as u64 } else { wup }, row)

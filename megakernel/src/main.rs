@@ -13,7 +13,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use cuda::{Context, Device};
 use megakernel::Trace;
 use megakernel::batch::BatchGemv;
-use megakernel::model::{CpuModel, GpuModel, Lane, MAX_EOS, ModelConfig, ModelWeights, Stop, Text, argmax, gpu};
+use megakernel::model::{
+    CpuModel, GpuModel, Lane, MAX_EOS, ModelConfig, ModelWeights, Stop, Text, WeightStream, argmax, gpu,
+};
 use spec::rng::{bits, stream_key};
 
 #[derive(Parser)]
@@ -41,6 +43,17 @@ struct ModelArgs {
     /// The CUDA device.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Stream an fp8 checkpoint's weights as bf16 (as the loader dequantised them) rather than as
+    /// their e4m3 codes, which decode steps stream where rows are wider than 2048 columns: the same
+    /// outputs bit for bit, for timing one stream against the other.
+    #[arg(long)]
+    bf16_stream: bool,
+}
+
+impl ModelArgs {
+    fn stream(&self) -> WeightStream {
+        if self.bf16_stream { WeightStream::Bf16 } else { WeightStream::AsStored }
+    }
 }
 
 #[derive(Subcommand)]
@@ -227,7 +240,8 @@ fn load(
 ) -> Result<(Device, GpuModel, ModelConfig, ModelWeights), Failure> {
     let (cfg, weights) = read_model(&args.model, accept)?;
     let dev = Device::open(args.device)?;
-    let model = GpuModel::new(&dev, &cfg, &weights, args.context as usize, sequences, &mut |s| progress(s))?;
+    let model =
+        GpuModel::new(&dev, &cfg, &weights, args.context as usize, sequences, args.stream(), &mut |s| progress(s))?;
     progress("");
     eprintln!("{}", summary(&cfg, &model));
     Ok((dev, model, cfg, weights))
@@ -235,13 +249,8 @@ fn load(
 
 fn summary(cfg: &ModelConfig, model: &GpuModel) -> String {
     let l = &cfg.layer;
-    // A quantised checkpoint's weights were dequantised on load: say which bytes a floor counts.
-    let weights = match cfg.quantized {
-        None => String::new(),
-        Some(q) => {
-            format!("\nweights: {} read into bf16; the kernel streams bf16, so a floor counts bf16's bytes", q.name())
-        }
-    };
+    // A quantised checkpoint: what its decode steps stream, and so which bytes a floor counts.
+    let weights = model.streams().map_or(String::new(), |w| format!("\nweights: {w}"));
     format!(
         "model: {} layers, d {}, ffn {}, {} heads / {} KV heads of {}, vocab {}, {} head; caches of {} positions\n\
          program: {}{weights}",
@@ -467,6 +476,24 @@ fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) ->
         worst <= tol,
         format!("logits beside the CPU model's, worst of {positions} positions {worst:.3e} (at most {tol:.2e})"),
     );
+    // An fp8 checkpoint whose decode steps stream its codes: the same positions again through the bf16
+    // stream (the caches written again, bit for bit where the streams agree), every logit the same bits.
+    if model.streams_codes() {
+        model.reset(&dev)?;
+        let mut differ = Vec::new();
+        for (pos, &t) in tokens.iter().enumerate() {
+            if !same_bits(&model.decode_step_bf16(&dev, t, pos)?, &gpu_logits[pos]) {
+                differ.push(pos);
+            }
+        }
+        verdict(
+            differ.is_empty(),
+            format!(
+                "decode steps streaming the fp8 codes: every position's logits the bits of the bf16 stream's{}",
+                if differ.is_empty() { String::new() } else { format!(" (not at positions {differ:?})") }
+            ),
+        );
+    }
     out!("     greedy token equal to the CPU model's at {agree} of {positions} positions (a near-tie may differ)");
     // A generation in one launch from the first half of the tokens, against a launch per token fed the
     // argmax of its own logits: the same tokens, and the kernel's choice is the logits' argmax.
@@ -601,7 +628,7 @@ fn logits(args: &ModelArgs, tokens: &[u32], on: On) -> Result<(), Failure> {
         }
         On::Gpu => {
             let dev = Device::open(args.device)?;
-            let mut model = GpuModel::new(&dev, &cfg, &weights, tokens.len(), 1, &mut |_| ())?;
+            let mut model = GpuModel::new(&dev, &cfg, &weights, tokens.len(), 1, args.stream(), &mut |_| ())?;
             tokens.iter().enumerate().map(|(pos, &t)| model.decode_step(&dev, t, pos)).collect::<Result<_, _>>()?
         }
     };

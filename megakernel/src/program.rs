@@ -291,6 +291,24 @@ pub struct Buffers {
     pub down_part: u64,
 }
 
+/// Shared buffers at distinct made-up addresses, for tests that compile a program without memory.
+#[cfg(test)]
+pub(crate) fn test_buffers() -> Buffers {
+    Buffers {
+        q: 3,
+        cos: 6,
+        sin: 7,
+        part_o: 8,
+        part_ml: 9,
+        counters: 10,
+        a: 11,
+        x1_part: 20,
+        x1: 13,
+        act: 16,
+        down_part: 22,
+    }
+}
+
 /// Cached positions per attention chunk at this head size (a multiple of 16, the tensor-core tiles').
 pub fn chunk(cfg: &Config) -> usize {
     ATTN_MAX_CHUNK.min(ATTN_CHUNK_ELEMS / cfg.hd / 16 * 16)
@@ -875,22 +893,6 @@ mod tests {
         check("reduce", reduce::ALL);
     }
 
-    fn buffers() -> Buffers {
-        Buffers {
-            q: 3,
-            cos: 6,
-            sin: 7,
-            part_o: 8,
-            part_ml: 9,
-            counters: 10,
-            a: 11,
-            x1_part: 20,
-            x1: 13,
-            act: 16,
-            down_part: 22,
-        }
-    }
-
     fn layer() -> LayerBuffers {
         LayerBuffers {
             w_qkv: [1, 18],
@@ -907,7 +909,10 @@ mod tests {
 
     /// The program as it runs for `layer()`.
     fn compiled(cfg: &Config, grid: u32, plan: Plan) -> Vec<Row> {
-        compile(cfg, &buffers(), grid, plan, Split::None).iter().map(|r| resolve_row(r, &layer().table())).collect()
+        compile(cfg, &test_buffers(), grid, plan, Split::None)
+            .iter()
+            .map(|r| resolve_row(r, &layer().table()))
+            .collect()
     }
 
     /// A layer's table resolves every reference to its slot's address plus the offset; other words
@@ -919,7 +924,7 @@ mod tests {
         assert_eq!(resolve(layer_ref(Slot::WDown2, 1 << 40), &t), 23 + (1 << 40));
         assert_eq!(resolve(7, &t), 7);
         let cfg = Config::graded();
-        let prog = compile(&cfg, &buffers(), 132, Plan::choose(&cfg, 132), Split::None);
+        let prog = compile(&cfg, &test_buffers(), 132, Plan::choose(&cfg, 132), Split::None);
         let other = LayerBuffers { k_cache: 1000, ..layer() };
         assert_eq!(resolve_row(&prog[0], &other.table())[qkv::KCache as usize], 1000);
         for r in &prog {

@@ -716,19 +716,7 @@ mod tests {
     fn whole_heads_per_block_fit_the_partials_the_launcher_sizes() {
         let cfg =
             Config { d: 1024, ffn: 3072, n_q: 16, n_kv: 8, hd: 128, layers: 28, max_seq_len: 4096, ..Config::tiny() };
-        let buffers = program::Buffers {
-            q: 1,
-            cos: 2,
-            sin: 3,
-            part_o: 4,
-            part_ml: 5,
-            counters: 6,
-            a: 7,
-            x1_part: 8,
-            x1: 9,
-            act: 10,
-            down_part: 11,
-        };
+        let buffers = program::test_buffers();
         for grid in [132u32, 16, 7] {
             let plan = check_fits(&cfg, grid, Forced::default()).unwrap();
             let rows = program::compile(&cfg, &buffers, grid, plan, Split::None);

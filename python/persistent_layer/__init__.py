@@ -161,7 +161,8 @@ class MegaModel:
         return self._m.bos
 
     def describe(self) -> str:
-        """The compiled program in words (how the layer's phases are planned on the GPU)."""
+        """The compiled program in words (how the layer's phases are planned on the GPU, and for a
+        quantised checkpoint what its decode steps stream)."""
         return self._m.describe()
 
     def decode_step(self, token: int, pos: int) -> Any:

@@ -11,7 +11,9 @@ use std::path::Path;
 
 use cuda::Device;
 use megakernel::MAX_BATCH;
-use megakernel::model::{CpuModel, GpuModel, ModelConfig, ModelError, ModelWeights, Text, check_together};
+use megakernel::model::{
+    CpuModel, GpuModel, ModelConfig, ModelError, ModelWeights, Text, WeightStream, check_together,
+};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -95,7 +97,9 @@ impl Model {
     ) -> PyResult<Model> {
         let engine = match dev {
             Some(dev) => {
-                let model = GpuModel::new(&dev, &cfg, &weights, max_seq, max_batch, &mut |_| ()).map_err(refused)?;
+                let model =
+                    GpuModel::new(&dev, &cfg, &weights, max_seq, max_batch, WeightStream::AsStored, &mut |_| ())
+                        .map_err(refused)?;
                 Engine::Gpu { dev, model: Box::new(model) }
             }
             None => Engine::Cpu(Box::new(CpuModel::new(cfg.clone(), weights, max_seq))),
@@ -235,10 +239,14 @@ impl Model {
         self.cfg.bos
     }
 
-    /// The compiled plan in words (the GPU's), or what the CPU runs.
+    /// The compiled plan in words (the GPU's, and for a quantised checkpoint what its decode steps
+    /// stream), or what the CPU runs.
     fn describe(&self) -> String {
         match &self.engine {
-            Engine::Gpu { model, .. } => model.describe(),
+            Engine::Gpu { model, .. } => match model.streams() {
+                Some(weights) => format!("{}; weights: {weights}", model.describe()),
+                None => model.describe(),
+            },
             Engine::Cpu(_) => "the CPU model: the golden layers, the f32 head summed in f64".into(),
         }
     }

@@ -6,22 +6,15 @@
 // the one it had when all shared one file. The traced twins stay in this file: without them the
 // other instances compile to different machine code (the cubins' code sections compared), and theirs
 // is the code that was measured.
-#include "../megakernel.cuh"
+#include "model.cuh"
 
 // A model's positions from pos0 on, in one launch (run_model). Three instances, each the machine code
 // measured for its models (code a model does not run still moves ptxas's allocation and schedule of
 // what it runs; docs/perf.md): for layers with per-head q/k norms (Qwen3); for layers without them
 // whose rows are all too wide for slices (row_slices; Llama-3.1-8B decoded 2.7% slower with the sliced
 // code in its kernel); and for the rest, whose narrow rows stream as groups of one (SLICED). In the
-// q/k-norm instance the LM head streams as a group of one too (phase_head_solo).
-#define MODEL_PARAMS                                                                                                          \
-    const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program, const __grid_constant__ ModelArgs model, uint32_t phases, \
-        uint32_t layers, bf16* __restrict__ out,    /* (d) */                                                               \
-        bf16* __restrict__ hidden,                   /* (layers - 1, d); null for one layer */                              \
-        uint32_t d, uint32_t step,                   /* steps run before this launch */                                     \
-        unsigned* __restrict__ phase_done,           /* (PROGRAM_MAX_PHASES + 1) */                                         \
-        uint32_t red_rows
-#define MODEL_ARGS program, model, phases, layers, out, hidden, d, step, phase_done, red_rows
+// q/k-norm instance the LM head streams as a group of one too (phase_head_solo). The instances for fp8
+// checkpoints are model_fp8.cu's.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_bf16(MODEL_PARAMS) { run_model<false, false, false>(MODEL_ARGS, nullptr); }
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_bf16(MODEL_PARAMS) { run_model<false, true, false>(MODEL_ARGS, nullptr); }
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_bf16(MODEL_PARAMS) { run_model<true, true, false>(MODEL_ARGS, nullptr); }

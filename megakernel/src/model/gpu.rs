@@ -16,10 +16,12 @@ use spec::Config;
 use spec::bytes::ByteModel;
 use submission::{Layer, SubmissionError, device_address};
 
+use super::fp8_stream::{self, Fp8Layer};
 use super::hf::{ModelConfig, ModelWeights};
+use super::quantized::Quantization;
 use super::request::{Lane, Limits, MAX_EOS, Stop};
 use super::together::generate_together;
-use crate::kernels::model::MODEL;
+use crate::kernels::model::{MODEL, MODEL_FP8};
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
 use crate::program;
 use crate::stack::{CompiledStack, ProgramParam, StackOptions, Target, fit_one_block, rows_beside};
@@ -149,6 +151,84 @@ fn model_kernel(qk_norm: bool, narrow: bool, traced: bool) -> &'static str {
     }
 }
 
+/// The model kernel's instance that streams an fp8 checkpoint's wide rows as codes
+/// (`kernels/megakernel/model/model_fp8.cu`): for layers with rows narrow enough for slices (`narrow`)
+/// or without.
+fn fp8_kernel(narrow: bool) -> &'static str {
+    if narrow { "megakernel_model_sliced_fp8" } else { "megakernel_model_fp8" }
+}
+
+/// What a model's decode steps stream its quantised GEMVs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightStream {
+    /// As the checkpoint stores them where the kernel can (an fp8 checkpoint's wide rows as codes,
+    /// `fp8_stream`), else bf16.
+    AsStored,
+    /// bf16 throughout (an fp8 checkpoint's weights as the loader dequantised them): the same outputs,
+    /// bit for bit, for comparing the two streams.
+    Bf16,
+}
+
+/// The decode step of an fp8 checkpoint (`fp8_stream`): the fp8 instance of the model kernel, its
+/// program (the bf16 program's rows and tables with the fp8 matrices in), and those matrices.
+struct Fp8Decode {
+    func: CudaFunction,
+    program: Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>,
+    /// Bytes a decode step streams less than the bf16 stream, over every layer.
+    saved: u64,
+    /// GEMV matrices a layer streams as codes.
+    matrices: usize,
+    _packed: Vec<CudaSlice<u8>>,
+}
+
+impl Fp8Decode {
+    /// The fp8 decode of `stack` (compiled for `cfg`'s layers of shape `layer`) from the checkpoint's
+    /// `fp8` layers: `Ok(Err(why))` where it cannot be (`fp8_stream::refusal`, or a weight `pack` does
+    /// not take), and the model then streams bf16.
+    fn build(
+        dev: &Device,
+        cfg: &ModelConfig,
+        layer: &Config,
+        stack: &CompiledStack,
+        fp8: &[Fp8Layer],
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<Result<Fp8Decode, String>, GpuModelError> {
+        if let Some(why) = fp8_stream::refusal(layer, stack.layout, fp8, cfg.qk_norm, stack.in_place) {
+            return Ok(Err(why));
+        }
+        let (mut tables, mut packed, mut saved, mut matrices) = (Vec::new(), Vec::new(), 0, 0);
+        for (l, (fp8_layer, bf16_table)) in fp8.iter().zip(&stack.tables).enumerate() {
+            progress(&format!("packing layer {} of {}'s fp8 codes", l + 1, fp8.len()));
+            let m = match fp8_stream::layer_matrices(layer, stack.layout, fp8_layer) {
+                Ok(m) => m,
+                Err(why) => return Ok(Err(format!("layer {l}: {why}"))),
+            };
+            let mut placed = Vec::new();
+            for (slot, bytes) in &m.matrices {
+                let up = dev.stream().clone_htod(bytes).context(format!("uploading layer {l}'s fp8 {slot:?}"))?;
+                placed.push((*slot, device_address(dev, &up)));
+                packed.push(up);
+            }
+            tables.push(fp8_stream::table(*bf16_table, &placed));
+            (saved, matrices) = (saved + m.saved, m.matrices.len());
+        }
+        let rows = fp8_stream::decode_rows(layer, stack.layout, &stack.rows);
+        let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
+        let func = dev.function(&MODEL_FP8, fp8_kernel(has_narrow_rows(layer)))?;
+        fit_one_block(&func, stack.smem, "the fp8 model kernel")?;
+        Ok(Ok(Fp8Decode { func, program, saved, matrices, _packed: packed }))
+    }
+}
+
+/// Which instance of the model kernel a launch runs.
+enum Instance<'a> {
+    /// The timed one: the fp8 instance where the decode steps stream codes and the stream allows, else
+    /// the bf16 one.
+    Timed(WeightStream),
+    /// The traced twin (bf16), stamping into room for every position the launch may run, zeroed.
+    Traced(&'a CudaFunction, &'a mut CudaSlice<u64>),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GpuModelError {
     #[error(transparent)]
@@ -189,6 +269,8 @@ pub struct GpuModel {
     /// `grid * heads`).
     stack: CompiledStack,
     program: Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>,
+    /// An fp8 checkpoint's decode steps, where they stream codes; else why not (for the summary).
+    fp8: Result<Fp8Decode, String>,
     batch: BatchKernel,
     heads: u32,
     embed: CudaSlice<bf16>,
@@ -217,14 +299,15 @@ pub struct GpuModel {
 
 impl GpuModel {
     /// Uploads the model with caches of `context` positions (at most the model's own) for `sequences`
-    /// sequences (1 to [`MAX_BATCH`]: a batch step's) and compiles its stack; `progress` hears what it
-    /// is doing.
+    /// sequences (1 to [`MAX_BATCH`]: a batch step's) and compiles its stack, its decode steps streaming
+    /// as `stream` says; `progress` hears what it is doing.
     pub fn new(
         dev: &Device,
         cfg: &ModelConfig,
         weights: &ModelWeights,
         context: usize,
         sequences: usize,
+        stream: WeightStream,
         progress: &mut dyn FnMut(&str),
     ) -> Result<GpuModel, GpuModelError> {
         let layer = Config { max_seq_len: context.min(cfg.layer.max_seq_len), ..cfg.layer.clone() };
@@ -267,6 +350,10 @@ impl GpuModel {
         let program =
             ProgramParam::new(&stack.rows, &stack.tables).expect("rows and tables within the parameter block");
         let batch = batch_kernel(dev, &MODEL, stack.lane_rows)?;
+        let fp8 = match stream {
+            WeightStream::AsStored => Fp8Decode::build(dev, cfg, &layer, &stack, &weights.fp8, progress)?,
+            WeightStream::Bf16 => Err("bf16 asked for".into()),
+        };
         let grid = stack.grid as usize;
         let row = |n: usize, what: &str| s.alloc_zeros::<bf16>(n).context(format!("allocating {what}"));
         Ok(GpuModel {
@@ -285,6 +372,7 @@ impl GpuModel {
             layer,
             stack,
             program,
+            fp8,
             batch,
             heads: 0,
             embed,
@@ -305,6 +393,29 @@ impl GpuModel {
         self.stack.describe(&self.layer, 0)
     }
 
+    /// What the decode steps stream a quantised checkpoint's weights as, in words (None for a bf16,
+    /// f16 or f32 checkpoint).
+    pub fn streams(&self) -> Option<String> {
+        let q = self.cfg.quantized?;
+        Some(match &self.fp8 {
+            Ok(f) => format!(
+                "{}: decode steps stream the rows wider than {} columns as e4m3 codes, a scale a row per {} columns \
+                 ({} GEMV matrices a layer), the rest bf16; {:.2} GB a token at position 0 against bf16's {:.2}, \
+                 which a floor counts; batch steps and traces stream bf16",
+                q.name(),
+                crate::kernels::SLICED_MAX_COLS,
+                fp8_stream::FP8_SCALE_COLS,
+                f.matrices,
+                self.bytes_at(0) as f64 / 1e9,
+                (self.bytes_at(0) + f.saved) as f64 / 1e9
+            ),
+            Err(why) if matches!(q, Quantization::Fp8 { .. }) => {
+                format!("{} read into bf16 and streamed as bf16 ({why}), so a floor counts bf16's bytes", q.name())
+            }
+            Err(_) => format!("{} read into bf16; the kernel streams bf16, so a floor counts bf16's bytes", q.name()),
+        })
+    }
+
     /// The logits after `token` at position `pos` (its K and V appended to every layer's cache at
     /// `pos`), in one launch, as `CpuModel::decode_step` computes them.
     pub fn decode_step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Vec<f32>, GpuModelError> {
@@ -315,8 +426,21 @@ impl GpuModel {
     /// `decode_step` leaving its logits on the GPU (`last_logits`, `last_logits_on_device`).
     pub fn step(&mut self, dev: &Device, token: u32, pos: usize) -> Result<(), GpuModelError> {
         self.limits().step(token, pos)?;
-        self.launch(dev, pos, &[token], 1, &[], None)?;
+        self.launch(dev, pos, &[token], 1, &[], Instance::Timed(WeightStream::AsStored))?;
         Ok(())
+    }
+
+    /// Whether the decode steps stream an fp8 checkpoint's codes (`fp8_stream`).
+    pub fn streams_codes(&self) -> bool {
+        self.fp8.is_ok()
+    }
+
+    /// `decode_step` through the bf16 stream, where the decode steps stream codes: the same logits, bit
+    /// for bit (`megakernel check` holds them to it).
+    pub fn decode_step_bf16(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Vec<f32>, GpuModelError> {
+        self.limits().step(token, pos)?;
+        self.launch(dev, pos, &[token], 1, &[], Instance::Timed(WeightStream::Bf16))?;
+        self.last_logits(dev)
     }
 
     /// The logits of the last position the last launch decoded.
@@ -424,7 +548,8 @@ impl GpuModel {
     ) -> Result<Generation, GpuModelError> {
         self.limits().generation(prompt, max_new, eos)?;
         let start = Instant::now();
-        let ([positions, generated], kernel_ms) = self.launch(dev, 0, prompt, max_new, eos, None)?;
+        let ([positions, generated], kernel_ms) =
+            self.launch(dev, 0, prompt, max_new, eos, Instance::Timed(WeightStream::AsStored))?;
         let n = prompt.len();
         let mut tokens = vec![0i32; generated as usize];
         let s = dev.stream();
@@ -485,7 +610,8 @@ impl GpuModel {
             .stream()
             .alloc_zeros::<u64>(positions * grid * per_step * TRACE_STAMPS)
             .context("allocating the trace")?;
-        let ([ran, _], kernel_ms) = self.launch(dev, pos0, given, max_new, &[], Some((&traced, &mut stamps)))?;
+        let ([ran, _], kernel_ms) =
+            self.launch(dev, pos0, given, max_new, &[], Instance::Traced(&traced, &mut stamps))?;
         let mut stamps = dev.stream().clone_dtoh(&stamps).context("reading the trace")?;
         stamps.truncate(ran as usize * grid * per_step * TRACE_STAMPS);
         Ok(Trace { stamps, grid, plan, layers, head: true, prompt: given.len(), kernel_ms })
@@ -495,7 +621,8 @@ impl GpuModel {
     /// the final norm read, the logits written.
     pub fn bytes_at(&self, pos: usize) -> u64 {
         let (d, vocab) = (self.layer.d as u64, self.cfg.vocab as u64);
-        ByteModel::stack_at(&self.layer, pos).total + 2 * vocab * d + 2 * d + 4 * vocab
+        let saved = self.fp8.as_ref().map_or(0, |f| f.saved);
+        ByteModel::stack_at(&self.layer, pos).total + 2 * vocab * d + 2 * d + 4 * vocab - saved
     }
 
     /// What its decode steps and generations may ask for.
@@ -533,10 +660,8 @@ impl GpuModel {
         }
     }
 
-    /// One launch of the model kernel from position `pos0`, the tokens from there `given`; returns the
-    /// positions it ran, the tokens it generated and the kernel's time in ms. With `trace` (the traced
-    /// instance, and room for every position the launch may run, zeroed), that instance runs and
-    /// stamps it.
+    /// One launch of the model kernel, the `instance` given, from position `pos0`, the tokens from there
+    /// `given`; returns the positions it ran, the tokens it generated and the kernel's time in ms.
     fn launch(
         &mut self,
         dev: &Device,
@@ -544,7 +669,7 @@ impl GpuModel {
         given: &[u32],
         max_new: usize,
         eos: &[u32],
-        trace: Option<(&CudaFunction, &mut CudaSlice<u64>)>,
+        instance: Instance<'_>,
     ) -> Result<([u32; 2], f32), GpuModelError> {
         let s = dev.stream();
         let given_i32: Vec<i32> = given.iter().map(|&t| t as i32).collect();
@@ -554,14 +679,21 @@ impl GpuModel {
         let b = &mut self.stack;
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
         let (cfg, phases, layers) = (b.launch_config(b.smem), b.phases(), b.layers());
-        let (func, stamps) = trace.map_or((&b.func, None), |(f, t)| (f, Some(t)));
+        // A trace runs the bf16 program in its traced instance; a decode of an fp8 checkpoint, the fp8
+        // instance and program where it has them.
+        let (func, program, stamps) = match (instance, &self.fp8) {
+            (Instance::Traced(f, t), _) => (f, &self.program, Some(t)),
+            (Instance::Timed(WeightStream::AsStored), Ok(fp8)) => (&fp8.func, &fp8.program, None),
+            (Instance::Timed(_), _) => (&b.func, &self.program, None),
+        };
         let mut l = s.launch_builder(func);
-        l.arg(&*self.program).arg(&args).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
+        l.arg(&**program).arg(&args).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
         if let Some(t) = stamps {
             l.arg(t);
         }
-        // SAFETY: megakernel_model_bf16 and its instances take (program:
+        // SAFETY: megakernel_model_bf16 and its instances (the fp8 ones too, whose program names packed fp8
+        // matrices of the layout model_fp8.cu reads: fp8_stream) take (program:
         // Program<MAX_STACK_LAYERS> by value, model: ModelArgs by value (its buffers allocated above:
         // logits (vocab), candidates (grid), tokens (max_seq + 1), done (2)), phases, layers, out (d),
         // hidden ((layers - 1) x d or null for one layer), d, step, phase_done (MAX_PHASES + 1),
@@ -598,6 +730,23 @@ mod tests {
             "uint32_t token[MAX_BATCH];\n    uint32_t pos[MAX_BATCH];\n    uint32_t seq[MAX_BATCH];".to_string(),
         ] {
             assert!(CU.contains(&line), "kernels/megakernel/ lacks `{line}`");
+        }
+    }
+
+    /// Every instance the model launches is an entry point of its file: model.cu's bf16 ones and their
+    /// traced twins, model_fp8.cu's fp8 ones.
+    #[test]
+    fn the_model_kernels_named_are_entry_points() {
+        let bf16 = include_str!("../../../kernels/megakernel/model/model.cu");
+        let fp8 = include_str!("../../../kernels/megakernel/model/model_fp8.cu");
+        for (qk_norm, narrow, traced) in (0..8).map(|i| (i & 1 == 1, i & 2 == 2, i & 4 == 4)) {
+            let params = if traced { "MODEL_TRACE_PARAMS" } else { "MODEL_PARAMS" };
+            let name = model_kernel(qk_norm, narrow, traced);
+            assert!(bf16.contains(&format!(" {name}({params})")), "{name} is not a kernel of model.cu");
+        }
+        for narrow in [false, true] {
+            let name = fp8_kernel(narrow);
+            assert!(fp8.contains(&format!(" {name}(MODEL_PARAMS)")), "{name} is not a kernel of model_fp8.cu");
         }
     }
 

@@ -18,6 +18,7 @@ use serde::Deserialize;
 use spec::Config;
 use spec::data::{LayerWeights, Tensor};
 
+use super::quantized::fp8::Fp8Matrix;
 use super::quantized::{Part, Quantization};
 
 #[derive(Debug, thiserror::Error)]
@@ -304,6 +305,10 @@ pub struct ModelWeights {
     /// Each layer's q and k norm weights (`hd` each) when the model has them (`ModelConfig::qk_norm`),
     /// else empty.
     pub qk_norms: Vec<[Vec<bf16>; 2]>,
+    /// An fp8 checkpoint's layers as stored: each weight's codes and scales where it was quantised (the
+    /// norms never are), beside its bf16 in `layers` (the model kernel may stream them:
+    /// `model::fp8_stream`); empty for any other checkpoint.
+    pub fp8: Vec<LayerWeights<Option<Fp8Matrix>>>,
 }
 
 impl ModelWeights {
@@ -315,8 +320,14 @@ impl ModelWeights {
     /// Reads every tensor of `cfg`'s model from `dir`'s safetensors files, each checked for its name
     /// and shape.
     pub fn read(dir: &Path, cfg: &ModelConfig) -> Result<ModelWeights, ModelError> {
-        let mut got = read_tensors(dir, &wanted(cfg), cfg.quantized)?;
-        Self::from_tensors(cfg, |name, _| Ok(got.remove(name).expect("read_tensors returns every tensor asked for")))
+        let (mut got, mut fp8) = read_tensors(dir, &wanted(cfg), cfg.quantized)?;
+        let mut weights = Self::from_tensors(cfg, |name, _| {
+            Ok(got.remove(name).expect("read_tensors returns every tensor asked for"))
+        })?;
+        if !fp8.is_empty() {
+            weights.fp8 = layer_weights(&cfg.layer, |name| fp8.remove(name));
+        }
+        Ok(weights)
     }
 
     /// `cfg`'s model from `fetch`, which gives each tensor by its Hugging Face name in bf16 and is
@@ -333,20 +344,25 @@ impl ModelWeights {
         }
         let mut take = |name: &str| got.remove(name).expect("every tensor wanted was fetched");
         let embed = take("model.embed_tokens.weight");
-        let layers = (0..l.layers)
-            .map(|i| {
-                LayerWeights::try_from_fn(|t| {
-                    Ok::<_, std::convert::Infallible>(take(&format!("model.layers.{i}.{}", layer_tensor(t, l).0)))
-                })
-                .unwrap_or_else(|e| match e {})
-            })
-            .collect();
+        let layers = layer_weights(l, &mut take);
         let qk_norms =
             if cfg.qk_norm { (0..l.layers).map(|i| qk_names(i).map(|n| take(&n))).collect() } else { Vec::new() };
         let norm = take("model.norm.weight");
         let lm_head = (!cfg.tied).then(|| take("lm_head.weight"));
-        Ok(ModelWeights { embed, layers, norm, lm_head, qk_norms })
+        Ok(ModelWeights { embed, layers, norm, lm_head, qk_norms, fp8: Vec::new() })
     }
+}
+
+/// Every layer's weights of a model of `l`'s layers, each from `take` given its Hugging Face name.
+fn layer_weights<T>(l: &Config, mut take: impl FnMut(&str) -> T) -> Vec<LayerWeights<T>> {
+    (0..l.layers)
+        .map(|i| {
+            LayerWeights::try_from_fn(|t| {
+                Ok::<_, std::convert::Infallible>(take(&format!("model.layers.{i}.{}", layer_tensor(t, l).0)))
+            })
+            .unwrap_or_else(|e| match e {})
+        })
+        .collect()
 }
 
 /// Every tensor `cfg`'s model reads, by its Hugging Face name, with its shape.
@@ -508,14 +524,18 @@ fn tensor_files(dir: &Path) -> Result<BTreeMap<String, PathBuf>, ModelError> {
     Ok(index)
 }
 
+/// An fp8 checkpoint's weights as stored, by name.
+type Fp8ByName = HashMap<String, Fp8Matrix>;
+
 /// The tensors `wanted` (name and shape), in bf16, by name: each file read once, each tensor checked
 /// for its shape and converted (f32 and f16 rounded to nearest even once; a weight stored in the
-/// type of the checkpoint's quantisation, `quantized`, dequantised).
+/// type of the checkpoint's quantisation, `quantized`, dequantised); and each fp8 weight's codes and
+/// scales, by name.
 fn read_tensors(
     dir: &Path,
     wanted: &[(String, Vec<usize>)],
     quantized: Option<Quantization>,
-) -> Result<HashMap<String, Vec<bf16>>, ModelError> {
+) -> Result<(HashMap<String, Vec<bf16>>, Fp8ByName), ModelError> {
     let files = tensor_files(dir)?;
     let mut by_file: BTreeMap<&PathBuf, Vec<&(String, Vec<usize>)>> = BTreeMap::new();
     for w in wanted {
@@ -526,7 +546,7 @@ fn read_tensors(
         })?;
         by_file.entry(path).or_default().push(w);
     }
-    let mut got = HashMap::with_capacity(wanted.len());
+    let (mut got, mut fp8) = (HashMap::with_capacity(wanted.len()), HashMap::new());
     for (path, tensors) in by_file {
         let bytes = std::fs::read(path).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
         let file =
@@ -550,7 +570,11 @@ fn read_tensors(
                         })
                     })?;
                     let part = |other: &str| quantization_part(&files, &file, path, other);
-                    got.insert(name.clone(), q.dequantize(name, shape, view.data(), part).map_err(bad)?);
+                    let (values, stored) = q.dequantize(name, shape, view.data(), part).map_err(bad)?;
+                    got.insert(name.clone(), values);
+                    if let Some(m) = stored {
+                        fp8.insert(name.clone(), m);
+                    }
                     continue;
                 }
             };
@@ -560,7 +584,7 @@ fn read_tensors(
             got.insert(name.clone(), element.to_bf16(view.data()));
         }
     }
-    Ok(got)
+    Ok((got, fp8))
 }
 
 /// Tensor `name` of a quantised weight, or None where the checkpoint has none: from `file` (the

@@ -589,6 +589,7 @@ fn nf4_checkpoints_read_as_bitsandbytes_dequantises_them() {
         assert_eq!(weights.embed, bf16s(stored.tensor("model.embed_tokens.weight").unwrap()));
         assert_eq!(weights.norm, bf16s(stored.tensor("model.norm.weight").unwrap()));
         assert_eq!(weights.lm_head.as_deref(), Some(bf16s(stored.tensor("lm_head.weight").unwrap()).as_slice()));
+        assert!(weights.fp8.is_empty(), "{variant}: no fp8 codes");
     }
 }
 
@@ -616,7 +617,15 @@ fn fp8_checkpoints_read_as_transformers_dequantises_them() {
                 !matches!(t, Tensor::InNorm | Tensor::PostNorm),
                 "{variant}: {name} is stored in e4m3 where it is a projection"
             );
+            // Kept for the fp8 stream as stored: the codes, and the weights they make.
+            let kept = weights.fp8[0].get(t).as_ref();
+            assert_eq!(kept.is_some(), quantised, "{variant}: {name}'s codes kept where it is quantised");
+            if let Some(m) = kept {
+                assert_eq!(m.codes, stored.tensor(&name).unwrap().data(), "{variant}: {name}'s codes");
+                assert_eq!(&m.dequantize(), weights.layers[0].get(t), "{variant}: {name}'s codes make its weights");
+            }
         }
+        assert_eq!(weights.fp8.len(), cfg.layer.layers, "{variant}: every layer's codes");
         if qk_norm {
             assert_eq!(weights.qk_norms[0][0], want("model.layers.0.self_attn.q_norm.weight"));
             assert_eq!(weights.qk_norms[0][1], want("model.layers.0.self_attn.k_norm.weight"));

@@ -21,7 +21,8 @@ pub fn scale_name(name: &str) -> String {
 
 /// An fp8 weight as its checkpoint stores it: `rows x cols` e4m3 codes and the scale of each block of
 /// `block` (rows, columns), a grid of `(ceil(rows / block rows), ceil(cols / block cols))` in f32 (a
-/// whole-weight scale is one block of the weight's shape).
+/// whole-weight scale is one block of the weight's shape). Kept beside its bf16 weights for the model
+/// kernel's fp8 stream (`model::fp8_stream`), which streams the codes and scales as they are.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fp8Matrix {
     pub rows: usize,
@@ -78,7 +79,7 @@ impl Fp8Matrix {
         self.scales[r / self.block[0] * self.cols.div_ceil(self.block[1]) + c / self.block[1]]
     }
 
-    /// Every element in bf16: its code's value times its block's scale in f32, rounded once,
+    /// Every element in bf16: its code's value times its block's scale in f32, rounded once (`weight`),
     /// rows shared among the machine's threads (an 8B checkpoint's 7e9 weights took a minute on one).
     pub fn dequantize(&self) -> Vec<bf16> {
         let values: Vec<f32> = (0..=255u8).map(|c| e4m3(c).unwrap_or(f32::NAN)).collect();
@@ -107,15 +108,24 @@ impl Fp8Matrix {
     }
 }
 
+/// The loader's bf16 weight of code `code` (not e4m3's NaN) in a block of scale `scale`: the value
+/// times the scale in f32, rounded once to bf16, as transformers dequantises (and as the model
+/// kernel's fp8 stream computes each weight, `fp8_weights2`).
+pub fn weight(code: u8, scale: f32) -> bf16 {
+    bf16::from_f32(e4m3(code).expect("a checked code") * scale)
+}
+
 /// The weight of `shape` (rows, cols) whose e4m3 codes are `codes`, from its scales (`scales`: None
-/// where the checkpoint has none) over blocks of `block` (the whole weight where None), in bf16.
+/// where the checkpoint has none) over blocks of `block` (the whole weight where None): the bf16
+/// weights and the codes they came from (`Fp8Matrix`).
 pub fn dequantize(
     shape: &[usize],
     codes: &[u8],
     block: Option<[usize; 2]>,
     scales: Option<Part>,
-) -> Result<Vec<bf16>, String> {
-    Ok(Fp8Matrix::new(shape, codes, block, scales)?.dequantize())
+) -> Result<(Vec<bf16>, Fp8Matrix), String> {
+    let m = Fp8Matrix::new(shape, codes, block, scales)?;
+    Ok((m.dequantize(), m))
 }
 
 /// The e4m3 value (sign, four bits of exponent biased by 7, three of mantissa; exponent 0 subnormal)
@@ -190,7 +200,7 @@ mod tests {
         // 3 x 5 in blocks of 2 x 3: a grid of 2 x 2 whose last row and column of blocks are partial.
         let codes: Vec<u8> = (0..15).map(|i| 0x30 + i as u8).collect();
         let scales = [1.0, 3.0, 0.1, 7.0];
-        let got = dequantize(&[3, 5], &codes, Some([2, 3]), f32_scales([2, 2], &scales)).unwrap();
+        let got = dequantize(&[3, 5], &codes, Some([2, 3]), f32_scales([2, 2], &scales)).unwrap().0;
         let want: Vec<bf16> = (0..15)
             .map(|i| {
                 let (r, c) = (i / 5, i % 5);
@@ -201,14 +211,14 @@ mod tests {
         // 0x31 (1.125) times 0.1 is not a bf16: the one rounding shows.
         assert_ne!(got[1].to_f32(), 1.125 * 0.1);
         // With no block named, one scale covers the weight.
-        let got = dequantize(&[3, 5], &codes, None, f32_scales([1, 1], &[0.5])).unwrap();
+        let got = dequantize(&[3, 5], &codes, None, f32_scales([1, 1], &[0.5])).unwrap().0;
         assert!(got.iter().zip(&codes).all(|(w, &c)| *w == bf16::from_f32(e4m3(c).unwrap() * 0.5)));
     }
 
     #[test]
     fn ue8m0_scales_read_as_their_powers_of_two() {
         let scales = Part { dtype: Dtype::F8_E8M0, shape: vec![1, 2], data: vec![126, 131] };
-        let got = dequantize(&[1, 4], &[0x38, 0x40, 0x38, 0xC0], Some([1, 2]), Some(scales)).unwrap();
+        let got = dequantize(&[1, 4], &[0x38, 0x40, 0x38, 0xC0], Some([1, 2]), Some(scales)).unwrap().0;
         assert_eq!(got, [0.5, 1.0, 16.0, -32.0].map(bf16::from_f32));
     }
 

@@ -2,8 +2,9 @@
 //! (`Quantization`), and each quantised weight dequantised to bf16 as it is read, bit for bit as the
 //! library that wrote it dequantises it: bitsandbytes' nf4 (`nf4`), and transformers' fine-grained fp8
 //! (`fp8`). Any other method, or a variant of these the loader does not compute, is refused with a
-//! sentence that names it. The weights then run as a bf16 checkpoint's do: the kernel streams bf16, so
-//! the floor and the speed are bf16's (docs/model.md).
+//! sentence that names it. nf4 weights then run as a bf16 checkpoint's do: the kernel streams bf16, so
+//! the floor and the speed are bf16's; fp8 weights keep their codes too, which the model kernel
+//! streams where its rows are wide (`model::fp8_stream`; docs/model.md).
 
 pub mod fp8;
 pub mod nf4;
@@ -79,18 +80,21 @@ impl Quantization {
         })
     }
 
-    /// Weight `name` of `shape`, stored as `data` in this quantisation's type, in bf16; `part(name)`
-    /// gives any other tensor of the checkpoint by its name, or None where it has none.
+    /// Weight `name` of `shape`, stored as `data` in this quantisation's type, in bf16, and for fp8 the
+    /// codes and scales too (which the model kernel can stream as they are); `part(name)` gives any
+    /// other tensor of the checkpoint by its name, or None where it has none.
     pub fn dequantize(
         self,
         name: &str,
         shape: &[usize],
         data: &[u8],
         mut part: impl FnMut(&str) -> Result<Option<Part>, String>,
-    ) -> Result<Vec<bf16>, String> {
+    ) -> Result<(Vec<bf16>, Option<fp8::Fp8Matrix>), String> {
         match self {
-            Quantization::Nf4 => nf4::dequantize(shape, data, |suffix| part(&format!("{name}.{suffix}"))),
-            Quantization::Fp8 { block } => fp8::dequantize(shape, data, block, part(&fp8::scale_name(name))?),
+            Quantization::Nf4 => Ok((nf4::dequantize(shape, data, |suffix| part(&format!("{name}.{suffix}")))?, None)),
+            Quantization::Fp8 { block } => {
+                fp8::dequantize(shape, data, block, part(&fp8::scale_name(name))?).map(|(w, m)| (w, Some(m)))
+            }
         }
     }
 }

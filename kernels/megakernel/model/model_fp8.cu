@@ -1,0 +1,11 @@
+// The model kernel for fp8 checkpoints (`megakernel generate/bench/check` on a checkpoint saved with
+// transformers' FineGrainedFP8Config): run_model's instances whose rows too wide for slices stream as
+// e4m3 codes and their scales (streams_fp8), half of bf16's bytes, each weight made the loader's bf16
+// in the stream, so that every output is the bf16 instance's over the loader's weights, bit for bit.
+// For layers without q/k norms: with rows all too wide for slices (Llama-3.1-8B), and with some
+// narrow rows, which stream bf16 in slices as in the bf16 instance (Llama-3.2-1B's Down alone streams
+// fp8). Their own file: model.cu's instances keep the machine code that was measured.
+#include "model.cuh"
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_fp8(MODEL_PARAMS) { run_model<false, false, false, true>(MODEL_ARGS, nullptr); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_fp8(MODEL_PARAMS) { run_model<false, true, false, true>(MODEL_ARGS, nullptr); }
