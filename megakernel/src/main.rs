@@ -476,6 +476,7 @@ fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) ->
         worst <= tol,
         format!("logits beside the CPU model's, worst of {positions} positions {worst:.3e} (at most {tol:.2e})"),
     );
+    out!("     greedy token equal to the CPU model's at {agree} of {positions} positions (a near-tie may differ)");
     // An fp8 checkpoint whose decode steps stream its codes: the same positions again through the bf16
     // stream (the caches written again, bit for bit where the streams agree), every logit the same bits.
     if model.streams_codes() {
@@ -494,7 +495,6 @@ fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) ->
             ),
         );
     }
-    out!("     greedy token equal to the CPU model's at {agree} of {positions} positions (a near-tie may differ)");
     // A generation in one launch from the first half of the tokens, against a launch per token fed the
     // argmax of its own logits: the same tokens, and the kernel's choice is the logits' argmax.
     let prompt = &tokens[..positions / 2];
