@@ -64,6 +64,14 @@ __device__ inline const float* fp8_scales(const Gemv& g) {
 // Scales a row of an fp8 matrix has: one for each FP8_SCALE_COLS columns, the last maybe partial.
 __device__ inline uint32_t fp8_groups(const Gemv& g) { return (g.cols + FP8_SCALE_COLS - 1) / FP8_SCALE_COLS; }
 
+// A stream of g's codes that copies its scales too (StreamScales).
+template <typename Stream>
+__device__ inline Stream with_scales(Stream stream, const Gemv& g) {
+    stream.scales = fp8_scales(g);
+    stream.groups = fp8_groups(g);
+    return stream;
+}
+
 // For a batch step of `lanes` lanes (0: a decode step) with partials of `part_rows` rows, the first
 // stream is its first group's first chunk (lanes_gemv); a decode step's is the block's rows. FP8: as
 // streams_fp8 (a decode step's only).
@@ -77,7 +85,7 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
     // Packed (the loader packs every fp8 matrix): no row source to read.
     if constexpr (FP8) {
-        if (streams_fp8(g)) return with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { stream.prime(ring); });
+        if (streams_fp8(g)) return with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { with_scales(stream, g).prime(ring); });
     }
     with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) {
         using Stream = decltype(stream);
@@ -107,7 +115,7 @@ __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials
     stamp(TRACE_INPUT);
     if constexpr (FP8) {
         if (streams_fp8(g)) {
-            with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { stream.run_fp8(s, ring, part, fp8_scales(g), fp8_groups(g)); });
+            with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { with_scales(stream, g).run_fp8(s, ring, part); });
             stamp(TRACE_STREAMED);
             return;
         }

@@ -203,6 +203,30 @@ __device__ inline uint4 fp8_weights8(uint2 codes, float scale) {
     return w;
 }
 
+// A stage's scales in shared memory (run_fp8): one slot per ring slot, filled by a second bulk copy on
+// the slot's mbarrier, so that the scales are in shared memory when the codes are. A stage's rows hold
+// at most STAGE_BYTES codes, so at most STAGE_BYTES / FP8_SCALE_COLS scales of 4 bytes.
+constexpr uint32_t FP8_SCALE_SLOT_BYTES = STAGE_BYTES / FP8_SCALE_COLS * 4;
+constexpr uint32_t FP8_SCALE_SLOTS_BYTES = STAGES * FP8_SCALE_SLOT_BYTES;
+
+// The scale slots: the last FP8_SCALE_SLOTS_BYTES of the block's dynamic shared memory (which starts
+// at the ring), left past the partials by the launcher of an fp8 instance (megakernel/src/model/gpu.rs).
+__device__ inline float* fp8_scale_slots(const Ring& ring) {
+    uint32_t bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    return reinterpret_cast<float*>(reinterpret_cast<char*>(ring.data) + bytes - FP8_SCALE_SLOTS_BYTES);
+}
+
+// What a stream of e4m3 codes copies beside them: its matrix's scales (rows of `groups` f32, after the
+// codes) into fp8_scale_slots(). bf16 rows have none, and their RowStream no such members.
+template <uint32_t VEC_BYTES>
+struct StreamScales {};
+template <>
+struct StreamScales<8> {
+    const float* scales = nullptr;
+    uint32_t groups = 0;
+};
+
 // The largest power of two at most v (1 for v < 2).
 __host__ __device__ constexpr uint32_t floor_pow2(uint32_t v) { return v < 2 ? 1 : 2 * floor_pow2(v / 2); }
 
@@ -218,7 +242,7 @@ __host__ __device__ constexpr uint32_t floor_pow2(uint32_t v) { return v < 2 ? 1
 // VEC_BYTES: the bytes a row holds for each 16-byte vector of the input: 16 for bf16 weights, 8 for
 // e4m3 codes (the fp8 stream: run_fp8).
 template <uint32_t VPT, uint32_t VEC_BYTES = 16>
-struct RowStream {
+struct RowStream : StreamScales<VEC_BYTES> {
     static constexpr uint32_t VECS_PER_THREAD = VPT;
     // As many rows a slice as a stage holds, rounded down to a power of two (bf16's are already).
     static constexpr uint32_t SLICE_ROWS = floor_pow2(STAGE_BYTES / VEC_BYTES / (THREADS * VPT));
@@ -246,6 +270,16 @@ struct RowStream {
         if (threadIdx.x != 0 || st >= nstages) return;
         const uint32_t k = ring.seq + st;
         uint4* slot = ring.data + (k % STAGES) * (STAGE_BYTES / 16);
+        if constexpr (VEC_BYTES == 8) {
+            // The stage's rows' scales, consecutive after the codes as its rows are: one more copy on the
+            // slot's barrier, counted with the codes', so that a stage lands with its scales.
+            const uint32_t scale_bytes = stage_count(st) * this->groups * 4;
+            mbar_expect_tx(&ring.full[k % STAGES], stage_count(st) * vecs * VEC_BYTES + scale_bytes);
+            bulk_copy(fp8_scale_slots(ring) + (k % STAGES) * (FP8_SCALE_SLOT_BYTES / 4), this->scales + (size_t)(r0 + st * stage_rows) * this->groups, scale_bytes,
+                      &ring.full[k % STAGES], l2_evict_first());
+            bulk_copy(slot, stage_src(st), stage_count(st) * vecs * VEC_BYTES, &ring.full[k % STAGES], l2_evict_first());
+            return;
+        }
         mbar_expect_tx(&ring.full[k % STAGES], stage_count(st) * vecs * VEC_BYTES);
         if (in_place && row_source.kind != SOURCE_PACKED) {
             gather_stage(row_source, slot, r0 + st * stage_rows, stage_count(st), vecs * VEC_BYTES, &ring.full[k % STAGES]);
@@ -288,24 +322,25 @@ struct RowStream {
     }
 
     // run() for rows of e4m3 codes: each weight made the loader's bf16 (fp8_weights8) with the scale of
-    // its row's FP8_SCALE_COLS columns, `scales` (rows of `groups` f32, the whole matrix's, row r0 of
-    // this stream at row r0), then dotted as run() dots bf16 weights: every sum is run()'s over the
-    // loader's weights, bit for bit. A stage's rows past its count are stale slot memory whose sums are
-    // never stored; their scales are read at its last row, so that no load falls past the matrix. The
+    // its row's FP8_SCALE_COLS columns, from the stage's scale slot (issue copied them there with the
+    // codes), then dotted as run() dots bf16 weights: every sum is run()'s over the loader's weights,
+    // bit for bit. A stage's rows past its count are stale slot memory whose sums are never stored;
+    // their scales are read at its last row, within what the stage's copy wrote. The
     // slice is widened to f32 once, not once a row as dot8 widens it: a weight's arithmetic is about 5
     // instructions (the conversions, the scale, the rounding, the product), against which x's widening
     // was one more. No branch around a row's products: every thread has each of its vectors but perhaps
     // the last, and for that one a thread past the row computes on the row's last vector and keeps acc,
     // so that the rows' loads and arithmetic interleave as in the probe's unguarded loop.
-    __device__ void run_fp8(const Slice& s, Ring& ring, Partials part, const float* scales, uint32_t groups) const {
+    __device__ void run_fp8(const Slice& s, Ring& ring, Partials part) const {
         static_assert(VEC_BYTES == 8, "e4m3 rows");
         float x[VPT][VEC];
 #pragma unroll
         for (uint32_t v = 0; v < VPT; ++v) widen8(s.h[v], x[v]);
+        const float* slots = fp8_scale_slots(ring);
         run_rows(s, ring, part, [&](const uint4* slot, uint32_t st, uint32_t i, uint32_t v, float acc) {
             const uint32_t vec = v * THREADS + threadIdx.x, at = min(vec, vecs - 1);
-            const uint32_t row = r0 + st * SLICE_ROWS + min(i, stage_count(st) - 1);
-            const float scale = __ldg(scales + (size_t)row * groups + at / FP8_SCALE_VECS);
+            const float* stage_scales = slots + (ring.seq + st) % STAGES * (FP8_SCALE_SLOT_BYTES / 4);
+            const float scale = stage_scales[min(i, stage_count(st) - 1) * this->groups + at / FP8_SCALE_VECS];
             const float sum = dot8f(fp8_weights8(reinterpret_cast<const uint2*>(slot)[i * vecs + at], scale), x[v], acc);
             return v + 1 < VPT || vec < vecs ? sum : acc;
         });

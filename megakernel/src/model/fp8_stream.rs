@@ -25,6 +25,15 @@ use crate::program::{self, LAYER_WORDS, Op, Plan, Row, Slot, gateup};
 /// block of 128 x 128 (transformers' `FineGrainedFP8Config`, Qwen3's and DeepSeek's FP8 releases).
 pub const FP8_SCALE_COLS: usize = 128;
 
+/// Bytes of shared memory the fp8 instances keep for their stages' scales (the kernel's
+/// `FP8_SCALE_SLOTS_BYTES`: a slot per ring stage, a stage's codes' scales each), at the end of their
+/// dynamic shared memory, where the partials then stop short.
+pub const FP8_SCALE_SLOTS_BYTES: usize = 3 * (64 * 1024 / FP8_SCALE_COLS * 4);
+
+/// Columns of a streamed row must be a multiple of this: a stage's scales are then whole 16-byte pieces
+/// that a bulk copy takes (a multiple of 4 scales a row).
+pub const FP8_COLS_MULTIPLE: usize = 4 * FP8_SCALE_COLS;
+
 /// Whether the fp8 instances stream rows of `cols` columns as codes (the kernel's `streams_fp8`): those
 /// too wide for slices.
 pub fn streams_fp8(cols: usize) -> bool {
@@ -189,9 +198,16 @@ pub fn refusal(cfg: &Config, plan: Plan, layers: &[Fp8Layer], qk_norm: bool, in_
     }
     let o = plan.halves(cfg).into_iter().map(|g| g.n_q(cfg) * cfg.hd);
     let down = (0..plan.mlp_parts).map(|k| mlp_part(cfg, plan.mlp_parts, k).len());
-    if !o.chain([cfg.d]).chain(down).any(streams_fp8) {
+    let streamed: Vec<usize> = o.chain([cfg.d]).chain(down).filter(|&c| streams_fp8(c)).collect();
+    if streamed.is_empty() {
         return Some(format!(
             "no GEMV has rows wider than {SLICED_MAX_COLS} columns (narrower rows stream bf16 in slices)"
+        ));
+    }
+    if let Some(c) = streamed.iter().find(|c| !c.is_multiple_of(FP8_COLS_MULTIPLE)) {
+        return Some(format!(
+            "rows of {c} columns: the stream copies a stage's scales in 16-byte pieces, which needs a multiple of \
+             {FP8_COLS_MULTIPLE} columns"
         ));
     }
     None
@@ -262,6 +278,9 @@ mod tests {
     fn the_fp8_streams_constants_mirror_the_kernel() {
         let cu = crate::kernels::DEVICE_SOURCE;
         assert!(cu.contains(&format!("constexpr uint32_t FP8_SCALE_COLS = {FP8_SCALE_COLS};")));
+        assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOT_BYTES = STAGE_BYTES / FP8_SCALE_COLS * 4;"));
+        assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOTS_BYTES = STAGES * FP8_SCALE_SLOT_BYTES;"));
+        assert_eq!(FP8_SCALE_SLOTS_BYTES, crate::kernels::RING_BYTES as usize / FP8_SCALE_COLS * 4);
         assert!(cu.contains("__device__ inline bool streams_fp8(const Gemv& g) { return !in_slices(g.cols); }"));
         assert!(streams_fp8(SLICED_MAX_COLS + 16) && !streams_fp8(SLICED_MAX_COLS));
     }
@@ -350,7 +369,7 @@ mod tests {
     /// part's row naming the first's matrix, the step differs.
     #[test]
     fn the_fp8_decode_program_is_the_golden_step_over_the_loaders_weights() {
-        let cfg = Config { d: 2304, ffn: 4608, n_q: 18, n_kv: 2, hd: 128, layers: 2, ..Config::tiny() };
+        let cfg = Config { d: 2560, ffn: 5120, n_q: 20, n_kv: 2, hd: 128, layers: 2, ..Config::tiny() };
         let (layers, fp8) = fp8_layers(&cfg, [128, 128]);
         for (roles, parts, slots) in [
             (1, 1, vec![Slot::WQkv0, Slot::WO0, Slot::WGateUp, Slot::WDown0]),
@@ -376,7 +395,8 @@ mod tests {
         }
     }
 
-    /// Why a model streams bf16 instead: not fp8, q/k norms, streaming in place, no rows wide enough.
+    /// Why a model streams bf16 instead: not fp8, q/k norms, streaming in place, no rows wide enough,
+    /// rows whose scales a stage cannot copy whole.
     #[test]
     fn a_model_that_cannot_stream_fp8_says_why() {
         let narrow = Config { d: 960, ffn: 1536, n_q: 15, n_kv: 5, hd: 64, layers: 1, ..Config::tiny() };
@@ -386,5 +406,10 @@ mod tests {
         assert!(refusal(&narrow, plan, &fp8, true, false).unwrap().contains("q/k norms"));
         assert!(refusal(&narrow, plan, &fp8, false, true).unwrap().contains("in place"));
         assert!(refusal(&narrow, plan, &fp8, false, false).unwrap().contains("wider than 2048"));
+        // Rows of 2304 columns: 18 scales a row, a stage's not whole 16-byte pieces.
+        let odd = Config { d: 2304, ffn: 4608, n_q: 18, n_kv: 2, hd: 128, layers: 1, ..Config::tiny() };
+        let (_, fp8) = fp8_layers(&odd, [128, 128]);
+        let why = refusal(&odd, Plan::choose(&odd, 132), &fp8, false, false).unwrap();
+        assert!(why.contains("rows of 2304 columns") && why.contains("multiple of 512"), "{why}");
     }
 }

@@ -173,6 +173,9 @@ pub enum WeightStream {
 /// program (the bf16 program's rows and tables with the fp8 matrices in), and those matrices.
 struct Fp8Decode {
     func: CudaFunction,
+    /// The partials' rows: the bf16 program's less the room of the stages' scales
+    /// (`fp8_stream::FP8_SCALE_SLOTS_BYTES`), which the instance keeps at the end of the same shared memory.
+    red_rows: u32,
     program: Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>,
     /// Bytes a decode step streams less than the bf16 stream, over every layer.
     saved: u64,
@@ -212,11 +215,19 @@ impl Fp8Decode {
             tables.push(fp8_stream::table(*bf16_table, &placed));
             (saved, matrices) = (saved + m.saved, m.matrices.len());
         }
+        let scale_rows = (fp8_stream::FP8_SCALE_SLOTS_BYTES / (WARPS as usize * 4)) as u32;
+        let red_rows = stack.red_rows.saturating_sub(scale_rows);
+        if (red_rows as usize) < stack.lane_rows {
+            return Ok(Err(format!(
+                "a block's rows of a phase need {} rows of partials, which leave no room for the stream's scales",
+                stack.lane_rows
+            )));
+        }
         let rows = fp8_stream::decode_rows(layer, stack.layout, &stack.rows);
         let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
         let func = dev.function(&MODEL_FP8, fp8_kernel(has_narrow_rows(layer)))?;
         fit_one_block(&func, stack.smem, "the fp8 model kernel")?;
-        Ok(Ok(Fp8Decode { func, program, saved, matrices, _packed: packed }))
+        Ok(Ok(Fp8Decode { func, red_rows, program, saved, matrices, _packed: packed }))
     }
 }
 
@@ -681,14 +692,14 @@ impl GpuModel {
         let (cfg, phases, layers) = (b.launch_config(b.smem), b.phases(), b.layers());
         // A trace runs the bf16 program in its traced instance; a decode of an fp8 checkpoint, the fp8
         // instance and program where it has them.
-        let (func, program, stamps) = match (instance, &self.fp8) {
-            (Instance::Traced(f, t), _) => (f, &self.program, Some(t)),
-            (Instance::Timed(WeightStream::AsStored), Ok(fp8)) => (&fp8.func, &fp8.program, None),
-            (Instance::Timed(_), _) => (&b.func, &self.program, None),
+        let (func, program, red_rows, stamps) = match (instance, &self.fp8) {
+            (Instance::Traced(f, t), _) => (f, &self.program, b.red_rows, Some(t)),
+            (Instance::Timed(WeightStream::AsStored), Ok(fp8)) => (&fp8.func, &fp8.program, fp8.red_rows, None),
+            (Instance::Timed(_), _) => (&b.func, &self.program, b.red_rows, None),
         };
         let mut l = s.launch_builder(func);
         l.arg(&**program).arg(&args).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
-        l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&b.red_rows);
+        l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&red_rows);
         if let Some(t) = stamps {
             l.arg(t);
         }
@@ -697,7 +708,8 @@ impl GpuModel {
         // Program<MAX_STACK_LAYERS> by value, model: ModelArgs by value (its buffers allocated above:
         // logits (vocab), candidates (grid), tokens (max_seq + 1), done (2)), phases, layers, out (d),
         // hidden ((layers - 1) x d or null for one layer), d, step, phase_done (MAX_PHASES + 1),
-        // red_rows), and the traced instance a trace of (positions, grid, layers * phases + 1,
+        // red_rows: the stack's, or for the fp8 instance the fewer that leave the stages' scales their last
+        // FP8_SCALE_SLOTS_BYTES of the same smem), and the traced instance a trace of (positions, grid, layers * phases + 1,
         // TRACE_STAMPS) u64 for every position it may run (`trace`); pos0 < prompt_end <= max_seq and
         // max_new >= 1 (checked by the callers); the grid is co-resident (occupancy-sized; the
         // cooperative launch fails rather than run otherwise), smem as CompiledStack::build sized it with the
