@@ -21,7 +21,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_nor
 // The same three with every block stamping the global timer around each phase of every position
 // (`megakernel bench --trace`): for reading where a token's time goes, not for timing, as their machine
 // code is not the instances' above.
-#define MODEL_TRACE_PARAMS MODEL_PARAMS, uint64_t* __restrict__ trace /* (positions, gridDim.x, layers * phases + 1, TRACE_STAMPS) */
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_traced_bf16(MODEL_TRACE_PARAMS) { run_model<false, false, true>(MODEL_ARGS, trace); }
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_traced_bf16(MODEL_TRACE_PARAMS) { run_model<false, true, true>(MODEL_ARGS, trace); }
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_traced_bf16(MODEL_TRACE_PARAMS) { run_model<true, true, true>(MODEL_ARGS, trace); }

@@ -1,5 +1,5 @@
 // The model kernels' parameters (model.cu's instances, model_fp8.cu's), and their names as run_model's
-// arguments.
+// arguments; a traced instance's, with its stamps.
 #pragma once
 #include "../megakernel.cuh"
 
@@ -11,3 +11,4 @@
         unsigned* __restrict__ phase_done,           /* (PROGRAM_MAX_PHASES + 1) */                                         \
         uint32_t red_rows
 #define MODEL_ARGS program, model, phases, layers, out, hidden, d, step, phase_done, red_rows
+#define MODEL_TRACE_PARAMS MODEL_PARAMS, uint64_t* __restrict__ trace /* (positions, gridDim.x, layers * phases + 1, TRACE_STAMPS) */

@@ -21,7 +21,7 @@ use super::hf::{ModelConfig, ModelWeights};
 use super::quantized::Quantization;
 use super::request::{Lane, Limits, MAX_EOS, Stop};
 use super::together::generate_together;
-use crate::kernels::model::{MODEL, MODEL_FP8};
+use crate::kernels::model::{MODEL, MODEL_FP8, MODEL_FP8_TRACED};
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
 use crate::program;
 use crate::stack::{CompiledStack, ProgramParam, StackOptions, Target, fit_one_block, rows_beside};
@@ -153,9 +153,14 @@ fn model_kernel(qk_norm: bool, narrow: bool, traced: bool) -> &'static str {
 
 /// The model kernel's instance that streams an fp8 checkpoint's wide rows as codes
 /// (`kernels/megakernel/model/model_fp8.cu`): for layers with rows narrow enough for slices (`narrow`)
-/// or without.
-fn fp8_kernel(narrow: bool) -> &'static str {
-    if narrow { "megakernel_model_sliced_fp8" } else { "megakernel_model_fp8" }
+/// or without. `traced`: its twin (`model_fp8_traced.cu`).
+fn fp8_kernel(narrow: bool, traced: bool) -> &'static str {
+    match (traced, narrow) {
+        (false, true) => "megakernel_model_sliced_fp8",
+        (false, false) => "megakernel_model_fp8",
+        (true, true) => "megakernel_model_sliced_traced_fp8",
+        (true, false) => "megakernel_model_traced_fp8",
+    }
 }
 
 /// What a model's decode steps stream its quantised GEMVs as.
@@ -225,7 +230,7 @@ impl Fp8Decode {
         }
         let rows = fp8_stream::decode_rows(layer, stack.layout, &stack.rows);
         let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
-        let func = dev.function(&MODEL_FP8, fp8_kernel(has_narrow_rows(layer)))?;
+        let func = dev.function(&MODEL_FP8, fp8_kernel(has_narrow_rows(layer), false))?;
         fit_one_block(&func, stack.smem, "the fp8 model kernel")?;
         Ok(Ok(Fp8Decode { func, red_rows, program, saved, matrices, _packed: packed }))
     }
@@ -236,7 +241,8 @@ enum Instance<'a> {
     /// The timed one: the fp8 instance where the decode steps stream codes and the stream allows, else
     /// the bf16 one.
     Timed(WeightStream),
-    /// The traced twin (bf16), stamping into room for every position the launch may run, zeroed.
+    /// The traced twin (of the fp8 instance where the decode steps stream codes), stamping into room for
+    /// every position the launch may run, zeroed.
     Traced(&'a CudaFunction, &'a mut CudaSlice<u64>),
 }
 
@@ -412,7 +418,7 @@ impl GpuModel {
             Ok(f) => format!(
                 "{}: decode steps stream the rows wider than {} columns as e4m3 codes, a scale a row per {} columns \
                  ({} GEMV matrices a layer), the rest bf16; {:.2} GB a token at position 0 against bf16's {:.2}, \
-                 which a floor counts; batch steps and traces stream bf16",
+                 which a floor counts; batch steps stream bf16",
                 q.name(),
                 crate::kernels::SLICED_MAX_COLS,
                 fp8_stream::FP8_SCALE_COLS,
@@ -611,8 +617,13 @@ impl GpuModel {
     /// The traced instance's launch from `pos0`, the tokens from there `given` (checked by the caller).
     fn traced(&mut self, dev: &Device, pos0: usize, given: &[u32], max_new: usize) -> Result<Trace, GpuModelError> {
         let b = &self.stack;
-        // Loaded here, not with the stack: only a trace runs it.
-        let traced = dev.function(&MODEL, model_kernel(self.cfg.qk_norm, has_narrow_rows(&self.layer), true))?;
+        // Loaded here, not with the stack: only a trace runs it. The fp8 twin where the decode steps stream
+        // codes (launch runs it with the fp8 program).
+        let narrow = has_narrow_rows(&self.layer);
+        let traced = match &self.fp8 {
+            Ok(_) => dev.function(&MODEL_FP8_TRACED, fp8_kernel(narrow, true))?,
+            Err(_) => dev.function(&MODEL, model_kernel(self.cfg.qk_norm, narrow, true))?,
+        };
         fit_one_block(&traced, b.smem, "the traced model kernel")?;
         let (grid, layers, per_step) = (b.grid as usize, b.layers() as usize, (b.phases() * b.layers()) as usize + 1);
         let plan: Vec<_> = b.plan.iter().map(|p| p.op).collect();
@@ -690,10 +701,11 @@ impl GpuModel {
         let b = &mut self.stack;
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
         let (cfg, phases, layers) = (b.launch_config(b.smem), b.phases(), b.layers());
-        // A trace runs the bf16 program in its traced instance; a decode of an fp8 checkpoint, the fp8
-        // instance and program where it has them.
+        // A decode or a trace of an fp8 checkpoint runs the fp8 program, with the fp8 instances' fewer
+        // partials, where it has one (`traced` chose the fp8 twin then), unless the decode asks for bf16.
         let (func, program, red_rows, stamps) = match (instance, &self.fp8) {
-            (Instance::Traced(f, t), _) => (f, &self.program, b.red_rows, Some(t)),
+            (Instance::Traced(f, t), Ok(fp8)) => (f, &fp8.program, fp8.red_rows, Some(t)),
+            (Instance::Traced(f, t), Err(_)) => (f, &self.program, b.red_rows, Some(t)),
             (Instance::Timed(WeightStream::AsStored), Ok(fp8)) => (&fp8.func, &fp8.program, fp8.red_rows, None),
             (Instance::Timed(_), _) => (&b.func, &self.program, b.red_rows, None),
         };
@@ -703,8 +715,8 @@ impl GpuModel {
         if let Some(t) = stamps {
             l.arg(t);
         }
-        // SAFETY: megakernel_model_bf16 and its instances (the fp8 ones too, whose program names packed fp8
-        // matrices of the layout model_fp8.cu reads: fp8_stream) take (program:
+        // SAFETY: megakernel_model_bf16 and its instances (the fp8 ones and their traced twins too, whose program
+        // names packed fp8 matrices of the layout model_fp8.cu reads: fp8_stream) take (program:
         // Program<MAX_STACK_LAYERS> by value, model: ModelArgs by value (its buffers allocated above:
         // logits (vocab), candidates (grid), tokens (max_seq + 1), done (2)), phases, layers, out (d),
         // hidden ((layers - 1) x d or null for one layer), d, step, phase_done (MAX_PHASES + 1),
@@ -746,19 +758,25 @@ mod tests {
     }
 
     /// Every instance the model launches is an entry point of its file: model.cu's bf16 ones and their
-    /// traced twins, model_fp8.cu's fp8 ones.
+    /// traced twins, model_fp8.cu's fp8 ones and model_fp8_traced.cu's twins of those.
     #[test]
     fn the_model_kernels_named_are_entry_points() {
         let bf16 = include_str!("../../../kernels/megakernel/model/model.cu");
         let fp8 = include_str!("../../../kernels/megakernel/model/model_fp8.cu");
+        let fp8_traced = include_str!("../../../kernels/megakernel/model/model_fp8_traced.cu");
         for (qk_norm, narrow, traced) in (0..8).map(|i| (i & 1 == 1, i & 2 == 2, i & 4 == 4)) {
             let params = if traced { "MODEL_TRACE_PARAMS" } else { "MODEL_PARAMS" };
             let name = model_kernel(qk_norm, narrow, traced);
             assert!(bf16.contains(&format!(" {name}({params})")), "{name} is not a kernel of model.cu");
         }
         for narrow in [false, true] {
-            let name = fp8_kernel(narrow);
+            let name = fp8_kernel(narrow, false);
             assert!(fp8.contains(&format!(" {name}(MODEL_PARAMS)")), "{name} is not a kernel of model_fp8.cu");
+            let name = fp8_kernel(narrow, true);
+            assert!(
+                fp8_traced.contains(&format!(" {name}(MODEL_TRACE_PARAMS)")),
+                "{name} is not a kernel of model_fp8_traced.cu"
+            );
         }
     }
 
