@@ -87,7 +87,8 @@ enum Command {
         /// Then run the generation once more in the model kernel's traced instance (every block stamps
         /// the global timer around each phase) and print where a token's time goes: per kind of phase,
         /// its time on the critical path as the hand-off from the phase before, the median block's work
-        /// and what the blocks later than the median add.
+        /// and what the blocks later than the median add. An fp8 checkpoint whose decode steps stream
+        /// codes is traced streaming them (with --bf16-stream, streaming bf16).
         #[arg(long)]
         trace: bool,
     },
