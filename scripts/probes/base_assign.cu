@@ -15,10 +15,7 @@
 template <uint32_t B>
 struct Extra {};
 template <>
-struct Extra<8> {
-    const float* scales = nullptr;
-    uint32_t groups = 0;
-};
+struct Extra<8> { const float* scales = nullptr; uint32_t groups = 0; };
 
 // A stream of rows [r0, r0 + n) in stages of 16.
 template <uint32_t B>
