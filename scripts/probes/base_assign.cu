@@ -4,8 +4,9 @@
 // another (`static_cast<Base&>(sub) = *this`), comes out with every field undefined, and the compiler
 // deletes whatever reads them. Here `k8`'s loop over its stream's stages vanishes (no FMA in its PTX)
 // where `k16`, whose base is empty, keeps it; with the base's members assigned one by one, without
-// the initializers, or with the padding filled by a member, `k8` keeps it too. The kernels in
-// kernels/megakernel/ copy such members one by one (RowStream::rows). Needs no GPU, only the compiler:
+// the initializers, or with the padding filled by a member, `k8` keeps it too. No kernel of
+// kernels/megakernel/ assigns a base so; a stream that takes another's scales copies them one by one.
+// Needs no GPU, only the compiler:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -ptx -o base_assign.ptx scripts/probes/base_assign.cu &&
 //   for k in k16 k8; do echo "$k: $(awk "/entry $k/,/^}/" base_assign.ptx | grep -c fma.rn.f32) FMAs"; done
 // A compiler that compiles it right prints a nonzero count for both.
