@@ -261,6 +261,13 @@ struct RowStream : StreamScales<VEC_BYTES> {
         : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), slices(group ? row_slices(vecs_) : 1), stage_rows(SLICE_ROWS * slices),
           nstages((r1_ - r0_ + stage_rows - 1) >> (31 - __clz(stage_rows))), in_place(in_place_) {}
 
+    // Rows [c0, c1) of the same matrix as a group's stream (run_group), its scales too.
+    __device__ RowStream rows(uint32_t c0, uint32_t c1) const {
+        RowStream sub(w, vecs, c0, c1, in_place, true);
+        static_cast<StreamScales<VEC_BYTES>&>(sub) = *this;
+        return sub;
+    }
+
     __device__ const bf16* stage_src(uint32_t st) const { return w + (size_t)(r0 + st * stage_rows) * vecs * (VEC_BYTES / 2); }
     __device__ uint32_t stage_count(uint32_t st) const { return min(stage_rows, n - st * stage_rows); }
 
@@ -379,6 +386,19 @@ struct RowStream : StreamScales<VEC_BYTES> {
         __syncthreads();  // every warp's partials are in red before any thread adds them up
     }
 
+    // run_group's weights from e4m3 codes: slot row i's codes for 16-byte vector `vec` of x in stage st,
+    // made the loader's bf16 (fp8_weights8) with the scale of the row's FP8_SCALE_COLS columns, which
+    // run_group reads from the matrix in global memory (clamped to the stage's rows: a pass's rows past
+    // its count are never stored), not from the stage's scale slot that issue() fills: the batch step
+    // that read the slots was not its decode steps' bits, a fault not found (docs/perf.md, "The fp8
+    // branches and the tagged hops, run").
+    __device__ uint4 code_weights8(const uint4* slot, uint32_t st, uint32_t i, uint32_t vec) const {
+        static_assert(VEC_BYTES == 8, "e4m3 rows");
+        const uint32_t row = r0 + st * stage_rows + min(i, stage_count(st) - 1);
+        const float scale = __ldg(this->scales + (size_t)row * this->groups + vec / FP8_SCALE_VECS);
+        return fp8_weights8(reinterpret_cast<const uint2*>(slot)[i * vecs + vec], scale);
+    }
+
     // Several input vectors against the same rows, the weights read once for all of them, R =
     // ROWS_PER_SUM rows and G vectors per reduce_scatter (N = R G values). The block runs a stage's rows
     // in `slices` side by side (a group stream's, row_slices), slice s taking slot rows s, s + slices,
@@ -417,7 +437,8 @@ struct RowStream : StreamScales<VEC_BYTES> {
                     for (uint32_t v = 0; v < VPT; ++v) {
                         if (t + v * THREADS >= vecs) continue;
                         float w[VEC];
-                        widen8(slot[i * vecs + v * THREADS + t], w);
+                        if constexpr (VEC_BYTES == 8) widen8(code_weights8(slot, st, i, v * THREADS + t), w);
+                        else widen8(slot[i * vecs + v * THREADS + t], w);
 #pragma unroll
                         for (uint32_t p = 0; p < G; ++p) {
                             // dot8's products in dot8's order, the weight first.
@@ -481,13 +502,15 @@ constexpr uint32_t MAX_BATCH = 8;
 template <uint32_t VPT>
 __host__ __device__ constexpr uint32_t group_of() { return VPT >= MAX_BATCH ? 1 : MAX_BATCH / VPT; }
 
-// A group's inputs for RowStream<VPT>::run_group<G>, R its ROWS_PER_SUM, widened once: h[p] holds
+// A group's inputs for a RowStream<VPT>'s run_group<G>, R its ROWS_PER_SUM (an fp8 stream's stages hold
+// twice a bf16 stream's rows, so at five or more vectors a thread its R is 2 where bf16's is 1), widened
+// once: h[p] holds
 // vector p ^ (scatter_mask<R G>() % G) as thread t holds it (input(g, t), a Slice, for g < live; zero
 // past live). Each thread loads its own order of vectors from memory, so that every place of h is a
 // register the compiler names.
-template <uint32_t VPT, uint32_t G, typename In>
+template <uint32_t VPT, uint32_t G, uint32_t R = RowStream<VPT>::ROWS_PER_SUM, typename In>
 __device__ inline void group_inputs(float (&h)[G][VPT][VEC], uint32_t live, uint32_t t, In input) {
-    const uint32_t order = scatter_mask<RowStream<VPT>::ROWS_PER_SUM * G>() % G;
+    const uint32_t order = scatter_mask<R * G>() % G;
 #pragma unroll
     for (uint32_t p = 0; p < G; ++p) {
         const uint32_t g = p ^ order;
@@ -507,15 +530,15 @@ __device__ inline void zero_partials(const Partials& part) {
 // input(b, t) is lane b's input as thread t holds it (no block-wide step: each thread takes the lanes
 // in its own order), epilogue(b, part, c0, c1) ends lane b's rows [c0, c1) from their partials. The
 // first stream's first stages are in the ring unless `prime_first`.
-template <uint32_t VPT, uint32_t G, typename In, typename Out>
-__device__ void lanes_group(const RowStream<VPT>& all, uint32_t b0, uint32_t live, uint32_t chunk, bool prime_first, Ring& ring, Partials part, In input,
+template <uint32_t VPT, uint32_t G, uint32_t VEC_BYTES, typename In, typename Out>
+__device__ void lanes_group(const RowStream<VPT, VEC_BYTES>& all, uint32_t b0, uint32_t live, uint32_t chunk, bool prime_first, Ring& ring, Partials part, In input,
                             Out epilogue) {
     float h[G][VPT][VEC];
-    group_inputs<VPT, G>(h, live, column_thread(all.vecs * VEC), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
+    group_inputs<VPT, G, RowStream<VPT, VEC_BYTES>::ROWS_PER_SUM>(h, live, column_thread(all.vecs * VEC), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
     const uint32_t end = all.r0 + all.n;
     for (uint32_t c0 = all.r0; c0 < end; c0 += chunk) {
         const uint32_t c1 = min(c0 + chunk, end);
-        const RowStream<VPT> stream = group_stream<VPT>(all.w, all.vecs, c0, c1, all.in_place);
+        const RowStream<VPT, VEC_BYTES> stream = all.rows(c0, c1);
         // The ring is free: the stream before and its epilogues (Qwen3's uses the ring's memory) ended on
         // a __syncthreads.
         if (c0 != all.r0 || prime_first) stream.prime(ring);

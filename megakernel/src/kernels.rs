@@ -88,6 +88,7 @@ const MODEL_ALLOWANCES: &[::kernels::Spills] = &[
     ::kernels::Spills { function: "megakernel_model_fp8", bytes: 8, why: FP8_SPILLS },
     ::kernels::Spills { function: "megakernel_model_traced_fp8", bytes: 8, why: FP8_SPILLS },
     ::kernels::Spills { function: "megakernel_model_batch_bf16", bytes: 640, why: BATCH_SPILLS },
+    ::kernels::Spills { function: "megakernel_model_batch_fp8", bytes: 640, why: BATCH_SPILLS },
     ::kernels::Spills { function: "batch_phase", bytes: 3072, why: BATCH_SPILLS },
     ::kernels::Spills { function: "batch_head", bytes: 512, why: BATCH_SPILLS },
 ];

@@ -2,8 +2,8 @@
 //! (`kernels/megakernel/model/model_fp8.cu`): a decode step streams each GEMV whose rows are too wide
 //! for slices as its e4m3 codes and scales, half of bf16's bytes, and makes each weight the loader's
 //! bf16 in the stream (`quantized::fp8::weight`), so its outputs are the bf16 stream's over the loader's
-//! weights, bit for bit. Narrower rows, the LM head, the norms, the batch step and the traced
-//! instances stream bf16 as before.
+//! weights, bit for bit; the batch step streams the same codes (`model_fp8_batch.cu`), so its lanes stay
+//! the bits of their decode steps. Narrower rows, the LM head and the norms stream bf16 as before.
 //!
 //! A packed fp8 matrix is the bf16 packing's rows in the same order (`pack`), each `cols` codes, then
 //! every row's scales, one f32 for each `FP8_SCALE_COLS` columns (its source block's), in one allocation:
