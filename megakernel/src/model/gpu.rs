@@ -242,13 +242,13 @@ impl Fp8Decode {
         let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
         let func = dev.function(&MODEL_FP8, fp8_kernel(has_narrow_rows(layer), false))?;
         fit_one_block(&func, stack.smem, "the fp8 model kernel")?;
-        let batch = batch_kernel(
-            dev,
-            &MODEL_FP8_BATCH,
-            "megakernel_model_batch_fp8",
-            stack.lane_rows,
-            fp8_stream::FP8_SCALE_SLOTS_BYTES,
-        )?;
+        // Where its partials would not fit beside the scale slots, the model streams bf16 and says why.
+        let slots = fp8_stream::FP8_SCALE_SLOTS_BYTES;
+        let batch = match batch_kernel(dev, &MODEL_FP8_BATCH, "megakernel_model_batch_fp8", stack.lane_rows, slots) {
+            Ok(batch) => batch,
+            Err(SubmissionError::Unsupported(why)) => return Ok(Err(why)),
+            Err(e) => return Err(e.into()),
+        };
         Ok(Ok(Fp8Decode { func, red_rows, program, saved, matrices, batch, _packed: packed }))
     }
 }
