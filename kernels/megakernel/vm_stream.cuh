@@ -225,6 +225,9 @@ template <>
 struct StreamScales<8> {
     const float* scales = nullptr;
     uint32_t groups = 0;
+    // Whether issue() copies a stage's scales into its slot: a decode step's streams (run_fp8 reads
+    // them there); not a batch step's group streams (run_group reads them from global memory).
+    bool staged = true;
 };
 
 // The largest power of two at most v (1 for v < 2).
@@ -265,6 +268,7 @@ struct RowStream : StreamScales<VEC_BYTES> {
     __device__ RowStream rows(uint32_t c0, uint32_t c1) const {
         RowStream sub(w, vecs, c0, c1, in_place, true);
         static_cast<StreamScales<VEC_BYTES>&>(sub) = *this;
+        if constexpr (VEC_BYTES == 8) sub.staged = false;
         return sub;
     }
 
@@ -280,10 +284,12 @@ struct RowStream : StreamScales<VEC_BYTES> {
         if constexpr (VEC_BYTES == 8) {
             // The stage's rows' scales, consecutive after the codes as its rows are: one more copy on the
             // slot's barrier, counted with the codes', so that a stage lands with its scales.
-            const uint32_t scale_bytes = stage_count(st) * this->groups * 4;
+            const uint32_t scale_bytes = this->staged ? stage_count(st) * this->groups * 4 : 0;
             mbar_expect_tx(&ring.full[k % STAGES], stage_count(st) * vecs * VEC_BYTES + scale_bytes);
-            bulk_copy(fp8_scale_slots(ring) + (k % STAGES) * (FP8_SCALE_SLOT_BYTES / 4), this->scales + (size_t)(r0 + st * stage_rows) * this->groups, scale_bytes,
-                      &ring.full[k % STAGES], l2_evict_first());
+            if (this->staged) {
+                bulk_copy(fp8_scale_slots(ring) + (k % STAGES) * (FP8_SCALE_SLOT_BYTES / 4), this->scales + (size_t)(r0 + st * stage_rows) * this->groups, scale_bytes,
+                          &ring.full[k % STAGES], l2_evict_first());
+            }
             bulk_copy(slot, stage_src(st), stage_count(st) * vecs * VEC_BYTES, &ring.full[k % STAGES], l2_evict_first());
             return;
         }
