@@ -482,17 +482,15 @@ fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) ->
     // stream (the caches written again, bit for bit where the streams agree), every logit the same bits.
     if model.streams_codes() {
         model.reset(&dev)?;
-        let mut differ = Vec::new();
+        let mut differ = Differ::new();
         for (pos, &t) in tokens.iter().enumerate() {
-            if !same_bits(&model.decode_step_bf16(&dev, t, pos)?, &gpu_logits[pos]) {
-                differ.push(pos);
-            }
+            differ.compare(pos, &model.decode_step_bf16(&dev, t, pos)?, &gpu_logits[pos]);
         }
         verdict(
-            differ.is_empty(),
+            differ.none(),
             format!(
                 "decode steps streaming the fp8 codes: every position's logits the bits of the bf16 stream's{}",
-                if differ.is_empty() { String::new() } else { format!(" (not at positions {differ:?})") }
+                differ.describe("positions")
             ),
         );
     }
@@ -535,31 +533,29 @@ fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) ->
     );
     // The tokens again as a prompt in chunks of MAX_BATCH positions, a batch step each: every position's
     // logits the bits of its decode step above.
-    let mut differ = Vec::new();
+    let mut differ = Differ::new();
     for (c, chunk) in tokens.chunks(gpu::MAX_BATCH).enumerate() {
         model.decode_batch(&dev, &Lane::chunk(0, c * gpu::MAX_BATCH, chunk))?;
         for (i, logits) in model.batch_logits(&dev, chunk.len())?.iter().enumerate() {
             let pos = c * gpu::MAX_BATCH + i;
-            if !same_bits(logits, &gpu_logits[pos]) {
-                differ.push(pos);
-            }
+            differ.compare(pos, logits, &gpu_logits[pos]);
         }
     }
     verdict(
-        differ.is_empty(),
+        differ.none(),
         format!(
             "a prompt of {positions} tokens in chunks of {}: every position's logits the bits of its decode step{}",
             gpu::MAX_BATCH,
-            if differ.is_empty() { String::new() } else { format!(" (not at positions {differ:?})") }
+            differ.describe("positions")
         ),
     );
     let Batched { differ: bitwise, greedy, steps } = check_batched_decode(&dev, &mut model, seed, positions, batch)?;
     verdict(
-        bitwise.is_empty(),
+        bitwise.none(),
         format!(
             "{batch} sequences decoded together ({steps} steps of 1 to {batch} lanes, sequence b joining at step b): \
              every lane's logits the bits of its sequence's own decode steps{}",
-            if bitwise.is_empty() { String::new() } else { format!(" (not at (sequence, position) {bitwise:?})") }
+            bitwise.describe("(sequence, position)")
         ),
     );
     verdict(greedy, "every lane's greedy token of those steps the argmax of its logits".into());
@@ -571,10 +567,44 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
+/// Where logits meant to be the same bits as others are not: the places (positions, or (sequence,
+/// position) pairs), and the relative error of the farthest pair, so that a failure says whether the
+/// computations parted in their last bits or one of them is wrong.
+struct Differ<P> {
+    at: Vec<P>,
+    farthest: f64,
+}
+
+impl<P: std::fmt::Debug> Differ<P> {
+    fn new() -> Self {
+        Differ { at: Vec::new(), farthest: 0.0 }
+    }
+
+    /// Records `at` unless `got` is `want` bit for bit.
+    fn compare(&mut self, at: P, got: &[f32], want: &[f32]) {
+        if !same_bits(got, want) {
+            self.farthest = self.farthest.max(rel_err(got, want));
+            self.at.push(at);
+        }
+    }
+
+    fn none(&self) -> bool {
+        self.at.is_empty()
+    }
+
+    /// Nothing where every pair was the same bits; else the places (`what` names them) and the farthest.
+    fn describe(&self, what: &str) -> String {
+        if self.none() {
+            return String::new();
+        }
+        format!(" (not at {what} {:?}; the farthest {:.3e} apart, relative)", self.at, self.farthest)
+    }
+}
+
 /// What `check_batched_decode` found.
 struct Batched {
     /// The (sequence, position) pairs whose logits differ from the decode step's in any bit.
-    differ: Vec<(usize, usize)>,
+    differ: Differ<(usize, usize)>,
     /// Whether every lane's greedy token was its logits' argmax.
     greedy: bool,
     /// The batch steps run.
@@ -608,12 +638,10 @@ fn check_batched_decode(
             batched[lane.seq].push(logits);
         }
     }
-    let mut differ = Vec::new();
+    let mut differ = Differ::new();
     for (b, tokens) in seqs.iter().enumerate() {
         for (pos, &t) in tokens.iter().enumerate() {
-            if !same_bits(&model.decode_step(dev, t, pos)?, &batched[b][pos]) {
-                differ.push((b, pos));
-            }
+            differ.compare((b, pos), &batched[b][pos], &model.decode_step(dev, t, pos)?);
         }
     }
     Ok(Batched { differ, greedy, steps })
@@ -708,6 +736,33 @@ fn batch_gemv(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn differing_logits_are_placed_and_measured() {
+        let seed = clock_seed();
+        let logits: Vec<f32> = tokens_from(seed, 64, 1 << 16).iter().map(|&t| t as f32 / 4096.0 - 8.0).collect();
+        let mut d = Differ::new();
+        d.compare(0, &logits, &logits.clone());
+        assert!(d.none() && d.describe("positions").is_empty(), "seed {seed}");
+        // One logit a last bit away, then another logit far off: both differ in bits, the second far
+        // more.
+        let mut near = logits.clone();
+        near[3] = f32::from_bits(near[3].to_bits() ^ 1);
+        d.compare(1, &near, &logits);
+        let after_one = d.farthest;
+        assert!(after_one > 0.0 && after_one < 1e-6, "seed {seed}: {after_one}");
+        let mut wrong = logits.clone();
+        wrong[7] += 100.0;
+        d.compare(2, &wrong, &logits);
+        let text = d.describe("positions");
+        assert_eq!(d.at, [1, 2], "seed {seed}");
+        assert!(d.farthest > after_one && text.contains("not at positions [1, 2]"), "seed {seed}: {text}");
+        // A NaN counts as infinitely far.
+        let mut nan = logits.clone();
+        nan[0] = f32::NAN;
+        d.compare(3, &nan, &logits);
+        assert!(d.farthest.is_infinite(), "seed {seed}");
+    }
 
     #[test]
     fn bad_values_are_refused_before_any_work() {
