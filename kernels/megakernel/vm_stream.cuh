@@ -264,11 +264,18 @@ struct RowStream : StreamScales<VEC_BYTES> {
         : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), slices(group ? row_slices(vecs_) : 1), stage_rows(SLICE_ROWS * slices),
           nstages((r1_ - r0_ + stage_rows - 1) >> (31 - __clz(stage_rows))), in_place(in_place_) {}
 
-    // Rows [c0, c1) of the same matrix as a group's stream (run_group), its scales too.
+    // Rows [c0, c1) of the same matrix as a group's stream (run_group), its scales too, which run_group
+    // reads from global memory (no copies into the slots). The scales are copied member by member, not
+    // by assigning the base (static_cast<StreamScales<8>&>(sub) = *this): nvcc 13.0 makes every field of
+    // a stream so made undefined and drops its stages and products (docs/perf.md, "The fp8 batch
+    // step's fault, bisected").
     __device__ RowStream rows(uint32_t c0, uint32_t c1) const {
         RowStream sub(w, vecs, c0, c1, in_place, true);
-        static_cast<StreamScales<VEC_BYTES>&>(sub) = *this;
-        if constexpr (VEC_BYTES == 8) sub.staged = false;
+        if constexpr (VEC_BYTES == 8) {
+            sub.scales = this->scales;
+            sub.groups = this->groups;
+            sub.staged = false;
+        }
         return sub;
     }
 
@@ -393,11 +400,11 @@ struct RowStream : StreamScales<VEC_BYTES> {
     }
 
     // run_group's weights from e4m3 codes: slot row i's codes for 16-byte vector `vec` of x in stage st,
-    // made the loader's bf16 (fp8_weights8) with the scale of the row's FP8_SCALE_COLS columns, which
-    // run_group reads from the matrix in global memory (clamped to the stage's rows: a pass's rows past
-    // its count are never stored), not from the stage's scale slot that issue() fills: the batch step
-    // that read the slots was not its decode steps' bits, a fault not found (docs/perf.md, "The fp8
-    // branches and the tagged hops, run").
+    // made the loader's bf16 (fp8_weights8) with the scale of the row's FP8_SCALE_COLS columns, read
+    // from the matrix in global memory (clamped to the stage's rows: a pass's rows past its count are
+    // never stored), so that the batch step keeps no scale slots and its partials have all the room the
+    // ring leaves; a vector's weights serve every lane of its group, so their loads weigh less than in
+    // a decode step's run_fp8.
     __device__ uint4 code_weights8(const uint4* slot, uint32_t st, uint32_t i, uint32_t vec) const {
         static_assert(VEC_BYTES == 8, "e4m3 rows");
         const uint32_t row = r0 + st * stage_rows + min(i, stage_count(st) - 1);
