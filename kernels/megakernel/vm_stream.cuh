@@ -225,9 +225,6 @@ template <>
 struct StreamScales<8> {
     const float* scales = nullptr;
     uint32_t groups = 0;
-    // Whether issue() copies a stage's scales into its slot: a decode step's streams (run_fp8 reads
-    // them there); not a batch step's group streams (run_group reads them from global memory).
-    bool staged = true;
 };
 
 // The largest power of two at most v (1 for v < 2).
@@ -264,17 +261,15 @@ struct RowStream : StreamScales<VEC_BYTES> {
         : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), slices(group ? row_slices(vecs_) : 1), stage_rows(SLICE_ROWS * slices),
           nstages((r1_ - r0_ + stage_rows - 1) >> (31 - __clz(stage_rows))), in_place(in_place_) {}
 
-    // Rows [c0, c1) of the same matrix as a group's stream (run_group), its scales too, which run_group
-    // reads from global memory (no copies into the slots). The scales are copied member by member, not
-    // by assigning the base (static_cast<StreamScales<8>&>(sub) = *this): nvcc 13.0 makes every field of
-    // a stream so made undefined and drops its stages and products (docs/perf.md, "The fp8 batch
-    // step's fault, bisected").
+    // Rows [c0, c1) of the same matrix as a group's stream (run_group), its scales too. They are copied
+    // member by member, not by assigning the base (static_cast<StreamScales<8>&>(sub) = *this): nvcc 13.0
+    // makes every field of a stream so made undefined and drops its stages and products (docs/perf.md,
+    // "The fp8 batch step's fault, bisected").
     __device__ RowStream rows(uint32_t c0, uint32_t c1) const {
         RowStream sub(w, vecs, c0, c1, in_place, true);
         if constexpr (VEC_BYTES == 8) {
             sub.scales = this->scales;
             sub.groups = this->groups;
-            sub.staged = false;
         }
         return sub;
     }
@@ -291,12 +286,10 @@ struct RowStream : StreamScales<VEC_BYTES> {
         if constexpr (VEC_BYTES == 8) {
             // The stage's rows' scales, consecutive after the codes as its rows are: one more copy on the
             // slot's barrier, counted with the codes', so that a stage lands with its scales.
-            const uint32_t scale_bytes = this->staged ? stage_count(st) * this->groups * 4 : 0;
+            const uint32_t scale_bytes = stage_count(st) * this->groups * 4;
             mbar_expect_tx(&ring.full[k % STAGES], stage_count(st) * vecs * VEC_BYTES + scale_bytes);
-            if (this->staged) {
-                bulk_copy(fp8_scale_slots(ring) + (k % STAGES) * (FP8_SCALE_SLOT_BYTES / 4), this->scales + (size_t)(r0 + st * stage_rows) * this->groups, scale_bytes,
-                          &ring.full[k % STAGES], l2_evict_first());
-            }
+            bulk_copy(fp8_scale_slots(ring) + (k % STAGES) * (FP8_SCALE_SLOT_BYTES / 4), this->scales + (size_t)(r0 + st * stage_rows) * this->groups, scale_bytes,
+                      &ring.full[k % STAGES], l2_evict_first());
             bulk_copy(slot, stage_src(st), stage_count(st) * vecs * VEC_BYTES, &ring.full[k % STAGES], l2_evict_first());
             return;
         }
@@ -400,15 +393,13 @@ struct RowStream : StreamScales<VEC_BYTES> {
     }
 
     // run_group's weights from e4m3 codes: slot row i's codes for 16-byte vector `vec` of x in stage st,
-    // made the loader's bf16 (fp8_weights8) with the scale of the row's FP8_SCALE_COLS columns, read
-    // from the matrix in global memory (clamped to the stage's rows: a pass's rows past its count are
-    // never stored), so that the batch step keeps no scale slots and its partials have all the room the
-    // ring leaves; a vector's weights serve every lane of its group, so their loads weigh less than in
-    // a decode step's run_fp8.
-    __device__ uint4 code_weights8(const uint4* slot, uint32_t st, uint32_t i, uint32_t vec) const {
+    // made the loader's bf16 (fp8_weights8) with the scale of the row's FP8_SCALE_COLS columns from the
+    // stage's scale slot, as run_fp8 reads it (rows past the stage's count at its last row: their sums
+    // are never stored).
+    __device__ uint4 code_weights8(const Ring& ring, const uint4* slot, uint32_t st, uint32_t i, uint32_t vec) const {
         static_assert(VEC_BYTES == 8, "e4m3 rows");
-        const uint32_t row = r0 + st * stage_rows + min(i, stage_count(st) - 1);
-        const float scale = __ldg(this->scales + (size_t)row * this->groups + vec / FP8_SCALE_VECS);
+        const float* stage_scales = fp8_scale_slots(ring) + (ring.seq + st) % STAGES * (FP8_SCALE_SLOT_BYTES / 4);
+        const float scale = stage_scales[min(i, stage_count(st) - 1) * this->groups + vec / FP8_SCALE_VECS];
         return fp8_weights8(reinterpret_cast<const uint2*>(slot)[i * vecs + vec], scale);
     }
 
@@ -450,7 +441,7 @@ struct RowStream : StreamScales<VEC_BYTES> {
                     for (uint32_t v = 0; v < VPT; ++v) {
                         if (t + v * THREADS >= vecs) continue;
                         float w[VEC];
-                        if constexpr (VEC_BYTES == 8) widen8(code_weights8(slot, st, i, v * THREADS + t), w);
+                        if constexpr (VEC_BYTES == 8) widen8(code_weights8(ring, slot, st, i, v * THREADS + t), w);
                         else widen8(slot[i * vecs + v * THREADS + t], w);
 #pragma unroll
                         for (uint32_t p = 0; p < G; ++p) {

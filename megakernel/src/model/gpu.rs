@@ -113,26 +113,33 @@ pub fn batch_refusal(lanes: &[Lane], sequences: usize, context: usize, vocab: us
 }
 
 /// The batch step's kernel (`megakernel_model_batch_bf16`, or `megakernel_model_batch_fp8` beside an
-/// fp8 decode, which reads its scales from global memory and keeps no slots): its row partials take all
-/// the shared memory the ring leaves, so that a group of lanes fits as many rows as it can.
+/// fp8 decode): its row partials take all the shared memory the ring (and an fp8 stream's scale slots)
+/// leaves, so that a group of lanes fits as many rows as it can.
 struct BatchKernel {
     func: CudaFunction,
     smem: u32,
     red_rows: u32,
 }
 
-/// The batch step's kernel `name` of `file`, its partials all the room the ring leaves (at least the
-/// `red_rows` a block of any layer phase needs for one lane).
-fn batch_kernel(dev: &Device, file: &Kernel, name: &str, red_rows: usize) -> Result<BatchKernel, SubmissionError> {
+/// The batch step's kernel `name` of `file`, its partials all the room the ring and `slots` bytes at the
+/// end of its shared memory (an fp8 stream's scale slots, or none) leave (at least the `red_rows` a
+/// block of any layer phase needs for one lane).
+fn batch_kernel(
+    dev: &Device,
+    file: &Kernel,
+    name: &str,
+    red_rows: usize,
+    slots: usize,
+) -> Result<BatchKernel, SubmissionError> {
     let func = dev.function(file, name)?;
     let static_bytes = func.shared_size_bytes().context("reading the batch step's static shared memory")?;
-    let rows = rows_beside(dev, static_bytes.max(0) as usize);
+    let rows = rows_beside(dev, static_bytes.max(0) as usize + slots);
     if rows < red_rows {
         return Err(SubmissionError::Unsupported(format!(
             "the batch step's partials hold {rows} rows beside its ring; a phase's block needs {red_rows}"
         )));
     }
-    let smem = RING_BYTES + rows as u32 * WARPS * 4;
+    let smem = RING_BYTES + rows as u32 * WARPS * 4 + slots as u32;
     fit_one_block(&func, smem, "the batch step")?;
     Ok(BatchKernel { func, smem, red_rows: rows as u32 })
 }
@@ -235,8 +242,13 @@ impl Fp8Decode {
         let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
         let func = dev.function(&MODEL_FP8, fp8_kernel(has_narrow_rows(layer), false))?;
         fit_one_block(&func, stack.smem, "the fp8 model kernel")?;
-        // Its partials are the bf16 batch step's, which the model has already fitted.
-        let batch = batch_kernel(dev, &MODEL_FP8_BATCH, "megakernel_model_batch_fp8", stack.lane_rows)?;
+        // Where its partials would not fit beside the scale slots, the model streams bf16 and says why.
+        let slots = fp8_stream::FP8_SCALE_SLOTS_BYTES;
+        let batch = match batch_kernel(dev, &MODEL_FP8_BATCH, "megakernel_model_batch_fp8", stack.lane_rows, slots) {
+            Ok(batch) => batch,
+            Err(SubmissionError::Unsupported(why)) => return Ok(Err(why)),
+            Err(e) => return Err(e.into()),
+        };
         Ok(Ok(Fp8Decode { func, red_rows, program, saved, matrices, batch, _packed: packed }))
     }
 }
@@ -371,7 +383,7 @@ impl GpuModel {
         // The model kernel always reads the layers' tables.
         let program =
             ProgramParam::new(&stack.rows, &stack.tables).expect("rows and tables within the parameter block");
-        let batch = batch_kernel(dev, &MODEL, "megakernel_model_batch_bf16", stack.lane_rows)?;
+        let batch = batch_kernel(dev, &MODEL, "megakernel_model_batch_bf16", stack.lane_rows, 0)?;
         let fp8 = match stream {
             WeightStream::AsStored => Fp8Decode::build(dev, cfg, &layer, &stack, &weights.fp8, progress)?,
             WeightStream::Bf16 => Err("bf16 asked for".into()),
