@@ -177,8 +177,8 @@ pub enum WeightStream {
     /// As the checkpoint stores them where the kernel can (an fp8 checkpoint's wide rows as codes,
     /// `fp8_stream`), else bf16.
     AsStored,
-    /// bf16 throughout (an fp8 checkpoint's weights as the loader dequantised them): the same outputs,
-    /// bit for bit, for comparing the two streams.
+    /// bf16 throughout (an fp8 checkpoint's weights as the loader dequantised them), for comparing the
+    /// two streams: outputs that part from the codes' fused products by the weights' rounding to bf16.
     Bf16,
 }
 
@@ -469,8 +469,9 @@ impl GpuModel {
         self.fp8.is_ok()
     }
 
-    /// `decode_step` through the bf16 stream, where the decode steps stream codes: the same logits, bit
-    /// for bit (`megakernel check` holds them to it).
+    /// `decode_step` through the bf16 stream of the loader's weights, where the decode steps stream
+    /// codes: logits that part from theirs by the weights' rounding to bf16 alone (`megakernel check`
+    /// bounds it).
     pub fn decode_step_bf16(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Vec<f32>, GpuModelError> {
         self.limits().step(token, pos)?;
         self.launch(dev, pos, &[token], 1, &[], Instance::Timed(WeightStream::Bf16))?;
