@@ -72,9 +72,18 @@ __device__ inline Stream with_scales(Stream stream, const Gemv& g) {
     return stream;
 }
 
+// The end of a batch step's first stream over a block's rows [r0, r1) of VPT vectors a thread, in
+// units of `unit` rows, of `lanes` lanes with partials of `part_rows` rows: lanes_gemv's first group's
+// first chunk.
+template <uint32_t VPT>
+__device__ inline uint32_t first_chunk_end(uint32_t r0, uint32_t r1, uint32_t unit, uint32_t lanes, uint32_t part_rows) {
+    const uint32_t live = max(1u, min(lanes_per_group(group_of<VPT>(), unit, part_rows), lanes));
+    return min(r1, r0 + chunk_rows(live, unit, part_rows));
+}
+
 // For a batch step of `lanes` lanes (0: a decode step) with partials of `part_rows` rows, the first
 // stream is its first group's first chunk (lanes_gemv); a decode step's is the block's rows. FP8: as
-// streams_fp8 (a decode step's only).
+// streams_fp8.
 template <bool SLICED = false, bool FP8 = false>
 __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_norms, uint32_t lanes = 0, uint32_t part_rows = 0) {
     Gemv g;
@@ -85,7 +94,13 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
     // Packed (the loader packs every fp8 matrix): no row source to read.
     if constexpr (FP8) {
-        if (streams_fp8(g)) return with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { with_scales(stream, g).prime(ring); });
+        if (streams_fp8(g)) {
+            return with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) {
+                const auto all = with_scales(stream, g);
+                if (lanes == 0) return all.prime(ring);
+                all.rows(r0, first_chunk_end<decltype(stream)::VECS_PER_THREAD>(r0, r1, unit, lanes, part_rows)).prime(ring);
+            });
+        }
     }
     with_stream(g.w, g.cols, r0, r1, g.in_place, [&](auto stream) {
         using Stream = decltype(stream);
@@ -94,8 +109,7 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
         if (lanes == 0 && SLICED && unit == 2 && row_slices(stream.vecs) > 1) return prime_solo(group_stream<1>(g.w, stream.vecs, r0, r1, g.in_place), ring);
         if (lanes == 0 && (unit == 2 || !in_slices(g.cols))) return stream.prime(ring);
         if (lanes == 0) return group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, r1, g.in_place).prime(ring);
-        const uint32_t live = max(1u, min(lanes_per_group(group_of<Stream::VECS_PER_THREAD>(), unit, part_rows), lanes));
-        group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, min(r1, r0 + chunk_rows(live, unit, part_rows)), g.in_place).prime(ring);
+        group_stream<Stream::VECS_PER_THREAD>(g.w, stream.vecs, r0, first_chunk_end<Stream::VECS_PER_THREAD>(r0, r1, unit, lanes, part_rows), g.in_place).prime(ring);
     });
 }
 

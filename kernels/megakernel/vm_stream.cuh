@@ -121,20 +121,6 @@ __device__ inline void widen8(uint4 a, float (&f)[VEC]) {
     }
 }
 
-// dot8 with the second vector already widened (widen8): the same products in the same order, so the
-// same bits. Each pair of a's bf16 is widened by a shift and a mask, a bf16's f32 being its bits above
-// 16 zeros (__bfloat1622float2 took four instructions a pair where it followed a conversion that made
-// the pair).
-__device__ inline float dot8f(uint4 a, const float (&x)[VEC], float acc) {
-    const uint32_t pairs[VEC / 2] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (uint32_t j = 0; j < VEC / 2; ++j) {
-        acc = fmaf(__uint_as_float(pairs[j] << 16), x[2 * j], acc);
-        acc = fmaf(__uint_as_float(pairs[j] & 0xFFFF0000u), x[2 * j + 1], acc);
-    }
-    return acc;
-}
-
 // The warp's sums of N values per lane (N a power of two up to WARP), each summed as warp_reduce sums
 // one value: the same pairs at offsets 16, 8, ..., 1, so the same bits, in fewer shuffles than N
 // butterflies. Lane l holds value k at v[k ^ scatter_mask<N>()]: at each of the first log2(N) offsets
@@ -184,23 +170,29 @@ __device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x & (
 constexpr uint32_t FP8_SCALE_COLS = 128;
 constexpr uint32_t FP8_SCALE_VECS = FP8_SCALE_COLS / VEC;
 
-// Two e4m3 codes (the first in the low byte) as the loader's weights (quantized/fp8.rs): each value
-// exact in f16 by one conversion, widened, times the scale in f32 and rounded once to bf16.
-__device__ inline bf162 fp8_weights2(uint32_t pair, float scale) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)pair, __NV_E4M3);
-    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    return __floats2bfloat162_rn(__fmul_rn(v.x, scale), __fmul_rn(v.y, scale));
+// Eight e4m3 codes (the first in the low byte) as their values in f32, in order: each pair made f16x2
+// by one conversion, exact (every e4m3 value is an f16), and widened.
+__device__ inline void fp8_values8(uint2 codes, float (&f)[VEC]) {
+    const uint32_t pairs[VEC / 2] = {codes.x & 0xFFFF, codes.x >> 16, codes.y & 0xFFFF, codes.y >> 16};
+#pragma unroll
+    for (uint32_t j = 0; j < VEC / 2; ++j) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)pairs[j], __NV_E4M3);
+        const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
+        f[2 * j] = v.x;
+        f[2 * j + 1] = v.y;
+    }
 }
 
-// Eight e4m3 codes as a 16-byte vector of the loader's bf16 weights, in order.
-__device__ inline uint4 fp8_weights8(uint2 codes, float scale) {
-    uint4 w;
-    bf162* h = reinterpret_cast<bf162*>(&w);
-    h[0] = fp8_weights2(codes.x & 0xFFFF, scale);
-    h[1] = fp8_weights2(codes.x >> 16, scale);
-    h[2] = fp8_weights2(codes.y & 0xFFFF, scale);
-    h[3] = fp8_weights2(codes.y >> 16, scale);
-    return w;
+// The fused fp8 product of one vector (fp8_values8's c) with x's 8 values, added to acc: the products
+// summed from zero in order, then times the scale of the vector's FP8_SCALE_COLS columns. No weight is
+// rounded to bf16 (the loader's form took about 5 instructions a weight, this one about 3.5); a decode
+// step's run_fp8 and a batch step's run_group both take it, so each lane of a batch step is its decode
+// step's bits.
+__device__ inline float fp8_fused8(const float (&c)[VEC], float scale, const float (&x)[VEC], float acc) {
+    float d = 0.0f;
+#pragma unroll
+    for (uint32_t e = 0; e < VEC; ++e) d = fmaf(c[e], x[e], d);
+    return fmaf(d, scale, acc);
 }
 
 // A stage's scales in shared memory (run_fp8): one slot per ring slot, filled by a second bulk copy on
@@ -247,6 +239,9 @@ struct RowStream : StreamScales<VEC_BYTES> {
     // As many rows a slice as a stage holds, rounded down to a power of two (bf16's are already).
     static constexpr uint32_t SLICE_ROWS = floor_pow2(STAGE_BYTES / VEC_BYTES / (THREADS * VPT));
     static_assert(SLICE_ROWS * THREADS * VPT * VEC_BYTES <= STAGE_BYTES, "a row must fit a ring stage");
+    // Rows run_rows sums side by side: a slice's, but half of an fp8 stage's, whose fused products hold
+    // a partial a vector beside each row's sum (all of them at once spilled 332 bytes).
+    static constexpr uint32_t PASS_ROWS = VEC_BYTES == 8 && SLICE_ROWS > 1 ? SLICE_ROWS / 2 : SLICE_ROWS;
     // Rows per reduce_scatter in run_group: two where a slice's rows pair up.
     static constexpr uint32_t ROWS_PER_SUM = SLICE_ROWS % 2 == 0 ? 2 : 1;
     // So that a stage's rows (SLICE_ROWS times the slices) are a power of two: nstages is a shift.
@@ -260,6 +255,19 @@ struct RowStream : StreamScales<VEC_BYTES> {
     __device__ RowStream(const bf16* w_, uint32_t vecs_, uint32_t r0_, uint32_t r1_, bool in_place_, bool group = false)
         : w(w_), vecs(vecs_), r0(r0_), n(r1_ - r0_), slices(group ? row_slices(vecs_) : 1), stage_rows(SLICE_ROWS * slices),
           nstages((r1_ - r0_ + stage_rows - 1) >> (31 - __clz(stage_rows))), in_place(in_place_) {}
+
+    // Rows [c0, c1) of the same matrix as a group's stream (run_group), its scales too. They are copied
+    // member by member, not by assigning the base (static_cast<StreamScales<8>&>(sub) = *this): nvcc 13.0
+    // makes every field of a stream so made undefined and drops its stages and products (docs/perf.md,
+    // "The fp8 batch step's fault, bisected").
+    __device__ RowStream rows(uint32_t c0, uint32_t c1) const {
+        RowStream sub(w, vecs, c0, c1, in_place, true);
+        if constexpr (VEC_BYTES == 8) {
+            sub.scales = this->scales;
+            sub.groups = this->groups;
+        }
+        return sub;
+    }
 
     __device__ const bf16* stage_src(uint32_t st) const { return w + (size_t)(r0 + st * stage_rows) * vecs * (VEC_BYTES / 2); }
     __device__ uint32_t stage_count(uint32_t st) const { return min(stage_rows, n - st * stage_rows); }
@@ -321,16 +329,15 @@ struct RowStream : StreamScales<VEC_BYTES> {
         });
     }
 
-    // run() for rows of e4m3 codes: each weight made the loader's bf16 (fp8_weights8) with the scale of
-    // its row's FP8_SCALE_COLS columns, from the stage's scale slot (issue copied them there with the
-    // codes), then dotted as run() dots bf16 weights: every sum is run()'s over the loader's weights,
-    // bit for bit. A stage's rows past its count are stale slot memory whose sums are never stored;
-    // their scales are read at its last row, within what the stage's copy wrote. The
-    // slice is widened to f32 once, not once a row as dot8 widens it: a weight's arithmetic is about 5
-    // instructions (the conversions, the scale, the rounding, the product), against which x's widening
-    // was one more. No branch around a row's products: every thread has each of its vectors but perhaps
-    // the last, and for that one a thread past the row computes on the row's last vector and keeps acc,
-    // so that the rows' loads and arithmetic interleave as in the probe's unguarded loop.
+    // run() for rows of e4m3 codes: each vector of a row's codes dotted with x in the fused form
+    // (fp8_fused8), its scale that of its FP8_SCALE_COLS columns from the stage's scale slot (issue
+    // copied them there with the codes); the threads' partials, their butterflies and the warps' order
+    // are run()'s. A stage's rows past its count are stale slot memory whose sums are never stored;
+    // their scales are read at its last row, within what the stage's copy wrote. The slice is widened
+    // to f32 once, not once a row. No branch around a row's products: every thread has each of its
+    // vectors but perhaps the last, and for that one a thread past the row computes on the row's last
+    // vector and keeps acc, so that the rows' loads and arithmetic interleave as in the probe's
+    // unguarded loop.
     __device__ void run_fp8(const Slice& s, Ring& ring, Partials part) const {
         static_assert(VEC_BYTES == 8, "e4m3 rows");
         float x[VPT][VEC];
@@ -341,7 +348,9 @@ struct RowStream : StreamScales<VEC_BYTES> {
             const uint32_t vec = v * THREADS + threadIdx.x, at = min(vec, vecs - 1);
             const float* stage_scales = slots + (ring.seq + st) % STAGES * (FP8_SCALE_SLOT_BYTES / 4);
             const float scale = stage_scales[min(i, stage_count(st) - 1) * this->groups + at / FP8_SCALE_VECS];
-            const float sum = dot8f(fp8_weights8(reinterpret_cast<const uint2*>(slot)[i * vecs + at], scale), x[v], acc);
+            float c[VEC];
+            fp8_values8(reinterpret_cast<const uint2*>(slot)[i * vecs + at], c);
+            const float sum = fp8_fused8(c, scale, x[v], acc);
             return v + 1 < VPT || vec < vecs ? sum : acc;
         });
     }
@@ -356,27 +365,40 @@ struct RowStream : StreamScales<VEC_BYTES> {
         if (n > part.rows || slices != 1) __trap();
         for (uint32_t st = 0; st < nstages; ++st) {
             const uint4* slot = next_stage(ring, st);
-            float acc[SLICE_ROWS];
 #pragma unroll
-            for (uint32_t i = 0; i < SLICE_ROWS; ++i) {
-                acc[i] = 0.0f;
+            for (uint32_t i0 = 0; i0 < SLICE_ROWS; i0 += PASS_ROWS) {
+                float acc[PASS_ROWS];
 #pragma unroll
-                for (uint32_t v = 0; v < VPT; ++v) acc[i] = dot(slot, st, i, v, acc[i]);
-            }
-            // Independent butterflies, one per row, so their shuffles overlap.
+                for (uint32_t i = 0; i < PASS_ROWS; ++i) {
+                    acc[i] = 0.0f;
 #pragma unroll
-            for (uint32_t i = 0; i < SLICE_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
-            if (lane == 0) {
-                const uint32_t count = stage_count(st), pairs = stage_pairs(count);
+                    for (uint32_t v = 0; v < VPT; ++v) acc[i] = dot(slot, st, i0 + i, v, acc[i]);
+                }
+                // Independent butterflies, one per row, so their shuffles overlap.
 #pragma unroll
-                for (uint32_t i = 0; i < SLICE_ROWS; ++i) {
-                    const uint32_t r = slot_row(i, pairs);
-                    if (i < count) part.red[(st * SLICE_ROWS + r) * WARPS + warp] = acc[i];
+                for (uint32_t i = 0; i < PASS_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
+                if (lane == 0) {
+                    const uint32_t count = stage_count(st), pairs = stage_pairs(count);
+#pragma unroll
+                    for (uint32_t i = 0; i < PASS_ROWS; ++i) {
+                        const uint32_t r = slot_row(i0 + i, pairs);
+                        if (i0 + i < count) part.red[(st * SLICE_ROWS + r) * WARPS + warp] = acc[i];
+                    }
                 }
             }
         }
         ring.seq += nstages;
         __syncthreads();  // every warp's partials are in red before any thread adds them up
+    }
+
+    // run_group's codes: slot row i's for 16-byte vector `vec` of x in stage st as their values (into
+    // c), and returns their scale, from the stage's scale slot as run_fp8 reads it (rows past the
+    // stage's count at its last row: their sums are never stored).
+    __device__ float code_values8(const Ring& ring, const uint4* slot, uint32_t st, uint32_t i, uint32_t vec, float (&c)[VEC]) const {
+        static_assert(VEC_BYTES == 8, "e4m3 rows");
+        fp8_values8(reinterpret_cast<const uint2*>(slot)[i * vecs + vec], c);
+        const float* stage_scales = fp8_scale_slots(ring) + (ring.seq + st) % STAGES * (FP8_SCALE_SLOT_BYTES / 4);
+        return stage_scales[min(i, stage_count(st) - 1) * this->groups + vec / FP8_SCALE_VECS];
     }
 
     // Several input vectors against the same rows, the weights read once for all of them, R =
@@ -388,8 +410,9 @@ struct RowStream : StreamScales<VEC_BYTES> {
     // (scatter_mask<N>() / G), so that value rp G + p is reduce_scatter's. red[(g n + r - r0)][warp]
     // = warp `warp` of run()'s partial of row r with vector g < live; the warps run() has without
     // columns are the caller's to zero (their +0.0 partials). Each vector's products, their order per
-    // thread (dot8's), its butterfly and row_sum's warp order are run()'s, so each vector's sums are
-    // bitwise those of run() alone, whatever the other vectors are. Needs prime(); advances ring.seq.
+    // thread (dot8's; for codes, fp8_fused8's), its butterfly and row_sum's warp order are run()'s (or
+    // run_fp8's), so each vector's sums are bitwise those of run() (run_fp8) alone, whatever the other
+    // vectors are. Needs prime(); advances ring.seq.
     template <uint32_t G>
     __device__ void run_group(const float (&h)[G][VPT][VEC], uint32_t live, Ring& ring, Partials part) const {
         constexpr uint32_t R = ROWS_PER_SUM, N = R * G;
@@ -417,6 +440,13 @@ struct RowStream : StreamScales<VEC_BYTES> {
                     for (uint32_t v = 0; v < VPT; ++v) {
                         if (t + v * THREADS >= vecs) continue;
                         float w[VEC];
+                        if constexpr (VEC_BYTES == 8) {
+                            // The codes' values once for the group; each vector's fused product as run_fp8's.
+                            const float scale = code_values8(ring, slot, st, i, v * THREADS + t, w);
+#pragma unroll
+                            for (uint32_t p = 0; p < G; ++p) acc[rp * G + p] = fp8_fused8(w, scale, h[p][v], acc[rp * G + p]);
+                            continue;
+                        }
                         widen8(slot[i * vecs + v * THREADS + t], w);
 #pragma unroll
                         for (uint32_t p = 0; p < G; ++p) {
@@ -481,13 +511,15 @@ constexpr uint32_t MAX_BATCH = 8;
 template <uint32_t VPT>
 __host__ __device__ constexpr uint32_t group_of() { return VPT >= MAX_BATCH ? 1 : MAX_BATCH / VPT; }
 
-// A group's inputs for RowStream<VPT>::run_group<G>, R its ROWS_PER_SUM, widened once: h[p] holds
+// A group's inputs for a RowStream<VPT>'s run_group<G>, R its ROWS_PER_SUM (an fp8 stream's stages hold
+// twice a bf16 stream's rows, so at five or more vectors a thread its R is 2 where bf16's is 1), widened
+// once: h[p] holds
 // vector p ^ (scatter_mask<R G>() % G) as thread t holds it (input(g, t), a Slice, for g < live; zero
 // past live). Each thread loads its own order of vectors from memory, so that every place of h is a
 // register the compiler names.
-template <uint32_t VPT, uint32_t G, typename In>
+template <uint32_t VPT, uint32_t G, uint32_t R = RowStream<VPT>::ROWS_PER_SUM, typename In>
 __device__ inline void group_inputs(float (&h)[G][VPT][VEC], uint32_t live, uint32_t t, In input) {
-    const uint32_t order = scatter_mask<RowStream<VPT>::ROWS_PER_SUM * G>() % G;
+    const uint32_t order = scatter_mask<R * G>() % G;
 #pragma unroll
     for (uint32_t p = 0; p < G; ++p) {
         const uint32_t g = p ^ order;
@@ -507,15 +539,15 @@ __device__ inline void zero_partials(const Partials& part) {
 // input(b, t) is lane b's input as thread t holds it (no block-wide step: each thread takes the lanes
 // in its own order), epilogue(b, part, c0, c1) ends lane b's rows [c0, c1) from their partials. The
 // first stream's first stages are in the ring unless `prime_first`.
-template <uint32_t VPT, uint32_t G, typename In, typename Out>
-__device__ void lanes_group(const RowStream<VPT>& all, uint32_t b0, uint32_t live, uint32_t chunk, bool prime_first, Ring& ring, Partials part, In input,
+template <uint32_t VPT, uint32_t G, uint32_t VEC_BYTES, typename In, typename Out>
+__device__ void lanes_group(const RowStream<VPT, VEC_BYTES>& all, uint32_t b0, uint32_t live, uint32_t chunk, bool prime_first, Ring& ring, Partials part, In input,
                             Out epilogue) {
     float h[G][VPT][VEC];
-    group_inputs<VPT, G>(h, live, column_thread(all.vecs * VEC), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
+    group_inputs<VPT, G, RowStream<VPT, VEC_BYTES>::ROWS_PER_SUM>(h, live, column_thread(all.vecs * VEC), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
     const uint32_t end = all.r0 + all.n;
     for (uint32_t c0 = all.r0; c0 < end; c0 += chunk) {
         const uint32_t c1 = min(c0 + chunk, end);
-        const RowStream<VPT> stream = group_stream<VPT>(all.w, all.vecs, c0, c1, all.in_place);
+        const RowStream<VPT, VEC_BYTES> stream = all.rows(c0, c1);
         // The ring is free: the stream before and its epilogues (Qwen3's uses the ring's memory) ended on
         // a __syncthreads.
         if (c0 != all.r0 || prime_first) stream.prime(ring);

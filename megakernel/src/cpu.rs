@@ -296,8 +296,9 @@ impl CpuStack {
 
     /// From here on, the decode program of the model kernel's fp8 instances: each layer's wide GEMVs
     /// from its fp8 codes and scales (`layers`, whose dequantised weights this stack was built from),
-    /// packed by `fp8_stream`, read as the kernel makes each weight. Fails as
-    /// `fp8_stream::layer_matrices` fails.
+    /// packed by `fp8_stream`, each weight read as the loader's (`fp8_stream::unpack`): a check of the
+    /// packing and the program, whose sums part from the kernel's fused products by the weights'
+    /// rounding to bf16. Fails as `fp8_stream::layer_matrices` fails.
     #[cfg(feature = "model")]
     pub fn stream_fp8(&mut self, plan: Plan, layers: &[fp8_stream::Fp8Layer]) -> Result<(), String> {
         let mut tables = Vec::with_capacity(layers.len());

@@ -44,8 +44,9 @@ struct ModelArgs {
     #[arg(long, default_value_t = 0)]
     device: usize,
     /// Stream an fp8 checkpoint's weights as bf16 (as the loader dequantised them) rather than as
-    /// their e4m3 codes, which decode steps stream where rows are wider than 2048 columns: the same
-    /// outputs bit for bit, for timing one stream against the other.
+    /// their e4m3 codes, which decode steps stream where rows are wider than 2048 columns: outputs that
+    /// part from the codes' fused products by the weights' rounding to bf16, for timing one stream
+    /// against the other.
     #[arg(long)]
     bf16_stream: bool,
 }
@@ -479,18 +480,19 @@ fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) ->
     );
     out!("     greedy token equal to the CPU model's at {agree} of {positions} positions (a near-tie may differ)");
     // An fp8 checkpoint whose decode steps stream its codes: the same positions again through the bf16
-    // stream (the caches written again, bit for bit where the streams agree), every logit the same bits.
+    // stream of the loader's weights (the caches written again). The codes' fused products round no
+    // weight to bf16, so the two part by those roundings alone: held to the CPU model's bound.
     if model.streams_codes() {
         model.reset(&dev)?;
-        let mut differ = Differ::new();
+        let mut apart = 0.0f64;
         for (pos, &t) in tokens.iter().enumerate() {
-            differ.compare(pos, &model.decode_step_bf16(&dev, t, pos)?, &gpu_logits[pos]);
+            apart = apart.max(rel_err(&model.decode_step_bf16(&dev, t, pos)?, &gpu_logits[pos]));
         }
         verdict(
-            differ.none(),
+            apart <= tol,
             format!(
-                "decode steps streaming the fp8 codes: every position's logits the bits of the bf16 stream's{}",
-                differ.describe("positions")
+                "decode steps streaming the fp8 codes beside the bf16 stream of the loader's weights, worst of \
+                 {positions} positions {apart:.3e} (at most {tol:.2e})"
             ),
         );
     }

@@ -26,13 +26,4 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_traced_bf16(MODEL_TRACE_PARAMS) { run_model<true, true, true>(MODEL_ARGS, trace); }
 
 // One step of up to MAX_BATCH lanes of a model, in one launch (run_batch).
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_batch_bf16(const __grid_constant__ Program<PROGRAM_MAX_LAYERS> program,
-                                                                                     const __grid_constant__ ModelArgs model, const __grid_constant__ BatchArgs batch,
-                                                                                     uint32_t phases, uint32_t layers,
-                                                                                     bf16* __restrict__ out,     /* (lanes, d) */
-                                                                                     bf16* __restrict__ hidden,  /* (lanes, layers - 1, d); null for one layer */
-                                                                                     uint32_t d, uint32_t step,  /* steps run before this launch */
-                                                                                     unsigned* __restrict__ phase_done, /* (PROGRAM_MAX_PHASES + 1) */
-                                                                                     uint32_t red_rows) {
-    run_batch(program, model, batch, phases, layers, out, hidden, d, step, phase_done, red_rows);
-}
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_batch_bf16(BATCH_PARAMS) { run_batch(BATCH_ARGS); }

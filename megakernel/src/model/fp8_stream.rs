@@ -1,9 +1,10 @@
 //! An fp8 checkpoint's weights as the model kernel's fp8 instances stream them
 //! (`kernels/megakernel/model/model_fp8.cu`): a decode step streams each GEMV whose rows are too wide
-//! for slices as its e4m3 codes and scales, half of bf16's bytes, and makes each weight the loader's
-//! bf16 in the stream (`quantized::fp8::weight`), so its outputs are the bf16 stream's over the loader's
-//! weights, bit for bit. Narrower rows, the LM head, the norms, the batch step and the traced
-//! instances stream bf16 as before.
+//! for slices as its e4m3 codes and scales, half of bf16's bytes, each vector of 8 codes dotted with x
+//! in f32 and the sum times its scale (the fused form: no weight rounded to bf16, so its outputs part
+//! from the bf16 stream of the loader's weights by those roundings); the batch step streams the same
+//! codes in the same arithmetic (`model_fp8_batch.cu`), so its lanes stay the bits of their decode
+//! steps. Narrower rows, the LM head and the norms stream bf16 as before.
 //!
 //! A packed fp8 matrix is the bf16 packing's rows in the same order (`pack`), each `cols` codes, then
 //! every row's scales, one f32 for each `FP8_SCALE_COLS` columns (its source block's), in one allocation:
@@ -85,8 +86,8 @@ pub fn pack<F: Fn(usize) -> (Tensor, usize)>(packing: &Packing<F>, layer: &Fp8La
     Ok(bytes)
 }
 
-/// The weights of a packed fp8 matrix of `rows` rows of `cols` (`pack`), in bf16, as the kernel's fp8
-/// stream makes each one (the CPU executor's reading of it).
+/// The weights of a packed fp8 matrix of `rows` rows of `cols` (`pack`), in bf16, as the loader makes
+/// each one (the CPU executor's reading of it).
 pub fn unpack(bytes: &[u8], rows: usize, cols: usize) -> Vec<bf16> {
     assert_eq!(bytes.len(), packed_bytes(rows, cols), "a packed fp8 matrix of {rows} x {cols}");
     let (codes, scales) = bytes.split_at(rows * cols);

@@ -21,7 +21,7 @@ use super::hf::{ModelConfig, ModelWeights};
 use super::quantized::Quantization;
 use super::request::{Lane, Limits, MAX_EOS, Stop};
 use super::together::generate_together;
-use crate::kernels::model::{MODEL, MODEL_FP8, MODEL_FP8_TRACED};
+use crate::kernels::model::{MODEL, MODEL_FP8, MODEL_FP8_BATCH, MODEL_FP8_TRACED};
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
 use crate::program;
 use crate::stack::{CompiledStack, ProgramParam, StackOptions, Target, fit_one_block, rows_beside};
@@ -112,26 +112,34 @@ pub fn batch_refusal(lanes: &[Lane], sequences: usize, context: usize, vocab: us
     None
 }
 
-/// The batch step's kernel (`megakernel_model_batch_bf16`): its row partials take all the shared
-/// memory the ring leaves, so that a group of lanes fits as many rows as it can.
+/// The batch step's kernel (`megakernel_model_batch_bf16`, or `megakernel_model_batch_fp8` beside an
+/// fp8 decode): its row partials take all the shared memory the ring (and an fp8 stream's scale slots)
+/// leaves, so that a group of lanes fits as many rows as it can.
 struct BatchKernel {
     func: CudaFunction,
     smem: u32,
     red_rows: u32,
 }
 
-/// The batch step's kernel, its partials all the room the ring leaves (at least the `red_rows` a block
-/// of any layer phase needs for one lane).
-fn batch_kernel(dev: &Device, file: &Kernel, red_rows: usize) -> Result<BatchKernel, SubmissionError> {
-    let func = dev.function(file, "megakernel_model_batch_bf16")?;
+/// The batch step's kernel `name` of `file`, its partials all the room the ring and `slots` bytes at the
+/// end of its shared memory (an fp8 stream's scale slots, or none) leave (at least the `red_rows` a
+/// block of any layer phase needs for one lane).
+fn batch_kernel(
+    dev: &Device,
+    file: &Kernel,
+    name: &str,
+    red_rows: usize,
+    slots: usize,
+) -> Result<BatchKernel, SubmissionError> {
+    let func = dev.function(file, name)?;
     let static_bytes = func.shared_size_bytes().context("reading the batch step's static shared memory")?;
-    let rows = rows_beside(dev, static_bytes.max(0) as usize);
+    let rows = rows_beside(dev, static_bytes.max(0) as usize + slots);
     if rows < red_rows {
         return Err(SubmissionError::Unsupported(format!(
             "the batch step's partials hold {rows} rows beside its ring; a phase's block needs {red_rows}"
         )));
     }
-    let smem = RING_BYTES + rows as u32 * WARPS * 4;
+    let smem = RING_BYTES + rows as u32 * WARPS * 4 + slots as u32;
     fit_one_block(&func, smem, "the batch step")?;
     Ok(BatchKernel { func, smem, red_rows: rows as u32 })
 }
@@ -169,8 +177,8 @@ pub enum WeightStream {
     /// As the checkpoint stores them where the kernel can (an fp8 checkpoint's wide rows as codes,
     /// `fp8_stream`), else bf16.
     AsStored,
-    /// bf16 throughout (an fp8 checkpoint's weights as the loader dequantised them): the same outputs,
-    /// bit for bit, for comparing the two streams.
+    /// bf16 throughout (an fp8 checkpoint's weights as the loader dequantised them), for comparing the
+    /// two streams: outputs that part from the codes' fused products by the weights' rounding to bf16.
     Bf16,
 }
 
@@ -186,6 +194,8 @@ struct Fp8Decode {
     saved: u64,
     /// GEMV matrices a layer streams as codes.
     matrices: usize,
+    /// The batch step streaming the same codes (its lanes the bits of their decode steps).
+    batch: BatchKernel,
     _packed: Vec<CudaSlice<u8>>,
 }
 
@@ -232,7 +242,14 @@ impl Fp8Decode {
         let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
         let func = dev.function(&MODEL_FP8, fp8_kernel(has_narrow_rows(layer), false))?;
         fit_one_block(&func, stack.smem, "the fp8 model kernel")?;
-        Ok(Ok(Fp8Decode { func, red_rows, program, saved, matrices, _packed: packed }))
+        // Where its partials would not fit beside the scale slots, the model streams bf16 and says why.
+        let slots = fp8_stream::FP8_SCALE_SLOTS_BYTES;
+        let batch = match batch_kernel(dev, &MODEL_FP8_BATCH, "megakernel_model_batch_fp8", stack.lane_rows, slots) {
+            Ok(batch) => batch,
+            Err(SubmissionError::Unsupported(why)) => return Ok(Err(why)),
+            Err(e) => return Err(e.into()),
+        };
+        Ok(Ok(Fp8Decode { func, red_rows, program, saved, matrices, batch, _packed: packed }))
     }
 }
 
@@ -366,7 +383,7 @@ impl GpuModel {
         // The model kernel always reads the layers' tables.
         let program =
             ProgramParam::new(&stack.rows, &stack.tables).expect("rows and tables within the parameter block");
-        let batch = batch_kernel(dev, &MODEL, stack.lane_rows)?;
+        let batch = batch_kernel(dev, &MODEL, "megakernel_model_batch_bf16", stack.lane_rows, 0)?;
         let fp8 = match stream {
             WeightStream::AsStored => Fp8Decode::build(dev, cfg, &layer, &stack, &weights.fp8, progress)?,
             WeightStream::Bf16 => Err("bf16 asked for".into()),
@@ -418,7 +435,7 @@ impl GpuModel {
             Ok(f) => format!(
                 "{}: decode steps stream the rows wider than {} columns as e4m3 codes, a scale a row per {} columns \
                  ({} GEMV matrices a layer), the rest bf16; {:.2} GB a token at position 0 against bf16's {:.2}, \
-                 which a floor counts; batch steps stream bf16",
+                 which a floor counts; batch steps stream the same codes",
                 q.name(),
                 crate::kernels::SLICED_MAX_COLS,
                 fp8_stream::FP8_SCALE_COLS,
@@ -452,8 +469,9 @@ impl GpuModel {
         self.fp8.is_ok()
     }
 
-    /// `decode_step` through the bf16 stream, where the decode steps stream codes: the same logits, bit
-    /// for bit (`megakernel check` holds them to it).
+    /// `decode_step` through the bf16 stream of the loader's weights, where the decode steps stream
+    /// codes: logits that part from theirs by the weights' rounding to bf16 alone (`megakernel check`
+    /// bounds it).
     pub fn decode_step_bf16(&mut self, dev: &Device, token: u32, pos: usize) -> Result<Vec<f32>, GpuModelError> {
         self.limits().step(token, pos)?;
         self.launch(dev, pos, &[token], 1, &[], Instance::Timed(WeightStream::Bf16))?;
@@ -518,14 +536,21 @@ impl GpuModel {
             (batch.token[i], batch.pos[i], batch.seq[i]) = (l.token, l.pos as u32, l.seq as u32);
         }
         let args = self.model_args(dev, 0, 0, 1, &[]);
-        let (b, k) = (&mut self.stack, &self.batch);
+        // An fp8 decode's batch step streams its codes, through its program (the bf16 program's with the
+        // fp8 matrices in).
+        let (program, k) = match &self.fp8 {
+            Ok(f) => (&*f.program, &f.batch),
+            Err(_) => (&*self.program, &self.batch),
+        };
+        let b = &mut self.stack;
         batch.act_stride = b.act_stride as i64;
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
         let (cfg, phases, layers) = (b.launch_config(k.smem), b.phases(), b.layers());
         let mut l = dev.stream().launch_builder(&k.func);
-        l.arg(&*self.program).arg(&args).arg(&batch).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
+        l.arg(program).arg(&args).arg(&batch).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&k.red_rows);
-        // SAFETY: megakernel_model_batch_bf16(program and model as for the model kernel (launch); batch:
+        // SAFETY: megakernel_model_batch_bf16 or _fp8 (program and model as for the model kernel (launch),
+        // the fp8 one's program with its matrices packed as fp8_stream packs them; batch:
         // BatchArgs by value, 1 to MAX_BATCH lanes, each token in the vocabulary, position within the
         // caches and sequence within those allocated (sequences x cache_elems per layer's K and V, at
         // cache_stride), lanes of a sequence consecutive (batch_refusal); act_stride the arena's lane
