@@ -154,7 +154,10 @@ pub fn build(toolchain: &Toolchain, owners: &[Owner<'_>], preamble: &str) {
     let mut jobs = Vec::new();
     for owner in owners {
         let dir = root.join(owner.folder);
-        println!("cargo:rerun-if-changed={}", dir.display());
+        // Every folder the key reads headers from (a model kernel includes its parent folder's).
+        for watched in include_dirs(toolchain, owner) {
+            println!("cargo:rerun-if-changed={}", watched.display());
+        }
         let sources = files_in(&dir, "cu");
         if sources.is_empty() {
             fail(&format!("{} holds no .cu file: nothing to embed", dir.display()));
@@ -166,7 +169,6 @@ pub fn build(toolchain: &Toolchain, owners: &[Owner<'_>], preamble: &str) {
             jobs.push(Job { owner, src, stem, fatbin, report });
         }
     }
-    println!("cargo:rerun-if-changed={}", toolchain.include.display());
     // The longest first, so that the last to finish started first.
     jobs.sort_by_key(|j| std::cmp::Reverse(std::fs::metadata(&j.src).map_or(0, |m| m.len())));
     let cache = cache::Cache::beside(&out);
