@@ -343,6 +343,8 @@ struct RowStream : StreamScales<VEC_BYTES> {
         float x[VPT][VEC];
 #pragma unroll
         for (uint32_t v = 0; v < VPT; ++v) widen8(s.h[v], x[v]);
+        // code_values8's read, spelled out with the slots' base hoisted: calling it moved the fp8 decode
+        // instances' machine code by 128-384 bytes, which no GPU has timed.
         const float* slots = fp8_scale_slots(ring);
         run_rows(s, ring, part, [&](const uint4* slot, uint32_t st, uint32_t i, uint32_t v, float acc) {
             const uint32_t vec = v * THREADS + threadIdx.x, at = min(vec, vecs - 1);
