@@ -198,8 +198,10 @@ pub enum WeightStream {
 struct CodedDecode {
     format: Format,
     func: CudaFunction,
-    /// The partials' rows: the bf16 program's less the room of the format's tail
-    /// (`Format::tail_bytes`), which the instance keeps at the end of the same shared memory.
+    /// Its shared memory: the ring, `red_rows` rows of partials and the format's tail
+    /// (`Format::tail_bytes`), which the instance keeps at the end; the stack's own where its partials
+    /// leave the tail room for a layer's rows.
+    smem: u32,
     red_rows: u32,
     program: Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>,
     /// Bytes a decode step streams less than the bf16 stream, over every layer.
@@ -244,27 +246,28 @@ impl CodedDecode {
             tables.push(code_stream::table(*bf16_table, &placed));
             (saved, matrices) = (saved + m.saved, m.matrices.len());
         }
-        let scale_rows = (format.tail_bytes() / (WARPS as usize * 4)) as u32;
-        let red_rows = stack.red_rows.saturating_sub(scale_rows);
-        if (red_rows as usize) < stack.lane_rows {
-            return Ok(Err(format!(
-                "a block's rows of a phase need {} rows of partials, which leave no room for the stream's scales",
-                stack.lane_rows
-            )));
-        }
+        // The stack's shared memory where its partials leave the tail room for a layer's rows (the LM head
+        // streams through fewer a chunk at a time); else more, where the card has it.
+        let tail_rows = (format.tail_bytes() / (WARPS as usize * 4)) as u32;
+        let red_rows = stack.red_rows.saturating_sub(tail_rows).max(stack.lane_rows as u32);
+        let smem = RING_BYTES + (red_rows + tail_rows) * WARPS * 4;
         let rows = code_stream::decode_rows(format, layer, stack.layout, &stack.rows);
         let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
         let (decode_file, batch_file, batch_name) = coded_files(format);
         let name = coded_kernel(format, has_narrow_rows(layer), false).expect("every format has a timed instance");
         let func = dev.function(decode_file, name)?;
-        fit_one_block(&func, stack.smem, "the coded model kernel")?;
+        match fit_one_block(&func, smem, "the coded model kernel") {
+            Ok(()) => {}
+            Err(SubmissionError::Unsupported(why)) => return Ok(Err(why)),
+            Err(e) => return Err(e.into()),
+        }
         // Where its partials would not fit beside the tail, the model streams bf16 and says why.
         let batch = match batch_kernel(dev, batch_file, batch_name, stack.lane_rows, format.tail_bytes()) {
             Ok(batch) => batch,
             Err(SubmissionError::Unsupported(why)) => return Ok(Err(why)),
             Err(e) => return Err(e.into()),
         };
-        Ok(Ok(CodedDecode { format, func, red_rows, program, saved, matrices, batch, _packed: packed }))
+        Ok(Ok(CodedDecode { format, func, smem, red_rows, program, saved, matrices, batch, _packed: packed }))
     }
 }
 
@@ -676,7 +679,11 @@ impl GpuModel {
             }
             _ => dev.function(&MODEL, model_kernel(self.cfg.qk_norm, narrow, true))?,
         };
-        fit_one_block(&traced, b.smem, "the traced model kernel")?;
+        let smem = match &self.coded {
+            Ok(c) if coded => c.smem,
+            _ => b.smem,
+        };
+        fit_one_block(&traced, smem, "the traced model kernel")?;
         let (grid, layers, per_step) = (b.grid as usize, b.layers() as usize, (b.phases() * b.layers()) as usize + 1);
         let plan: Vec<_> = b.plan.iter().map(|p| p.op).collect();
         let positions = (given.len() + max_new - 1).min(self.context() - pos0);
@@ -752,16 +759,19 @@ impl GpuModel {
         let args = self.model_args(dev, pos0, pos0 + given.len(), max_new, eos);
         let b = &mut self.stack;
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
-        let (cfg, phases, layers) = (b.launch_config(b.smem), b.phases(), b.layers());
+        let (phases, layers) = (b.phases(), b.layers());
         // A decode or a trace of a quantised checkpoint runs the coded program, with the coded instances'
-        // fewer partials, where it has one (and for a trace, where `traced` chose the coded twin), unless
-        // the decode asks for bf16.
-        let (func, program, red_rows, stamps) = match (instance, &self.coded) {
-            (Instance::Traced { func, stamps, coded: true }, Ok(c)) => (func, &c.program, c.red_rows, Some(stamps)),
-            (Instance::Traced { func, stamps, .. }, _) => (func, &self.program, b.red_rows, Some(stamps)),
-            (Instance::Timed(WeightStream::AsStored), Ok(c)) => (&c.func, &c.program, c.red_rows, None),
-            (Instance::Timed(_), _) => (&b.func, &self.program, b.red_rows, None),
+        // shared memory and partials, where it has one (and for a trace, where `traced` chose the coded
+        // twin), unless the decode asks for bf16.
+        let (func, program, smem, red_rows, stamps) = match (instance, &self.coded) {
+            (Instance::Traced { func, stamps, coded: true }, Ok(c)) => {
+                (func, &c.program, c.smem, c.red_rows, Some(stamps))
+            }
+            (Instance::Traced { func, stamps, .. }, _) => (func, &self.program, b.smem, b.red_rows, Some(stamps)),
+            (Instance::Timed(WeightStream::AsStored), Ok(c)) => (&c.func, &c.program, c.smem, c.red_rows, None),
+            (Instance::Timed(_), _) => (&b.func, &self.program, b.smem, b.red_rows, None),
         };
+        let cfg = b.launch_config(smem);
         let mut l = s.launch_builder(func);
         l.arg(&**program).arg(&args).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&red_rows);
@@ -773,12 +783,12 @@ impl GpuModel {
         // Program<MAX_STACK_LAYERS> by value, model: ModelArgs by value (its buffers allocated above:
         // logits (vocab), candidates (grid), tokens (max_seq + 1), done (2)), phases, layers, out (d),
         // hidden ((layers - 1) x d or null for one layer), d, step, phase_done (MAX_PHASES + 1),
-        // red_rows: the stack's, or for a coded instance the fewer that leave its tail the last
-        // Format::tail_bytes of the same smem), and the traced instance a trace of (positions, grid, layers * phases + 1,
+        // red_rows: the stack's, or for a coded instance its own, which leave its tail the last
+        // Format::tail_bytes of its smem), and the traced instance a trace of (positions, grid, layers * phases + 1,
         // TRACE_STAMPS) u64 for every position it may run (`trace`); pos0 < prompt_end <= max_seq and
         // max_new >= 1 (checked by the callers); the grid is co-resident (occupancy-sized; the
         // cooperative launch fails rather than run otherwise), smem as CompiledStack::build sized it with the
-        // head's rows.
+        // head's rows, or as CodedDecode::build sized it.
         let ms =
             dev.time_ms(|| unsafe { l.launch_cooperative(cfg) }.map(drop).context("launching the model kernel"))?;
         let done = s.clone_dtoh(&self.done).context("reading what the launch ran")?;
