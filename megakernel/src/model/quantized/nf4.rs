@@ -99,9 +99,23 @@ pub fn dequantize(
     Ok((weights(&m, round), Some(m)))
 }
 
-/// Every element of `m` in bf16 as `round` makes its f32 product: `quant_map[code] * absmax`.
+/// Every element of `m` in bf16 as `round` makes its f32 product: `quant_map[code] * absmax`, the
+/// elements shared among the machine's threads (an 8B checkpoint has 7e9).
 fn weights(m: &Nf4Matrix, round: fn(f32) -> bf16) -> Vec<bf16> {
-    (0..m.rows * m.cols).map(|i| round(m.quant_map[m.code(i) as usize] * m.scale(i))).collect()
+    let mut out = vec![bf16::ZERO; m.rows * m.cols];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let each = out.len().div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (k, chunk) in out.chunks_mut(each).enumerate() {
+            scope.spawn(move || {
+                for (j, w) in chunk.iter_mut().enumerate() {
+                    let i = k * each + j;
+                    *w = round(m.quant_map[m.code(i) as usize] * m.scale(i));
+                }
+            });
+        }
+    });
+    out
 }
 
 /// Double quantisation: each block's scale from its uint8 code, `nested_quant_map[code] *
