@@ -125,7 +125,7 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
             const uint32_t unit = qkv_unit(op, norms);
             if (norms != nullptr) {
                 lanes_gemv<CODES>(op, lanes, unit, r0, r1, ring, part, input,
-                           [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(lane_op(op, ba, b), ba.pos[b], ring, p, norms, c0, c1); });
+                             [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(lane_op(op, ba, b), ba.pos[b], ring, p, norms, c0, c1); });
             } else {
                 lanes_gemv<CODES>(op, lanes, unit, r0, r1, ring, part, input, [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
                     const OpRow lop = lane_op(op, ba, b);
