@@ -300,7 +300,12 @@ impl CpuStack {
     /// check of the packing and the program, whose sums part from the kernel's fused products by the
     /// weights' rounding to bf16. Fails as `code_stream::layer_matrices` fails.
     #[cfg(feature = "model")]
-    pub fn stream_codes(&mut self, format: Format, plan: Plan, layers: &[code_stream::CodedLayer]) -> Result<(), String> {
+    pub fn stream_codes(
+        &mut self,
+        format: Format,
+        plan: Plan,
+        layers: &[code_stream::CodedLayer],
+    ) -> Result<(), String> {
         let mut tables = Vec::with_capacity(layers.len());
         for (buffers, layer) in self.layers.iter().zip(layers) {
             let packed = code_stream::layer_matrices(format, &self.cfg, plan, layer)?;

@@ -463,7 +463,9 @@ mod tests {
         let cu = crate::kernels::DEVICE_SOURCE;
         assert!(cu.contains(&format!("constexpr uint32_t FP8_SCALE_COLS = {FP8_SCALE_COLS};")));
         assert!(cu.contains(&format!("constexpr uint32_t NF4_SCALE_COLS = {NF4_SCALE_COLS};")));
-        assert!(cu.contains("constexpr uint32_t STAGES = 3;") && cu.contains("constexpr uint32_t STAGE_BYTES = 64 * 1024;"));
+        assert!(
+            cu.contains("constexpr uint32_t STAGES = 3;") && cu.contains("constexpr uint32_t STAGE_BYTES = 64 * 1024;")
+        );
         assert_eq!(STAGES * STAGE_BYTES, crate::kernels::RING_BYTES as usize);
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOT_BYTES = STAGE_BYTES / FP8_SCALE_COLS * 4;"));
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOTS_BYTES = STAGES * FP8_SCALE_SLOT_BYTES;"));
@@ -613,7 +615,9 @@ mod tests {
     #[test]
     fn the_coded_decode_program_is_the_golden_step_over_the_loaders_weights() {
         let cfg = Config { d: 2560, ffn: 5120, n_q: 20, n_kv: 2, hd: 128, layers: 2, ..Config::tiny() };
-        for (format, (layers, coded)) in [(Format::Fp8, fp8_layers(&cfg, [128, 128])), (Format::Nf4, nf4_layers(&cfg, 64))] {
+        for (format, (layers, coded)) in
+            [(Format::Fp8, fp8_layers(&cfg, [128, 128])), (Format::Nf4, nf4_layers(&cfg, 64))]
+        {
             for (roles, parts, slots) in [
                 (1, 1, vec![Slot::WQkv0, Slot::WO0, Slot::WGateUp, Slot::WDown0]),
                 (2, 2, vec![Slot::WQkv0, Slot::WQkv1, Slot::WGateUp, Slot::WDown0, Slot::WDown1]),

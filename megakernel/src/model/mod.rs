@@ -10,8 +10,8 @@
 //! (`together`). Where a token's time goes in a traced launch is the crate's `trace`, which reads a
 //! stack's step the same way.
 
-pub mod cpu;
 pub mod code_stream;
+pub mod cpu;
 pub mod gpu;
 pub mod hf;
 pub mod quantized;

@@ -12,8 +12,8 @@ use serde_json::json;
 use spec::Config;
 use spec::data::Tensor;
 
-use super::hf::{ModelConfig, ModelError, ModelWeights};
 use super::code_stream::NF4_VALUES;
+use super::hf::{ModelConfig, ModelError, ModelWeights};
 use super::quantized::{Coded, Quantization};
 use super::{CpuModel, Lane, Stop, Text, argmax, generate_together};
 
@@ -597,7 +597,10 @@ fn nf4_checkpoints_read_as_bitsandbytes_dequantises_them() {
         assert_eq!(weights.embed, bf16s(stored.tensor("model.embed_tokens.weight").unwrap()));
         assert_eq!(weights.norm, bf16s(stored.tensor("model.norm.weight").unwrap()));
         assert_eq!(weights.lm_head.as_deref(), Some(bf16s(stored.tensor("lm_head.weight").unwrap()).as_slice()));
-        assert!(norms.iter().all(|&(t, _)| weights.coded[0].get(t).is_none()), "{variant}: the norms are not quantised");
+        assert!(
+            norms.iter().all(|&(t, _)| weights.coded[0].get(t).is_none()),
+            "{variant}: the norms are not quantised"
+        );
     }
 }
 

@@ -92,7 +92,14 @@ pub fn dequantize(
         other => return Err(format!("absmax in {other:?}: bitsandbytes writes f32, or uint8 codes")),
     };
     let &[rows, cols] = shape else {
-        let m = Nf4Matrix { rows: 1, cols: elements, codes: packed.to_vec(), blocksize: state.blocksize, absmax, quant_map };
+        let m = Nf4Matrix {
+            rows: 1,
+            cols: elements,
+            codes: packed.to_vec(),
+            blocksize: state.blocksize,
+            absmax,
+            quant_map,
+        };
         return Ok((weights(&m, round), None));
     };
     let m = Nf4Matrix { rows, cols, codes: packed.to_vec(), blocksize: state.blocksize, absmax, quant_map };
