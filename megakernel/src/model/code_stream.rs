@@ -403,9 +403,7 @@ mod tests {
     fn dequantized(m: &Coded) -> Vec<bf16> {
         match m {
             Coded::Fp8(m) => m.dequantize(),
-            Coded::Nf4(m) => {
-                (0..m.rows * m.cols).map(|i| bf16::from_f32(m.quant_map[m.code(i) as usize] * m.scale(i))).collect()
-            }
+            Coded::Nf4(m) => m.dequantize(),
         }
     }
 

@@ -53,6 +53,11 @@ impl Nf4Matrix {
     pub fn scale(&self, i: usize) -> f32 {
         self.absmax[i / self.blocksize]
     }
+
+    /// Every element in bf16, as the loader reads a weight saved from bf16 (`weights`).
+    pub fn dequantize(&self) -> Vec<bf16> {
+        weights(self, bf16::from_f32)
+    }
 }
 
 /// The weight of `shape` whose packed codes are `packed`, from its other tensors (`part(suffix)`: the
