@@ -7,8 +7,9 @@ transformers' figure is (T(1 + N tokens) - T(1 token)) / N over greedy generatio
 length, the median of three after warm-up: the decode steps alone, its prefill and set-up left out;
 "compiled" is `generate`'s own torch.compile of the forward, which a static cache turns on. With --nf4
 each checkpoint is loaded by transformers with bitsandbytes nf4 and saved again: transformers decodes
-through bitsandbytes, and the megakernel reads the saved folder (its weights dequantised to bf16 on
-load, so its floor is bf16's). With --fp8 each checkpoint is quantised by transformers to fine-grained
+through bitsandbytes, and the megakernel reads the saved folder, its decode steps streaming the nf4
+codes where rows are wide, and is benched once more with --bf16-stream (the loader's bf16 weights).
+With --fp8 each checkpoint is quantised by transformers to fine-grained
 fp8 (blocks of 128 x 128) and saved again: the megakernel's decode steps stream its codes where rows
 are wide, and it is benched once more with --bf16-stream (the same checkpoint streamed as bf16);
 transformers reads it dequantised to bf16 (its fp8 matmul is a kernel fetched from the Hub, which the
@@ -39,7 +40,8 @@ def main():
     p.add_argument("--no-compile", action="store_true", help="skip the compiled figure (compiling takes minutes)")
     p.add_argument("--megakernel-only", action="store_true", help="write the checkpoints and bench only the megakernel")
     quant = p.add_mutually_exclusive_group()
-    quant.add_argument("--nf4", action="store_true", help="each checkpoint in bitsandbytes nf4, on both sides")
+    quant.add_argument("--nf4", action="store_true",
+                       help="each checkpoint in bitsandbytes nf4, on both sides; the megakernel streams its codes, and bf16 (--bf16-stream)")
     quant.add_argument("--fp8", action="store_true",
                        help="each checkpoint in fine-grained fp8; the megakernel streams its codes, and bf16 (--bf16-stream)")
     args = p.parse_args()
@@ -62,7 +64,7 @@ def main():
             fp8_checkpoint(dense, out, (128, 128), device="cuda")
             model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, quantization_config=FP8_DEQUANTIZED,
                                                          device_map={"": "cuda"})
-        for extra in [[]] + ([["--bf16-stream"]] if args.fp8 else []):
+        for extra in [[]] + ([["--bf16-stream"]] if args.fp8 or args.nf4 else []):
             run = subprocess.run([args.binary, "bench", "--model", str(out), "--tokens", str(args.tokens), *extra],
                                  capture_output=True, text=True)
             print(f"== megakernel bench --model {label} --tokens {args.tokens} {' '.join(extra)} (rc {run.returncode})\n"

@@ -10,7 +10,7 @@ __device__ inline void gateup_epilogue(bf16* act, const Partials& part, uint32_t
 }
 
 // h2 = rmsnorm(x1); act = silu(Wg h2) * (Wu h2) over gate/up-interleaved rows.
-template <bool SLICED, bool TRACED = false, bool FP8 = false>
+template <bool SLICED, bool TRACED = false, uint32_t CODES = BF16_ROWS>
 __device__ __forceinline__ void phase_gateup(const OpRow& op, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[gateup::D];
     const float eps = __int_as_float((int)op[gateup::EpsBits]);
@@ -20,12 +20,12 @@ __device__ __forceinline__ void phase_gateup(const OpRow& op, Ring& ring, Partia
     uint32_t r0, r1;
     if (SLICED) {
         gemv_rows(op, r0, r1);
-        stream_phase<SLICED, TRACED, FP8>(op, [&](uint32_t t) { return rmsnorm_slice(x1, g, d, eps, t); }, ring, part, r0, r1);
+        stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return rmsnorm_slice(x1, g, d, eps, t); }, ring, part, r0, r1);
     } else {
         // The norm's loads before the rows' arithmetic, as the layer kernels were measured.
         const Slice s = rmsnorm_slice(x1, g, d, eps);
         gemv_rows(op, r0, r1);
-        gemv_phase<FP8>(op, s, ring, part, r0, r1);
+        gemv_phase<CODES>(op, s, ring, part, r0, r1);
     }
     gateup_epilogue(act, part, r0, r1);
 }

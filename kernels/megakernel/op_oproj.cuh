@@ -37,21 +37,21 @@ __device__ inline void residual_epilogue(const ResidualOut& o, const Partials& p
     }
 }
 
-template <bool SLICED, bool TRACED = false, bool FP8 = false>
+template <bool SLICED, bool TRACED = false, uint32_t CODES = BF16_ROWS>
 __device__ void residual_gemv(const OpRow& op, const bf16* v, uint32_t cols, const bf16* residual, bf16* dst,
                               const float* part_in, float* part_out, Ring& ring, Partials part) {
     uint32_t r0, r1;
     gemv_rows(op, r0, r1);
     const ResidualOut o = residual_out(residual, dst, part_in, part_out, r0, r1);
-    stream_phase<SLICED, TRACED, FP8>(op, [&](uint32_t t) { return load_slice(v, cols, t); }, ring, part, r0, r1);
+    stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return load_slice(v, cols, t); }, ring, part, r0, r1);
     residual_epilogue(o, part, r0, r1);
 }
 
 // x1 = x + Wo a over the columns the row names: all of them; or those of the first half of the KV
 // groups (f32 products to PartOut); or those of the second half, added to PartIn's, which the first
 // half's blocks wrote (this phase waits for theirs).
-template <bool SLICED, bool TRACED = false, bool FP8 = false>
+template <bool SLICED, bool TRACED = false, uint32_t CODES = BF16_ROWS>
 __device__ __forceinline__ void phase_oproj(const OpRow& op, const bf16* x, Ring& ring, Partials part) {
-    residual_gemv<SLICED, TRACED, FP8>(op, act_ptr<const bf16>(op, oproj::A), (uint32_t)op[oproj::Cols], x, act_ptr<bf16>(op, oproj::X1Out),
+    residual_gemv<SLICED, TRACED, CODES>(op, act_ptr<const bf16>(op, oproj::A), (uint32_t)op[oproj::Cols], x, act_ptr<bf16>(op, oproj::X1Out),
                   part_ptr<const float>(op, oproj::PartIn), part_ptr<float>(op, oproj::PartOut), ring, part);
 }

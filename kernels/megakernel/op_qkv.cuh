@@ -56,7 +56,7 @@ __device__ inline void qkv_epilogue(const OpRow& op, uint32_t pos, const QkvOut&
 }
 
 // h = rmsnorm(x); [q|k|v] = W h over pair-interleaved rows; rope q and k; append k and v at pos.
-template <bool SLICED, bool TRACED = false, bool FP8 = false>
+template <bool SLICED, bool TRACED = false, uint32_t CODES = BF16_ROWS>
 __device__ __forceinline__ void phase_qkv(const OpRow& op, const bf16* x, uint32_t pos, Ring& ring, Partials part) {
     const uint32_t d = (uint32_t)op[qkv::D];
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
@@ -65,7 +65,7 @@ __device__ __forceinline__ void phase_qkv(const OpRow& op, const bf16* x, uint32
     gemv_rows(op, r0, r1);
     const RopeFirst first = rope_first(op, out, r0, r1);
     const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm));
-    stream_phase<SLICED, TRACED, FP8>(op, [&](uint32_t t) { return rmsnorm_slice(x, g, d, eps, t); }, ring, part, r0, r1);
+    stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return rmsnorm_slice(x, g, d, eps, t); }, ring, part, r0, r1);
     qkv_epilogue(op, pos, out, part, r0, r1, first);
 }
 

@@ -84,9 +84,9 @@ __device__ inline Slice lane_rmsnorm(const bf16* x, const bf16* g, uint32_t d, u
 // Phase `op`'s GEMV for lanes [0, lanes) over this block's rows [r0, r1) in units of `unit` rows, as
 // lanes_group: the weights streamed once per group of lanes (lanes_per_group), each group's rows in
 // chunks whose partials fit (chunk_rows). The first group's first chunk is in the ring (prime_phase with
-// the lanes); every later stream primes its own. FP8: as streams_fp8, the codes decoded once for every
+// the lanes); every later stream primes its own. CODES: as streams_codes, the codes decoded once for every
 // lane of a group.
-template <bool FP8, typename In, typename Out>
+template <uint32_t CODES, typename In, typename Out>
 __device__ void lanes_gemv(const OpRow& op, uint32_t lanes, uint32_t unit, uint32_t r0, uint32_t r1, Ring& ring, Partials part, In input, Out epilogue) {
     Gemv gemv;
     if (!gemv_of(op, gemv)) __trap();
@@ -100,17 +100,17 @@ __device__ void lanes_gemv(const OpRow& op, uint32_t lanes, uint32_t unit, uint3
             lanes_group<VPT, G>(all, b0, live, chunk_rows(live, unit, part.rows), b0 > 0, ring, part, input, epilogue);
         }
     };
-    if constexpr (FP8) {
-        // Packed (the loader packs every fp8 matrix): no row source to read.
-        if (streams_fp8(gemv)) return with_stream<8>(gemv.w, gemv.cols, r0, r1, false, [&](auto all) { groups(with_scales(all, gemv)); });
+    if constexpr (CODES != BF16_ROWS) {
+        // Packed (the loader packs every coded matrix): no row source to read.
+        if (streams_codes(gemv)) return with_stream<CODES>(gemv.w, gemv.cols, r0, r1, false, [&](auto all) { groups(with_scales(all, gemv)); });
     }
     with_stream(gemv.w, gemv.cols, r0, r1, gemv.in_place, groups);
 }
 
 // Phase `op` of a batch step for every lane (`l` its layer): the GEMV phases through lanes_gemv, with
-// each lane's input and epilogue those of the decode step's phase; attention lane after lane. FP8: the
-// GEMVs as streams_fp8 (the model kernel's batch step for fp8 checkpoints).
-template <bool FP8>
+// each lane's input and epilogue those of the decode step's phase; attention lane after lane. CODES: the
+// GEMVs as streams_codes (the model kernel's batch steps for fp8 and nf4 checkpoints).
+template <uint32_t CODES>
 __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, const BatchArgs& ba, const BatchIo& io, Ring& ring, Partials part) {
     const uint32_t lanes = ba.lanes;
     uint32_t r0, r1;
@@ -124,10 +124,10 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
             const auto input = [&](uint32_t b, uint32_t t) { return lane_rmsnorm(io.x(ba, b, l), reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), d, b, t); };
             const uint32_t unit = qkv_unit(op, norms);
             if (norms != nullptr) {
-                lanes_gemv<FP8>(op, lanes, unit, r0, r1, ring, part, input,
-                           [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(lane_op(op, ba, b), ba.pos[b], ring, p, norms, c0, c1); });
+                lanes_gemv<CODES>(op, lanes, unit, r0, r1, ring, part, input,
+                             [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(lane_op(op, ba, b), ba.pos[b], ring, p, norms, c0, c1); });
             } else {
-                lanes_gemv<FP8>(op, lanes, unit, r0, r1, ring, part, input, [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
+                lanes_gemv<CODES>(op, lanes, unit, r0, r1, ring, part, input, [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
                     const OpRow lop = lane_op(op, ba, b);
                     const QkvOut out = qkv_out(lop, ba.pos[b]);
                     qkv_epilogue(lop, ba.pos[b], out, p, c0, c1, rope_first(lop, out, c0, c1));
@@ -155,7 +155,7 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
         // spill loads (ptxas's report).
         case OP_O_PROJ:
             gemv_rows(op, r0, r1);
-            lanes_gemv<FP8>(
+            lanes_gemv<CODES>(
                 op, lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), oproj::A), (uint32_t)op[oproj::Cols], t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
                     const OpRow lop = lane_op(op, ba, b);
@@ -167,14 +167,14 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
             const auto x1 = [&](uint32_t b) { return act_ptr<const bf16>(lane_op(op, ba, b), gateup::X1); };
             lane_norms(lanes, d, __int_as_float((int)op[gateup::EpsBits]), x1);
             gemv_rows(op, r0, r1);
-            lanes_gemv<FP8>(
+            lanes_gemv<CODES>(
                 op, lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return lane_rmsnorm(x1(b), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, b, t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { gateup_epilogue(act_ptr<bf16>(lane_op(op, ba, b), gateup::ActOut), p, c0, c1); });
             break;
         }
         case OP_DOWN:
             gemv_rows(op, r0, r1);
-            lanes_gemv<FP8>(
+            lanes_gemv<CODES>(
                 op, lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), down::Act), (uint32_t)op[down::Cols], t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
                     const OpRow lop = lane_op(op, ba, b);
@@ -260,43 +260,44 @@ __device__ inline void batch_tokens(const ModelArgs& m, const BatchArgs& ba, con
 
 // Before the wait of phase f of a batch step, what does not depend on the step (as prime_inputs): a GEMV
 // phase's first stream of lanes_gemv, or lane 0's first cached rows for its attention.
-template <bool FP8>
+template <uint32_t CODES>
 __device__ inline void batch_prime(const Walk<PROGRAM_MAX_LAYERS>& walk, uint32_t f, const ModelArgs& m, const BatchArgs& ba, const Ring& ring, const Partials& part) {
     const OpRow op = lane_op(walk.op(f), ba, 0);
     if (op[0] == OP_ATTENTION) prime_attention(op, ba.pos[0], ring.data);
-    else prime_phase<false, FP8>(op, ring, m.qk_norms[f / walk.phases], ba.lanes, part.rows);
+    else prime_phase<false, CODES>(op, ring, m.qk_norms[f / walk.phases], ba.lanes, part.rows);
 }
 
 // One step of every lane of `ba` through the model, in one launch: the stack's phases as run_model runs
 // a position's (each phase for every lane before it counts done), then the head for every lane and,
 // in block 0, each lane's greedy token. The model's positions, tokens, done counts and end-of-sequence
-// tokens are not read: a batch step is one step, its lanes given. FP8: the GEMVs whose rows are too wide
-// for slices stream as e4m3 codes (streams_fp8), as the fp8 instances' decode steps do; not with q/k
+// tokens are not read: a batch step is one step, its lanes given. CODES: the GEMVs whose rows are too wide
+// for slices stream as that format's codes (streams_codes), as its decode steps do; not with q/k
 // norms, whose Qkv phase streams bf16 rows.
-template <bool FP8 = false>
+template <uint32_t CODES = BF16_ROWS>
 __device__ __forceinline__ void run_batch(const Program<PROGRAM_MAX_LAYERS>& program, const ModelArgs& m, const BatchArgs& ba, uint32_t phases, uint32_t layers,
                                           bf16* out, bf16* hidden, uint32_t d, uint32_t step, unsigned* phase_done, uint32_t red_rows) {
     __shared__ uint64_t full[STAGES];
     Ring ring = start_ring(full);
     const Partials part = row_partials(red_rows);
     // The launcher checks these.
-    if (phases > PROGRAM_MAX_PHASES || layers > PROGRAM_MAX_LAYERS || ba.lanes == 0 || ba.lanes > MAX_BATCH || (FP8 && m.qk_norms[0] != nullptr)) __trap();
+    if (phases > PROGRAM_MAX_PHASES || layers > PROGRAM_MAX_LAYERS || ba.lanes == 0 || ba.lanes > MAX_BATCH || (CODES != BF16_ROWS && m.qk_norms[0] != nullptr)) __trap();
     for (uint32_t b = 0; b < ba.lanes; ++b) {
         if (ba.pos[b] >= m.max_seq || ba.token[b] >= m.vocab) __trap();
     }
     if (threadIdx.x == 0) trace_row = nullptr;  // a batch step is not traced
+    fill_codebook<CODES>(ring);
     const Walk<PROGRAM_MAX_LAYERS> walk{program, phases, layers};
     const BatchIo io{m.embed, out, hidden, d, layers};
     const uint32_t per_step = phases * layers;
     uint32_t f = walk.next_own(0, per_step);
-    if (f < per_step) batch_prime<FP8>(walk, f, m, ba, ring, part);
+    if (f < per_step) batch_prime<CODES>(walk, f, m, ba, ring, part);
     while (f < per_step) {
         const OpRow op = walk.op(f);
         wait_for(program.words, (uint64_t)op[ROW_WAITS], phase_done, step, layers, f / phases, f >= phases);
-        batch_phase<FP8>(op, f / phases, m, ba, io, ring, part);
+        batch_phase<CODES>(op, f / phases, m, ba, io, ring, part);
         finish_phase(phase_done, f % phases);
         f = walk.next_own(f + 1, per_step);
-        if (f < per_step) batch_prime<FP8>(walk, f, m, ba, ring, part);
+        if (f < per_step) batch_prime<CODES>(walk, f, m, ba, ring, part);
     }
     prime_head<false>(m, d, ring, part.rows / head_group(d), true);
     // Every row of the last layer, as the layer before the head: every lane's output is whole.

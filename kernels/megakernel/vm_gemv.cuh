@@ -52,23 +52,34 @@ __device__ inline uint32_t lanes_per_group(uint32_t G, uint32_t unit, uint32_t p
 // Rows of a chunk of a group of `live` lanes: as many whole units as their partials fit.
 __device__ inline uint32_t chunk_rows(uint32_t live, uint32_t unit, uint32_t part_rows) { return part_rows / live / unit * unit; }
 
-// Whether an FP8 instance (the model kernel's for fp8 checkpoints, a decode step's) streams a GEMV's
-// rows as e4m3 codes (run_fp8): those too wide for slices; narrower rows stream bf16 there too. The
-// loader packs each matrix by the same rule (fp8_stream.rs).
-__device__ inline bool streams_fp8(const Gemv& g) { return !in_slices(g.cols); }
+// Whether an instance for a format's codes (CODES: the model kernel's for fp8 or nf4 checkpoints, a
+// decode step's) streams a GEMV's rows as codes (run_codes): those too wide for slices; narrower rows
+// stream bf16 there too. The loader packs each matrix by the same rule (code_stream.rs).
+__device__ inline bool streams_codes(const Gemv& g) { return !in_slices(g.cols); }
 
-// An fp8 matrix's scales (run_fp8): after its codes, in the same allocation.
+// A coded matrix's scales (run_codes): after its codes, in the same allocation; a row has one for each
+// scale_cols columns, the last maybe partial. fp8's codes are a byte a weight, nf4's half a byte. (One
+// function for both, a template over the format, moved four pairs of loads in the fp8 batch step's
+// machine code, which no GPU has timed.)
 __device__ inline const float* fp8_scales(const Gemv& g) {
     return reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(g.w) + (size_t)g.rows * g.cols);
 }
-// Scales a row of an fp8 matrix has: one for each FP8_SCALE_COLS columns, the last maybe partial.
 __device__ inline uint32_t fp8_groups(const Gemv& g) { return (g.cols + FP8_SCALE_COLS - 1) / FP8_SCALE_COLS; }
+__device__ inline const float* nf4_scales(const Gemv& g) {
+    return reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(g.w) + (size_t)g.rows * (g.cols / 2));
+}
+__device__ inline uint32_t nf4_groups(const Gemv& g) { return (g.cols + NF4_SCALE_COLS - 1) / NF4_SCALE_COLS; }
 
 // A stream of g's codes that copies its scales too (StreamScales).
 template <typename Stream>
 __device__ inline Stream with_scales(Stream stream, const Gemv& g) {
-    stream.scales = fp8_scales(g);
-    stream.groups = fp8_groups(g);
+    if constexpr (Stream::CODE_BYTES == NF4_CODES) {
+        stream.scales = nf4_scales(g);
+        stream.groups = nf4_groups(g);
+    } else {
+        stream.scales = fp8_scales(g);
+        stream.groups = fp8_groups(g);
+    }
     return stream;
 }
 
@@ -82,9 +93,9 @@ __device__ inline uint32_t first_chunk_end(uint32_t r0, uint32_t r1, uint32_t un
 }
 
 // For a batch step of `lanes` lanes (0: a decode step) with partials of `part_rows` rows, the first
-// stream is its first group's first chunk (lanes_gemv); a decode step's is the block's rows. FP8: as
-// streams_fp8.
-template <bool SLICED = false, bool FP8 = false>
+// stream is its first group's first chunk (lanes_gemv); a decode step's is the block's rows. CODES: as
+// streams_codes.
+template <bool SLICED = false, uint32_t CODES = BF16_ROWS>
 __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_norms, uint32_t lanes = 0, uint32_t part_rows = 0) {
     Gemv g;
     if (!gemv_of(op, g)) return;
@@ -92,10 +103,10 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     const uint32_t unit = qkv_unit(op, qk_norms);
     uint32_t r0, r1;
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
-    // Packed (the loader packs every fp8 matrix): no row source to read.
-    if constexpr (FP8) {
-        if (streams_fp8(g)) {
-            return with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) {
+    // Packed (the loader packs every coded matrix): no row source to read.
+    if constexpr (CODES != BF16_ROWS) {
+        if (streams_codes(g)) {
+            return with_stream<CODES>(g.w, g.cols, r0, r1, false, [&](auto stream) {
                 const auto all = with_scales(stream, g);
                 if (lanes == 0) return all.prime(ring);
                 all.rows(r0, first_chunk_end<decltype(stream)::VECS_PER_THREAD>(r0, r1, unit, lanes, part_rows)).prime(ring);
@@ -121,15 +132,15 @@ __device__ inline void gemv_rows(const OpRow& op, uint32_t& r0, uint32_t& r1, co
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
-// primed). FP8: as streams_fp8.
-template <bool FP8 = false>
+// primed). CODES: as streams_codes.
+template <uint32_t CODES = BF16_ROWS>
 __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     stamp(TRACE_INPUT);
-    if constexpr (FP8) {
-        if (streams_fp8(g)) {
-            with_stream<8>(g.w, g.cols, r0, r1, false, [&](auto stream) { with_scales(stream, g).run_fp8(s, ring, part); });
+    if constexpr (CODES != BF16_ROWS) {
+        if (streams_codes(g)) {
+            with_stream<CODES>(g.w, g.cols, r0, r1, false, [&](auto stream) { with_scales(stream, g).run_codes(s, ring, part); });
             stamp(TRACE_STREAMED);
             return;
         }
@@ -149,8 +160,8 @@ __device__ inline void stamp_input(const Slice& s) {
 // kernel) and the rows run in slices (at most 2048 columns), as a group of one in full stages
 // (prime_solo), each thread holding the input of the thread whose columns it takes (column_thread).
 // The vector's products, sums and rounding are run()'s (run_group), so every output keeps its bits.
-// FP8: as gemv_phase's.
-template <bool SLICED, bool TRACED = false, bool FP8 = false, typename In>
+// CODES: as gemv_phase's.
+template <bool SLICED, bool TRACED = false, uint32_t CODES = BF16_ROWS, typename In>
 __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
     // in_slices(g.cols), spelled out: called here it changed the measured kernels' PTX.
@@ -163,7 +174,7 @@ __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ri
         if (TRACED) stamp(TRACE_STREAMED);
         return;
     }
-    gemv_phase<FP8>(op, input(threadIdx.x), ring, part, r0, r1);
+    gemv_phase<CODES>(op, input(threadIdx.x), ring, part, r0, r1);
 }
 
 // The sum of row r's warp partials, in warp order.

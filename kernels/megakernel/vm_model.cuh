@@ -21,9 +21,9 @@ __device__ inline bool is_eos(const ModelArgs& m, int32_t token) {
 // of the Down before it, so every block has finished the step before (and read its token) first.
 // TRACED: the instance stamps into `trace` (null in the others) each block's phases at every position
 // the launch runs, (positions, gridDim.x, layers * phases + 1, TRACE_STAMPS), the head's last (zero for
-// the phases and stamps a block does not take). FP8: the rows too wide for slices stream as e4m3 codes
-// (streams_fp8; not with q/k norms, whose Qkv phase streams bf16 rows).
-template <bool QK_NORM, bool SLICED, bool TRACED, bool FP8 = false>
+// the phases and stamps a block does not take). CODES: the rows too wide for slices stream as that
+// format's codes (streams_codes; not with q/k norms, whose Qkv phase streams bf16 rows).
+template <bool QK_NORM, bool SLICED, bool TRACED, uint32_t CODES = BF16_ROWS>
 __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& program, const ModelArgs& m, uint32_t phases, uint32_t layers,
                                           bf16* out, bf16* hidden, uint32_t d, uint32_t step, unsigned* phase_done, uint32_t red_rows,
                                           uint64_t* trace) {
@@ -33,6 +33,7 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
     // The launcher checks these.
     if (phases > PROGRAM_MAX_PHASES || layers > PROGRAM_MAX_LAYERS || m.pos0 >= m.prompt_end || m.prompt_end > m.max_seq || m.max_new == 0) __trap();
     if (threadIdx.x == 0) trace_row = nullptr;  // set per phase in the traced instances only
+    fill_codebook<CODES>(ring);
     const Walk<PROGRAM_MAX_LAYERS> walk{program, phases, layers};
     const uint32_t per_step = phases * layers;
     // Phase f's q/k norm weights: null at compile time in the instance for models without them.
@@ -54,13 +55,13 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
         return !TRACED ? nullptr : trace + (((size_t)(io.step - step) * gridDim.x + blockIdx.x) * (per_step + 1) + f) * TRACE_STAMPS;
     };
     uint32_t f = walk.next_own(0, per_step);
-    static_assert(!(QK_NORM && FP8), "the q/k-norm Qkv phase streams bf16 rows");
-    if (f < per_step) prime_inputs<SLICED, FP8>(walk.op(f), ring, io.pos, norms(f));
+    static_assert(!(QK_NORM && CODES != BF16_ROWS), "the q/k-norm Qkv phase streams bf16 rows");
+    if (f < per_step) prime_inputs<SLICED, CODES>(walk.op(f), ring, io.pos, norms(f));
     for (;;) {
         while (f < per_step) {
-            run_phase<PROGRAM_MAX_LAYERS, SLICED, TRACED, !QK_NORM, false, FP8>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, trace_at(f), norms(f));
+            run_phase<PROGRAM_MAX_LAYERS, SLICED, TRACED, !QK_NORM, false, CODES>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, trace_at(f), norms(f));
             f = walk.next_own(f + 1, per_step);
-            if (f < per_step) prime_inputs<SLICED, FP8>(walk.op(f), ring, io.pos, norms(f));
+            if (f < per_step) prime_inputs<SLICED, CODES>(walk.op(f), ring, io.pos, norms(f));
         }
         const uint32_t pos = io.pos;
         bool stop = false;
@@ -94,7 +95,7 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
         __syncthreads();  // the next step's io is written
         // The next position's first weights (the ring is free: the last phase ended on finish_phase).
         f = walk.next_own(0, per_step);
-        if (f < per_step) prime_inputs<SLICED, FP8>(walk.op(f), ring, pos + 1, norms(f));
+        if (f < per_step) prime_inputs<SLICED, CODES>(walk.op(f), ring, pos + 1, norms(f));
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         m.done[0] = io.step - step + 1;

@@ -70,11 +70,11 @@ __device__ inline void finish_phase(unsigned* phase_done, uint32_t counter) {
 
 // Starts loading what phase `op` reads that no phase of this step writes, before the block waits for
 // the phases it depends on: a GEMV phase's first weights, or an attention phase's cached rows.
-// `qk_norms`: the layer's q/k norm weights, or null (see qkv_unit). FP8: as streams_fp8.
-template <bool SLICED, bool FP8 = false>
+// `qk_norms`: the layer's q/k norm weights, or null (see qkv_unit). CODES: as streams_codes.
+template <bool SLICED, uint32_t CODES = BF16_ROWS>
 __device__ void prime_inputs(const OpRow& op, const Ring& ring, uint32_t pos, const bf16* qk_norms) {
     if (op[0] == OP_ATTENTION) prime_attention(op, pos, ring.data);
-    else prime_phase<SLICED, FP8>(op, ring, qk_norms);
+    else prime_phase<SLICED, CODES>(op, ring, qk_norms);
 }
 
 // Attention as a call of its own. In the model kernels' instances without q/k norms, inlined, ptxas's
@@ -94,9 +94,9 @@ __device__ __noinline__ void attention_call(const OpRow& op, uint32_t pos, uint4
 // ptxas saves the caller's registers around it (the model kernel spilled 120 bytes when the inliner
 // left phase_gateup out). ATTN_CALL: attention through attention_call (the model kernels' instances
 // without q/k norms). SPLIT: the split kernel's, which also runs Reduce rows (op_reduce.cuh); the other
-// kernels' instances compile none of it, so their machine code is what it was. FP8: the model kernel's
-// instances for fp8 checkpoints (streams_fp8).
-template <uint32_t TABLES, bool SLICED, bool TRACED = false, bool ATTN_CALL = false, bool SPLIT = false, bool FP8 = false>
+// kernels' instances compile none of it, so their machine code is what it was. CODES: the model
+// kernel's instances for fp8 and nf4 checkpoints (streams_codes).
+template <uint32_t TABLES, bool SLICED, bool TRACED = false, bool ATTN_CALL = false, bool SPLIT = false, uint32_t CODES = BF16_ROWS>
 __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, bool chained, const StepIo& io, unsigned* phase_done,
                                           Ring& ring, const Partials& part, uint64_t* trace_at, const bf16* qk_norms) {
     const OpRow op = walk.op(f);
@@ -118,15 +118,15 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
         case OP_NOP: break;
         case OP_QKV:
             if (qk_norms != nullptr) phase_qkv_normed<TRACED>(op, x_l, io.pos, ring, part, qk_norms);
-            else phase_qkv<SLICED, TRACED, FP8>(op, x_l, io.pos, ring, part);
+            else phase_qkv<SLICED, TRACED, CODES>(op, x_l, io.pos, ring, part);
             break;
         case OP_ATTENTION:
             if (ATTN_CALL) attention_call<TRACED>(op, io.pos, ring.data);
             else phase_attention<TRACED>(op, io.pos, ring.data, true);
             break;
-        case OP_O_PROJ: phase_oproj<SLICED, TRACED, FP8>(op, x_l, ring, part); break;
-        case OP_GATE_UP: phase_gateup<SLICED, TRACED, FP8>(op, ring, part); break;
-        case OP_DOWN: phase_down<SLICED, TRACED, FP8>(op, out_l, ring, part); break;
+        case OP_O_PROJ: phase_oproj<SLICED, TRACED, CODES>(op, x_l, ring, part); break;
+        case OP_GATE_UP: phase_gateup<SLICED, TRACED, CODES>(op, ring, part); break;
+        case OP_DOWN: phase_down<SLICED, TRACED, CODES>(op, out_l, ring, part); break;
         default: __trap();  // an unknown opcode is a broken program
     }
     finish_phase(phase_done, f % walk.phases);

@@ -164,11 +164,32 @@ __device__ inline bool in_slices(uint32_t cols) { return row_slices(cols / VEC) 
 // first slice, its counterpart there in the others.
 __device__ inline uint32_t column_thread(uint32_t cols) { return threadIdx.x & ((THREADS >> slices_log2(cols / VEC)) - 1); }
 
+// What a GEMV's rows hold for each 16-byte vector (8 columns) of x, by format: bf16 weights (16 bytes),
+// e4m3 codes (8: the fp8 stream, run_codes) or nf4 codes (4: the nf4 stream). A kernel instance's CODES
+// names the format its wide rows stream in (BF16_ROWS: none but bf16).
+constexpr uint32_t BF16_ROWS = 16;
+constexpr uint32_t E4M3_CODES = 8;
+constexpr uint32_t NF4_CODES = 4;
+
 // The fp8 stream's scales: one f32 for each FP8_SCALE_COLS columns of a packed row (the checkpoint's
 // blocks of 128 x 128 as transformers and Qwen3's FP8 checkpoints have them, expanded to each row by
-// the loader: megakernel/src/model/fp8_stream.rs), FP8_SCALE_VECS of a thread's 16-byte vectors of x.
+// the loader: megakernel/src/model/code_stream.rs), FP8_SCALE_VECS of a thread's 16-byte vectors of x.
 constexpr uint32_t FP8_SCALE_COLS = 128;
 constexpr uint32_t FP8_SCALE_VECS = FP8_SCALE_COLS / VEC;
+// The nf4 stream's: one f32 (the block's absmax, double quantisation resolved by the loader) for each
+// NF4_SCALE_COLS columns, bitsandbytes' usual block.
+constexpr uint32_t NF4_SCALE_COLS = 64;
+
+// Columns a scale covers in rows of a format's codes.
+template <uint32_t VEC_BYTES>
+__host__ __device__ constexpr uint32_t scale_cols() { return VEC_BYTES == NF4_CODES ? NF4_SCALE_COLS : FP8_SCALE_COLS; }
+
+// Bytes of codes a stage holds at most: an nf4 stage half a slot, so that its scales (twice fp8's for
+// each byte of codes: a scale per 64 weights at half a byte each) fit slots of 4 KB, and the partials
+// beside them still the rows of a block of Llama-3.1-8B's GateUp (megakernel/src/model/gpu.rs sizes
+// them). 32 KB of codes is 64 KB of bf16 weights: the stream's bytes in flight stay what it needs.
+template <uint32_t VEC_BYTES>
+__host__ __device__ constexpr uint32_t stage_code_bytes() { return VEC_BYTES == NF4_CODES ? STAGE_BYTES / 2 : STAGE_BYTES; }
 
 // Eight e4m3 codes (the first in the low byte) as their values in f32, in order: each pair made f16x2
 // by one conversion, exact (every e4m3 value is an f16), and widened.
@@ -183,41 +204,82 @@ __device__ inline void fp8_values8(uint2 codes, float (&f)[VEC]) {
     }
 }
 
-// The fused fp8 product of one vector (fp8_values8's c) with x's 8 values, added to acc: the products
-// summed from zero in order, then times the scale of the vector's FP8_SCALE_COLS columns. No weight is
-// rounded to bf16 (the loader's form took about 5 instructions a weight, this one about 3.5); a decode
-// step's run_fp8 and a batch step's run_group both take it, so each lane of a batch step is its decode
-// step's bits.
-__device__ inline float fp8_fused8(const float (&c)[VEC], float scale, const float (&x)[VEC], float acc) {
+// bitsandbytes' NF4 code values, code 0 to 15 (its quant_map; the loader streams bf16 for a weight
+// whose quant_map is not these bits).
+__constant__ float NF4_VALUES[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f, -0.18477343022823334f,
+                                     -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+                                     0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+constexpr uint32_t NF4_BOOK_BYTES = 16 * 4;
+
+// Eight nf4 codes as their values in f32, in order: the packing puts code e of a vector at bits 4e of
+// its word (megakernel/src/model/code_stream.rs), and each names an entry of the codebook in shared
+// memory (16 floats in 16 banks: a warp's lookups never conflict).
+__device__ inline void nf4_values8(uint32_t word, const float* book, float (&f)[VEC]) {
+#pragma unroll
+    for (uint32_t e = 0; e < VEC; ++e) f[e] = book[(word >> (4 * e)) & 0xF];
+}
+
+// The fused product of one vector of code values c (fp8_values8's or nf4_values8's) with x's 8 values,
+// added to acc: the products summed from zero in order, then times the scale of the vector's columns.
+// No weight is rounded to bf16 (the loader's form took about 5 instructions a weight, this one about
+// 3.5 for e4m3); a decode step's run_codes and a batch step's run_group both take it, so each lane of
+// a batch step is its decode step's bits.
+__device__ inline float fused8(const float (&c)[VEC], float scale, const float (&x)[VEC], float acc) {
     float d = 0.0f;
 #pragma unroll
     for (uint32_t e = 0; e < VEC; ++e) d = fmaf(c[e], x[e], d);
     return fmaf(d, scale, acc);
 }
 
-// A stage's scales in shared memory (run_fp8): one slot per ring slot, filled by a second bulk copy on
-// the slot's mbarrier, so that the scales are in shared memory when the codes are. A stage's rows hold
-// at most STAGE_BYTES codes, so at most STAGE_BYTES / FP8_SCALE_COLS scales of 4 bytes.
+// A stage's scales in shared memory (run_codes): one slot per ring slot, filled by a second bulk copy
+// on the slot's mbarrier, so that the scales are in shared memory when the codes are. A stage's rows
+// hold at most stage_code_bytes codes, so for fp8 at most STAGE_BYTES / FP8_SCALE_COLS scales of 4 bytes.
 constexpr uint32_t FP8_SCALE_SLOT_BYTES = STAGE_BYTES / FP8_SCALE_COLS * 4;
 constexpr uint32_t FP8_SCALE_SLOTS_BYTES = STAGES * FP8_SCALE_SLOT_BYTES;
+constexpr uint32_t NF4_SCALE_SLOT_BYTES = stage_code_bytes<NF4_CODES>() * 2 / NF4_SCALE_COLS * 4;
+template <uint32_t VEC_BYTES>
+__host__ __device__ constexpr uint32_t scale_slot_bytes() { return VEC_BYTES == NF4_CODES ? NF4_SCALE_SLOT_BYTES : FP8_SCALE_SLOT_BYTES; }
+// What an instance of a format's codes keeps at the end of its dynamic shared memory: the scale slots,
+// and for nf4 the codebook after them (megakernel/src/model/code_stream.rs mirrors these).
+constexpr uint32_t NF4_TAIL_BYTES = STAGES * NF4_SCALE_SLOT_BYTES + NF4_BOOK_BYTES;
+template <uint32_t VEC_BYTES>
+__host__ __device__ constexpr uint32_t code_tail_bytes() { return VEC_BYTES == NF4_CODES ? NF4_TAIL_BYTES : FP8_SCALE_SLOTS_BYTES; }
 
-// The scale slots: the last FP8_SCALE_SLOTS_BYTES of the block's dynamic shared memory (which starts
-// at the ring), left past the partials by the launcher of an fp8 instance (megakernel/src/model/gpu.rs).
-__device__ inline float* fp8_scale_slots(const Ring& ring) {
+// The end of the block's dynamic shared memory (which starts at the ring).
+__device__ inline char* dynamic_end(const Ring& ring) {
     uint32_t bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-    return reinterpret_cast<float*>(reinterpret_cast<char*>(ring.data) + bytes - FP8_SCALE_SLOTS_BYTES);
+    return reinterpret_cast<char*>(ring.data) + bytes;
 }
 
-// What a stream of e4m3 codes copies beside them: its matrix's scales (rows of `groups` f32, after the
-// codes) into fp8_scale_slots(). bf16 rows have none, and their RowStream no such members.
+// The scale slots of a format's codes: the first of code_tail_bytes at the end of the block's dynamic
+// shared memory, left past the partials by the launcher of a coded instance (megakernel/src/model/gpu.rs).
+template <uint32_t VEC_BYTES = E4M3_CODES>
+__device__ inline float* scale_slots(const Ring& ring) {
+    return reinterpret_cast<float*>(dynamic_end(ring) - code_tail_bytes<VEC_BYTES>());
+}
+
+// The nf4 codebook: the last NF4_BOOK_BYTES of the dynamic shared memory.
+__device__ inline float* nf4_book(const Ring& ring) { return reinterpret_cast<float*>(dynamic_end(ring) - NF4_BOOK_BYTES); }
+
+// An nf4 instance writes its codebook once, as it starts; the first read of it follows a stage's wait,
+// which next_stage begins with a __syncthreads, so every thread sees it written.
+template <uint32_t CODES>
+__device__ inline void fill_codebook(const Ring& ring) {
+    if constexpr (CODES == NF4_CODES) {
+        if (threadIdx.x < 16) nf4_book(ring)[threadIdx.x] = NF4_VALUES[threadIdx.x];
+    }
+}
+
+// What a stream of codes copies beside them: its matrix's scales (rows of `groups` f32, after the
+// codes) into scale_slots(). bf16 rows have none, and their RowStream no such members.
 template <uint32_t VEC_BYTES>
-struct StreamScales {};
-template <>
-struct StreamScales<8> {
+struct StreamScales {
     const float* scales = nullptr;
     uint32_t groups = 0;
 };
+template <>
+struct StreamScales<BF16_ROWS> {};
 
 // The largest power of two at most v (1 for v < 2).
 __host__ __device__ constexpr uint32_t floor_pow2(uint32_t v) { return v < 2 ? 1 : 2 * floor_pow2(v / 2); }
@@ -231,22 +293,23 @@ __host__ __device__ constexpr uint32_t floor_pow2(uint32_t v) { return v < 2 ? 1
 // stages with the whole ring primed (up to six times the bytes primed below 4096 columns) made
 // Llama-3.2-1B 23% slower on the H200; full stages with one primed (SOLO_PRIMED), 11% faster
 // (docs/perf.md, "Full stages for the batch step" and "Qwen3's Qkv in full stages").
-// VEC_BYTES: the bytes a row holds for each 16-byte vector of the input: 16 for bf16 weights, 8 for
-// e4m3 codes (the fp8 stream: run_fp8).
-template <uint32_t VPT, uint32_t VEC_BYTES = 16>
+// VEC_BYTES: the bytes a row holds for each 16-byte vector of the input: BF16_ROWS, or a format's codes
+// (E4M3_CODES, NF4_CODES: run_codes).
+template <uint32_t VPT, uint32_t VEC_BYTES = BF16_ROWS>
 struct RowStream : StreamScales<VEC_BYTES> {
     static constexpr uint32_t VECS_PER_THREAD = VPT;
+    static constexpr uint32_t CODE_BYTES = VEC_BYTES;
     // As many rows a slice as a stage holds, rounded down to a power of two (bf16's are already).
-    static constexpr uint32_t SLICE_ROWS = floor_pow2(STAGE_BYTES / VEC_BYTES / (THREADS * VPT));
-    static_assert(SLICE_ROWS * THREADS * VPT * VEC_BYTES <= STAGE_BYTES, "a row must fit a ring stage");
-    // Rows run_rows sums side by side: a slice's, but half of an fp8 stage's, whose fused products hold
-    // a partial a vector beside each row's sum (all of them at once spilled 332 bytes).
-    static constexpr uint32_t PASS_ROWS = VEC_BYTES == 8 && SLICE_ROWS > 1 ? SLICE_ROWS / 2 : SLICE_ROWS;
+    static constexpr uint32_t SLICE_ROWS = floor_pow2(stage_code_bytes<VEC_BYTES>() / VEC_BYTES / (THREADS * VPT));
+    static_assert(SLICE_ROWS * THREADS * VPT * VEC_BYTES <= stage_code_bytes<VEC_BYTES>(), "a row must fit a ring stage");
+    // Rows run_rows sums side by side: a slice's, but half of a coded stage's, whose fused products hold
+    // a partial a vector beside each row's sum (all of an fp8 stage's at once spilled 332 bytes).
+    static constexpr uint32_t PASS_ROWS = VEC_BYTES != BF16_ROWS && SLICE_ROWS > 1 ? SLICE_ROWS / 2 : SLICE_ROWS;
     // Rows per reduce_scatter in run_group: two where a slice's rows pair up.
     static constexpr uint32_t ROWS_PER_SUM = SLICE_ROWS % 2 == 0 ? 2 : 1;
     // So that a stage's rows (SLICE_ROWS times the slices) are a power of two: nstages is a shift.
     static_assert((SLICE_ROWS & (SLICE_ROWS - 1)) == 0, "a power of two");
-    const bf16* w;  // (rows, vecs * VEC); for fp8, the codes (rows, vecs * VEC bytes) viewed as bf16 pairs
+    const bf16* w;  // (rows, vecs * VEC); for codes, the codes (rows, vecs * VEC_BYTES bytes) viewed as bf16 pairs
     uint32_t vecs, r0, n, slices, stage_rows, nstages;
     // Whether row_source may name an in-place source: false in the one-layer kernel, where the compiler
     // then drops every read of it (they cost the graded layer 10 us, docs/perf.md).
@@ -262,7 +325,7 @@ struct RowStream : StreamScales<VEC_BYTES> {
     // "The fp8 batch step's fault, bisected").
     __device__ RowStream rows(uint32_t c0, uint32_t c1) const {
         RowStream sub(w, vecs, c0, c1, in_place, true);
-        if constexpr (VEC_BYTES == 8) {
+        if constexpr (VEC_BYTES != BF16_ROWS) {
             sub.scales = this->scales;
             sub.groups = this->groups;
         }
@@ -278,12 +341,12 @@ struct RowStream : StreamScales<VEC_BYTES> {
         if (threadIdx.x != 0 || st >= nstages) return;
         const uint32_t k = ring.seq + st;
         uint4* slot = ring.data + (k % STAGES) * (STAGE_BYTES / 16);
-        if constexpr (VEC_BYTES == 8) {
+        if constexpr (VEC_BYTES != BF16_ROWS) {
             // The stage's rows' scales, consecutive after the codes as its rows are: one more copy on the
             // slot's barrier, counted with the codes', so that a stage lands with its scales.
             const uint32_t scale_bytes = stage_count(st) * this->groups * 4;
             mbar_expect_tx(&ring.full[k % STAGES], stage_count(st) * vecs * VEC_BYTES + scale_bytes);
-            bulk_copy(fp8_scale_slots(ring) + (k % STAGES) * (FP8_SCALE_SLOT_BYTES / 4), this->scales + (size_t)(r0 + st * stage_rows) * this->groups, scale_bytes,
+            bulk_copy(scale_slots<VEC_BYTES>(ring) + (k % STAGES) * (scale_slot_bytes<VEC_BYTES>() / 4), this->scales + (size_t)(r0 + st * stage_rows) * this->groups, scale_bytes,
                       &ring.full[k % STAGES], l2_evict_first());
             bulk_copy(slot, stage_src(st), stage_count(st) * vecs * VEC_BYTES, &ring.full[k % STAGES], l2_evict_first());
             return;
@@ -329,8 +392,18 @@ struct RowStream : StreamScales<VEC_BYTES> {
         });
     }
 
-    // run() for rows of e4m3 codes: each vector of a row's codes dotted with x in the fused form
-    // (fp8_fused8), its scale that of its FP8_SCALE_COLS columns from the stage's scale slot (issue
+    // Slot row i's codes for 16-byte vector `vec` of x as their values (into c); `book`: the nf4
+    // codebook (nf4_book), unread for e4m3.
+    __device__ void values8(const uint4* slot, uint32_t i, uint32_t vec, const float* book, float (&c)[VEC]) const {
+        if constexpr (VEC_BYTES == E4M3_CODES) fp8_values8(reinterpret_cast<const uint2*>(slot)[i * vecs + vec], c);
+        else nf4_values8(reinterpret_cast<const uint32_t*>(slot)[i * vecs + vec], book, c);
+    }
+
+    // The codebook values8 reads: the nf4 one, or none.
+    __device__ static const float* codebook(const Ring& ring) { return VEC_BYTES == NF4_CODES ? nf4_book(ring) : nullptr; }
+
+    // run() for rows of codes: each vector of a row's codes dotted with x in the fused form
+    // (fused8), its scale that of its scale_cols columns from the stage's scale slot (issue
     // copied them there with the codes); the threads' partials, their butterflies and the warps' order
     // are run()'s. A stage's rows past its count are stale slot memory whose sums are never stored;
     // their scales are read at its last row, within what the stage's copy wrote. The slice is widened
@@ -338,26 +411,27 @@ struct RowStream : StreamScales<VEC_BYTES> {
     // vectors but perhaps the last, and for that one a thread past the row computes on the row's last
     // vector and keeps acc, so that the rows' loads and arithmetic interleave as in the probe's
     // unguarded loop.
-    __device__ void run_fp8(const Slice& s, Ring& ring, Partials part) const {
-        static_assert(VEC_BYTES == 8, "e4m3 rows");
+    __device__ void run_codes(const Slice& s, Ring& ring, Partials part) const {
+        static_assert(VEC_BYTES != BF16_ROWS, "rows of codes");
         float x[VPT][VEC];
 #pragma unroll
         for (uint32_t v = 0; v < VPT; ++v) widen8(s.h[v], x[v]);
         // code_values8's read, spelled out with the slots' base hoisted: calling it moved the fp8 decode
         // instances' machine code by 128-384 bytes, which no GPU has timed.
-        const float* slots = fp8_scale_slots(ring);
+        const float* slots = scale_slots<VEC_BYTES>(ring);
+        const float* book = codebook(ring);
         run_rows(s, ring, part, [&](const uint4* slot, uint32_t st, uint32_t i, uint32_t v, float acc) {
             const uint32_t vec = v * THREADS + threadIdx.x, at = min(vec, vecs - 1);
-            const float* stage_scales = slots + (ring.seq + st) % STAGES * (FP8_SCALE_SLOT_BYTES / 4);
-            const float scale = stage_scales[min(i, stage_count(st) - 1) * this->groups + at / FP8_SCALE_VECS];
+            const float* stage_scales = slots + (ring.seq + st) % STAGES * (scale_slot_bytes<VEC_BYTES>() / 4);
+            const float scale = stage_scales[min(i, stage_count(st) - 1) * this->groups + at / (scale_cols<VEC_BYTES>() / VEC)];
             float c[VEC];
-            fp8_values8(reinterpret_cast<const uint2*>(slot)[i * vecs + at], c);
-            const float sum = fp8_fused8(c, scale, x[v], acc);
+            values8(slot, i, at, book, c);
+            const float sum = fused8(c, scale, x[v], acc);
             return v + 1 < VPT || vec < vecs ? sum : acc;
         });
     }
 
-    // The walk of run() and run_fp8: dot(slot, st, i, v, acc) adds to acc the products of slot row i's
+    // The walk of run() and run_codes: dot(slot, st, i, v, acc) adds to acc the products of slot row i's
     // vector t + v * THREADS of stage st (thread t's v-th) with this thread's v-th vector of the slice,
     // where the row has that vector (acc as it was where not).
     template <typename Dot>
@@ -394,13 +468,13 @@ struct RowStream : StreamScales<VEC_BYTES> {
     }
 
     // run_group's codes: slot row i's for 16-byte vector `vec` of x in stage st as their values (into
-    // c), and returns their scale, from the stage's scale slot as run_fp8 reads it (rows past the
+    // c), and returns their scale, from the stage's scale slot as run_codes reads it (rows past the
     // stage's count at its last row: their sums are never stored).
     __device__ float code_values8(const Ring& ring, const uint4* slot, uint32_t st, uint32_t i, uint32_t vec, float (&c)[VEC]) const {
-        static_assert(VEC_BYTES == 8, "e4m3 rows");
-        fp8_values8(reinterpret_cast<const uint2*>(slot)[i * vecs + vec], c);
-        const float* stage_scales = fp8_scale_slots(ring) + (ring.seq + st) % STAGES * (FP8_SCALE_SLOT_BYTES / 4);
-        return stage_scales[min(i, stage_count(st) - 1) * this->groups + vec / FP8_SCALE_VECS];
+        static_assert(VEC_BYTES != BF16_ROWS, "rows of codes");
+        values8(slot, i, vec, codebook(ring), c);
+        const float* stage_scales = scale_slots<VEC_BYTES>(ring) + (ring.seq + st) % STAGES * (scale_slot_bytes<VEC_BYTES>() / 4);
+        return stage_scales[min(i, stage_count(st) - 1) * this->groups + vec / (scale_cols<VEC_BYTES>() / VEC)];
     }
 
     // Several input vectors against the same rows, the weights read once for all of them, R =
@@ -412,8 +486,8 @@ struct RowStream : StreamScales<VEC_BYTES> {
     // (scatter_mask<N>() / G), so that value rp G + p is reduce_scatter's. red[(g n + r - r0)][warp]
     // = warp `warp` of run()'s partial of row r with vector g < live; the warps run() has without
     // columns are the caller's to zero (their +0.0 partials). Each vector's products, their order per
-    // thread (dot8's; for codes, fp8_fused8's), its butterfly and row_sum's warp order are run()'s (or
-    // run_fp8's), so each vector's sums are bitwise those of run() (run_fp8) alone, whatever the other
+    // thread (dot8's; for codes, fused8's), its butterfly and row_sum's warp order are run()'s (or
+    // run_codes's), so each vector's sums are bitwise those of run() (run_codes) alone, whatever the other
     // vectors are. Needs prime(); advances ring.seq.
     template <uint32_t G>
     __device__ void run_group(const float (&h)[G][VPT][VEC], uint32_t live, Ring& ring, Partials part) const {
@@ -442,11 +516,11 @@ struct RowStream : StreamScales<VEC_BYTES> {
                     for (uint32_t v = 0; v < VPT; ++v) {
                         if (t + v * THREADS >= vecs) continue;
                         float w[VEC];
-                        if constexpr (VEC_BYTES == 8) {
-                            // The codes' values once for the group; each vector's fused product as run_fp8's.
+                        if constexpr (VEC_BYTES != BF16_ROWS) {
+                            // The codes' values once for the group; each vector's fused product as run_codes's.
                             const float scale = code_values8(ring, slot, st, i, v * THREADS + t, w);
 #pragma unroll
-                            for (uint32_t p = 0; p < G; ++p) acc[rp * G + p] = fp8_fused8(w, scale, h[p][v], acc[rp * G + p]);
+                            for (uint32_t p = 0; p < G; ++p) acc[rp * G + p] = fused8(w, scale, h[p][v], acc[rp * G + p]);
                             continue;
                         }
                         widen8(slot[i * vecs + v * THREADS + t], w);

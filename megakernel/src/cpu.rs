@@ -10,7 +10,7 @@ use reference::golden::{self, KvCache, RopeTable, Weights};
 use spec::{Config, Tensor};
 
 #[cfg(feature = "model")]
-use super::model::fp8_stream;
+use super::model::code_stream::{self, Format};
 use super::pack::{self, Groups, Packing, qkv_source};
 use super::program::{self, Buffers, LayerBuffers, Op, Plan, Row, Split, attn, down, gateup, oproj, qkv};
 
@@ -84,9 +84,9 @@ pub struct CpuStack {
     /// Down's; and, split over GPUs, the partials its last part left for a Reduce row (0: none yet).
     parts_so_far: Vec<Part>,
     partials_left: i64,
-    /// The decode program's tables where its wide GEMVs stream fp8 (`stream_fp8`), as the model
-    /// kernel's fp8 instances read them; None: the layers' own.
-    fp8: Option<Vec<[i64; program::LAYER_WORDS]>>,
+    /// The decode program's tables where its wide GEMVs stream codes (`stream_codes`), and their
+    /// format, as the model kernel's coded instances read them; None: the layers' own.
+    coded: Option<(Format, Vec<[i64; program::LAYER_WORDS]>)>,
 }
 
 /// One part of a GEMV split by columns: its weights' and its input's addresses, and its columns.
@@ -290,34 +290,42 @@ impl CpuStack {
             program,
             parts_so_far: Vec::new(),
             partials_left: 0,
-            fp8: None,
+            coded: None,
         }
     }
 
-    /// From here on, the decode program of the model kernel's fp8 instances: each layer's wide GEMVs
-    /// from its fp8 codes and scales (`layers`, whose dequantised weights this stack was built from),
-    /// packed by `fp8_stream`, each weight read as the loader's (`fp8_stream::unpack`): a check of the
-    /// packing and the program, whose sums part from the kernel's fused products by the weights'
-    /// rounding to bf16. Fails as `fp8_stream::layer_matrices` fails.
+    /// From here on, the decode program of the model kernel's instances for `format`'s codes: each
+    /// layer's wide GEMVs from its codes and scales (`layers`, whose dequantised weights this stack was
+    /// built from), packed by `code_stream`, each weight read as the loader's (`code_stream::unpack`): a
+    /// check of the packing and the program, whose sums part from the kernel's fused products by the
+    /// weights' rounding to bf16. Fails as `code_stream::layer_matrices` fails.
     #[cfg(feature = "model")]
-    pub fn stream_fp8(&mut self, plan: Plan, layers: &[fp8_stream::Fp8Layer]) -> Result<(), String> {
+    pub fn stream_codes(
+        &mut self,
+        format: Format,
+        plan: Plan,
+        layers: &[code_stream::CodedLayer],
+    ) -> Result<(), String> {
         let mut tables = Vec::with_capacity(layers.len());
         for (buffers, layer) in self.layers.iter().zip(layers) {
-            let packed = fp8_stream::layer_matrices(&self.cfg, plan, layer)?;
+            let packed = code_stream::layer_matrices(format, &self.cfg, plan, layer)?;
             let placed: Vec<_> = packed.matrices.iter().map(|(slot, bytes)| (*slot, self.arena.alloc(bytes))).collect();
-            tables.push(fp8_stream::table(buffers.table(), &placed));
+            tables.push(code_stream::table(buffers.table(), &placed));
         }
-        self.program = fp8_stream::decode_rows(&self.cfg, plan, &self.program);
-        self.fp8 = Some(tables);
+        self.program = code_stream::decode_rows(format, &self.cfg, plan, &self.program);
+        self.coded = Some((format, tables));
         Ok(())
     }
 
-    /// `rows` rows of `cols` weights from `w`: fp8 where the decode program streams it (`stream_fp8`),
-    /// bf16 otherwise.
+    /// `rows` rows of `cols` weights from `w`: codes where the decode program streams them
+    /// (`stream_codes`), bf16 otherwise.
     fn weights(&self, w: i64, rows: usize, cols: usize) -> Vec<bf16> {
         #[cfg(feature = "model")]
-        if self.fp8.is_some() && fp8_stream::streams_fp8(cols) {
-            return fp8_stream::unpack(self.arena.bytes(w as u64, fp8_stream::packed_bytes(rows, cols)), rows, cols);
+        if let Some((format, _)) = self.coded
+            && code_stream::streams_codes(cols)
+        {
+            let bytes = self.arena.bytes(w as u64, format.packed_bytes(rows, cols));
+            return code_stream::unpack(format, bytes, rows, cols);
         }
         self.arena.bf16(w, rows * cols)
     }
@@ -352,7 +360,7 @@ impl CpuStack {
 
     /// Row `row` of layer `l`, whose input is `x`.
     pub(crate) fn run_row(&mut self, l: usize, row: &Row, x: &[bf16], pos: usize) -> Ran {
-        let table = self.fp8.as_ref().map_or_else(|| self.layers[l].table(), |t| t[l]);
+        let table = self.coded.as_ref().map_or_else(|| self.layers[l].table(), |(_, t)| t[l]);
         let row = program::resolve_row(row, &table);
         let in_place = self.layers[l].in_place;
         match Op::from_word(row[0]).unwrap_or_else(|| panic!("unknown opcode {}", row[0])) {

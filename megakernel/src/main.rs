@@ -23,7 +23,7 @@ use spec::rng::{bits, stream_key};
     name = "megakernel",
     about = "Run a Hugging Face Llama-family checkpoint with the megakernel: a whole generation in one launch",
     after_help = "Supported: model_type \"llama\" (Llama 2, 3, 3.1, 3.2 with plain or llama3-scaled RoPE, TinyLlama, SmolLM2, \
-                  ...) and \"qwen3\", bf16, f16 or f32 safetensors, or quantised in bitsandbytes nf4 or fine-grained fp8 (read into bf16). Anything else is refused naming the config field. Needs an \
+                  ...) and \"qwen3\", bf16, f16 or f32 safetensors, or quantised in bitsandbytes nf4 or fine-grained fp8 (read into bf16, their codes streamed where rows are wider than 2048 columns). Anything else is refused naming the config field. Needs an \
                   H100/H200 (sm_90)."
 )]
 struct Cli {
@@ -43,9 +43,9 @@ struct ModelArgs {
     /// The CUDA device.
     #[arg(long, default_value_t = 0)]
     device: usize,
-    /// Stream an fp8 checkpoint's weights as bf16 (as the loader dequantised them) rather than as
-    /// their e4m3 codes, which decode steps stream where rows are wider than 2048 columns: outputs that
-    /// part from the codes' fused products by the weights' rounding to bf16, for timing one stream
+    /// Stream a quantised checkpoint's weights as bf16 (as the loader dequantised them) rather than as
+    /// their fp8 or nf4 codes, which decode steps stream where rows are wider than 2048 columns: outputs
+    /// that part from the codes' fused products by the weights' rounding to bf16, for timing one stream
     /// against the other.
     #[arg(long)]
     bf16_stream: bool,
@@ -89,7 +89,8 @@ enum Command {
         /// the global timer around each phase) and print where a token's time goes: per kind of phase,
         /// its time on the critical path as the hand-off from the phase before, the median block's work
         /// and what the blocks later than the median add. An fp8 checkpoint whose decode steps stream
-        /// codes is traced streaming them (with --bf16-stream, streaming bf16).
+        /// codes is traced streaming them (with --bf16-stream, streaming bf16); an nf4 checkpoint is
+        /// traced streaming bf16 (its instances have no traced twin), and the trace says so.
         #[arg(long)]
         trace: bool,
     },
@@ -363,6 +364,9 @@ fn bench(args: &ModelArgs, tokens: usize, reps: usize, batch: usize, trace: bool
         bench_batch(&dev, &mut model, cfg.bos.unwrap_or(0), tokens, reps, batch, one_launch)?;
     }
     if trace {
+        if model.streams_codes() && !model.traces_codes() {
+            out!("the traced launch streams bf16: the nf4 instances have no traced twin");
+        }
         print_trace(&model.trace(&dev, &start, tokens)?);
     }
     Ok(())
@@ -479,7 +483,7 @@ fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) ->
         format!("logits beside the CPU model's, worst of {positions} positions {worst:.3e} (at most {tol:.2e})"),
     );
     out!("     greedy token equal to the CPU model's at {agree} of {positions} positions (a near-tie may differ)");
-    // An fp8 checkpoint whose decode steps stream its codes: the same positions again through the bf16
+    // A quantised checkpoint whose decode steps stream its codes: the same positions again through the bf16
     // stream of the loader's weights (the caches written again). The codes' fused products round no
     // weight to bf16, so the two part by those roundings alone: held to the CPU model's bound.
     if model.streams_codes() {
@@ -491,7 +495,7 @@ fn check(args: &ModelArgs, positions: usize, batch: usize, seed: Option<u64>) ->
         verdict(
             apart <= tol,
             format!(
-                "decode steps streaming the fp8 codes beside the bf16 stream of the loader's weights, worst of \
+                "decode steps streaming the codes beside the bf16 stream of the loader's weights, worst of \
                  {positions} positions {apart:.3e} (at most {tol:.2e})"
             ),
         );

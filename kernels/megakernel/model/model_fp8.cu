@@ -7,5 +7,5 @@
 // fp8). Their own file: model.cu's instances keep the machine code that was measured.
 #include "model.cuh"
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_fp8(MODEL_PARAMS) { run_model<false, false, false, true>(MODEL_ARGS, nullptr); }
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_fp8(MODEL_PARAMS) { run_model<false, true, false, true>(MODEL_ARGS, nullptr); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_fp8(MODEL_PARAMS) { run_model<false, false, false, E4M3_CODES>(MODEL_ARGS, nullptr); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_fp8(MODEL_PARAMS) { run_model<false, true, false, E4M3_CODES>(MODEL_ARGS, nullptr); }

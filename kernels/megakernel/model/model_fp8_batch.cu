@@ -3,4 +3,4 @@
 // lane is still the bits of its own decode step. Its own file, as model_fp8.cu's instances have theirs.
 #include "model.cuh"
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_batch_fp8(BATCH_PARAMS) { run_batch<true>(BATCH_ARGS); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_batch_fp8(BATCH_PARAMS) { run_batch<E4M3_CODES>(BATCH_ARGS); }

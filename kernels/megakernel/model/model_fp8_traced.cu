@@ -4,5 +4,5 @@
 // file: in model_fp8.cu they changed the machine code of the instances measured there.
 #include "model.cuh"
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_traced_fp8(MODEL_TRACE_PARAMS) { run_model<false, false, true, true>(MODEL_ARGS, trace); }
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_traced_fp8(MODEL_TRACE_PARAMS) { run_model<false, true, true, true>(MODEL_ARGS, trace); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_traced_fp8(MODEL_TRACE_PARAMS) { run_model<false, false, true, E4M3_CODES>(MODEL_ARGS, trace); }
+extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_traced_fp8(MODEL_TRACE_PARAMS) { run_model<false, true, true, E4M3_CODES>(MODEL_ARGS, trace); }

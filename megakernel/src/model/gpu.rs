@@ -16,12 +16,11 @@ use spec::Config;
 use spec::bytes::ByteModel;
 use submission::{Layer, SubmissionError, device_address};
 
-use super::fp8_stream::{self, Fp8Layer};
+use super::code_stream::{self, CodedLayer, Format};
 use super::hf::{ModelConfig, ModelWeights};
-use super::quantized::Quantization;
 use super::request::{Lane, Limits, MAX_EOS, Stop};
 use super::together::generate_together;
-use crate::kernels::model::{MODEL, MODEL_FP8, MODEL_FP8_BATCH, MODEL_FP8_TRACED};
+use crate::kernels::model::{MODEL, MODEL_FP8, MODEL_FP8_BATCH, MODEL_FP8_TRACED, MODEL_NF4};
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
 use crate::program;
 use crate::stack::{CompiledStack, ProgramParam, StackOptions, Target, fit_one_block, rows_beside};
@@ -112,9 +111,9 @@ pub fn batch_refusal(lanes: &[Lane], sequences: usize, context: usize, vocab: us
     None
 }
 
-/// The batch step's kernel (`megakernel_model_batch_bf16`, or `megakernel_model_batch_fp8` beside an
-/// fp8 decode): its row partials take all the shared memory the ring (and an fp8 stream's scale slots)
-/// leaves, so that a group of lanes fits as many rows as it can.
+/// The batch step's kernel (`megakernel_model_batch_bf16`, or a coded decode's `_fp8` or `_nf4`): its row
+/// partials take all the shared memory the ring (and a code stream's tail: its scale slots, nf4's
+/// codebook) leaves, so that a group of lanes fits as many rows as it can.
 struct BatchKernel {
     func: CudaFunction,
     smem: u32,
@@ -122,7 +121,7 @@ struct BatchKernel {
 }
 
 /// The batch step's kernel `name` of `file`, its partials all the room the ring and `slots` bytes at the
-/// end of its shared memory (an fp8 stream's scale slots, or none) leave (at least the `red_rows` a
+/// end of its shared memory (a code stream's tail, or none) leave (at least the `red_rows` a
 /// block of any layer phase needs for one lane).
 fn batch_kernel(
     dev: &Device,
@@ -159,35 +158,50 @@ fn model_kernel(qk_norm: bool, narrow: bool, traced: bool) -> &'static str {
     }
 }
 
-/// The model kernel's instance that streams an fp8 checkpoint's wide rows as codes
-/// (`kernels/megakernel/model/model_fp8.cu`): for layers with rows narrow enough for slices (`narrow`)
-/// or without. `traced`: its twin (`model_fp8_traced.cu`).
-fn fp8_kernel(narrow: bool, traced: bool) -> &'static str {
-    match (traced, narrow) {
-        (false, true) => "megakernel_model_sliced_fp8",
-        (false, false) => "megakernel_model_fp8",
-        (true, true) => "megakernel_model_sliced_traced_fp8",
-        (true, false) => "megakernel_model_traced_fp8",
+/// The model kernel's instance that streams a quantised checkpoint's wide rows as codes of `format`
+/// (`kernels/megakernel/model/model_fp8.cu`, `model_nf4.cu`): for layers with rows narrow enough for
+/// slices (`narrow`) or without. `traced`: its twin (`model_fp8_traced.cu`; nf4's have none: None).
+fn coded_kernel(format: Format, narrow: bool, traced: bool) -> Option<&'static str> {
+    Some(match (format, traced, narrow) {
+        (Format::Fp8, false, true) => "megakernel_model_sliced_fp8",
+        (Format::Fp8, false, false) => "megakernel_model_fp8",
+        (Format::Fp8, true, true) => "megakernel_model_sliced_traced_fp8",
+        (Format::Fp8, true, false) => "megakernel_model_traced_fp8",
+        (Format::Nf4, false, true) => "megakernel_model_sliced_nf4",
+        (Format::Nf4, false, false) => "megakernel_model_nf4",
+        (Format::Nf4, true, _) => return None,
+    })
+}
+
+/// The kernel file of `format`'s decode instances, and of its batch step with that kernel's name.
+fn coded_files(format: Format) -> (&'static Kernel, &'static Kernel, &'static str) {
+    match format {
+        Format::Fp8 => (&MODEL_FP8, &MODEL_FP8_BATCH, "megakernel_model_batch_fp8"),
+        Format::Nf4 => (&MODEL_NF4, &MODEL_NF4, "megakernel_model_batch_nf4"),
     }
 }
 
 /// What a model's decode steps stream its quantised GEMVs as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightStream {
-    /// As the checkpoint stores them where the kernel can (an fp8 checkpoint's wide rows as codes,
-    /// `fp8_stream`), else bf16.
+    /// As the checkpoint stores them where the kernel can (a quantised checkpoint's wide rows as codes,
+    /// `code_stream`), else bf16.
     AsStored,
-    /// bf16 throughout (an fp8 checkpoint's weights as the loader dequantised them), for comparing the
-    /// two streams: outputs that part from the codes' fused products by the weights' rounding to bf16.
+    /// bf16 throughout (a quantised checkpoint's weights as the loader dequantised them), for comparing
+    /// the two streams: outputs that part from the codes' fused products by the weights' rounding to bf16.
     Bf16,
 }
 
-/// The decode step of an fp8 checkpoint (`fp8_stream`): the fp8 instance of the model kernel, its
-/// program (the bf16 program's rows and tables with the fp8 matrices in), and those matrices.
-struct Fp8Decode {
+/// The decode step of a quantised checkpoint that streams its codes (`code_stream`): the format's
+/// instance of the model kernel, its program (the bf16 program's rows and tables with the coded
+/// matrices in), and those matrices.
+struct CodedDecode {
+    format: Format,
     func: CudaFunction,
-    /// The partials' rows: the bf16 program's less the room of the stages' scales
-    /// (`fp8_stream::FP8_SCALE_SLOTS_BYTES`), which the instance keeps at the end of the same shared memory.
+    /// Its shared memory: the ring, `red_rows` rows of partials and the format's tail
+    /// (`Format::tail_bytes`), which the instance keeps at the end; the stack's own where its partials
+    /// leave the tail room for a layer's rows.
+    smem: u32,
     red_rows: u32,
     program: Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>,
     /// Bytes a decode step streams less than the bf16 stream, over every layer.
@@ -199,68 +213,72 @@ struct Fp8Decode {
     _packed: Vec<CudaSlice<u8>>,
 }
 
-impl Fp8Decode {
-    /// The fp8 decode of `stack` (compiled for `cfg`'s layers of shape `layer`) from the checkpoint's
-    /// `fp8` layers: `Ok(Err(why))` where it cannot be (`fp8_stream::refusal`, or a weight `pack` does
-    /// not take), and the model then streams bf16.
+impl CodedDecode {
+    /// The coded decode of `stack` (compiled for `cfg`'s layers of shape `layer`) from the checkpoint's
+    /// `coded` layers: `Ok(Err(why))` where it cannot be (`code_stream::refusal`, or a weight `pack`
+    /// does not take), and the model then streams bf16.
     fn build(
         dev: &Device,
         cfg: &ModelConfig,
         layer: &Config,
         stack: &CompiledStack,
-        fp8: &[Fp8Layer],
+        coded: &[CodedLayer],
         progress: &mut dyn FnMut(&str),
-    ) -> Result<Result<Fp8Decode, String>, GpuModelError> {
-        if let Some(why) = fp8_stream::refusal(layer, stack.layout, fp8, cfg.qk_norm, stack.in_place) {
+    ) -> Result<Result<CodedDecode, String>, GpuModelError> {
+        if let Some(why) = code_stream::refusal(layer, stack.layout, coded, cfg.qk_norm, stack.in_place) {
             return Ok(Err(why));
         }
+        let format = code_stream::format_of(coded).expect("refusal holds a checkpoint without codes");
         let (mut tables, mut packed, mut saved, mut matrices) = (Vec::new(), Vec::new(), 0, 0);
-        for (l, (fp8_layer, bf16_table)) in fp8.iter().zip(&stack.tables).enumerate() {
-            progress(&format!("packing layer {} of {}'s fp8 codes", l + 1, fp8.len()));
-            let m = match fp8_stream::layer_matrices(layer, stack.layout, fp8_layer) {
+        for (l, (coded_layer, bf16_table)) in coded.iter().zip(&stack.tables).enumerate() {
+            progress(&format!("packing layer {} of {}'s {} codes", l + 1, coded.len(), format.name()));
+            let m = match code_stream::layer_matrices(format, layer, stack.layout, coded_layer) {
                 Ok(m) => m,
                 Err(why) => return Ok(Err(format!("layer {l}: {why}"))),
             };
             let mut placed = Vec::new();
             for (slot, bytes) in &m.matrices {
-                let up = dev.stream().clone_htod(bytes).context(format!("uploading layer {l}'s fp8 {slot:?}"))?;
+                let what = format!("uploading layer {l}'s {} {slot:?}", format.name());
+                let up = dev.stream().clone_htod(bytes).context(what)?;
                 placed.push((*slot, device_address(dev, &up)));
                 packed.push(up);
             }
-            tables.push(fp8_stream::table(*bf16_table, &placed));
+            tables.push(code_stream::table(*bf16_table, &placed));
             (saved, matrices) = (saved + m.saved, m.matrices.len());
         }
-        let scale_rows = (fp8_stream::FP8_SCALE_SLOTS_BYTES / (WARPS as usize * 4)) as u32;
-        let red_rows = stack.red_rows.saturating_sub(scale_rows);
-        if (red_rows as usize) < stack.lane_rows {
-            return Ok(Err(format!(
-                "a block's rows of a phase need {} rows of partials, which leave no room for the stream's scales",
-                stack.lane_rows
-            )));
-        }
-        let rows = fp8_stream::decode_rows(layer, stack.layout, &stack.rows);
+        // The stack's shared memory where its partials leave the tail room for a layer's rows (the LM head
+        // streams through fewer a chunk at a time); else more, where the card has it.
+        let tail_rows = (format.tail_bytes() / (WARPS as usize * 4)) as u32;
+        let red_rows = stack.red_rows.saturating_sub(tail_rows).max(stack.lane_rows as u32);
+        let smem = RING_BYTES + (red_rows + tail_rows) * WARPS * 4;
+        let rows = code_stream::decode_rows(format, layer, stack.layout, &stack.rows);
         let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
-        let func = dev.function(&MODEL_FP8, fp8_kernel(has_narrow_rows(layer), false))?;
-        fit_one_block(&func, stack.smem, "the fp8 model kernel")?;
-        // Where its partials would not fit beside the scale slots, the model streams bf16 and says why.
-        let slots = fp8_stream::FP8_SCALE_SLOTS_BYTES;
-        let batch = match batch_kernel(dev, &MODEL_FP8_BATCH, "megakernel_model_batch_fp8", stack.lane_rows, slots) {
+        let (decode_file, batch_file, batch_name) = coded_files(format);
+        let name = coded_kernel(format, has_narrow_rows(layer), false).expect("every format has a timed instance");
+        let func = dev.function(decode_file, name)?;
+        match fit_one_block(&func, smem, "the coded model kernel") {
+            Ok(()) => {}
+            Err(SubmissionError::Unsupported(why)) => return Ok(Err(why)),
+            Err(e) => return Err(e.into()),
+        }
+        // Where its partials would not fit beside the tail, the model streams bf16 and says why.
+        let batch = match batch_kernel(dev, batch_file, batch_name, stack.lane_rows, format.tail_bytes()) {
             Ok(batch) => batch,
             Err(SubmissionError::Unsupported(why)) => return Ok(Err(why)),
             Err(e) => return Err(e.into()),
         };
-        Ok(Ok(Fp8Decode { func, red_rows, program, saved, matrices, batch, _packed: packed }))
+        Ok(Ok(CodedDecode { format, func, smem, red_rows, program, saved, matrices, batch, _packed: packed }))
     }
 }
 
 /// Which instance of the model kernel a launch runs.
 enum Instance<'a> {
-    /// The timed one: the fp8 instance where the decode steps stream codes and the stream allows, else
+    /// The timed one: the coded instance where the decode steps stream codes and the stream allows, else
     /// the bf16 one.
     Timed(WeightStream),
-    /// The traced twin (of the fp8 instance where the decode steps stream codes), stamping into room for
-    /// every position the launch may run, zeroed.
-    Traced(&'a CudaFunction, &'a mut CudaSlice<u64>),
+    /// The traced twin (of the coded instance where the decode steps stream codes and the format has
+    /// one: `coded`), stamping into room for every position the launch may run, zeroed.
+    Traced { func: &'a CudaFunction, stamps: &'a mut CudaSlice<u64>, coded: bool },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -303,8 +321,8 @@ pub struct GpuModel {
     /// `grid * heads`).
     stack: CompiledStack,
     program: Box<ProgramParam<{ program::MAX_STACK_LAYERS }>>,
-    /// An fp8 checkpoint's decode steps, where they stream codes; else why not (for the summary).
-    fp8: Result<Fp8Decode, String>,
+    /// A quantised checkpoint's decode steps, where they stream codes; else why not (for the summary).
+    coded: Result<CodedDecode, String>,
     batch: BatchKernel,
     heads: u32,
     embed: CudaSlice<bf16>,
@@ -384,8 +402,8 @@ impl GpuModel {
         let program =
             ProgramParam::new(&stack.rows, &stack.tables).expect("rows and tables within the parameter block");
         let batch = batch_kernel(dev, &MODEL, "megakernel_model_batch_bf16", stack.lane_rows, 0)?;
-        let fp8 = match stream {
-            WeightStream::AsStored => Fp8Decode::build(dev, cfg, &layer, &stack, &weights.fp8, progress)?,
+        let coded = match stream {
+            WeightStream::AsStored => CodedDecode::build(dev, cfg, &layer, &stack, &weights.coded, progress)?,
             WeightStream::Bf16 => Err("bf16 asked for".into()),
         };
         let grid = stack.grid as usize;
@@ -406,7 +424,7 @@ impl GpuModel {
             layer,
             stack,
             program,
-            fp8,
+            coded,
             batch,
             heads: 0,
             embed,
@@ -431,22 +449,25 @@ impl GpuModel {
     /// f16 or f32 checkpoint).
     pub fn streams(&self) -> Option<String> {
         let q = self.cfg.quantized?;
-        Some(match &self.fp8 {
+        Some(match &self.coded {
             Ok(f) => format!(
-                "{}: decode steps stream the rows wider than {} columns as e4m3 codes, a scale a row per {} columns \
+                "{}: decode steps stream the rows wider than {} columns as {} codes, a scale a row per {} columns \
                  ({} GEMV matrices a layer), the rest bf16; {:.2} GB a token at position 0 against bf16's {:.2}, \
                  which a floor counts; batch steps stream the same codes",
                 q.name(),
                 crate::kernels::SLICED_MAX_COLS,
-                fp8_stream::FP8_SCALE_COLS,
+                match f.format {
+                    Format::Fp8 => "e4m3",
+                    Format::Nf4 => "nf4",
+                },
+                f.format.scale_cols(),
                 f.matrices,
                 self.bytes_at(0) as f64 / 1e9,
                 (self.bytes_at(0) + f.saved) as f64 / 1e9
             ),
-            Err(why) if matches!(q, Quantization::Fp8 { .. }) => {
+            Err(why) => {
                 format!("{} read into bf16 and streamed as bf16 ({why}), so a floor counts bf16's bytes", q.name())
             }
-            Err(_) => format!("{} read into bf16; the kernel streams bf16, so a floor counts bf16's bytes", q.name()),
         })
     }
 
@@ -464,9 +485,15 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Whether the decode steps stream an fp8 checkpoint's codes (`fp8_stream`).
+    /// Whether the decode steps stream a quantised checkpoint's codes (`code_stream`).
     pub fn streams_codes(&self) -> bool {
-        self.fp8.is_ok()
+        self.coded.is_ok()
+    }
+
+    /// Whether a trace runs the instance that streams the codes (nf4's decode instances have no traced
+    /// twin: a trace of an nf4 checkpoint runs its bf16 stream).
+    pub fn traces_codes(&self) -> bool {
+        self.coded.as_ref().is_ok_and(|c| coded_kernel(c.format, false, true).is_some())
     }
 
     /// `decode_step` through the bf16 stream of the loader's weights, where the decode steps stream
@@ -536,9 +563,9 @@ impl GpuModel {
             (batch.token[i], batch.pos[i], batch.seq[i]) = (l.token, l.pos as u32, l.seq as u32);
         }
         let args = self.model_args(dev, 0, 0, 1, &[]);
-        // An fp8 decode's batch step streams its codes, through its program (the bf16 program's with the
-        // fp8 matrices in).
-        let (program, k) = match &self.fp8 {
+        // A coded decode's batch step streams its codes, through its program (the bf16 program's with the
+        // coded matrices in).
+        let (program, k) = match &self.coded {
             Ok(f) => (&*f.program, &f.batch),
             Err(_) => (&*self.program, &self.batch),
         };
@@ -549,8 +576,8 @@ impl GpuModel {
         let mut l = dev.stream().launch_builder(&k.func);
         l.arg(program).arg(&args).arg(&batch).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&k.red_rows);
-        // SAFETY: megakernel_model_batch_bf16 or _fp8 (program and model as for the model kernel (launch),
-        // the fp8 one's program with its matrices packed as fp8_stream packs them; batch:
+        // SAFETY: megakernel_model_batch_bf16, _fp8 or _nf4 (program and model as for the model kernel
+        // (launch), a coded one's program with its matrices packed as code_stream packs them; batch:
         // BatchArgs by value, 1 to MAX_BATCH lanes, each token in the vocabulary, position within the
         // caches and sequence within those allocated (sequences x cache_elems per layer's K and V, at
         // cache_stride), lanes of a sequence consecutive (batch_refusal); act_stride the arena's lane
@@ -642,14 +669,21 @@ impl GpuModel {
     /// The traced instance's launch from `pos0`, the tokens from there `given` (checked by the caller).
     fn traced(&mut self, dev: &Device, pos0: usize, given: &[u32], max_new: usize) -> Result<Trace, GpuModelError> {
         let b = &self.stack;
-        // Loaded here, not with the stack: only a trace runs it. The fp8 twin where the decode steps stream
-        // codes (launch runs it with the fp8 program).
+        // Loaded here, not with the stack: only a trace runs it. The coded twin where the decode steps
+        // stream codes and the format has one (launch runs it with the coded program).
         let narrow = has_narrow_rows(&self.layer);
-        let traced = match &self.fp8 {
-            Ok(_) => dev.function(&MODEL_FP8_TRACED, fp8_kernel(narrow, true))?,
-            Err(_) => dev.function(&MODEL, model_kernel(self.cfg.qk_norm, narrow, true))?,
+        let coded = self.traces_codes();
+        let traced = match &self.coded {
+            Ok(c) if coded => {
+                dev.function(&MODEL_FP8_TRACED, coded_kernel(c.format, narrow, true).expect("traces_codes"))?
+            }
+            _ => dev.function(&MODEL, model_kernel(self.cfg.qk_norm, narrow, true))?,
         };
-        fit_one_block(&traced, b.smem, "the traced model kernel")?;
+        let smem = match &self.coded {
+            Ok(c) if coded => c.smem,
+            _ => b.smem,
+        };
+        fit_one_block(&traced, smem, "the traced model kernel")?;
         let (grid, layers, per_step) = (b.grid as usize, b.layers() as usize, (b.phases() * b.layers()) as usize + 1);
         let plan: Vec<_> = b.plan.iter().map(|p| p.op).collect();
         let positions = (given.len() + max_new - 1).min(self.context() - pos0);
@@ -657,8 +691,8 @@ impl GpuModel {
             .stream()
             .alloc_zeros::<u64>(positions * grid * per_step * TRACE_STAMPS)
             .context("allocating the trace")?;
-        let ([ran, _], kernel_ms) =
-            self.launch(dev, pos0, given, max_new, &[], Instance::Traced(&traced, &mut stamps))?;
+        let instance = Instance::Traced { func: &traced, stamps: &mut stamps, coded };
+        let ([ran, _], kernel_ms) = self.launch(dev, pos0, given, max_new, &[], instance)?;
         let mut stamps = dev.stream().clone_dtoh(&stamps).context("reading the trace")?;
         stamps.truncate(ran as usize * grid * per_step * TRACE_STAMPS);
         Ok(Trace { stamps, grid, plan, layers, head: true, prompt: given.len(), kernel_ms })
@@ -668,7 +702,7 @@ impl GpuModel {
     /// the final norm read, the logits written.
     pub fn bytes_at(&self, pos: usize) -> u64 {
         let (d, vocab) = (self.layer.d as u64, self.cfg.vocab as u64);
-        let saved = self.fp8.as_ref().map_or(0, |f| f.saved);
+        let saved = self.coded.as_ref().map_or(0, |f| f.saved);
         ByteModel::stack_at(&self.layer, pos).total + 2 * vocab * d + 2 * d + 4 * vocab - saved
     }
 
@@ -725,32 +759,36 @@ impl GpuModel {
         let args = self.model_args(dev, pos0, pos0 + given.len(), max_new, eos);
         let b = &mut self.stack;
         let hidden = self.hidden.as_ref().map_or(0, |h| device_address(dev, h));
-        let (cfg, phases, layers) = (b.launch_config(b.smem), b.phases(), b.layers());
-        // A decode or a trace of an fp8 checkpoint runs the fp8 program, with the fp8 instances' fewer
-        // partials, where it has one (`traced` chose the fp8 twin then), unless the decode asks for bf16.
-        let (func, program, red_rows, stamps) = match (instance, &self.fp8) {
-            (Instance::Traced(f, t), Ok(fp8)) => (f, &fp8.program, fp8.red_rows, Some(t)),
-            (Instance::Traced(f, t), Err(_)) => (f, &self.program, b.red_rows, Some(t)),
-            (Instance::Timed(WeightStream::AsStored), Ok(fp8)) => (&fp8.func, &fp8.program, fp8.red_rows, None),
-            (Instance::Timed(_), _) => (&b.func, &self.program, b.red_rows, None),
+        let (phases, layers) = (b.phases(), b.layers());
+        // A decode or a trace of a quantised checkpoint runs the coded program, with the coded instances'
+        // shared memory and partials, where it has one (and for a trace, where `traced` chose the coded
+        // twin), unless the decode asks for bf16.
+        let (func, program, smem, red_rows, stamps) = match (instance, &self.coded) {
+            (Instance::Traced { func, stamps, coded: true }, Ok(c)) => {
+                (func, &c.program, c.smem, c.red_rows, Some(stamps))
+            }
+            (Instance::Traced { func, stamps, .. }, _) => (func, &self.program, b.smem, b.red_rows, Some(stamps)),
+            (Instance::Timed(WeightStream::AsStored), Ok(c)) => (&c.func, &c.program, c.smem, c.red_rows, None),
+            (Instance::Timed(_), _) => (&b.func, &self.program, b.smem, b.red_rows, None),
         };
+        let cfg = b.launch_config(smem);
         let mut l = s.launch_builder(func);
         l.arg(&**program).arg(&args).arg(&phases).arg(&layers).arg(&mut self.out).arg(&hidden);
         l.arg(&b.d).arg(&b.cursor.step).arg(&mut b.phase_done).arg(&red_rows);
         if let Some(t) = stamps {
             l.arg(t);
         }
-        // SAFETY: megakernel_model_bf16 and its instances (the fp8 ones and their traced twins too, whose program
-        // names packed fp8 matrices of the layout model_fp8.cu reads: fp8_stream) take (program:
+        // SAFETY: megakernel_model_bf16 and its instances (the coded ones and their traced twins too, whose
+        // program names packed matrices of the layout model_fp8.cu and model_nf4.cu read: code_stream) take (program:
         // Program<MAX_STACK_LAYERS> by value, model: ModelArgs by value (its buffers allocated above:
         // logits (vocab), candidates (grid), tokens (max_seq + 1), done (2)), phases, layers, out (d),
         // hidden ((layers - 1) x d or null for one layer), d, step, phase_done (MAX_PHASES + 1),
-        // red_rows: the stack's, or for the fp8 instance the fewer that leave the stages' scales their last
-        // FP8_SCALE_SLOTS_BYTES of the same smem), and the traced instance a trace of (positions, grid, layers * phases + 1,
+        // red_rows: the stack's, or for a coded instance its own, which leave its tail the last
+        // Format::tail_bytes of its smem), and the traced instance a trace of (positions, grid, layers * phases + 1,
         // TRACE_STAMPS) u64 for every position it may run (`trace`); pos0 < prompt_end <= max_seq and
         // max_new >= 1 (checked by the callers); the grid is co-resident (occupancy-sized; the
         // cooperative launch fails rather than run otherwise), smem as CompiledStack::build sized it with the
-        // head's rows.
+        // head's rows, or as CodedDecode::build sized it.
         let ms =
             dev.time_ms(|| unsafe { l.launch_cooperative(cfg) }.map(drop).context("launching the model kernel"))?;
         let done = s.clone_dtoh(&self.done).context("reading what the launch ran")?;
@@ -783,25 +821,35 @@ mod tests {
     }
 
     /// Every instance the model launches is an entry point of its file: model.cu's bf16 ones and their
-    /// traced twins, model_fp8.cu's fp8 ones and model_fp8_traced.cu's twins of those.
+    /// traced twins, model_fp8.cu's fp8 ones and model_fp8_traced.cu's twins of those, model_nf4.cu's
+    /// nf4 ones, and each format's batch step.
     #[test]
     fn the_model_kernels_named_are_entry_points() {
         let bf16 = include_str!("../../../kernels/megakernel/model/model.cu");
         let fp8 = include_str!("../../../kernels/megakernel/model/model_fp8.cu");
         let fp8_traced = include_str!("../../../kernels/megakernel/model/model_fp8_traced.cu");
+        let fp8_batch = include_str!("../../../kernels/megakernel/model/model_fp8_batch.cu");
+        let nf4 = include_str!("../../../kernels/megakernel/model/model_nf4.cu");
         for (qk_norm, narrow, traced) in (0..8).map(|i| (i & 1 == 1, i & 2 == 2, i & 4 == 4)) {
             let params = if traced { "MODEL_TRACE_PARAMS" } else { "MODEL_PARAMS" };
             let name = model_kernel(qk_norm, narrow, traced);
             assert!(bf16.contains(&format!(" {name}({params})")), "{name} is not a kernel of model.cu");
         }
         for narrow in [false, true] {
-            let name = fp8_kernel(narrow, false);
+            let name = coded_kernel(Format::Fp8, narrow, false).unwrap();
             assert!(fp8.contains(&format!(" {name}(MODEL_PARAMS)")), "{name} is not a kernel of model_fp8.cu");
-            let name = fp8_kernel(narrow, true);
+            let name = coded_kernel(Format::Fp8, narrow, true).unwrap();
             assert!(
                 fp8_traced.contains(&format!(" {name}(MODEL_TRACE_PARAMS)")),
                 "{name} is not a kernel of model_fp8_traced.cu"
             );
+            let name = coded_kernel(Format::Nf4, narrow, false).unwrap();
+            assert!(nf4.contains(&format!(" {name}(MODEL_PARAMS)")), "{name} is not a kernel of model_nf4.cu");
+            assert_eq!(coded_kernel(Format::Nf4, narrow, true), None);
+        }
+        for (format, file) in [(Format::Fp8, fp8_batch), (Format::Nf4, nf4)] {
+            let name = coded_files(format).2;
+            assert!(file.contains(&format!(" {name}(BATCH_PARAMS)")), "{name} is not a kernel of its file");
         }
     }
 

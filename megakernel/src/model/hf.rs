@@ -18,7 +18,7 @@ use serde::Deserialize;
 use spec::Config;
 use spec::data::{LayerWeights, Tensor};
 
-use super::quantized::fp8::Fp8Matrix;
+use super::quantized::Coded;
 use super::quantized::{Part, Quantization};
 
 #[derive(Debug, thiserror::Error)]
@@ -305,10 +305,10 @@ pub struct ModelWeights {
     /// Each layer's q and k norm weights (`hd` each) when the model has them (`ModelConfig::qk_norm`),
     /// else empty.
     pub qk_norms: Vec<[Vec<bf16>; 2]>,
-    /// An fp8 checkpoint's layers as stored: each weight's codes and scales where it was quantised (the
-    /// norms never are), beside its bf16 in `layers` (the model kernel may stream them:
-    /// `model::fp8_stream`); empty for any other checkpoint.
-    pub fp8: Vec<LayerWeights<Option<Fp8Matrix>>>,
+    /// A quantised checkpoint's layers as stored: each weight's codes and scales where it was quantised
+    /// (the norms never are), beside its bf16 in `layers` (the model kernel may stream them:
+    /// `model::code_stream`); empty for any other checkpoint.
+    pub coded: Vec<LayerWeights<Option<Coded>>>,
 }
 
 impl ModelWeights {
@@ -320,12 +320,12 @@ impl ModelWeights {
     /// Reads every tensor of `cfg`'s model from `dir`'s safetensors files, each checked for its name
     /// and shape.
     pub fn read(dir: &Path, cfg: &ModelConfig) -> Result<ModelWeights, ModelError> {
-        let (mut got, mut fp8) = read_tensors(dir, &wanted(cfg), cfg.quantized)?;
+        let (mut got, mut coded) = read_tensors(dir, &wanted(cfg), cfg.quantized)?;
         let mut weights = Self::from_tensors(cfg, |name, _| {
             Ok(got.remove(name).expect("read_tensors returns every tensor asked for"))
         })?;
-        if !fp8.is_empty() {
-            weights.fp8 = layer_weights(&cfg.layer, |name| fp8.remove(name));
+        if !coded.is_empty() {
+            weights.coded = layer_weights(&cfg.layer, |name| coded.remove(name));
         }
         Ok(weights)
     }
@@ -349,7 +349,7 @@ impl ModelWeights {
             if cfg.qk_norm { (0..l.layers).map(|i| qk_names(i).map(|n| take(&n))).collect() } else { Vec::new() };
         let norm = take("model.norm.weight");
         let lm_head = (!cfg.tied).then(|| take("lm_head.weight"));
-        Ok(ModelWeights { embed, layers, norm, lm_head, qk_norms, fp8: Vec::new() })
+        Ok(ModelWeights { embed, layers, norm, lm_head, qk_norms, coded: Vec::new() })
     }
 }
 
@@ -524,18 +524,18 @@ fn tensor_files(dir: &Path) -> Result<BTreeMap<String, PathBuf>, ModelError> {
     Ok(index)
 }
 
-/// An fp8 checkpoint's weights as stored, by name.
-type Fp8ByName = HashMap<String, Fp8Matrix>;
+/// A quantised checkpoint's matrices as stored, by name.
+type CodedByName = HashMap<String, Coded>;
 
 /// The tensors `wanted` (name and shape), in bf16, by name: each file read once, each tensor checked
 /// for its shape and converted (f32 and f16 rounded to nearest even once; a weight stored in the
-/// type of the checkpoint's quantisation, `quantized`, dequantised); and each fp8 weight's codes and
-/// scales, by name.
+/// type of the checkpoint's quantisation, `quantized`, dequantised); and each quantised matrix's codes
+/// and scales, by name.
 fn read_tensors(
     dir: &Path,
     wanted: &[(String, Vec<usize>)],
     quantized: Option<Quantization>,
-) -> Result<(HashMap<String, Vec<bf16>>, Fp8ByName), ModelError> {
+) -> Result<(HashMap<String, Vec<bf16>>, CodedByName), ModelError> {
     let files = tensor_files(dir)?;
     let mut by_file: BTreeMap<&PathBuf, Vec<&(String, Vec<usize>)>> = BTreeMap::new();
     for w in wanted {
@@ -546,7 +546,7 @@ fn read_tensors(
         })?;
         by_file.entry(path).or_default().push(w);
     }
-    let (mut got, mut fp8) = (HashMap::with_capacity(wanted.len()), HashMap::new());
+    let (mut got, mut coded) = (HashMap::with_capacity(wanted.len()), HashMap::new());
     for (path, tensors) in by_file {
         let bytes = std::fs::read(path).map_err(|e| ModelError::Io { path: path.clone(), why: e.to_string() })?;
         let file =
@@ -573,7 +573,7 @@ fn read_tensors(
                     let (values, stored) = q.dequantize(name, shape, view.data(), part).map_err(bad)?;
                     got.insert(name.clone(), values);
                     if let Some(m) = stored {
-                        fp8.insert(name.clone(), m);
+                        coded.insert(name.clone(), m);
                     }
                     continue;
                 }
@@ -584,7 +584,7 @@ fn read_tensors(
             got.insert(name.clone(), element.to_bf16(view.data()));
         }
     }
-    Ok((got, fp8))
+    Ok((got, coded))
 }
 
 /// Tensor `name` of a quantised weight, or None where the checkpoint has none: from `file` (the

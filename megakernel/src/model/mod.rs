@@ -1,6 +1,6 @@
 //! A whole model as the megakernel runs it: a Hugging Face Llama-family checkpoint read from its
-//! directory (`hf`; bitsandbytes nf4 and fp8 weights dequantised as they are read, `quantized`, and an
-//! fp8 checkpoint's codes kept for the model kernel to stream, `fp8_stream`) with
+//! directory (`hf`; bitsandbytes nf4 and fp8 weights dequantised as they are read, `quantized`, and a
+//! quantised checkpoint's codes kept for the model kernel to stream, `code_stream`) with
 //! its tokenizer (`text`); its decode step on the CPU (`cpu`: the token's embedding, every decoder
 //! layer as the golden model computes it, the final norm, the LM head in f32 and a greedy argmax with
 //! a fixed tie rule); and the same on the GPU in one launch of the model kernel, for a decode step, a
@@ -10,8 +10,8 @@
 //! (`together`). Where a token's time goes in a traced launch is the crate's `trace`, which reads a
 //! stack's step the same way.
 
+pub mod code_stream;
 pub mod cpu;
-pub mod fp8_stream;
 pub mod gpu;
 pub mod hf;
 pub mod quantized;

@@ -12,8 +12,9 @@ use serde_json::json;
 use spec::Config;
 use spec::data::Tensor;
 
+use super::code_stream::NF4_VALUES;
 use super::hf::{ModelConfig, ModelError, ModelWeights};
-use super::quantized::Quantization;
+use super::quantized::{Coded, Quantization};
 use super::{CpuModel, Lane, Stop, Text, argmax, generate_together};
 
 /// A layer's tensors by their Hugging Face names below `model.layers.{i}.` (less `.weight`): its two
@@ -565,7 +566,8 @@ fn fixture(variant: &str, expected: &str) -> (PathBuf, Vec<u8>, Vec<u8>) {
 
 /// A checkpoint transformers saved with bitsandbytes nf4, without and with double quantisation
 /// (`tests/fixtures`, written by `scripts/nf4_fixture.py`): every quantised weight reads as bitsandbytes'
-/// own dequantisation of it, bit for bit, and every other tensor as it is stored.
+/// own dequantisation of it, bit for bit, and every other tensor as it is stored; each quantised
+/// weight's codes are kept as stored, with bitsandbytes' NF4 values (the nf4 stream's codebook).
 #[test]
 fn nf4_checkpoints_read_as_bitsandbytes_dequantises_them() {
     for variant in ["nf4", "nf4-double"] {
@@ -581,6 +583,10 @@ fn nf4_checkpoints_read_as_bitsandbytes_dequantises_them() {
             let name = format!("model.layers.0.{name}.weight");
             assert_eq!(stored.tensor(&name).unwrap().dtype(), Dtype::U8, "{variant}: {name} is stored quantised");
             assert_eq!(weights.layers[0].get(t), &bf16s(expected.tensor(&name).unwrap()), "{variant}: {name}");
+            let Some(Coded::Nf4(m)) = weights.coded[0].get(t) else { panic!("{variant}: {name}'s codes kept") };
+            assert_eq!(m.codes, stored.tensor(&name).unwrap().data(), "{variant}: {name}'s codes");
+            assert_eq!(m.quant_map, NF4_VALUES, "{variant}: {name}'s quant_map is the stream's codebook");
+            assert_eq!(&m.dequantize(), weights.layers[0].get(t), "{variant}: {name}'s codes make its weights");
         }
         for &(t, name) in norms {
             let name = format!("model.layers.0.{name}.weight");
@@ -589,7 +595,10 @@ fn nf4_checkpoints_read_as_bitsandbytes_dequantises_them() {
         assert_eq!(weights.embed, bf16s(stored.tensor("model.embed_tokens.weight").unwrap()));
         assert_eq!(weights.norm, bf16s(stored.tensor("model.norm.weight").unwrap()));
         assert_eq!(weights.lm_head.as_deref(), Some(bf16s(stored.tensor("lm_head.weight").unwrap()).as_slice()));
-        assert!(weights.fp8.is_empty(), "{variant}: no fp8 codes");
+        assert!(
+            norms.iter().all(|&(t, _)| weights.coded[0].get(t).is_none()),
+            "{variant}: the norms are not quantised"
+        );
     }
 }
 
@@ -618,14 +627,14 @@ fn fp8_checkpoints_read_as_transformers_dequantises_them() {
                 "{variant}: {name} is stored in e4m3 where it is a projection"
             );
             // Kept for the fp8 stream as stored: the codes, and the weights they make.
-            let kept = weights.fp8[0].get(t).as_ref();
+            let kept = weights.coded[0].get(t).as_ref();
             assert_eq!(kept.is_some(), quantised, "{variant}: {name}'s codes kept where it is quantised");
-            if let Some(m) = kept {
+            if let Some(Coded::Fp8(m)) = kept {
                 assert_eq!(m.codes, stored.tensor(&name).unwrap().data(), "{variant}: {name}'s codes");
                 assert_eq!(&m.dequantize(), weights.layers[0].get(t), "{variant}: {name}'s codes make its weights");
             }
         }
-        assert_eq!(weights.fp8.len(), cfg.layer.layers, "{variant}: every layer's codes");
+        assert_eq!(weights.coded.len(), cfg.layer.layers, "{variant}: every layer's codes");
         if qk_norm {
             assert_eq!(weights.qk_norms[0][0], want("model.layers.0.self_attn.q_norm.weight"));
             assert_eq!(weights.qk_norms[0][1], want("model.layers.0.self_attn.k_norm.weight"));

@@ -2,9 +2,8 @@
 //! (`Quantization`), and each quantised weight dequantised to bf16 as it is read, bit for bit as the
 //! library that wrote it dequantises it: bitsandbytes' nf4 (`nf4`), and transformers' fine-grained fp8
 //! (`fp8`). Any other method, or a variant of these the loader does not compute, is refused with a
-//! sentence that names it. nf4 weights then run as a bf16 checkpoint's do: the kernel streams bf16, so
-//! the floor and the speed are bf16's; fp8 weights keep their codes too, which the model kernel
-//! streams where its rows are wide (`model::fp8_stream`; docs/model.md).
+//! sentence that names it. A quantised matrix keeps its codes too (`Coded`), which the model kernel
+//! streams where its rows are wide (`model::code_stream`; docs/model.md).
 
 pub mod fp8;
 pub mod nf4;
@@ -21,6 +20,14 @@ pub enum Quantization {
     /// checkpoints are saved): a quantised weight is stored in e4m3 with one scale a block of
     /// `block` (rows, columns), or one for the whole weight where the config names no block (`fp8`).
     Fp8 { block: Option<[usize; 2]> },
+}
+
+/// A quantised matrix's codes and scales as its checkpoint stores them, kept beside its bf16 weights
+/// for the model kernel's code stream (`model::code_stream`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Coded {
+    Fp8(fp8::Fp8Matrix),
+    Nf4(nf4::Nf4Matrix),
 }
 
 /// A tensor of a quantised weight, as its file holds it.
@@ -80,21 +87,21 @@ impl Quantization {
         })
     }
 
-    /// Weight `name` of `shape`, stored as `data` in this quantisation's type, in bf16, and for fp8 the
-    /// codes and scales too (which the model kernel can stream as they are); `part(name)` gives any
-    /// other tensor of the checkpoint by its name, or None where it has none.
+    /// Weight `name` of `shape`, stored as `data` in this quantisation's type, in bf16, and where it is a
+    /// matrix its codes and scales too (which the model kernel can stream as they are); `part(name)`
+    /// gives any other tensor of the checkpoint by its name, or None where it has none.
     pub fn dequantize(
         self,
         name: &str,
         shape: &[usize],
         data: &[u8],
         mut part: impl FnMut(&str) -> Result<Option<Part>, String>,
-    ) -> Result<(Vec<bf16>, Option<fp8::Fp8Matrix>), String> {
+    ) -> Result<(Vec<bf16>, Option<Coded>), String> {
         match self {
-            Quantization::Nf4 => Ok((nf4::dequantize(shape, data, |suffix| part(&format!("{name}.{suffix}")))?, None)),
-            Quantization::Fp8 { block } => {
-                fp8::dequantize(shape, data, block, part(&fp8::scale_name(name))?).map(|(w, m)| (w, Some(m)))
-            }
+            Quantization::Nf4 => nf4::dequantize(shape, data, |suffix| part(&format!("{name}.{suffix}")))
+                .map(|(w, m)| (w, m.map(Coded::Nf4))),
+            Quantization::Fp8 { block } => fp8::dequantize(shape, data, block, part(&fp8::scale_name(name))?)
+                .map(|(w, m)| (w, Some(Coded::Fp8(m)))),
         }
     }
 }

@@ -28,14 +28,47 @@ struct State {
     nested_offset: Option<f64>,
 }
 
+/// A matrix of nf4 codes as its checkpoint stores it, kept beside its bf16 weights for the model
+/// kernel's nf4 stream (`model::code_stream`): `rows x cols` codes, two a byte over the elements in
+/// row-major order (the first in the high nibble), each block of `blocksize` elements' absmax in f32
+/// (double quantisation resolved as bitsandbytes resolves it), and the 16 values a code names.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Nf4Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub codes: Vec<u8>,
+    pub blocksize: usize,
+    pub absmax: Vec<f32>,
+    pub quant_map: Vec<f32>,
+}
+
+impl Nf4Matrix {
+    /// Element i's code.
+    pub fn code(&self, i: usize) -> u8 {
+        let byte = self.codes[i / 2];
+        if i.is_multiple_of(2) { byte >> 4 } else { byte & 0xF }
+    }
+
+    /// Element i's scale: its block's absmax.
+    pub fn scale(&self, i: usize) -> f32 {
+        self.absmax[i / self.blocksize]
+    }
+
+    /// Every element in bf16, as the loader reads a weight saved from bf16 (`weights`).
+    pub fn dequantize(&self) -> Vec<bf16> {
+        weights(self, bf16::from_f32)
+    }
+}
+
 /// The weight of `shape` whose packed codes are `packed`, from its other tensors (`part(suffix)`: the
 /// tensor named the weight's name, a dot and the suffix, or None where the checkpoint has none), in
-/// bf16: its dtype's rounding of each element, then bf16's (the same bits where the dtype is bf16).
+/// bf16: its dtype's rounding of each element, then bf16's (the same bits where the dtype is bf16);
+/// and where it is a matrix, its codes as stored (`Nf4Matrix`).
 pub fn dequantize(
     shape: &[usize],
     packed: &[u8],
     mut part: impl FnMut(&str) -> Result<Option<Part>, String>,
-) -> Result<Vec<bf16>, String> {
+) -> Result<(Vec<bf16>, Option<Nf4Matrix>), String> {
     let mut need = |suffix: &str| {
         part(suffix)?.ok_or_else(|| format!("uint8 without its '{suffix}': not a bitsandbytes nf4 weight"))
     };
@@ -63,13 +96,38 @@ pub fn dequantize(
         Dtype::U8 => nested(&absmax.data, blocks, &state, &mut need)?,
         other => return Err(format!("absmax in {other:?}: bitsandbytes writes f32, or uint8 codes")),
     };
-    Ok((0..elements)
-        .map(|i| {
-            let byte = packed[i / 2];
-            let code = if i % 2 == 0 { byte >> 4 } else { byte & 0xF };
-            round(quant_map[code as usize] * absmax[i / state.blocksize])
-        })
-        .collect())
+    let &[rows, cols] = shape else {
+        let m = Nf4Matrix {
+            rows: 1,
+            cols: elements,
+            codes: packed.to_vec(),
+            blocksize: state.blocksize,
+            absmax,
+            quant_map,
+        };
+        return Ok((weights(&m, round), None));
+    };
+    let m = Nf4Matrix { rows, cols, codes: packed.to_vec(), blocksize: state.blocksize, absmax, quant_map };
+    Ok((weights(&m, round), Some(m)))
+}
+
+/// Every element of `m` in bf16 as `round` makes its f32 product: `quant_map[code] * absmax`, the
+/// elements shared among the machine's threads (an 8B checkpoint has 7e9).
+fn weights(m: &Nf4Matrix, round: fn(f32) -> bf16) -> Vec<bf16> {
+    let mut out = vec![bf16::ZERO; m.rows * m.cols];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let each = out.len().div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (k, chunk) in out.chunks_mut(each).enumerate() {
+            scope.spawn(move || {
+                for (j, w) in chunk.iter_mut().enumerate() {
+                    let i = k * each + j;
+                    *w = round(m.quant_map[m.code(i) as usize] * m.scale(i));
+                }
+            });
+        }
+    });
+    out
 }
 
 /// Double quantisation: each block's scale from its uint8 code, `nested_quant_map[code] *
@@ -148,7 +206,8 @@ mod tests {
             &packed,
             parts(vec![(STATE, st), ("quant_map", f32s(&map())), ("absmax", f32s(&[1.0, 0.5, 3.0]))]),
         )
-        .unwrap();
+        .unwrap()
+        .0;
         let codes = [1, 15, 2, 14, 3, 13, 4, 12];
         let scale = [1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 3.0, 3.0];
         let want: Vec<bf16> = codes.iter().zip(scale).map(|(&c, s)| bf16::from_f32((c as f32 - 8.0) * s)).collect();
@@ -174,7 +233,8 @@ mod tests {
                 ("nested_absmax", f32s(&[2.0, 4.0])),
             ]),
         )
-        .unwrap();
+        .unwrap()
+        .0;
         // Block k's scale: map[code] * nested_absmax[k / 3] + 0.25; code 9 names 1.0.
         let scales = [1.0 * 2.0 + 0.25, 0.5 * 2.0 + 0.25, 0.25, 255.0 / 128.0 * 4.0 + 0.25];
         let want: Vec<bf16> = (0..8).map(|i| bf16::from_f32(scales[i / 2])).collect();
@@ -191,7 +251,8 @@ mod tests {
         m[9] = v;
         let got =
             dequantize(&[2], &[0x99], parts(vec![(STATE, st), ("quant_map", f32s(&m)), ("absmax", f32s(&[1.0]))]))
-                .unwrap();
+                .unwrap()
+                .0;
         assert_eq!(got, vec![bf16::from_f32(f16::from_f32(v).to_f32()); 2]);
         assert_ne!(got[0], bf16::from_f32(v));
     }

@@ -1,0 +1,668 @@
+//! A quantised checkpoint's matrices as the model kernel's coded instances stream them
+//! (`kernels/megakernel/model/model_fp8.cu` for fine-grained fp8, `model_nf4.cu` for bitsandbytes nf4):
+//! a decode step streams each GEMV whose rows are too wide for slices as its codes and scales (fp8: a
+//! byte a weight and an f32 scale per 128 columns, half of bf16's bytes; nf4: half a byte a weight and
+//! the block's absmax per 64 columns, 28% of bf16's), each vector of 8 codes' values dotted with x in
+//! f32 and the sum times its scale (the fused form: no weight rounded to bf16, so its outputs part from
+//! the bf16 stream of the loader's weights by those roundings); the batch step streams the same codes
+//! in the same arithmetic (`model_fp8_batch.cu`, `model_nf4.cu`), so its lanes stay the bits of their
+//! decode steps. Narrower rows, the LM head and the norms stream bf16 as before.
+//!
+//! A packed matrix is the bf16 packing's rows in the same order (`pack`), each its row's codes (nf4's
+//! repacked: code e of each 8 columns at bits 4e of their 32-bit word, as the kernel's `nf4_values8`
+//! reads them), then every row's scales, one f32 for each `scale_cols` columns (its source block's),
+//! in one allocation: the kernel finds the scales after the codes of the phase's `rows` rows. GateUp's
+//! MLP parts are each such a matrix, one after the other, so the decode program's GateUp rows name
+//! their part's offset (`decode_rows`); every other coded matrix has a slot of its own. A checkpoint
+//! that cannot stream this way streams bf16, and says why (`refusal`, `pack`).
+
+use half::bf16;
+use spec::data::LayerWeights;
+use spec::{Config, Tensor};
+
+use super::quantized::Coded;
+use super::quantized::fp8::weight;
+use crate::kernels::SLICED_MAX_COLS;
+use crate::pack::{self, Packing, mlp_part};
+use crate::program::{self, LAYER_WORDS, Op, Plan, Row, Slot, gateup};
+
+/// Columns of a packed fp8 row one scale covers (the kernel's `FP8_SCALE_COLS`): the checkpoints' usual
+/// block of 128 x 128 (transformers' `FineGrainedFP8Config`, Qwen3's and DeepSeek's FP8 releases).
+pub const FP8_SCALE_COLS: usize = 128;
+
+/// Columns of a packed nf4 row one absmax covers (the kernel's `NF4_SCALE_COLS`): bitsandbytes' usual
+/// block of 64 elements.
+pub const NF4_SCALE_COLS: usize = 64;
+
+/// bitsandbytes' NF4 code values (the kernel's `NF4_VALUES`): the nf4 stream's codebook, which a
+/// checkpoint's `quant_map` must equal bit for bit.
+pub const NF4_VALUES: [f32; 16] = [
+    -1.0,
+    -0.696_192_8,
+    -0.525_073_05,
+    -0.394_917_5,
+    -0.284_441_38,
+    -0.184_773_43,
+    -0.091_050_036,
+    0.0,
+    0.079_580_3,
+    0.160_930_2,
+    0.246_112_3,
+    0.337_915_24,
+    0.440_709_83,
+    0.562_617,
+    0.722_956_84,
+    1.0,
+];
+
+/// Bytes of codes a kernel stage holds at most (`stage_code_bytes`): nf4's half a stage.
+const STAGE_BYTES: usize = crate::kernels::RING_BYTES as usize / STAGES;
+const STAGES: usize = 3;
+
+/// The format of a checkpoint's codes, as the model kernel streams them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Fp8,
+    Nf4,
+}
+
+impl Format {
+    /// The format of `m`'s codes.
+    pub fn of(m: &Coded) -> Format {
+        match m {
+            Coded::Fp8(_) => Format::Fp8,
+            Coded::Nf4(_) => Format::Nf4,
+        }
+    }
+
+    /// The format in words.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Fp8 => "fp8",
+            Format::Nf4 => "nf4",
+        }
+    }
+
+    /// Columns one scale covers.
+    pub fn scale_cols(self) -> usize {
+        match self {
+            Format::Fp8 => FP8_SCALE_COLS,
+            Format::Nf4 => NF4_SCALE_COLS,
+        }
+    }
+
+    /// Bytes of a row's codes for `cols` columns.
+    fn code_bytes(self, cols: usize) -> usize {
+        match self {
+            Format::Fp8 => cols,
+            Format::Nf4 => cols / 2,
+        }
+    }
+
+    /// Bytes the format's instances keep at the end of their dynamic shared memory (the kernel's
+    /// `code_tail_bytes`): a scale slot per ring stage, each the scales of a stage's codes, and for nf4
+    /// the codebook after them. The partials then stop short of them.
+    pub fn tail_bytes(self) -> usize {
+        match self {
+            Format::Fp8 => STAGES * (STAGE_BYTES / FP8_SCALE_COLS * 4),
+            Format::Nf4 => STAGES * (STAGE_BYTES / 2 * 2 / NF4_SCALE_COLS * 4) + NF4_VALUES.len() * 4,
+        }
+    }
+
+    /// Columns of a streamed row must be a multiple of this: a stage's scales are then whole 16-byte
+    /// pieces that a bulk copy takes (a multiple of 4 scales a row).
+    pub fn cols_multiple(self) -> usize {
+        4 * self.scale_cols()
+    }
+
+    /// Bytes of a packed matrix of `rows` rows of `cols`: its codes, then its scales.
+    pub fn packed_bytes(self, rows: usize, cols: usize) -> usize {
+        rows * self.code_bytes(cols) + 4 * rows * cols.div_ceil(self.scale_cols())
+    }
+}
+
+/// Whether the coded instances stream rows of `cols` columns as codes (the kernel's `streams_codes`):
+/// those too wide for slices.
+pub fn streams_codes(cols: usize) -> bool {
+    cols > SLICED_MAX_COLS
+}
+
+/// One layer's weights as a quantised checkpoint stores them (`ModelWeights::coded`).
+pub type CodedLayer = LayerWeights<Option<Coded>>;
+
+/// The format of `layers`' codes, or None where no weight has any.
+pub fn format_of(layers: &[CodedLayer]) -> Option<Format> {
+    layers.iter().flat_map(|l| Tensor::WEIGHTS.iter().filter_map(|&t| l.get(t).as_ref())).map(Format::of).next()
+}
+
+/// Row `r`'s codes of `m` for columns [c0, c0 + cols), as the kernel reads them, appended to `out`.
+fn push_codes(m: &Coded, r: usize, c0: usize, cols: usize, out: &mut Vec<u8>) {
+    match m {
+        Coded::Fp8(m) => out.extend_from_slice(&m.codes[r * m.cols + c0..r * m.cols + c0 + cols]),
+        Coded::Nf4(m) => {
+            let at = r * m.cols + c0;
+            out.extend((0..cols / 2).map(|k| m.code(at + 2 * k) | (m.code(at + 2 * k + 1) << 4)));
+        }
+    }
+}
+
+/// Why the packed row of `m`'s row `r` from column `c0` cannot have a scale per group of the format's
+/// columns (a group must lie in one block of the source), or None where it can.
+fn groups_refusal(m: &Coded, name: &str, r: usize, c0: usize) -> Option<String> {
+    match m {
+        Coded::Fp8(m) => {
+            // Blocks of whole groups, the row starting at a group's edge; or one block across the row.
+            let whole_row = m.block[1] >= m.cols;
+            (!whole_row && (!m.block[1].is_multiple_of(FP8_SCALE_COLS) || !c0.is_multiple_of(FP8_SCALE_COLS))).then(|| {
+                format!(
+                    "{name}'s blocks of {} columns, its rows streamed from column {c0}: the stream takes a scale per \
+                     {FP8_SCALE_COLS} columns",
+                    m.block[1]
+                )
+            })
+        }
+        Coded::Nf4(m) => {
+            if m.quant_map != NF4_VALUES {
+                return Some(format!("{name}'s quant_map is not bitsandbytes' NF4 values, the stream's codebook"));
+            }
+            // Blocks of whole groups over the row-major elements, the row starting at a group's edge.
+            let first = r * m.cols + c0;
+            (!m.blocksize.is_multiple_of(NF4_SCALE_COLS) || !first.is_multiple_of(NF4_SCALE_COLS)).then(|| {
+                format!(
+                    "{name}'s blocks of {} elements, a streamed row starting at element {first}: the stream takes an \
+                     absmax per {NF4_SCALE_COLS} columns",
+                    m.blocksize
+                )
+            })
+        }
+    }
+}
+
+/// The scale of the group of `m`'s row `r` that starts at column `c` (`groups_refusal` holds).
+fn group_scale(m: &Coded, r: usize, c: usize) -> f32 {
+    match m {
+        Coded::Fp8(m) => m.scale(r, c),
+        Coded::Nf4(m) => m.scale(r * m.cols + c),
+    }
+}
+
+/// The packed matrix `packing` describes, from `layer`'s codes and scales (all of `format`): its codes
+/// in the packing's order, then each packed row's scales; or why it cannot be (a weight stored
+/// unquantised, or scales that do not hold for whole groups of the format's columns).
+pub fn pack<F: Fn(usize) -> (Tensor, usize)>(
+    format: Format,
+    packing: &Packing<F>,
+    layer: &CodedLayer,
+) -> Result<Vec<u8>, String> {
+    let (rows, cols) = (packing.rows, packing.cols);
+    if !format.code_bytes(cols).is_multiple_of(16) {
+        return Err(format!("rows of {cols} columns: the stream's bulk copies need a multiple of 16 bytes"));
+    }
+    let scale_cols = format.scale_cols();
+    let mut bytes = Vec::with_capacity(format.packed_bytes(rows, cols));
+    let mut scales = Vec::with_capacity(rows * cols.div_ceil(scale_cols));
+    for p in 0..rows {
+        let (t, at) = (packing.start)(p);
+        let m = layer.get(t).as_ref().ok_or_else(|| format!("{} is stored unquantised", t.name()))?;
+        let m_cols = match m {
+            Coded::Fp8(m) => m.cols,
+            Coded::Nf4(m) => m.cols,
+        };
+        let (r, c0) = (at / m_cols, at % m_cols);
+        if let Some(why) = groups_refusal(m, t.name(), r, c0) {
+            return Err(why);
+        }
+        push_codes(m, r, c0, cols, &mut bytes);
+        scales.extend((0..cols.div_ceil(scale_cols)).map(|k| group_scale(m, r, c0 + k * scale_cols)));
+    }
+    bytes.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
+    Ok(bytes)
+}
+
+/// The weights of a packed matrix of `rows` rows of `cols` (`pack`), in bf16, as the loader makes each
+/// one from a checkpoint stored in bf16 (the CPU executor's reading of it).
+pub fn unpack(format: Format, bytes: &[u8], rows: usize, cols: usize) -> Vec<bf16> {
+    assert_eq!(bytes.len(), format.packed_bytes(rows, cols), "a packed {} matrix of {rows} x {cols}", format.name());
+    let (codes, scales) = bytes.split_at(rows * format.code_bytes(cols));
+    let groups = cols.div_ceil(format.scale_cols());
+    let scale = |r: usize, c: usize| {
+        let at = 4 * (r * groups + c / format.scale_cols());
+        f32::from_le_bytes(scales[at..at + 4].try_into().expect("four bytes"))
+    };
+    (0..rows * cols)
+        .map(|i| {
+            let s = scale(i / cols, i % cols);
+            match format {
+                Format::Fp8 => weight(codes[i], s),
+                Format::Nf4 => {
+                    let code = (codes[i / 2] >> (4 * (i % 2))) & 0xF;
+                    bf16::from_f32(NF4_VALUES[code as usize] * s)
+                }
+            }
+        })
+        .collect()
+}
+
+/// One layer's coded matrices for its decode step: each slot that streams codes with its packed matrix
+/// (the other slots keep the bf16 program's).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CodedMatrices {
+    pub matrices: Vec<(Slot, Vec<u8>)>,
+    /// Bytes a decode step of this layer streams less than in bf16.
+    pub saved: u64,
+}
+
+/// `table` (the bf16 program's, for one layer) with each slot of `placed` (a slot of `CodedMatrices` and
+/// where its matrix was put) in its place.
+pub fn table(mut table: [i64; LAYER_WORDS], placed: &[(Slot, u64)]) -> [i64; LAYER_WORDS] {
+    for &(slot, at) in placed {
+        table[slot as usize] = at as i64;
+    }
+    table
+}
+
+/// GateUp's rows of MLP part `k` of `parts` (its gate/up pairs of `mlp_part`), as one packing.
+fn gateup_part(cfg: &Config, parts: usize, k: usize) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
+    let f = mlp_part(cfg, parts, k);
+    let all = pack::gateup(cfg);
+    Packing { rows: 2 * f.len(), cols: cfg.d, start: move |p| (all.start)(2 * f.start + p) }
+}
+
+/// Where GateUp's part `k` starts in its coded allocation: after the parts before it, each `pack`ed whole.
+fn gateup_part_offset(format: Format, cfg: &Config, parts: usize, k: usize) -> usize {
+    (0..k).map(|j| format.packed_bytes(2 * mlp_part(cfg, parts, j).len(), cfg.d)).sum()
+}
+
+/// One layer's coded matrices under `plan`, packed (`pack`): every GEMV that streams codes
+/// (`streams_codes`). Fails as `pack` fails.
+pub fn layer_matrices(format: Format, cfg: &Config, plan: Plan, layer: &CodedLayer) -> Result<CodedMatrices, String> {
+    let mut out = CodedMatrices::default();
+    let mut put = |slot: Slot, bytes: Vec<u8>, rows: usize, cols: usize| {
+        out.saved += (2 * rows * cols - format.packed_bytes(rows, cols)) as u64;
+        out.matrices.push((slot, bytes));
+    };
+    let halves = plan.halves(cfg);
+    for (h, &g) in halves.iter().enumerate() {
+        let qkv = pack::qkv(cfg, g);
+        if streams_codes(qkv.cols) {
+            put([Slot::WQkv0, Slot::WQkv1][h], pack(format, &qkv, layer)?, qkv.rows, qkv.cols);
+        }
+        let o = pack::oproj(cfg, g);
+        if streams_codes(o.cols) {
+            put([Slot::WO0, Slot::WO1][h], pack(format, &o, layer)?, o.rows, o.cols);
+        }
+    }
+    let parts = plan.mlp_parts;
+    if streams_codes(cfg.d) {
+        let mut bytes = Vec::new();
+        for k in 0..parts {
+            debug_assert_eq!(bytes.len(), gateup_part_offset(format, cfg, parts, k));
+            bytes.extend(pack(format, &gateup_part(cfg, parts, k), layer)?);
+        }
+        put(Slot::WGateUp, bytes, 2 * cfg.ffn, cfg.d);
+    }
+    for k in 0..parts {
+        let down = pack::down(cfg, parts, k);
+        if streams_codes(down.cols) {
+            put([Slot::WDown0, Slot::WDown1, Slot::WDown2][k], pack(format, &down, layer)?, down.rows, down.cols);
+        }
+    }
+    Ok(out)
+}
+
+/// The decode program's rows from the bf16 program's `rows` (compiled under `plan`): where GateUp
+/// streams codes, each GateUp row names its part's matrix in the coded allocation (`layer_matrices`);
+/// every other word is the bf16 program's.
+pub fn decode_rows(format: Format, cfg: &Config, plan: Plan, rows: &[Row]) -> Vec<Row> {
+    let mut part = 0;
+    rows.iter()
+        .map(|&r| {
+            let mut r = r;
+            if r[0] == Op::GateUp as i64 && streams_codes(cfg.d) {
+                let offset = gateup_part_offset(format, cfg, plan.mlp_parts, part);
+                r[gateup::W as usize] = program::layer_ref(Slot::WGateUp, offset as u64);
+                part += 1;
+            }
+            r
+        })
+        .collect()
+}
+
+/// Why a model whose layers are `layers` cannot stream codes in its decode steps, or None where it can
+/// (each layer's matrices then packed by `layer_matrices`, which may still fail as `pack` does): it is
+/// not a quantised checkpoint, its layers have q/k norms (the q/k-norm instance streams bf16), it
+/// streams in place (no packed copies), or no GEMV has rows too wide for slices.
+pub fn refusal(cfg: &Config, plan: Plan, layers: &[CodedLayer], qk_norm: bool, in_place: bool) -> Option<String> {
+    let Some(format) = format_of(layers) else {
+        return Some("not a quantised checkpoint whose matrices keep their codes".into());
+    };
+    let name = format.name();
+    if qk_norm {
+        return Some(format!("layers with q/k norms stream bf16 (the {name} instances have none)"));
+    }
+    if in_place {
+        return Some(format!("the stack streams in place, without the packed copies the {name} stream reads"));
+    }
+    let o = plan.halves(cfg).into_iter().map(|g| g.n_q(cfg) * cfg.hd);
+    let down = (0..plan.mlp_parts).map(|k| mlp_part(cfg, plan.mlp_parts, k).len());
+    let streamed: Vec<usize> = o.chain([cfg.d]).chain(down).filter(|&c| streams_codes(c)).collect();
+    if streamed.is_empty() {
+        return Some(format!(
+            "no GEMV has rows wider than {SLICED_MAX_COLS} columns (narrower rows stream bf16 in slices)"
+        ));
+    }
+    let multiple = format.cols_multiple();
+    if let Some(c) = streamed.iter().find(|c| !c.is_multiple_of(multiple)) {
+        return Some(format!(
+            "rows of {c} columns: the stream copies a stage's scales in 16-byte pieces, which needs a multiple of \
+             {multiple} columns"
+        ));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use reference::golden::{self, KvCache, Weights};
+    use spec::rng::{bits, stream_key};
+
+    use super::*;
+    use crate::cpu::{CpuStack, checks};
+    use crate::model::quantized::fp8::Fp8Matrix;
+    use crate::model::quantized::nf4::Nf4Matrix;
+    use crate::pack::Groups;
+    use crate::program::{Forced, Split};
+
+    /// A random fp8 weight of `rows` x `cols` in blocks of `block` from `key`: codes over every value
+    /// but NaN's (both signs, subnormals included), scales across a few orders of magnitude.
+    fn random_fp8(key: u64, rows: usize, cols: usize, block: [usize; 2]) -> Coded {
+        let codes = (0..rows * cols)
+            .map(|i| (bits(key, i as u64) % 256) as u8)
+            .map(|c| if c & 0x7F == 0x7F { c - 1 } else { c });
+        let grid = rows.div_ceil(block[0]) * cols.div_ceil(block[1]);
+        Coded::Fp8(Fp8Matrix { rows, cols, codes: codes.collect(), block, scales: scales(key, grid) })
+    }
+
+    /// A random nf4 weight of `rows` x `cols` in blocks of `blocksize` elements from `key`: every code,
+    /// bitsandbytes' values, absmax across a few orders of magnitude.
+    fn random_nf4(key: u64, rows: usize, cols: usize, blocksize: usize) -> Coded {
+        let codes = (0..rows * cols / 2).map(|i| (bits(key, i as u64) % 256) as u8).collect();
+        let absmax = scales(key, (rows * cols).div_ceil(blocksize));
+        Coded::Nf4(Nf4Matrix { rows, cols, codes, blocksize, absmax, quant_map: NF4_VALUES.to_vec() })
+    }
+
+    /// `n` scales from `key`, across a few orders of magnitude.
+    fn scales(key: u64, n: usize) -> Vec<f32> {
+        (0..n as u64)
+            .map(|k| bits(key ^ 0x5CA1E, k))
+            .map(|b| (1.0 + (b % 1024) as f32 / 1024.0) * 2f32.powi(-10 - (b >> 20) as i32 % 8))
+            .collect()
+    }
+
+    /// The loader's bf16 weights of `m` (as a bf16 checkpoint's would be made).
+    fn dequantized(m: &Coded) -> Vec<bf16> {
+        match m {
+            Coded::Fp8(m) => m.dequantize(),
+            Coded::Nf4(m) => m.dequantize(),
+        }
+    }
+
+    /// Layers of random matrices made by `random(key, rows, cols)` (the norms and caches the golden
+    /// model's own), and the same layers as the loader reads them: every matrix dequantised.
+    fn coded_layers(
+        cfg: &Config,
+        random: impl Fn(u64, usize, usize) -> Coded,
+    ) -> (Vec<(Weights, KvCache)>, Vec<CodedLayer>) {
+        (0..cfg.layers)
+            .map(|l| {
+                let seed = spec::data::layer_seed(0xF8 ^ cfg.d as u64, l);
+                let coded = CodedLayer::try_from_fn(|t| {
+                    let shape = t.shape(cfg);
+                    Ok::<_, std::convert::Infallible>(
+                        (shape.len() == 2).then(|| random(stream_key(seed, t as u64), shape[0], shape[1])),
+                    )
+                })
+                .unwrap_or_else(|e| match e {});
+                let mut w = golden::generate_weights(cfg, seed);
+                for &t in Tensor::WEIGHTS {
+                    if let Some(m) = coded.get(t) {
+                        *w.get_mut(t) = dequantized(m);
+                    }
+                }
+                ((w, KvCache::generate(cfg, seed)), coded)
+            })
+            .unzip()
+    }
+
+    fn fp8_layers(cfg: &Config, block: [usize; 2]) -> (Vec<(Weights, KvCache)>, Vec<CodedLayer>) {
+        coded_layers(cfg, |key, rows, cols| random_fp8(key, rows, cols, block))
+    }
+
+    fn nf4_layers(cfg: &Config, blocksize: usize) -> (Vec<(Weights, KvCache)>, Vec<CodedLayer>) {
+        coded_layers(cfg, |key, rows, cols| random_nf4(key, rows, cols, blocksize))
+    }
+
+    /// The packed matrix `packing` describes, from bf16 weights (what the bf16 program streams).
+    fn copied<F: Fn(usize) -> (Tensor, usize)>(w: &Weights, packing: &Packing<F>) -> Vec<bf16> {
+        (0..packing.rows)
+            .flat_map(|p| {
+                let (t, at) = (packing.start)(p);
+                w.get(t)[at..at + packing.cols].to_vec()
+            })
+            .collect()
+    }
+
+    /// The kernel reads a scale per FP8_SCALE_COLS (NF4_SCALE_COLS) columns, as the packing writes them,
+    /// keeps the formats' tails of shared memory as `tail_bytes` sizes them, looks nf4 codes up in
+    /// NF4_VALUES, and streams codes where it streams rows of more than SLICED_MAX_COLS columns outside
+    /// slices.
+    #[test]
+    fn the_code_streams_constants_mirror_the_kernel() {
+        let cu = crate::kernels::DEVICE_SOURCE;
+        assert!(cu.contains(&format!("constexpr uint32_t FP8_SCALE_COLS = {FP8_SCALE_COLS};")));
+        assert!(cu.contains(&format!("constexpr uint32_t NF4_SCALE_COLS = {NF4_SCALE_COLS};")));
+        assert!(
+            cu.contains("constexpr uint32_t STAGES = 3;") && cu.contains("constexpr uint32_t STAGE_BYTES = 64 * 1024;")
+        );
+        assert_eq!(STAGES * STAGE_BYTES, crate::kernels::RING_BYTES as usize);
+        assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOT_BYTES = STAGE_BYTES / FP8_SCALE_COLS * 4;"));
+        assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOTS_BYTES = STAGES * FP8_SCALE_SLOT_BYTES;"));
+        assert!(cu.contains("return VEC_BYTES == NF4_CODES ? STAGE_BYTES / 2 : STAGE_BYTES;"));
+        assert!(cu.contains(
+            "constexpr uint32_t NF4_SCALE_SLOT_BYTES = stage_code_bytes<NF4_CODES>() * 2 / NF4_SCALE_COLS * 4;"
+        ));
+        assert!(cu.contains("constexpr uint32_t NF4_BOOK_BYTES = 16 * 4;"));
+        assert!(cu.contains("constexpr uint32_t NF4_TAIL_BYTES = STAGES * NF4_SCALE_SLOT_BYTES + NF4_BOOK_BYTES;"));
+        assert!(cu.contains("return VEC_BYTES == NF4_CODES ? NF4_TAIL_BYTES : FP8_SCALE_SLOTS_BYTES;"));
+        assert_eq!((Format::Fp8.tail_bytes(), Format::Nf4.tail_bytes()), (6144, 3 * 4096 + 64));
+        assert!(cu.contains("__device__ inline bool streams_codes(const Gemv& g) { return !in_slices(g.cols); }"));
+        assert!(streams_codes(SLICED_MAX_COLS + 16) && !streams_codes(SLICED_MAX_COLS));
+        let table = cu.split("__constant__ float NF4_VALUES[16] = {").nth(1).and_then(|t| t.split('}').next()).unwrap();
+        let values: Vec<f32> = table.split(',').map(|v| v.trim().trim_end_matches('f').parse().unwrap()).collect();
+        assert_eq!(values.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), NF4_VALUES.map(f32::to_bits).to_vec());
+    }
+
+    /// nf4's codes repacked as the kernel reads them: code e of each 8 columns at bits 4e of their
+    /// little-endian word, so a byte holds two codes, the first in its low nibble (the checkpoint's
+    /// holds the first in its high nibble).
+    #[test]
+    fn nf4_codes_are_repacked_low_nibble_first() {
+        let m = Nf4Matrix {
+            rows: 1,
+            cols: 64,
+            codes: (0..32).map(|k| (((2 * k % 16) << 4) | ((2 * k + 1) % 16)) as u8).collect(),
+            blocksize: 64,
+            absmax: vec![1.0],
+            quant_map: NF4_VALUES.to_vec(),
+        };
+        let mut out = Vec::new();
+        push_codes(&Coded::Nf4(m), 0, 0, 64, &mut out);
+        let word = u32::from_le_bytes(out[..4].try_into().unwrap());
+        assert_eq!((0..8).map(|e| (word >> (4 * e)) & 0xF).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+    }
+
+    /// Every packing of a layer, in one and two halves and one to three MLP parts: its bytes read as
+    /// the kernel reads them are the loader's weights packed as the bf16 program packs them, bit for
+    /// bit: fp8 with scales of 128 x 128 blocks or one for the whole weight, nf4 in blocks of 64 and 256.
+    #[test]
+    fn a_packed_matrix_reads_as_the_loaders_weights_packed() {
+        let cfg = Config { d: 384, ffn: 768, n_q: 4, n_kv: 2, hd: 64, layers: 1, ..Config::tiny() };
+        let cases = [
+            ("fp8 128", Format::Fp8, fp8_layers(&cfg, [128, 128])),
+            ("fp8 whole", Format::Fp8, fp8_layers(&cfg, [1 << 20, 1 << 20])),
+            ("nf4 64", Format::Nf4, nf4_layers(&cfg, 64)),
+            ("nf4 256", Format::Nf4, nf4_layers(&cfg, 256)),
+        ];
+        for (what, format, (layers, coded)) in &cases {
+            let (w, layer) = (&layers[0].0, &coded[0]);
+            let same = |rows: usize, cols: usize, packed: Vec<u8>, copied: Vec<bf16>| {
+                assert!(unpack(*format, &packed, rows, cols) == copied, "{what}");
+            };
+            let halves = [Groups { kv0: 0, n_kv: 1 }, Groups { kv0: 1, n_kv: 1 }];
+            for g in [Groups::all(&cfg)].into_iter().chain(halves) {
+                let q = pack::qkv(&cfg, g);
+                same(q.rows, q.cols, pack(*format, &q, layer).unwrap(), copied(w, &q));
+                let o = pack::oproj(&cfg, g);
+                same(o.rows, o.cols, pack(*format, &o, layer).unwrap(), copied(w, &o));
+            }
+            for parts in 1..=3 {
+                for k in 0..parts {
+                    let gu = gateup_part(&cfg, parts, k);
+                    same(gu.rows, gu.cols, pack(*format, &gu, layer).unwrap(), copied(w, &gu));
+                    let down = pack::down(&cfg, parts, k);
+                    same(down.rows, down.cols, pack(*format, &down, layer).unwrap(), copied(w, &down));
+                }
+            }
+        }
+    }
+
+    /// What the stream cannot take is refused naming the weight and why: a weight stored unquantised,
+    /// scales in blocks that are not whole groups of the format's columns, a packed row starting inside
+    /// a group, an nf4 codebook other than bitsandbytes'.
+    #[test]
+    fn what_a_code_stream_cannot_take_is_refused_naming_it() {
+        let cfg = Config { d: 384, ffn: 768, n_q: 4, n_kv: 2, hd: 64, layers: 1, ..Config::tiny() };
+        let (_, mut fp8) = fp8_layers(&cfg, [64, 64]);
+        let why = pack(Format::Fp8, &pack::qkv(&cfg, Groups::all(&cfg)), &fp8[0]).unwrap_err();
+        assert!(why.contains("q's blocks of 64 columns") && why.contains("a scale per 128"), "{why}");
+        let (_, fp8_128) = fp8_layers(&cfg, [128, 128]);
+        // Three parts of 768 start at columns 256 and 512: whole groups; two halves of the O projection's
+        // 256 columns start at 128. An ffn of 800 in two parts starts its second at 384 + 16.
+        assert!(pack(Format::Fp8, &pack::down(&cfg, 3, 1), &fp8_128[0]).is_ok());
+        assert!(pack(Format::Fp8, &pack::oproj(&cfg, Groups { kv0: 1, n_kv: 1 }), &fp8_128[0]).is_ok());
+        let odd = Config { ffn: 800, ..cfg.clone() };
+        let (_, fp8_odd) = fp8_layers(&odd, [128, 128]);
+        let why = pack(Format::Fp8, &pack::down(&odd, 2, 1), &fp8_odd[0]).unwrap_err();
+        assert!(why.contains("from column 400"), "{why}");
+        fp8[0].gate = None;
+        let why = pack(Format::Fp8, &gateup_part(&cfg, 1, 0), &fp8[0]).unwrap_err();
+        assert!(why.contains("stored unquantised"), "{why}");
+        // nf4: blocks of 32 elements; the second Down part of an ffn of 832 in two, its rows from column
+        // 416 (half a block of 64 in); a quant_map that is not NF4's.
+        let (_, nf4_32) = nf4_layers(&cfg, 32);
+        let why = pack(Format::Nf4, &pack::qkv(&cfg, Groups::all(&cfg)), &nf4_32[0]).unwrap_err();
+        assert!(why.contains("q's blocks of 32 elements") && why.contains("an absmax per 64"), "{why}");
+        let nf4_odd_cfg = Config { ffn: 832, ..cfg.clone() };
+        let (_, nf4_odd) = nf4_layers(&nf4_odd_cfg, 64);
+        assert!(pack(Format::Nf4, &pack::down(&nf4_odd_cfg, 2, 0), &nf4_odd[0]).is_ok());
+        let why = pack(Format::Nf4, &pack::down(&nf4_odd_cfg, 2, 1), &nf4_odd[0]).unwrap_err();
+        assert!(why.contains("down's blocks of 64 elements, a streamed row starting at element 416"), "{why}");
+        let (_, mut nf4) = nf4_layers(&cfg, 64);
+        if let Some(Coded::Nf4(m)) = nf4[0].up.as_mut() {
+            m.quant_map[3] = 0.25;
+        }
+        let why = pack(Format::Nf4, &gateup_part(&cfg, 1, 0), &nf4[0]).unwrap_err();
+        assert!(why.contains("up's quant_map is not bitsandbytes' NF4 values"), "{why}");
+    }
+
+    /// The decode program's GateUp rows name their part's matrix in the coded allocation; every other
+    /// word is the bf16 program's, and a model whose d runs in slices keeps GateUp's rows as they were.
+    #[test]
+    fn decode_rows_move_only_gateups_weights() {
+        let buffers = program::test_buffers();
+        for format in [Format::Fp8, Format::Nf4] {
+            for (cfg, parts) in [(Config::graded(), 2), (Config { d: 2304, ffn: 6144, ..Config::graded() }, 3)] {
+                let plan = Plan::with(&cfg, 132, Forced { roles: None, mlp_parts: Some(parts) }).unwrap();
+                let rows = program::compile(&cfg, &buffers, 132, plan, Split::None);
+                let decode = decode_rows(format, &cfg, plan, &rows);
+                let mut k = 0;
+                for (r, d) in rows.iter().zip(&decode) {
+                    if r[0] != Op::GateUp as i64 {
+                        assert_eq!(r, d);
+                        continue;
+                    }
+                    let offset = gateup_part_offset(format, &cfg, parts, k);
+                    assert_eq!(d[gateup::W as usize], program::layer_ref(Slot::WGateUp, offset as u64));
+                    assert_eq!((&r[..1], &r[2..]), (&d[..1], &d[2..]));
+                    k += 1;
+                }
+                assert_eq!(k, parts);
+            }
+            let narrow = Config { d: 2048, ffn: 8192, n_q: 32, n_kv: 8, hd: 64, ..Config::graded() };
+            let plan = Plan::choose(&narrow, 132);
+            let rows = program::compile(&narrow, &buffers, 132, plan, Split::None);
+            assert_eq!(decode_rows(format, &narrow, plan, &rows), rows);
+        }
+    }
+
+    /// The decode program of the coded instances, run by the CPU executor reading each coded matrix as
+    /// the kernel does: the golden model's step over the loader's weights, bit for bit, caches
+    /// included, in one role and one MLP part (every GEMV coded) and in two roles and two parts (the O
+    /// projection's halves narrow enough for slices, so bf16; GateUp's two parts in one allocation),
+    /// for fp8 and nf4. With the second part's row naming the first's matrix, the step differs.
+    #[test]
+    fn the_coded_decode_program_is_the_golden_step_over_the_loaders_weights() {
+        let cfg = Config { d: 2560, ffn: 5120, n_q: 20, n_kv: 2, hd: 128, layers: 2, ..Config::tiny() };
+        for (format, (layers, coded)) in
+            [(Format::Fp8, fp8_layers(&cfg, [128, 128])), (Format::Nf4, nf4_layers(&cfg, 64))]
+        {
+            for (roles, parts, slots) in [
+                (1, 1, vec![Slot::WQkv0, Slot::WO0, Slot::WGateUp, Slot::WDown0]),
+                (2, 2, vec![Slot::WQkv0, Slot::WQkv1, Slot::WGateUp, Slot::WDown0, Slot::WDown1]),
+            ] {
+                let plan = Plan::with(&cfg, 132, Forced { roles: Some(roles), mlp_parts: Some(parts) }).unwrap();
+                assert_eq!(refusal(&cfg, plan, &coded, false, false), None);
+                let packed = layer_matrices(format, &cfg, plan, &coded[0]).unwrap();
+                assert_eq!(packed.matrices.iter().map(|m| m.0).collect::<Vec<_>>(), slots, "{roles} role(s)");
+                let mut stack = CpuStack::build(&cfg, &layers, 132, plan, false, Split::None);
+                stack.stream_codes(format, plan, &coded).unwrap();
+                let caches = checks::against_golden(&cfg, &layers, 2, |x, pos, _| Ok(stack.step(x, pos)))
+                    .unwrap_or_else(|e| panic!("{format:?}, {roles} role(s), {parts} part(s): {e}"));
+                for (l, cache) in caches.iter().enumerate() {
+                    assert_eq!(&stack.cache(l), cache, "layer {l}'s caches");
+                }
+                if parts == 2 {
+                    let gateup: Vec<usize> =
+                        (0..stack.program.len()).filter(|&i| stack.program[i][0] == Op::GateUp as i64).collect();
+                    stack.program[gateup[1]][gateup::W as usize] = stack.program[gateup[0]][gateup::W as usize];
+                    assert!(checks::against_golden(&cfg, &layers, 1, |x, pos, _| Ok(stack.step(x, pos))).is_err());
+                }
+            }
+        }
+    }
+
+    /// Why a model streams bf16 instead: not quantised, q/k norms, streaming in place, no rows wide
+    /// enough, rows whose scales a stage cannot copy whole.
+    #[test]
+    fn a_model_that_cannot_stream_codes_says_why() {
+        let narrow = Config { d: 960, ffn: 1536, n_q: 15, n_kv: 5, hd: 64, layers: 1, ..Config::tiny() };
+        let (_, fp8) = fp8_layers(&narrow, [128, 128]);
+        let plan = Plan::choose(&narrow, 132);
+        assert!(refusal(&narrow, plan, &[], false, false).unwrap().contains("not a quantised checkpoint"));
+        assert!(refusal(&narrow, plan, &fp8, true, false).unwrap().contains("q/k norms"));
+        assert!(refusal(&narrow, plan, &fp8, false, true).unwrap().contains("in place"));
+        assert!(refusal(&narrow, plan, &fp8, false, false).unwrap().contains("wider than 2048"));
+        // Rows of 2304 columns: 18 fp8 scales a row, a stage's not whole 16-byte pieces; 36 nf4 absmax,
+        // whole pieces. Rows of 2112: 33 nf4 absmax.
+        let odd = Config { d: 2304, ffn: 4608, n_q: 18, n_kv: 2, hd: 128, layers: 1, ..Config::tiny() };
+        let (_, fp8) = fp8_layers(&odd, [128, 128]);
+        let why = refusal(&odd, Plan::choose(&odd, 132), &fp8, false, false).unwrap();
+        assert!(why.contains("rows of 2304 columns") && why.contains("multiple of 512"), "{why}");
+        let (_, nf4) = nf4_layers(&odd, 64);
+        assert_eq!(refusal(&odd, Plan::choose(&odd, 132), &nf4, false, false), None);
+        let odder = Config { d: 2112, ffn: 4224, n_q: 33, n_kv: 3, hd: 64, layers: 1, ..Config::tiny() };
+        let (_, nf4) = nf4_layers(&odder, 64);
+        let why = refusal(&odder, Plan::choose(&odder, 132), &nf4, false, false).unwrap();
+        assert!(why.contains("rows of 2112 columns") && why.contains("multiple of 256"), "{why}");
+    }
+}
