@@ -1,5 +1,5 @@
 // The batch step for fp8 checkpoints (run_batch's FP8 instance): its GEMVs stream e4m3 codes where the
-// fp8 instances' decode steps do (streams_fp8), decoded once for every lane of a group, so that each
+// fp8 instances' decode steps do (streams_codes), decoded once for every lane of a group, so that each
 // lane is still the bits of its own decode step. Its own file, as model_fp8.cu's instances have theirs.
 #include "model.cuh"
 

@@ -22,7 +22,7 @@ pub fn scale_name(name: &str) -> String {
 /// An fp8 weight as its checkpoint stores it: `rows x cols` e4m3 codes and the scale of each block of
 /// `block` (rows, columns), a grid of `(ceil(rows / block rows), ceil(cols / block cols))` in f32 (a
 /// whole-weight scale is one block of the weight's shape). Kept beside its bf16 weights for the model
-/// kernel's fp8 stream (`model::fp8_stream`), which streams the codes and scales as they are.
+/// kernel's fp8 stream (`model::code_stream`), which streams the codes and scales as they are.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fp8Matrix {
     pub rows: usize,
