@@ -254,7 +254,7 @@ __device__ inline char* dynamic_end(const Ring& ring) {
 
 // The scale slots of a format's codes: the first of code_tail_bytes at the end of the block's dynamic
 // shared memory, left past the partials by the launcher of a coded instance (megakernel/src/model/gpu.rs).
-template <uint32_t VEC_BYTES = E4M3_CODES>
+template <uint32_t VEC_BYTES>
 __device__ inline float* scale_slots(const Ring& ring) {
     return reinterpret_cast<float*>(dynamic_end(ring) - code_tail_bytes<VEC_BYTES>());
 }

@@ -11,6 +11,9 @@ use spec::{Config, Tensor};
 
 #[cfg(feature = "model")]
 use super::model::code_stream::{self, Format};
+/// Without the model feature there are no code formats, and no stack streams codes.
+#[cfg(not(feature = "model"))]
+type Format = std::convert::Infallible;
 use super::pack::{self, Groups, Packing, qkv_source};
 use super::program::{self, Buffers, LayerBuffers, Op, Plan, Row, Split, attn, down, gateup, oproj, qkv};
 
@@ -84,12 +87,9 @@ pub struct CpuStack {
     /// Down's; and, split over GPUs, the partials its last part left for a Reduce row (0: none yet).
     parts_so_far: Vec<Part>,
     partials_left: i64,
-    /// The decode program's tables where its wide GEMVs stream codes (`stream_codes`), as the model
-    /// kernel's coded instances read them; None: the layers' own.
-    coded: Option<Vec<[i64; program::LAYER_WORDS]>>,
-    /// The format of those codes (the crate without the model feature has no formats, and no codes).
-    #[cfg(feature = "model")]
-    format: Option<Format>,
+    /// The decode program's tables where its wide GEMVs stream codes (`stream_codes`), and their
+    /// format, as the model kernel's coded instances read them; None: the layers' own.
+    coded: Option<(Format, Vec<[i64; program::LAYER_WORDS]>)>,
 }
 
 /// One part of a GEMV split by columns: its weights' and its input's addresses, and its columns.
@@ -294,8 +294,6 @@ impl CpuStack {
             parts_so_far: Vec::new(),
             partials_left: 0,
             coded: None,
-            #[cfg(feature = "model")]
-            format: None,
         }
     }
 
@@ -318,7 +316,7 @@ impl CpuStack {
             tables.push(code_stream::table(buffers.table(), &placed));
         }
         self.program = code_stream::decode_rows(format, &self.cfg, plan, &self.program);
-        (self.coded, self.format) = (Some(tables), Some(format));
+        self.coded = Some((format, tables));
         Ok(())
     }
 
@@ -326,7 +324,7 @@ impl CpuStack {
     /// (`stream_codes`), bf16 otherwise.
     fn weights(&self, w: i64, rows: usize, cols: usize) -> Vec<bf16> {
         #[cfg(feature = "model")]
-        if let Some(format) = self.format
+        if let Some((format, _)) = self.coded
             && code_stream::streams_codes(cols)
         {
             let bytes = self.arena.bytes(w as u64, format.packed_bytes(rows, cols));
@@ -365,7 +363,7 @@ impl CpuStack {
 
     /// Row `row` of layer `l`, whose input is `x`.
     pub(crate) fn run_row(&mut self, l: usize, row: &Row, x: &[bf16], pos: usize) -> Ran {
-        let table = self.coded.as_ref().map_or_else(|| self.layers[l].table(), |t| t[l]);
+        let table = self.coded.as_ref().map_or_else(|| self.layers[l].table(), |(_, t)| t[l]);
         let row = program::resolve_row(row, &table);
         let in_place = self.layers[l].in_place;
         match Op::from_word(row[0]).unwrap_or_else(|| panic!("unknown opcode {}", row[0])) {

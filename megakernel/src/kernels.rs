@@ -13,7 +13,9 @@ use spec::Config;
 /// checks them against the files).
 pub const THREADS: u32 = 512;
 pub(crate) const WARPS: u32 = THREADS / 32;
-pub(crate) const RING_BYTES: u32 = 3 * 64 * 1024;
+pub(crate) const STAGES: u32 = 3;
+pub(crate) const STAGE_BYTES: u32 = 64 * 1024;
+pub(crate) const RING_BYTES: u32 = STAGES * STAGE_BYTES;
 pub(crate) const ATTN_MAX_HD: usize = 256;
 pub(crate) const ATTN_MAX_GROUP: usize = 16;
 /// Stamps per block and phase in a trace (`trace_step`): start, input ready, stream done, end.
@@ -174,8 +176,8 @@ mod mirror_tests {
         for line in [
             format!("constexpr uint32_t THREADS = {THREADS};"),
             format!("constexpr uint32_t TRACE_STAMPS = {TRACE_STAMPS};"),
-            format!("constexpr uint32_t STAGES = {};", RING_BYTES / (64 * 1024)),
-            "constexpr uint32_t STAGE_BYTES = 64 * 1024;".to_string(),
+            format!("constexpr uint32_t STAGES = {STAGES};"),
+            format!("constexpr uint32_t STAGE_BYTES = {} * 1024;", STAGE_BYTES / 1024),
             format!("constexpr uint32_t MAX_VPT = {};", program::MAX_ROW / (THREADS as usize * 8)),
             format!("constexpr uint32_t ATTN_MAX_HD = {ATTN_MAX_HD};"),
             format!("constexpr uint32_t ATTN_MAX_GROUP = {ATTN_MAX_GROUP};"),

@@ -14,7 +14,7 @@
 //! in one allocation: the kernel finds the scales after the codes of the phase's `rows` rows. GateUp's
 //! MLP parts are each such a matrix, one after the other, so the decode program's GateUp rows name
 //! their part's offset (`decode_rows`); every other coded matrix has a slot of its own. A checkpoint
-//! that cannot stream this way streams bf16, and says why (`refusal`, `pack`).
+//! that cannot stream this way streams bf16, and says why (`stream_format`, `pack`).
 
 use half::bf16;
 use spec::data::LayerWeights;
@@ -22,7 +22,7 @@ use spec::{Config, Tensor};
 
 use super::quantized::Coded;
 use super::quantized::fp8::weight;
-use crate::kernels::SLICED_MAX_COLS;
+use crate::kernels::{SLICED_MAX_COLS, STAGE_BYTES, STAGES};
 use crate::pack::{self, Packing, mlp_part};
 use crate::program::{self, LAYER_WORDS, Op, Plan, Row, Slot, gateup};
 
@@ -54,10 +54,6 @@ pub const NF4_VALUES: [f32; 16] = [
     0.722_956_84,
     1.0,
 ];
-
-/// Bytes of codes a kernel stage holds at most (`stage_code_bytes`): nf4's half a stage.
-const STAGE_BYTES: usize = crate::kernels::RING_BYTES as usize / STAGES;
-const STAGES: usize = 3;
 
 /// The format of a checkpoint's codes, as the model kernel streams them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,12 +96,14 @@ impl Format {
     }
 
     /// Bytes the format's instances keep at the end of their dynamic shared memory (the kernel's
-    /// `code_tail_bytes`): a scale slot per ring stage, each the scales of a stage's codes, and for nf4
-    /// the codebook after them. The partials then stop short of them.
+    /// `code_tail_bytes`): a scale slot per ring stage, each the scales of a stage's codes (an nf4
+    /// stage's codes at most half a stage, `stage_code_bytes`), and for nf4 the codebook after them.
+    /// The partials then stop short of them.
     pub fn tail_bytes(self) -> usize {
+        let (stages, stage) = (STAGES as usize, STAGE_BYTES as usize);
         match self {
-            Format::Fp8 => STAGES * (STAGE_BYTES / FP8_SCALE_COLS * 4),
-            Format::Nf4 => STAGES * (STAGE_BYTES / 2 * 2 / NF4_SCALE_COLS * 4) + NF4_VALUES.len() * 4,
+            Format::Fp8 => stages * (stage / FP8_SCALE_COLS * 4),
+            Format::Nf4 => stages * (stage / 2 * 2 / NF4_SCALE_COLS * 4) + NF4_VALUES.len() * 4,
         }
     }
 
@@ -131,17 +129,20 @@ pub fn streams_codes(cols: usize) -> bool {
 pub type CodedLayer = LayerWeights<Option<Coded>>;
 
 /// The format of `layers`' codes, or None where no weight has any.
-pub fn format_of(layers: &[CodedLayer]) -> Option<Format> {
+fn format_of(layers: &[CodedLayer]) -> Option<Format> {
     layers.iter().flat_map(|l| Tensor::WEIGHTS.iter().filter_map(|&t| l.get(t).as_ref())).map(Format::of).next()
 }
 
-/// Row `r`'s codes of `m` for columns [c0, c0 + cols), as the kernel reads them, appended to `out`.
+/// Row `r`'s codes of `m` for columns [c0, c0 + cols), as the kernel reads them, appended to `out`
+/// (`groups_refusal` holds first).
 fn push_codes(m: &Coded, r: usize, c0: usize, cols: usize, out: &mut Vec<u8>) {
     match m {
         Coded::Fp8(m) => out.extend_from_slice(&m.codes[r * m.cols + c0..r * m.cols + c0 + cols]),
+        // A row starts at an even element (`groups_refusal` holds it to a group's edge): the stored
+        // bytes are the row's pairs, each with its first code in the high nibble; the kernel's in the low.
         Coded::Nf4(m) => {
-            let at = r * m.cols + c0;
-            out.extend((0..cols / 2).map(|k| m.code(at + 2 * k) | (m.code(at + 2 * k + 1) << 4)));
+            let at = (r * m.cols + c0) / 2;
+            out.extend(m.codes[at..at + cols / 2].iter().map(|b| b.rotate_left(4)));
         }
     }
 }
@@ -328,37 +329,43 @@ pub fn decode_rows(format: Format, cfg: &Config, plan: Plan, rows: &[Row]) -> Ve
         .collect()
 }
 
-/// Why a model whose layers are `layers` cannot stream codes in its decode steps, or None where it can
-/// (each layer's matrices then packed by `layer_matrices`, which may still fail as `pack` does): it is
-/// not a quantised checkpoint, its layers have q/k norms (the q/k-norm instance streams bf16), it
-/// streams in place (no packed copies), or no GEMV has rows too wide for slices.
-pub fn refusal(cfg: &Config, plan: Plan, layers: &[CodedLayer], qk_norm: bool, in_place: bool) -> Option<String> {
+/// The format a model whose layers are `layers` streams its codes in, in its decode steps (each
+/// layer's matrices then packed by `layer_matrices`, which may still fail as `pack` does); or why it
+/// cannot: it is not a quantised checkpoint, its layers have q/k norms (the q/k-norm instance streams
+/// bf16), it streams in place (no packed copies), or no GEMV has rows too wide for slices.
+pub fn stream_format(
+    cfg: &Config,
+    plan: Plan,
+    layers: &[CodedLayer],
+    qk_norm: bool,
+    in_place: bool,
+) -> Result<Format, String> {
     let Some(format) = format_of(layers) else {
-        return Some("not a quantised checkpoint whose matrices keep their codes".into());
+        return Err("not a quantised checkpoint whose matrices keep their codes".into());
     };
     let name = format.name();
     if qk_norm {
-        return Some(format!("layers with q/k norms stream bf16 (the {name} instances have none)"));
+        return Err(format!("layers with q/k norms stream bf16 (the {name} instances have none)"));
     }
     if in_place {
-        return Some(format!("the stack streams in place, without the packed copies the {name} stream reads"));
+        return Err(format!("the stack streams in place, without the packed copies the {name} stream reads"));
     }
     let o = plan.halves(cfg).into_iter().map(|g| g.n_q(cfg) * cfg.hd);
     let down = (0..plan.mlp_parts).map(|k| mlp_part(cfg, plan.mlp_parts, k).len());
     let streamed: Vec<usize> = o.chain([cfg.d]).chain(down).filter(|&c| streams_codes(c)).collect();
     if streamed.is_empty() {
-        return Some(format!(
+        return Err(format!(
             "no GEMV has rows wider than {SLICED_MAX_COLS} columns (narrower rows stream bf16 in slices)"
         ));
     }
     let multiple = format.cols_multiple();
     if let Some(c) = streamed.iter().find(|c| !c.is_multiple_of(multiple)) {
-        return Some(format!(
+        return Err(format!(
             "rows of {c} columns: the stream copies a stage's scales in 16-byte pieces, which needs a multiple of \
              {multiple} columns"
         ));
     }
-    None
+    Ok(format)
 }
 
 #[cfg(test)]
@@ -461,10 +468,6 @@ mod tests {
         let cu = crate::kernels::DEVICE_SOURCE;
         assert!(cu.contains(&format!("constexpr uint32_t FP8_SCALE_COLS = {FP8_SCALE_COLS};")));
         assert!(cu.contains(&format!("constexpr uint32_t NF4_SCALE_COLS = {NF4_SCALE_COLS};")));
-        assert!(
-            cu.contains("constexpr uint32_t STAGES = 3;") && cu.contains("constexpr uint32_t STAGE_BYTES = 64 * 1024;")
-        );
-        assert_eq!(STAGES * STAGE_BYTES, crate::kernels::RING_BYTES as usize);
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOT_BYTES = STAGE_BYTES / FP8_SCALE_COLS * 4;"));
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOTS_BYTES = STAGES * FP8_SCALE_SLOT_BYTES;"));
         assert!(cu.contains("return VEC_BYTES == NF4_CODES ? STAGE_BYTES / 2 : STAGE_BYTES;"));
@@ -621,7 +624,7 @@ mod tests {
                 (2, 2, vec![Slot::WQkv0, Slot::WQkv1, Slot::WGateUp, Slot::WDown0, Slot::WDown1]),
             ] {
                 let plan = Plan::with(&cfg, 132, Forced { roles: Some(roles), mlp_parts: Some(parts) }).unwrap();
-                assert_eq!(refusal(&cfg, plan, &coded, false, false), None);
+                assert_eq!(stream_format(&cfg, plan, &coded, false, false), Ok(format));
                 let packed = layer_matrices(format, &cfg, plan, &coded[0]).unwrap();
                 assert_eq!(packed.matrices.iter().map(|m| m.0).collect::<Vec<_>>(), slots, "{roles} role(s)");
                 let mut stack = CpuStack::build(&cfg, &layers, 132, plan, false, Split::None);
@@ -648,21 +651,21 @@ mod tests {
         let narrow = Config { d: 960, ffn: 1536, n_q: 15, n_kv: 5, hd: 64, layers: 1, ..Config::tiny() };
         let (_, fp8) = fp8_layers(&narrow, [128, 128]);
         let plan = Plan::choose(&narrow, 132);
-        assert!(refusal(&narrow, plan, &[], false, false).unwrap().contains("not a quantised checkpoint"));
-        assert!(refusal(&narrow, plan, &fp8, true, false).unwrap().contains("q/k norms"));
-        assert!(refusal(&narrow, plan, &fp8, false, true).unwrap().contains("in place"));
-        assert!(refusal(&narrow, plan, &fp8, false, false).unwrap().contains("wider than 2048"));
+        assert!(stream_format(&narrow, plan, &[], false, false).unwrap_err().contains("not a quantised checkpoint"));
+        assert!(stream_format(&narrow, plan, &fp8, true, false).unwrap_err().contains("q/k norms"));
+        assert!(stream_format(&narrow, plan, &fp8, false, true).unwrap_err().contains("in place"));
+        assert!(stream_format(&narrow, plan, &fp8, false, false).unwrap_err().contains("wider than 2048"));
         // Rows of 2304 columns: 18 fp8 scales a row, a stage's not whole 16-byte pieces; 36 nf4 absmax,
         // whole pieces. Rows of 2112: 33 nf4 absmax.
         let odd = Config { d: 2304, ffn: 4608, n_q: 18, n_kv: 2, hd: 128, layers: 1, ..Config::tiny() };
         let (_, fp8) = fp8_layers(&odd, [128, 128]);
-        let why = refusal(&odd, Plan::choose(&odd, 132), &fp8, false, false).unwrap();
+        let why = stream_format(&odd, Plan::choose(&odd, 132), &fp8, false, false).unwrap_err();
         assert!(why.contains("rows of 2304 columns") && why.contains("multiple of 512"), "{why}");
         let (_, nf4) = nf4_layers(&odd, 64);
-        assert_eq!(refusal(&odd, Plan::choose(&odd, 132), &nf4, false, false), None);
+        assert_eq!(stream_format(&odd, Plan::choose(&odd, 132), &nf4, false, false), Ok(Format::Nf4));
         let odder = Config { d: 2112, ffn: 4224, n_q: 33, n_kv: 3, hd: 64, layers: 1, ..Config::tiny() };
         let (_, nf4) = nf4_layers(&odder, 64);
-        let why = refusal(&odder, Plan::choose(&odder, 132), &nf4, false, false).unwrap();
+        let why = stream_format(&odder, Plan::choose(&odder, 132), &nf4, false, false).unwrap_err();
         assert!(why.contains("rows of 2112 columns") && why.contains("multiple of 256"), "{why}");
     }
 }

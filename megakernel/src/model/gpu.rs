@@ -215,7 +215,7 @@ struct CodedDecode {
 
 impl CodedDecode {
     /// The coded decode of `stack` (compiled for `cfg`'s layers of shape `layer`) from the checkpoint's
-    /// `coded` layers: `Ok(Err(why))` where it cannot be (`code_stream::refusal`, or a weight `pack`
+    /// `coded` layers: `Ok(Err(why))` where it cannot be (`code_stream::stream_format`, or a weight `pack`
     /// does not take), and the model then streams bf16.
     fn build(
         dev: &Device,
@@ -225,10 +225,10 @@ impl CodedDecode {
         coded: &[CodedLayer],
         progress: &mut dyn FnMut(&str),
     ) -> Result<Result<CodedDecode, String>, GpuModelError> {
-        if let Some(why) = code_stream::refusal(layer, stack.layout, coded, cfg.qk_norm, stack.in_place) {
-            return Ok(Err(why));
-        }
-        let format = code_stream::format_of(coded).expect("refusal holds a checkpoint without codes");
+        let format = match code_stream::stream_format(layer, stack.layout, coded, cfg.qk_norm, stack.in_place) {
+            Ok(format) => format,
+            Err(why) => return Ok(Err(why)),
+        };
         let (mut tables, mut packed, mut saved, mut matrices) = (Vec::new(), Vec::new(), 0, 0);
         for (l, (coded_layer, bf16_table)) in coded.iter().zip(&stack.tables).enumerate() {
             progress(&format!("packing layer {} of {}'s {} codes", l + 1, coded.len(), format.name()));

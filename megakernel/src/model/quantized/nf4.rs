@@ -96,19 +96,13 @@ pub fn dequantize(
         Dtype::U8 => nested(&absmax.data, blocks, &state, &mut need)?,
         other => return Err(format!("absmax in {other:?}: bitsandbytes writes f32, or uint8 codes")),
     };
-    let &[rows, cols] = shape else {
-        let m = Nf4Matrix {
-            rows: 1,
-            cols: elements,
-            codes: packed.to_vec(),
-            blocksize: state.blocksize,
-            absmax,
-            quant_map,
-        };
-        return Ok((weights(&m, round), None));
+    // Any other shape as one row: its weights, but no matrix to stream.
+    let (rows, cols) = match *shape {
+        [rows, cols] => (rows, cols),
+        _ => (1, elements),
     };
     let m = Nf4Matrix { rows, cols, codes: packed.to_vec(), blocksize: state.blocksize, absmax, quant_map };
-    Ok((weights(&m, round), Some(m)))
+    Ok((weights(&m, round), (shape.len() == 2).then_some(m)))
 }
 
 /// Every element of `m` in bf16 as `round` makes its f32 product: `quant_map[code] * absmax`, the
