@@ -7,16 +7,20 @@ the transformers model loaded on the GPU (its tensors through DLPack); over 24 t
 tokens each one's `decode_step` logits against `megakernel logits --on gpu` bit for bit, and against
 transformers' eager logits (relative error, greedy agreement); `generate` against `megakernel
 generate` (the same text) and against transformers' greedy generation (tokens agreeing);
-`generate_batch` against each prompt's `generate`; one `decode_step_timed`'s phases.
+`generate_batch` against each prompt's `generate`; one `decode_step_timed`'s phases. With --nf4 each
+checkpoint is first loaded by transformers with bitsandbytes nf4 and saved again: transformers' logits
+and generation are its bitsandbytes path's, and the API loads the folder only (a model loaded in 4 bits
+is refused by design: its tensors would come through DLPack as bf16).
 
 Then for each size (SIZES, --sizes): ms per token of the megakernel from the command (`megakernel bench`)
 and from Python (`generate`'s kernel time, the same one launch; a `decode_step` per token with the
 greedy token taken on the GPU), beside transformers' static-cache generate, eager and compiled.
 
-    python3 scripts/hf-python.py [PATH_TO_megakernel] [--shapes a,b] [--sizes llama-3.2-1b] [--tokens 128] [--no-compile] [--out DIR]
+    python3 scripts/hf-python.py [PATH_TO_megakernel] [--shapes a,b] [--nf4] [--sizes llama-3.2-1b] [--tokens 128] [--no-compile] [--out DIR]
 
 Needs the persistent_layer package (pip install ./python, or PYTHONPATH to a folder holding it),
-torch, transformers and tokenizers, and an H100/H200. Exits 1 when any check fails.
+torch, transformers and tokenizers, and an H100/H200, and bitsandbytes for --nf4. Exits 1 when any
+check fails.
 """
 import argparse
 import json
@@ -31,7 +35,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from hf_checkpoints import SHAPES, SIZES, agreement_checkpoint, speed_checkpoint, time_generate
+from hf_checkpoints import SHAPES, SIZES, agreement_checkpoint, nf4_checkpoint, speed_checkpoint, time_generate
 from persistent_layer import MegaModel
 
 TOKENS = 24
@@ -54,10 +58,18 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def agreement(binary, name, out):
-    """The checks of one family shape; returns (printed row, failures)."""
+def agreement(binary, name, out, nf4):
+    """The checks of one family shape (saved again in nf4 with `nf4`); returns (printed row, failures)."""
     vocab = agreement_checkpoint(name, out)
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
+    place = {}
+    if nf4:
+        out, dense = out.parent / f"{name}-nf4", out
+        nf4_checkpoint(dense, out, "cuda")
+        torch.cuda.empty_cache()
+        # A 4-bit model cannot be moved once loaded: it is loaded onto the GPU.
+        place = {"device_map": {"": "cuda"}}
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, attn_implementation="eager", **place)
+    hf = (hf if nf4 else hf.cuda()).eval()
     tokens = torch.randint(3, vocab, (TOKENS,)).tolist()
     with torch.no_grad():
         eager = hf(torch.tensor([tokens], device="cuda")).logits[0].float()
@@ -65,8 +77,9 @@ def agreement(binary, name, out):
                                           "--tokens", ",".join(map(str, tokens))))["logits"], device="cuda")
     failures = []
     # Caches as deep as the command's `logits` makes them (the plan may depend on their depth).
-    models = {"folder": MegaModel.from_pretrained(out, max_seq=TOKENS),
-              "loaded": MegaModel.from_pretrained(hf, max_seq=TOKENS)}
+    models = {"folder": MegaModel.from_pretrained(out, max_seq=TOKENS)}
+    if not nf4:
+        models["loaded"] = MegaModel.from_pretrained(hf, max_seq=TOKENS)
     errors = {}
     for how, model in models.items():
         logits = torch.stack([model.decode_step(t, pos) for pos, t in enumerate(tokens)])
@@ -78,7 +91,7 @@ def agreement(binary, name, out):
         errors[how] = (rel(logits, eager), agree)
     del models
     # The command's `generate` caches: --context's default, at most the model's own.
-    model = MegaModel.from_pretrained(hf, tokenizer=_tokenizer(out))
+    model = MegaModel.from_pretrained(out if nf4 else hf, tokenizer=_tokenizer(out))
     ids = model.encode(PROMPT)
     ours = model.generate(ids, max_new=MAX_NEW)
     said = command(binary, "generate", "--model", str(out), "--max-new", str(MAX_NEW), PROMPT)
@@ -94,7 +107,8 @@ def agreement(binary, name, out):
     model.decode_step_timed(tokens[0], 0)  # the traced instance's first launch loads it
     _, phases = model.decode_step_timed(tokens[1], 1)
     timed = " ".join(f"{k} {v * 1e3:.0f}" for k, v in phases.items())
-    row = (f"{name:<20} {errors['folder'][0]:>10.3e} {errors['loaded'][0]:>10.3e} {errors['loaded'][1]:>7.3f} "
+    loaded = f"{errors['loaded'][0]:>10.3e}" if "loaded" in errors else f"{'-':>10}"
+    row = (f"{out.name:<20} {errors['folder'][0]:>10.3e} {loaded} {errors['folder'][1]:>7.3f} "
            f"{same:>4}/{len(ours):<4} {'ok' if not failures else 'FAIL':>5}   {timed} us ({model.last_kernel_ms * 1e3:.0f} us traced)")
     del hf, model
     torch.cuda.empty_cache()
@@ -168,6 +182,8 @@ def main():
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--out", default=None, help="where to write the checkpoints (default: a temporary folder)")
     p.add_argument("--no-compile", action="store_true", help="skip transformers' compiled figure (compiling takes minutes)")
+    p.add_argument("--nf4", action="store_true",
+                   help="the shapes' checkpoints saved again in bitsandbytes nf4 and run so (needs bitsandbytes)")
     args = p.parse_args()
     shapes = [n for n in args.shapes.split(",") if n and n != "none"]
     sizes = [n for n in args.sizes.split(",") if n and n != "none"]
@@ -182,7 +198,7 @@ def main():
         print(f"{'shape':<20} {'rel folder':>10} {'rel loaded':>10} {'argmax':>7} {'gen = hf':>9} {'check':>5}   "
               "one decode_step_timed (us a phase kind)")
     for name in shapes:
-        row, failed = agreement(args.binary, name, root / name)
+        row, failed = agreement(args.binary, name, root / name, args.nf4)
         print(row, flush=True)
         failures += [f"{name}: {f}" for f in failed]
     if sizes:

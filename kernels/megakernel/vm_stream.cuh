@@ -210,13 +210,29 @@ __constant__ float NF4_VALUES[16] = {-1.0f, -0.6961928009986877f, -0.52507305145
                                      -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
                                      0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
 constexpr uint32_t NF4_BOOK_BYTES = 16 * 4;
+// The codebook's alignment, which nf4_values8's addressing needs (its 4 x code never carries out of
+// the address's low byte): the tail's bytes and the partials' rows are multiples of it.
+constexpr uint32_t NF4_BOOK_ALIGN = 64;
 
 // Eight nf4 codes as their values in f32, in order: the packing puts code e of a vector at bits 4e of
 // its word (megakernel/src/model/code_stream.rs), and each names an entry of the codebook in shared
-// memory (16 floats in 16 banks: a warp's lookups never conflict).
-__device__ inline void nf4_values8(uint32_t word, const float* book, float (&f)[VEC]) {
+// memory (16 floats in 16 banks: a warp's lookups never conflict). `book` is the codebook's address in
+// the shared window, NF4_BOOK_ALIGN-aligned (fill_codebook checks), so an entry's address is the
+// book's with its low byte ORed with 4 x code: two masks place every code's byte offset, the low byte
+// already ORed in, in a byte of `even` (codes 0, 2, 4, 6) or `odd` (1, 3, 5, 7), and one byte
+// permutation a weight takes that byte under the book's upper three. A weight is that permutation, a
+// load and its product (the form that added the base to each masked code took five instructions).
+__device__ inline void nf4_values8(uint32_t word, uint32_t book, float (&f)[VEC]) {
+    const uint32_t low = (book & 0xFF) * 0x01010101u;
+    const uint32_t even = ((word << 2) & 0x3C3C3C3Cu) | low, odd = ((word >> 2) & 0x3C3C3C3Cu) | low;
 #pragma unroll
-    for (uint32_t e = 0; e < VEC; ++e) f[e] = book[(word >> (4 * e)) & 0xF];
+    for (uint32_t e = 0; e < VEC; ++e) {
+        // Byte e / 2 of even or odd, then the book's bytes 1-3 (__byte_perm's bytes 5-7).
+        const uint32_t entry = __byte_perm(e % 2 ? odd : even, book, 0x7650 + e / 2);
+        // Not volatile: the codebook is written once, before the barrier that every stage's wait
+        // begins with, and only read after it, so the loads may go wherever the compiler schedules them.
+        asm("ld.shared.f32 %0, [%1];" : "=f"(f[e]) : "r"(entry));
+    }
 }
 
 // The fused product of one vector of code values c (fp8_values8's or nf4_values8's) with x's 8 values,
@@ -259,15 +275,17 @@ __device__ inline float* scale_slots(const Ring& ring) {
     return reinterpret_cast<float*>(dynamic_end(ring) - code_tail_bytes<VEC_BYTES>());
 }
 
-// The nf4 codebook: the last NF4_BOOK_BYTES of the dynamic shared memory.
-__device__ inline float* nf4_book(const Ring& ring) { return reinterpret_cast<float*>(dynamic_end(ring) - NF4_BOOK_BYTES); }
+// The nf4 codebook: the last NF4_BOOK_BYTES of the dynamic shared memory, as its shared-window address.
+__device__ inline uint32_t nf4_book(const Ring& ring) { return (uint32_t)__cvta_generic_to_shared(dynamic_end(ring) - NF4_BOOK_BYTES); }
 
 // An nf4 instance writes its codebook once, as it starts; the first read of it follows a stage's wait,
-// which next_stage begins with a __syncthreads, so every thread sees it written.
+// which next_stage begins with a __syncthreads, so every thread sees it written. A codebook off
+// NF4_BOOK_ALIGN would make nf4_values8 read other bytes: the launcher sized shared memory wrongly.
 template <uint32_t CODES>
 __device__ inline void fill_codebook(const Ring& ring) {
     if constexpr (CODES == NF4_CODES) {
-        if (threadIdx.x < 16) nf4_book(ring)[threadIdx.x] = NF4_VALUES[threadIdx.x];
+        if (nf4_book(ring) % NF4_BOOK_ALIGN != 0) __trap();
+        if (threadIdx.x < 16) reinterpret_cast<float*>(dynamic_end(ring) - NF4_BOOK_BYTES)[threadIdx.x] = NF4_VALUES[threadIdx.x];
     }
 }
 
@@ -393,14 +411,14 @@ struct RowStream : StreamScales<VEC_BYTES> {
     }
 
     // Slot row i's codes for 16-byte vector `vec` of x as their values (into c); `book`: the nf4
-    // codebook (nf4_book), unread for e4m3.
-    __device__ void values8(const uint4* slot, uint32_t i, uint32_t vec, const float* book, float (&c)[VEC]) const {
+    // codebook's shared address (nf4_book), unread for e4m3.
+    __device__ void values8(const uint4* slot, uint32_t i, uint32_t vec, uint32_t book, float (&c)[VEC]) const {
         if constexpr (VEC_BYTES == E4M3_CODES) fp8_values8(reinterpret_cast<const uint2*>(slot)[i * vecs + vec], c);
         else nf4_values8(reinterpret_cast<const uint32_t*>(slot)[i * vecs + vec], book, c);
     }
 
     // The codebook values8 reads: the nf4 one, or none.
-    __device__ static const float* codebook(const Ring& ring) { return VEC_BYTES == NF4_CODES ? nf4_book(ring) : nullptr; }
+    __device__ static uint32_t codebook(const Ring& ring) { return VEC_BYTES == NF4_CODES ? nf4_book(ring) : 0; }
 
     // run() for rows of codes: each vector of a row's codes dotted with x in the fused form
     // (fused8), its scale that of its scale_cols columns from the stage's scale slot (issue
@@ -419,7 +437,7 @@ struct RowStream : StreamScales<VEC_BYTES> {
         // code_values8's read, spelled out with the slots' base hoisted: calling it moved the fp8 decode
         // instances' machine code by 128-384 bytes, which no GPU has timed.
         const float* slots = scale_slots<VEC_BYTES>(ring);
-        const float* book = codebook(ring);
+        const uint32_t book = codebook(ring);
         run_rows(s, ring, part, [&](const uint4* slot, uint32_t st, uint32_t i, uint32_t v, float acc) {
             const uint32_t vec = v * THREADS + threadIdx.x, at = min(vec, vecs - 1);
             const float* stage_scales = slots + (ring.seq + st) % STAGES * (scale_slot_bytes<VEC_BYTES>() / 4);
