@@ -230,7 +230,8 @@ __device__ inline void nf4_values8(uint32_t word, uint32_t book, float (&f)[VEC]
         // Byte e / 2 of even or odd, then the book's bytes 1-3 (__byte_perm's bytes 5-7).
         const uint32_t entry = __byte_perm(e % 2 ? odd : even, book, 0x7650 + e / 2);
         // Not volatile: the codebook is written once, before the barrier that every stage's wait
-        // begins with, and only read after it, so the loads may go wherever the compiler schedules them.
+        // begins with, and never again; each load's address comes from codes read after that wait, so
+        // the compiler may schedule the loads freely but cannot lift them above it.
         asm("ld.shared.f32 %0, [%1];" : "=f"(f[e]) : "r"(entry));
     }
 }
