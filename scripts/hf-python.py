@@ -16,7 +16,8 @@ Then for each size (SIZES, --sizes): ms per token of the megakernel from the com
 and from Python (`generate`'s kernel time, the same one launch; a `decode_step` per token with the
 greedy token taken on the GPU), beside transformers' static-cache generate, eager and compiled.
 
-    python3 scripts/hf-python.py [PATH_TO_megakernel] [--shapes a,b] [--nf4] [--sizes llama-3.2-1b] [--tokens 128] [--no-compile] [--out DIR]
+    python3 scripts/hf-python.py [PATH_TO_megakernel] [--shapes a,b] [--sizes llama-3.2-1b] [--tokens 128] [--no-compile] [--out DIR]
+    python3 scripts/hf-python.py [PATH_TO_megakernel] --nf4 [--shapes a,b] [--out DIR]
 
 Needs the persistent_layer package (pip install ./python, or PYTHONPATH to a folder holding it),
 torch, transformers and tokenizers, and an H100/H200, and bitsandbytes for --nf4. Exits 1 when any
@@ -178,15 +179,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("binary", nargs="?", default="target/release/megakernel")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES) + " (or none)")
-    p.add_argument("--sizes", default="llama-3.2-1b", help="comma-separated, of: " + ", ".join(SIZES) + " (or none)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated, of: " + ", ".join(SIZES) + " (or none; default llama-3.2-1b, none with --nf4)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--out", default=None, help="where to write the checkpoints (default: a temporary folder)")
     p.add_argument("--no-compile", action="store_true", help="skip transformers' compiled figure (compiling takes minutes)")
     p.add_argument("--nf4", action="store_true",
                    help="the shapes' checkpoints saved again in bitsandbytes nf4 and run so (needs bitsandbytes)")
     args = p.parse_args()
+    if args.nf4 and args.sizes not in (None, "none"):
+        p.error("--nf4 checks the shapes only; scripts/hf-speed.py --nf4 times nf4 checkpoints")
     shapes = [n for n in args.shapes.split(",") if n and n != "none"]
-    sizes = [n for n in args.sizes.split(",") if n and n != "none"]
+    sizes = [n for n in (args.sizes or ("none" if args.nf4 else "llama-3.2-1b")).split(",") if n and n != "none"]
     unknown = [n for n in shapes if n not in SHAPES] + [n for n in sizes if n not in SIZES]
     if unknown:
         p.error(f"unknown shape or size {', '.join(unknown)}")
