@@ -375,6 +375,7 @@ mod tests {
 
     use super::*;
     use crate::cpu::{CpuStack, checks};
+    use crate::kernels::{RING_BYTES, WARPS};
     use crate::model::quantized::fp8::Fp8Matrix;
     use crate::model::quantized::nf4::Nf4Matrix;
     use crate::pack::Groups;
@@ -483,6 +484,20 @@ mod tests {
         let table = cu.split("__constant__ float NF4_VALUES[16] = {").nth(1).and_then(|t| t.split('}').next()).unwrap();
         let values: Vec<f32> = table.split(',').map(|v| v.trim().trim_end_matches('f').parse().unwrap()).collect();
         assert_eq!(values.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), NF4_VALUES.map(f32::to_bits).to_vec());
+    }
+
+    /// The nf4 codebook's address is NF4_BOOK_ALIGN-aligned, as `nf4_values8` needs (it ORs 4 x code
+    /// into the address's low byte; `fill_codebook` traps otherwise): the codebook ends the dynamic
+    /// shared memory, which starts 128-aligned and which the launchers size from the ring, rows of
+    /// partials and the tail, each a multiple of the alignment.
+    #[test]
+    fn the_nf4_codebook_lands_aligned() {
+        let cu = crate::kernels::DEVICE_SOURCE;
+        assert!(cu.contains("constexpr uint32_t NF4_BOOK_ALIGN = 64;"));
+        assert!(cu.contains("extern __shared__ __align__(128) uint4 smem[];"));
+        for part in [RING_BYTES as usize, WARPS as usize * 4, Format::Nf4.tail_bytes()] {
+            assert_eq!(part % 64, 0, "{part} bytes");
+        }
     }
 
     /// nf4's codes repacked as the kernel reads them: code e of each 8 columns at bits 4e of their
