@@ -276,8 +276,10 @@ __device__ inline float* scale_slots(const Ring& ring) {
     return reinterpret_cast<float*>(dynamic_end(ring) - code_tail_bytes<VEC_BYTES>());
 }
 
-// The nf4 codebook: the last NF4_BOOK_BYTES of the dynamic shared memory, as its shared-window address.
-__device__ inline uint32_t nf4_book(const Ring& ring) { return (uint32_t)__cvta_generic_to_shared(dynamic_end(ring) - NF4_BOOK_BYTES); }
+// The nf4 codebook: the last NF4_BOOK_BYTES of the dynamic shared memory; nf4_book is its address in
+// the shared window, which nf4_values8 reads it by.
+__device__ inline float* nf4_codebook(const Ring& ring) { return reinterpret_cast<float*>(dynamic_end(ring) - NF4_BOOK_BYTES); }
+__device__ inline uint32_t nf4_book(const Ring& ring) { return (uint32_t)__cvta_generic_to_shared(nf4_codebook(ring)); }
 
 // An nf4 instance writes its codebook once, as it starts; the first read of it follows a stage's wait,
 // which next_stage begins with a __syncthreads, so every thread sees it written. A codebook off
@@ -286,7 +288,7 @@ template <uint32_t CODES>
 __device__ inline void fill_codebook(const Ring& ring) {
     if constexpr (CODES == NF4_CODES) {
         if (nf4_book(ring) % NF4_BOOK_ALIGN != 0) __trap();
-        if (threadIdx.x < 16) reinterpret_cast<float*>(dynamic_end(ring) - NF4_BOOK_BYTES)[threadIdx.x] = NF4_VALUES[threadIdx.x];
+        if (threadIdx.x < 16) nf4_codebook(ring)[threadIdx.x] = NF4_VALUES[threadIdx.x];
     }
 }
 
