@@ -187,10 +187,12 @@ def main():
     p.add_argument("--nf4", action="store_true",
                    help="the shapes' checkpoints saved again in bitsandbytes nf4 and run so (needs bitsandbytes)")
     args = p.parse_args()
-    if args.nf4 and args.sizes not in (None, "none"):
+    if args.sizes is None:
+        args.sizes = "none" if args.nf4 else "llama-3.2-1b"
+    if args.nf4 and args.sizes != "none":
         p.error("--nf4 checks the shapes only; scripts/hf-speed.py --nf4 times nf4 checkpoints")
     shapes = [n for n in args.shapes.split(",") if n and n != "none"]
-    sizes = [n for n in (args.sizes or ("none" if args.nf4 else "llama-3.2-1b")).split(",") if n and n != "none"]
+    sizes = [n for n in args.sizes.split(",") if n and n != "none"]
     unknown = [n for n in shapes if n not in SHAPES] + [n for n in sizes if n not in SIZES]
     if unknown:
         p.error(f"unknown shape or size {', '.join(unknown)}")

@@ -492,11 +492,12 @@ mod tests {
     /// partials and the tail, each a multiple of the alignment.
     #[test]
     fn the_nf4_codebook_lands_aligned() {
+        const NF4_BOOK_ALIGN: usize = 64;
         let cu = crate::kernels::DEVICE_SOURCE;
-        assert!(cu.contains("constexpr uint32_t NF4_BOOK_ALIGN = 64;"));
+        assert!(cu.contains(&format!("constexpr uint32_t NF4_BOOK_ALIGN = {NF4_BOOK_ALIGN};")));
         assert!(cu.contains("extern __shared__ __align__(128) uint4 smem[];"));
         for part in [RING_BYTES as usize, WARPS as usize * 4, Format::Nf4.tail_bytes()] {
-            assert_eq!(part % 64, 0, "{part} bytes");
+            assert_eq!(part % NF4_BOOK_ALIGN, 0, "{part} bytes");
         }
     }
 
