@@ -144,6 +144,31 @@ __device__ inline float reduce_scatter(float (&v)[N]) {
     return sum;
 }
 
+// reduce_scatter for values in the same place in every lane (value k at v[k]): at each of the first
+// log2(N) offsets a lane chooses by its bit of that offset which half it keeps and which it hands over
+// (two selects a pair), so the same pairs are added in the same order, the same bits, in N - 1 +
+// log2(WARP / N) shuffles. Lanes [k WARP / N, (k + 1) WARP / N) end with the sum of value k
+// (scatter_mask<N>() == k). The values stay where the loads put them, so their addresses need no
+// lane's permutation (which, in run_rows, cost registers that the model's instances spilled).
+template <uint32_t N>
+__device__ inline float reduce_transposed(float (&v)[N]) {
+    static_assert(N >= 1 && N <= WARP && (N & (N - 1)) == 0, "a power of two of values per lane");
+    const uint32_t lane = threadIdx.x % WARP;
+#pragma unroll
+    for (uint32_t level = 1; level < N; level *= 2) {
+        const uint32_t half = N / 2 / level, offset = WARP / 2 / level;
+        const bool upper = (lane & offset) != 0;
+#pragma unroll
+        for (uint32_t j = 0; j < half; ++j) {
+            const float send = upper ? v[j] : v[j + half], keep = upper ? v[j + half] : v[j];
+            v[j] = keep + __shfl_xor_sync(FULL_MASK, send, offset);
+        }
+    }
+    float sum = v[0];
+    for (uint32_t offset = WARP / 2 / N; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
+    return sum;
+}
+
 // Slices of the block that run a group's stage side by side (RowStream::run_group), for rows of `vecs`
 // 16-byte vectors: for rows of at most THREADS vectors, as many as leave each slice the warps a whole
 // block would have with columns (a power of two); else one. The stage then holds that many times the
@@ -454,7 +479,12 @@ struct RowStream : StreamScales<VEC_BYTES> {
 
     // The walk of run() and run_codes: dot(slot, st, i, v, acc) adds to acc the products of slot row i's
     // vector t + v * THREADS of stage st (thread t's v-th) with this thread's v-th vector of the slice,
-    // where the row has that vector (acc as it was where not).
+    // where the row has that vector (acc as it was where not). A pass of nf4 rows is summed across the
+    // warp at once (reduce_transposed: PASS_ROWS - 1 + log2(WARP / PASS_ROWS) shuffles, not a
+    // butterfly's 5 a row), the same pairs in the same order, so the same bits; lanes [k WARP /
+    // PASS_ROWS, ...) end with row i0 + k's sum. The nf4 step is bound by the SMs' instructions; bf16
+    // and fp8 rows keep a butterfly a row, since with the transposed sums the Qwen3 and the sliced fp8
+    // instances spilled more, and no GPU has timed them so (docs/perf.md).
     template <typename Dot>
     __device__ __forceinline__ void run_rows(const Slice& s, Ring& ring, Partials part, Dot dot) const {
         const uint32_t t = threadIdx.x, lane = t % WARP, warp = t / WARP;
@@ -471,15 +501,21 @@ struct RowStream : StreamScales<VEC_BYTES> {
 #pragma unroll
                     for (uint32_t v = 0; v < VPT; ++v) acc[i] = dot(slot, st, i0 + i, v, acc[i]);
                 }
-                // Independent butterflies, one per row, so their shuffles overlap.
+                if constexpr (VEC_BYTES == NF4_CODES) {
+                    const float sum = reduce_transposed<PASS_ROWS>(acc);
+                    const uint32_t i = i0 + scatter_mask<PASS_ROWS>(), count = stage_count(st);
+                    if (lane % (WARP / PASS_ROWS) == 0 && i < count) part.red[(st * SLICE_ROWS + slot_row(i, stage_pairs(count))) * WARPS + warp] = sum;
+                } else {
+                    // Independent butterflies, one per row, so their shuffles overlap.
 #pragma unroll
-                for (uint32_t i = 0; i < PASS_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
-                if (lane == 0) {
-                    const uint32_t count = stage_count(st), pairs = stage_pairs(count);
+                    for (uint32_t i = 0; i < PASS_ROWS; ++i) acc[i] = warp_reduce(acc[i], Add{});
+                    if (lane == 0) {
+                        const uint32_t count = stage_count(st), pairs = stage_pairs(count);
 #pragma unroll
-                    for (uint32_t i = 0; i < PASS_ROWS; ++i) {
-                        const uint32_t r = slot_row(i0 + i, pairs);
-                        if (i0 + i < count) part.red[(st * SLICE_ROWS + r) * WARPS + warp] = acc[i];
+                        for (uint32_t i = 0; i < PASS_ROWS; ++i) {
+                            const uint32_t r = slot_row(i0 + i, pairs);
+                            if (i0 + i < count) part.red[(st * SLICE_ROWS + r) * WARPS + warp] = acc[i];
+                        }
                     }
                 }
             }

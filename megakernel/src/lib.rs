@@ -20,6 +20,8 @@ pub mod program;
 pub mod split;
 pub mod stack;
 pub mod trace;
+#[cfg(test)]
+mod warp_sums;
 
 use cuda::cudarc::driver::{CudaSlice, PushKernelArg};
 use cuda::{Context, Device};
