@@ -11,12 +11,15 @@ __device__ inline unsigned long long globaltimer() {
     return ns;
 }
 
-// A counter's acquire load and release add, as the megakernel's phases signal and wait on them.
+// A counter's acquire load and release add, as the megakernel's phases signal and wait on them. A probe
+// that includes the megakernel's headers (PROBE_WITH_MEGAKERNEL) has the acquire load from vm_memory.cuh.
+#ifndef PROBE_WITH_MEGAKERNEL
 __device__ inline unsigned ld_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+#endif
 __device__ inline void red_release(unsigned* p) { asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory"); }
 
 // Milliseconds between two events recorded around launch() on the default stream.
