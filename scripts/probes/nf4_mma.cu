@@ -20,6 +20,9 @@
 //          every lane has a copy of in its own bank (256 entries x 32 lanes: 32 KB, conflict-free); a
 //          byte is a permutation, a multiply-add for its address and a load: 1.5 instructions a weight
 //          where the lookups of fused and mma take 2, and half their codebook loads a weight;
+//   pairs-rewrite  pairs with its table written again every REWRITE_STAGES stages, behind a barrier:
+//          the megakernel has no 32 KB to keep it in, so it would write it into a slot's idle half at
+//          each nf4 phase (a block's share of 8B's Qkv, O, GateUp and Down is 3 to 14 stages);
 //   fused-alu, mma-alu  the same with each codebook load replaced by a shift of its address (one ALU
 //          instruction, no shared-memory access; the values are not the codebook's): what the lookups'
 //          shared-memory traffic costs each form, beyond their instructions.
@@ -59,6 +62,7 @@ constexpr uint32_t WARP_STEPS = WARP_GROUPS * GROUP_STEPS;       // 32
 constexpr uint32_t X_LANES = 4;                                  // the lanes holding B's column 0 (x)
 constexpr uint32_t PAIR_STEPS = NF4_SCALE_COLS / 16;             // pairs: 4 mmas of k = 16 a group
 constexpr uint32_t PAIR_ENTRY_BYTES = WARP * 4;                  // a byte's entry: one bf16x2 a lane
+constexpr uint32_t REWRITE_STAGES = 4;                           // pairs-rewrite: stages a table serves
 constexpr int REPS = 10;
 
 // Shared memory (dynamic): the ring's codes and absmax, the codebook, the mma form's B fragments of x
@@ -76,11 +80,24 @@ constexpr uint32_t SM_TABLE = SM_RED + 2 * STAGE_ROWS * WARPS * 4;
 constexpr uint32_t SM_BYTES = SM_TABLE + 256 * PAIR_ENTRY_BYTES;
 static_assert(SM_BOOK % NF4_BOOK_ALIGN == 0, "nf4_values8's addressing needs the aligned codebook");
 
-enum class Kind { Copy, Fused, FusedAlu, Mma, MmaAlu, Pairs };
-constexpr const char* NAMES[] = {"copy", "fused", "fused-alu", "mma", "mma-alu", "pairs"};
-constexpr Kind KINDS[] = {Kind::Copy, Kind::Fused, Kind::FusedAlu, Kind::Mma, Kind::MmaAlu, Kind::Pairs};
+enum class Kind { Copy, Fused, FusedAlu, Mma, MmaAlu, Pairs, PairsRewrite };
+constexpr const char* NAMES[] = {"copy", "fused", "fused-alu", "mma", "mma-alu", "pairs", "pairs-rewrite"};
+constexpr Kind KINDS[] = {Kind::Copy, Kind::Fused, Kind::FusedAlu, Kind::Mma, Kind::MmaAlu, Kind::Pairs, Kind::PairsRewrite};
 __host__ __device__ constexpr bool is_mma(Kind k) { return k == Kind::Mma || k == Kind::MmaAlu; }
-__host__ __device__ constexpr bool looks_up(Kind k) { return k == Kind::Fused || k == Kind::Mma || k == Kind::Pairs; }
+__host__ __device__ constexpr bool is_pairs(Kind k) { return k == Kind::Pairs || k == Kind::PairsRewrite; }
+__host__ __device__ constexpr bool looks_up(Kind k) { return k == Kind::Fused || k == Kind::Mma || is_pairs(k); }
+
+// pairs' table: byte e's entry, a copy for each lane (the low nibble's value in the lower half), by the
+// whole block in 16-byte stores (four lanes' copies each: 32 KB in 4 stores a thread).
+__device__ inline void write_pair_table(uint32_t* table) {
+    constexpr uint32_t PER_STORE = 4, STORES = 256 * WARP / PER_STORE;
+    for (uint32_t i = threadIdx.x; i < STORES; i += THREADS) {
+        const uint32_t e = i / (WARP / PER_STORE);
+        const bf162 v = __floats2bfloat162_rn(NF4_VALUES[e % 16], NF4_VALUES[e / 16]);
+        const uint32_t word = *reinterpret_cast<const uint32_t*>(&v);
+        reinterpret_cast<uint4*>(table)[i] = make_uint4(word, word, word, word);
+    }
+}
 
 // The ALU variants' stand-in for nf4_values8: each entry's address as nf4_values8 makes it, then one
 // shift in place of the load (values of no meaning, finite: addresses below 2^18).
@@ -221,7 +238,7 @@ __global__ void __launch_bounds__(THREADS, 1) stream(const uint8_t* codes, const
     // range; pairs: columns 16s + 2l, + 1 and 16s + 2l + 8, + 9 as bf16x2.
     for (uint32_t i = t; i < WARPS * WARP_STEPS * X_LANES; i += THREADS) {
         const uint32_t w = i / (WARP_STEPS * X_LANES), s = i / X_LANES % WARP_STEPS, l = i % X_LANES;
-        if (KIND != Kind::Pairs) {
+        if (!is_pairs(KIND)) {
             const uint32_t col = w * WARP_COLS + 8 * s + l;
             xf[i] = make_float2(xg[col], xg[col + 4]);
         } else if (s < WARP_GROUPS * PAIR_STEPS) {
@@ -231,12 +248,8 @@ __global__ void __launch_bounds__(THREADS, 1) stream(const uint8_t* codes, const
                 make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
         }
     }
-    // pairs' table: byte e's entry, a copy for each lane (the low nibble's value in the lower half).
     uint32_t* table = reinterpret_cast<uint32_t*>(sm + SM_TABLE);
-    for (uint32_t i = t; KIND == Kind::Pairs && i < 256 * WARP; i += THREADS) {
-        const bf162 v = __floats2bfloat162_rn(NF4_VALUES[i / WARP % 16], NF4_VALUES[i / WARP / 16]);
-        table[i] = *reinterpret_cast<const uint32_t*>(&v);
-    }
+    if (is_pairs(KIND)) write_pair_table(table);
     for (uint32_t i = t; i < ZERO_BYTES / 4; i += THREADS) reinterpret_cast<float*>(sm + SM_ZEROS)[i] = 0.0f;
     float x[VEC];
 #pragma unroll
@@ -258,6 +271,10 @@ __global__ void __launch_bounds__(THREADS, 1) stream(const uint8_t* codes, const
             for (uint32_t w = 0; w < WARPS; ++w) sum += r[w];
             y[(k - 1) * STAGE_ROWS + t] = sum;
         }
+        if (KIND == Kind::PairsRewrite && n > 0 && n % REWRITE_STAGES == 0) {
+            write_pair_table(table);  // no stage reads the table meanwhile: all are past the barrier above
+            __syncthreads();          // the new table is written before any lookup reads it
+        }
         mbar_wait(&full[slot], (n / SLOTS) & 1);  // stage k has landed
         float* stage_red = red + (k % 2) * STAGE_ROWS * WARPS;
         if constexpr (KIND == Kind::Fused || KIND == Kind::FusedAlu)
@@ -268,7 +285,7 @@ __global__ void __launch_bounds__(THREADS, 1) stream(const uint8_t* codes, const
         if constexpr (is_mma(KIND))
             tensor_stage(slot_codes, slot_scales, stage_red,
                          [&](float (&d)[4], const uint32_t (&w)[4], uint32_t j) { tf32_group<looks_up(KIND)>(d, w, j, book_at, xb); });
-        if constexpr (KIND == Kind::Pairs)
+        if constexpr (is_pairs(KIND))
             tensor_stage(slot_codes, slot_scales, stage_red, [&](float (&d)[4], const uint32_t (&w)[4], uint32_t j) { pair_group(d, w, j, table_at, pair_xb); });
         if constexpr (KIND == Kind::Copy)
             if (t < STAGE_ROWS * WARPS) stage_red[t] = reinterpret_cast<const float*>(sm + SM_SCALES + slot * STAGE_SCALES * 4)[t];
@@ -367,18 +384,19 @@ int main() {
             case Kind::FusedAlu: return stream<Kind::FusedAlu>;
             case Kind::Mma: return stream<Kind::Mma>;
             case Kind::MmaAlu: return stream<Kind::MmaAlu>;
-            default: return stream<Kind::Pairs>;
+            case Kind::Pairs: return stream<Kind::Pairs>;
+            default: return stream<Kind::PairsRewrite>;
         }
     };
     for (Kind kind : KINDS) TRY(cudaFuncSetAttribute(kernel(kind), cudaFuncAttributeMaxDynamicSharedMemorySize, SM_BYTES));
     const double bytes = words.size() * 4.0 + scales.size() * 4.0;
     printf("%u rows of %u columns (%u copies of 8B's GateUp), %.0f MB of nf4 codes and absmax, %d blocks of %u threads\n", ROWS, COLS, COPIES,
            bytes / 1e6, sms, THREADS);
-    printf("%-9s %10s %8s %8s  %s\n", "form", "us", "TB/s", "x copy", "worst |error| / sum |w x| of the first copy's rows");
+    printf("%-13s %10s %8s %8s  %s\n", "form", "us", "TB/s", "x copy", "worst |error| / sum |w x| of the first copy's rows");
     float copy_us = 0.0f;
     for (Kind kind : KINDS) {
-        const bool tensor = is_mma(kind) || kind == Kind::Pairs;
-        const uint8_t* c = kind == Kind::Pairs ? pcodes : tensor ? mcodes : codes;
+        const bool tensor = is_mma(kind) || is_pairs(kind);
+        const uint8_t* c = is_pairs(kind) ? pcodes : tensor ? mcodes : codes;
         const auto launch = [&] { kernel(kind)<<<sms, THREADS, SM_BYTES>>>(c, tensor ? d_mscales : d_scales, d_x, y); };
         std::vector<float> times;
         for (int rep = 0; rep < REPS; ++rep) {
@@ -400,7 +418,7 @@ int main() {
         char text[64] = "(no arithmetic)";
         if (looks_up(kind)) snprintf(text, sizeof text, "%.2e", worst);
         else if (kind != Kind::Copy) snprintf(text, sizeof text, "(not the codebook's values)");
-        printf("%-9s %10.1f %8.2f %8.3f  %s\n", NAMES[(int)kind], us, bytes / (us * 1e-6) / 1e12, us / copy_us, text);
+        printf("%-13s %10.1f %8.2f %8.3f  %s\n", NAMES[(int)kind], us, bytes / (us * 1e-6) / 1e12, us / copy_us, text);
     }
     for (void* p : {(void*)codes, (void*)mcodes, (void*)pcodes, (void*)d_scales, (void*)d_mscales, (void*)d_x, (void*)y}) cudaFree(p);
     return 0;
