@@ -23,6 +23,9 @@
 //   pairs-rewrite  pairs with its table written again every REWRITE_STAGES stages, behind a barrier:
 //          the megakernel has no 32 KB to keep it in, so it would write it into a slot's idle half at
 //          each nf4 phase (a block's share of 8B's Qkv, O, GateUp and Down is 3 to 14 stages);
+//   pairs-batch  pairs as a batch step would run it: B's eight columns all hold vectors (x1 in column 1,
+//          x in 0, x times powers of two in 2-7) and the sums of column 1 are stored; they must be the
+//          bits of pairs run on x1 alone in column 0 (the plan's batch lanes keep their decode bits);
 //   fused-alu, mma-alu  the same with each codebook load replaced by a shift of its address (one ALU
 //          instruction, no shared-memory access; the values are not the codebook's): what the lookups'
 //          shared-memory traffic costs each form, beyond their instructions.
@@ -35,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <vector>
 
@@ -80,11 +84,13 @@ constexpr uint32_t SM_TABLE = SM_RED + 2 * STAGE_ROWS * WARPS * 4;
 constexpr uint32_t SM_BYTES = SM_TABLE + 256 * PAIR_ENTRY_BYTES;
 static_assert(SM_BOOK % NF4_BOOK_ALIGN == 0, "nf4_values8's addressing needs the aligned codebook");
 
-enum class Kind { Copy, Fused, FusedAlu, Mma, MmaAlu, Pairs, PairsRewrite };
-constexpr const char* NAMES[] = {"copy", "fused", "fused-alu", "mma", "mma-alu", "pairs", "pairs-rewrite"};
+enum class Kind { Copy, Fused, FusedAlu, Mma, MmaAlu, Pairs, PairsRewrite, PairsBatch };
+constexpr const char* NAMES[] = {"copy", "fused", "fused-alu", "mma", "mma-alu", "pairs", "pairs-rewrite", "pairs-batch"};
 constexpr Kind KINDS[] = {Kind::Copy, Kind::Fused, Kind::FusedAlu, Kind::Mma, Kind::MmaAlu, Kind::Pairs, Kind::PairsRewrite};
 __host__ __device__ constexpr bool is_mma(Kind k) { return k == Kind::Mma || k == Kind::MmaAlu; }
-__host__ __device__ constexpr bool is_pairs(Kind k) { return k == Kind::Pairs || k == Kind::PairsRewrite; }
+__host__ __device__ constexpr bool is_pairs(Kind k) { return k == Kind::Pairs || k == Kind::PairsRewrite || k == Kind::PairsBatch; }
+// pairs-batch's multiples of x in B's columns 2-7 (powers of two: exact in bf16).
+__constant__ float BATCH_SCALES[8] = {1.0f, 1.0f, -0.5f, 0.25f, -2.0f, 4.0f, 0.5f, -1.0f};
 __host__ __device__ constexpr bool looks_up(Kind k) { return k == Kind::Fused || k == Kind::Mma || is_pairs(k); }
 
 // pairs' table: byte e's entry, a copy for each lane (the low nibble's value in the lower half), by the
@@ -169,8 +175,8 @@ __device__ inline void fused_stage(const uint32_t* words, const float* scales, u
 
 // The tensor-core forms' stage: warp w's four groups of 64 columns, group(d, words, j) adding group j's
 // mmas to d from the lane's 16 bytes of codes; the group's sum times its absmax (rows g and g + 8: the
-// pair sg). Lanes q = 0 hold rows g and g + 8 in d[0], d[2].
-template <typename Group>
+// pair sg). Lanes q = 0 hold rows g and g + 8 of B's column COL in d[COL], d[2 + COL].
+template <uint32_t COL = 0, typename Group>
 __device__ inline void tensor_stage(const uint4* codes, const float2* scales, float* red, Group group) {
     const uint32_t lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4;
     float row_g = 0.0f, row_g8 = 0.0f;
@@ -181,8 +187,8 @@ __device__ inline void tensor_stage(const uint4* codes, const float2* scales, fl
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         group(d, words, j);
         const float2 sg = scales[(warp * WARP_GROUPS + j) * 8 + g];
-        row_g = fmaf(d[0], sg.x, row_g);
-        row_g8 = fmaf(d[2], sg.y, row_g8);
+        row_g = fmaf(d[COL], sg.x, row_g);
+        row_g8 = fmaf(d[2 + COL], sg.y, row_g8);
     }
     if (lane % 4 == 0) {
         red[g * WARPS + warp] = row_g;
@@ -204,15 +210,22 @@ __device__ inline void tf32_group(float (&d)[4], const uint32_t (&words)[4], uin
 }
 
 // pairs' group: four bf16 mmas, word m's byte r register r of k-step m, each a load of the lane's copy of
-// the byte's entry (`table`: the lane's column of the pair table); B as mma's, two bf16x2 a lane a step.
-__device__ inline void pair_group(float (&d)[4], const uint32_t (&words)[4], uint32_t j, uint32_t table, const uint2* xb) {
+// the byte's entry (`table`: the lane's column of the pair table); B as mma's, two bf16x2 a lane a step
+// (BATCH: every lane's, times its column's multiple).
+template <bool BATCH = false>
+__device__ inline void pair_group(float (&d)[4], const uint32_t (&words)[4], uint32_t j, uint32_t table, const uint2* xb, bf162 multiple = {}) {
 #pragma unroll
     for (uint32_t m = 0; m < 4; ++m) {
         uint32_t a[4];
 #pragma unroll
         for (uint32_t r = 0; r < 4; ++r)
             asm("ld.shared.b32 %0, [%1];" : "=r"(a[r]) : "r"(table + __byte_perm(words[m], 0, 0x4440 + r) * PAIR_ENTRY_BYTES));
-        mma_bf16(d, a, xb[(j * PAIR_STEPS + m) * X_LANES]);
+        uint2 b = xb[(j * PAIR_STEPS + m) * X_LANES];
+        if constexpr (BATCH) {
+            const bf162 lo = __hmul2(*reinterpret_cast<const bf162*>(&b.x), multiple), hi = __hmul2(*reinterpret_cast<const bf162*>(&b.y), multiple);
+            b = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+        }
+        mma_bf16(d, a, b);
     }
 }
 
@@ -241,11 +254,15 @@ __global__ void __launch_bounds__(THREADS, 1) stream(const uint8_t* codes, const
         if (!is_pairs(KIND)) {
             const uint32_t col = w * WARP_COLS + 8 * s + l;
             xf[i] = make_float2(xg[col], xg[col + 4]);
-        } else if (s < WARP_GROUPS * PAIR_STEPS) {
-            const uint32_t col = w * WARP_COLS + 16 * s + 2 * l;
-            const bf162 lo = __floats2bfloat162_rn(xg[col], xg[col + 1]), hi = __floats2bfloat162_rn(xg[col + 8], xg[col + 9]);
-            reinterpret_cast<uint2*>(xf)[(w * WARP_GROUPS * PAIR_STEPS + s) * X_LANES + l] =
-                make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+        } else {
+            // pairs-batch keeps x1's fragments (xg's second COLS) after x's, in the half pairs leaves.
+            const uint32_t v = s / (WARP_GROUPS * PAIR_STEPS), ps = s % (WARP_GROUPS * PAIR_STEPS);
+            const uint32_t col = v * COLS + w * WARP_COLS + 16 * ps + 2 * l;
+            if (v == 0 || KIND == Kind::PairsBatch) {
+                const bf162 lo = __floats2bfloat162_rn(xg[col], xg[col + 1]), hi = __floats2bfloat162_rn(xg[col + 8], xg[col + 9]);
+                reinterpret_cast<uint2*>(xf)[((v * WARPS + w) * WARP_GROUPS * PAIR_STEPS + ps) * X_LANES + l] =
+                    make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+            }
         }
     }
     uint32_t* table = reinterpret_cast<uint32_t*>(sm + SM_TABLE);
@@ -257,6 +274,9 @@ __global__ void __launch_bounds__(THREADS, 1) stream(const uint8_t* codes, const
     const float2* xb = lane < X_LANES ? xf + warp * WARP_STEPS * X_LANES + lane : reinterpret_cast<const float2*>(sm + SM_ZEROS) + lane % X_LANES;
     const uint2* pair_xb = lane < X_LANES ? reinterpret_cast<const uint2*>(xf) + warp * WARP_GROUPS * PAIR_STEPS * X_LANES + lane
                                           : reinterpret_cast<const uint2*>(sm + SM_ZEROS) + lane % X_LANES;
+    // pairs-batch: lane (g, q) holds B's column g, x1's fragment for g = 1 and x's for the others.
+    const uint2* batch_xb = reinterpret_cast<const uint2*>(xf) + ((lane / 4 == 1 ? WARPS : 0) + warp) * WARP_GROUPS * PAIR_STEPS * X_LANES + lane % 4;
+    const bf162 multiple = __float2bfloat162_rn(BATCH_SCALES[lane / 4]);
     const uint32_t table_at = smem_addr(table) + lane * 4;
     const uint32_t book_at = smem_addr(book);
     for (uint32_t k = first; k < last; ++k) {
@@ -285,8 +305,11 @@ __global__ void __launch_bounds__(THREADS, 1) stream(const uint8_t* codes, const
         if constexpr (is_mma(KIND))
             tensor_stage(slot_codes, slot_scales, stage_red,
                          [&](float (&d)[4], const uint32_t (&w)[4], uint32_t j) { tf32_group<looks_up(KIND)>(d, w, j, book_at, xb); });
-        if constexpr (is_pairs(KIND))
+        if constexpr (KIND == Kind::Pairs || KIND == Kind::PairsRewrite)
             tensor_stage(slot_codes, slot_scales, stage_red, [&](float (&d)[4], const uint32_t (&w)[4], uint32_t j) { pair_group(d, w, j, table_at, pair_xb); });
+        if constexpr (KIND == Kind::PairsBatch)
+            tensor_stage<1>(slot_codes, slot_scales, stage_red,
+                            [&](float (&d)[4], const uint32_t (&w)[4], uint32_t j) { pair_group<true>(d, w, j, table_at, batch_xb, multiple); });
         if constexpr (KIND == Kind::Copy)
             if (t < STAGE_ROWS * WARPS) stage_red[t] = reinterpret_cast<const float*>(sm + SM_SCALES + slot * STAGE_SCALES * 4)[t];
     }
@@ -341,7 +364,8 @@ int main() {
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess) return printf("no CUDA device\n"), 1;
     // Random codes, absmax in [0.01, 0.11), x bf16 values in [-1, 1).
     std::vector<uint32_t> words((size_t)ROWS * ROW_WORDS), mwords(words.size()), pwords(words.size());
-    std::vector<float> scales((size_t)ROWS * ROW_GROUPS), mscales(scales.size()), x(COLS);
+    // x, then x1 (pairs-batch's second vector).
+    std::vector<float> scales((size_t)ROWS * ROW_GROUPS), mscales(scales.size()), x(2 * COLS);
     uint64_t r = 0x9E3779B97F4A7C15ull ^ (uint64_t)time(nullptr);
     const auto next = [&] { return r ^= r << 13, r ^= r >> 7, r ^= r << 17, r; };
     for (uint32_t& w : words) w = (uint32_t)next();
@@ -369,14 +393,14 @@ int main() {
     TRY(cudaMalloc(&pcodes, words.size() * 4));
     TRY(cudaMalloc(&d_scales, scales.size() * 4));
     TRY(cudaMalloc(&d_mscales, scales.size() * 4));
-    TRY(cudaMalloc(&d_x, COLS * 4));
+    TRY(cudaMalloc(&d_x, 2 * COLS * 4));
     TRY(cudaMalloc(&y, (size_t)ROWS * 4));
     TRY(cudaMemcpy(codes, words.data(), words.size() * 4, cudaMemcpyHostToDevice));
     TRY(cudaMemcpy(mcodes, mwords.data(), words.size() * 4, cudaMemcpyHostToDevice));
     TRY(cudaMemcpy(pcodes, pwords.data(), words.size() * 4, cudaMemcpyHostToDevice));
     TRY(cudaMemcpy(d_scales, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice));
     TRY(cudaMemcpy(d_mscales, mscales.data(), scales.size() * 4, cudaMemcpyHostToDevice));
-    TRY(cudaMemcpy(d_x, x.data(), COLS * 4, cudaMemcpyHostToDevice));
+    TRY(cudaMemcpy(d_x, x.data(), 2 * COLS * 4, cudaMemcpyHostToDevice));
     const auto kernel = [](Kind kind) {
         switch (kind) {
             case Kind::Copy: return stream<Kind::Copy>;
@@ -385,10 +409,12 @@ int main() {
             case Kind::Mma: return stream<Kind::Mma>;
             case Kind::MmaAlu: return stream<Kind::MmaAlu>;
             case Kind::Pairs: return stream<Kind::Pairs>;
-            default: return stream<Kind::PairsRewrite>;
+            case Kind::PairsRewrite: return stream<Kind::PairsRewrite>;
+            default: return stream<Kind::PairsBatch>;
         }
     };
     for (Kind kind : KINDS) TRY(cudaFuncSetAttribute(kernel(kind), cudaFuncAttributeMaxDynamicSharedMemorySize, SM_BYTES));
+    TRY(cudaFuncSetAttribute(kernel(Kind::PairsBatch), cudaFuncAttributeMaxDynamicSharedMemorySize, SM_BYTES));
     const double bytes = words.size() * 4.0 + scales.size() * 4.0;
     printf("%u rows of %u columns (%u copies of 8B's GateUp), %.0f MB of nf4 codes and absmax, %d blocks of %u threads\n", ROWS, COLS, COPIES,
            bytes / 1e6, sms, THREADS);
@@ -420,6 +446,29 @@ int main() {
         else if (kind != Kind::Copy) snprintf(text, sizeof text, "(not the codebook's values)");
         printf("%-13s %10.1f %8.2f %8.3f  %s\n", NAMES[(int)kind], us, bytes / (us * 1e-6) / 1e12, us / copy_us, text);
     }
+    // A batch's lane against its own decode (the plan's item 3): pairs on x1 alone, then pairs-batch with
+    // x1 in column 1 beside x and its multiples; every row's sum compared bit for bit.
+    const auto run_pairs = [&](Kind kind, const float* xg, std::vector<float>& out) -> float {
+        const auto launch = [&] { kernel(kind)<<<sms, THREADS, SM_BYTES>>>(pcodes, d_mscales, xg, y); };
+        std::vector<float> times;
+        for (int rep = 0; rep < REPS; ++rep) {
+            if (cudaMemset(y, 0xFF, (size_t)ROWS * 4) != cudaSuccess) return -1.0f;
+            times.push_back(elapsed_ms(launch) * 1e3f);
+        }
+        if (cudaGetLastError() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) return -1.0f;
+        if (cudaMemcpy(out.data(), y, (size_t)ROWS * 4, cudaMemcpyDeviceToHost) != cudaSuccess) return -1.0f;
+        std::sort(times.begin(), times.end());
+        return times[REPS / 2];
+    };
+    std::vector<float> alone(ROWS), lane1(ROWS);
+    if (run_pairs(Kind::Pairs, d_x + COLS, alone) < 0.0f) return printf("pairs on x1 failed\n"), 1;
+    const float batch_us = run_pairs(Kind::PairsBatch, d_x, lane1);
+    if (batch_us < 0.0f) return printf("pairs-batch failed\n"), 1;
+    size_t differ = 0;
+    for (uint32_t row = 0; row < ROWS; ++row) differ += memcmp(&alone[row], &lane1[row], 4) != 0;
+    char text[96] = "column 1 bitwise pairs on x1 alone";
+    if (differ != 0) snprintf(text, sizeof text, "column 1 against pairs on x1 alone: %zu of %u rows differ", differ, ROWS);
+    printf("%-13s %10.1f %8.2f %8.3f  %s\n", NAMES[(int)Kind::PairsBatch], batch_us, bytes / (batch_us * 1e-6) / 1e12, batch_us / copy_us, text);
     for (void* p : {(void*)codes, (void*)mcodes, (void*)pcodes, (void*)d_scales, (void*)d_mscales, (void*)d_x, (void*)y}) cudaFree(p);
     return 0;
 }
