@@ -69,9 +69,10 @@ constexpr uint32_t PAIR_ENTRY_BYTES = WARP * 4;                  // a byte's ent
 constexpr uint32_t REWRITE_STAGES = 4;                           // pairs-rewrite: stages a table serves
 constexpr int REPS = 10;
 
-// Shared memory (dynamic): the ring's codes and absmax, the codebook, the mma form's B fragments of x
-// (WARPS x WARP_STEPS x X_LANES float2), a run of zeros the other lanes read B from (placed 32 bytes
-// off x's banks, so a step's two addresses never share a bank), the warps' partials of two stages.
+// Shared memory (dynamic): the ring's codes and absmax, the codebook, the tensor-core forms' B fragments
+// of x (mma: WARPS x WARP_STEPS x X_LANES float2; pairs: half of that in bf16x2 pairs, pairs-batch's x1
+// in the other half), a run of zeros the other lanes read B from (placed 32 bytes off x's banks, so a
+// step's two addresses never share a bank), the warps' partials of two stages, pairs' table.
 constexpr uint32_t SM_CODES = 0;
 constexpr uint32_t SM_SCALES = SM_CODES + SLOTS * STAGE_CODE_BYTES;
 constexpr uint32_t SM_BOOK = SM_SCALES + SLOTS * STAGE_SCALES * 4;
@@ -86,12 +87,14 @@ static_assert(SM_BOOK % NF4_BOOK_ALIGN == 0, "nf4_values8's addressing needs the
 
 enum class Kind { Copy, Fused, FusedAlu, Mma, MmaAlu, Pairs, PairsRewrite, PairsBatch };
 constexpr const char* NAMES[] = {"copy", "fused", "fused-alu", "mma", "mma-alu", "pairs", "pairs-rewrite", "pairs-batch"};
+// The table's forms, each against the f64 products; pairs-batch is judged apart, against pairs on its
+// second vector.
 constexpr Kind KINDS[] = {Kind::Copy, Kind::Fused, Kind::FusedAlu, Kind::Mma, Kind::MmaAlu, Kind::Pairs, Kind::PairsRewrite};
 __host__ __device__ constexpr bool is_mma(Kind k) { return k == Kind::Mma || k == Kind::MmaAlu; }
 __host__ __device__ constexpr bool is_pairs(Kind k) { return k == Kind::Pairs || k == Kind::PairsRewrite || k == Kind::PairsBatch; }
+__host__ __device__ constexpr bool looks_up(Kind k) { return k == Kind::Fused || k == Kind::Mma || is_pairs(k); }
 // pairs-batch's multiples of x in B's columns 2-7 (powers of two: exact in bf16).
 __constant__ float BATCH_SCALES[8] = {1.0f, 1.0f, -0.5f, 0.25f, -2.0f, 4.0f, 0.5f, -1.0f};
-__host__ __device__ constexpr bool looks_up(Kind k) { return k == Kind::Fused || k == Kind::Mma || is_pairs(k); }
 
 // pairs' table: byte e's entry, a copy for each lane (the low nibble's value in the lower half), by the
 // whole block in 16-byte stores (four lanes' copies each: 32 KB in 4 stores a thread).
