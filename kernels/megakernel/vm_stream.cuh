@@ -130,6 +130,13 @@ __device__ inline void widen8(uint4 a, float (&f)[VEC]) {
 // sum of value k.
 template <uint32_t N>
 __device__ inline uint32_t scatter_mask() { return threadIdx.x % WARP / (WARP / N); }
+// The end of reduce_scatter and reduce_transposed, once each lane holds one of the N values: the
+// butterfly over the offsets below WARP / N, warp_reduce's last log2(WARP / N) levels.
+template <uint32_t N>
+__device__ inline float finish_sums(float sum) {
+    for (uint32_t offset = WARP / 2 / N; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
+    return sum;
+}
 template <uint32_t N>
 __device__ inline float reduce_scatter(float (&v)[N]) {
     static_assert(N >= 1 && N <= WARP && (N & (N - 1)) == 0, "a power of two of values per lane");
@@ -139,9 +146,7 @@ __device__ inline float reduce_scatter(float (&v)[N]) {
 #pragma unroll
         for (uint32_t j = 0; j < half; ++j) v[j] += __shfl_xor_sync(FULL_MASK, v[j + half], offset);
     }
-    float sum = v[0];
-    for (uint32_t offset = WARP / 2 / N; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
-    return sum;
+    return finish_sums<N>(v[0]);
 }
 
 // reduce_scatter for values in the same place in every lane (value k at v[k]): at each of the first
@@ -164,9 +169,7 @@ __device__ inline float reduce_transposed(float (&v)[N]) {
             v[j] = keep + __shfl_xor_sync(FULL_MASK, send, offset);
         }
     }
-    float sum = v[0];
-    for (uint32_t offset = WARP / 2 / N; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
-    return sum;
+    return finish_sums<N>(v[0]);
 }
 
 // Slices of the block that run a group's stage side by side (RowStream::run_group), for rows of `vecs`

@@ -16,15 +16,9 @@ fn shfl_xor(v: &Lanes, offset: usize) -> Lanes {
     std::array::from_fn(|l| v[l ^ offset])
 }
 
-/// `warp_reduce(v, Add{})`: every lane ends with the value's sum.
-fn butterfly(mut v: Lanes) -> Lanes {
-    let mut offset = WARP / 2;
-    while offset > 0 {
-        let other = shfl_xor(&v, offset);
-        v = std::array::from_fn(|l| v[l] + other[l]);
-        offset /= 2;
-    }
-    v
+/// `warp_reduce(v, Add{})`: every lane ends with the value's sum (all five levels of `finish`'s).
+fn butterfly(v: Lanes) -> Lanes {
+    finish(1, v)
 }
 
 /// `scatter_mask<N>()` of lane `lane`: which value the lane ends with.
@@ -32,8 +26,8 @@ fn scatter_mask(n: usize, lane: usize) -> usize {
     lane / (WARP / n)
 }
 
-/// The butterflies that finish both reductions once each lane holds one value: offsets WARP / 2 / N
-/// down to 1.
+/// `finish_sums<N>`, which ends both reductions once each lane holds one value: the butterfly over
+/// offsets WARP / 2 / N down to 1.
 fn finish(n: usize, mut sum: Lanes) -> Lanes {
     let mut offset = WARP / 2 / n;
     while offset > 0 {
@@ -156,6 +150,7 @@ fn the_model_mirrors_the_kernels() {
         "const uint32_t half = N / 2 / level, offset = WARP / 2 / level;",
         "for (uint32_t offset = WARP / 2 / N; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);",
         "__device__ inline uint32_t scatter_mask() { return threadIdx.x % WARP / (WARP / N); }",
+        "return finish_sums<N>(v[0]);",
     ] {
         assert!(cu.contains(line), "the kernels no longer read {line}");
     }
