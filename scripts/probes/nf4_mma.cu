@@ -282,18 +282,21 @@ __global__ void __launch_bounds__(THREADS, 1) stream(const uint8_t* codes, const
     const bf162 multiple = __float2bfloat162_rn(BATCH_SCALES[lane / 4]);
     const uint32_t table_at = smem_addr(table) + lane * 4;
     const uint32_t book_at = smem_addr(book);
+    // Stage k's rows from its warps' partials, in warp order (threads 0-15, past the barrier after them).
+    const auto store_rows = [&](uint32_t k) {
+        if (t >= STAGE_ROWS) return;
+        const float* r = red + (k % 2) * STAGE_ROWS * WARPS + t * WARPS;
+        float sum = 0.0f;
+        for (uint32_t w = 0; w < WARPS; ++w) sum += r[w];
+        y[k * STAGE_ROWS + t] = sum;
+    };
     for (uint32_t k = first; k < last; ++k) {
         // Every thread is done with stage k - 1's slot (the copy below refills it) and has written its
         // partials of stage k - 1; the initialisation above is visible before the first wait.
         __syncthreads();
         const uint32_t n = k - first, slot = n % SLOTS;
         if (t == 0 && k + SLOTS - 1 < last) issue(codes, scales, sm, full, k + SLOTS - 1, n + SLOTS - 1);
-        if (k > first && t < STAGE_ROWS) {
-            const float* r = red + ((k - 1) % 2) * STAGE_ROWS * WARPS + t * WARPS;
-            float sum = 0.0f;
-            for (uint32_t w = 0; w < WARPS; ++w) sum += r[w];
-            y[(k - 1) * STAGE_ROWS + t] = sum;
-        }
+        if (k > first) store_rows(k - 1);
         if (KIND == Kind::PairsRewrite && n > 0 && n % REWRITE_STAGES == 0) {
             write_pair_table(table);  // no stage reads the table meanwhile: all are past the barrier above
             __syncthreads();          // the new table is written before any lookup reads it
@@ -317,12 +320,7 @@ __global__ void __launch_bounds__(THREADS, 1) stream(const uint8_t* codes, const
             if (t < STAGE_ROWS * WARPS) stage_red[t] = reinterpret_cast<const float*>(sm + SM_SCALES + slot * STAGE_SCALES * 4)[t];
     }
     __syncthreads();  // the last stage's partials
-    if (last > first && t < STAGE_ROWS) {
-        const float* r = red + ((last - 1) % 2) * STAGE_ROWS * WARPS + t * WARPS;
-        float sum = 0.0f;
-        for (uint32_t w = 0; w < WARPS; ++w) sum += r[w];
-        y[(last - 1) * STAGE_ROWS + t] = sum;
-    }
+    if (last > first) store_rows(last - 1);
 }
 
 // Where a tensor-core form's lane l (g = l / 4, q = l % 4) takes code e of word m of a group: the row of
@@ -378,9 +376,8 @@ int main() {
     pack_tensor(words, scales, pwords, mscales, pair_place);
     // The f64 reference of the first copy's rows, and each row's sum |w x| (the error's scale).
     std::vector<double> want(MATRIX_ROWS), scale(MATRIX_ROWS);
-    const float book[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f, -0.18477343022823334f,
-                            -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
-                            0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+    float book[16];
+    TRY(cudaMemcpyFromSymbol(book, NF4_VALUES, sizeof book));  // the kernels' codebook, exact
     for (uint32_t row = 0; row < MATRIX_ROWS; ++row) {
         double sum = 0.0, mag = 0.0;
         for (uint32_t c = 0; c < COLS; ++c) {
@@ -423,22 +420,30 @@ int main() {
            bytes / 1e6, sms, THREADS);
     printf("%-13s %10s %8s %8s  %s\n", "form", "us", "TB/s", "x copy", "worst |error| / sum |w x| of the first copy's rows");
     float copy_us = 0.0f;
-    for (Kind kind : KINDS) {
+    // Form `kind` on xg (x, or x1 at d_x + COLS), REPS times, every output poisoned first (NaN: a row
+    // left unwritten shows): the median us a launch, its outputs in `out`; or a negative time on an error.
+    const auto run = [&](Kind kind, const float* xg, std::vector<float>& out) -> float {
         const bool tensor = is_mma(kind) || is_pairs(kind);
         const uint8_t* c = is_pairs(kind) ? pcodes : tensor ? mcodes : codes;
-        const auto launch = [&] { kernel(kind)<<<sms, THREADS, SM_BYTES>>>(c, tensor ? d_mscales : d_scales, d_x, y); };
+        const auto launch = [&] { kernel(kind)<<<sms, THREADS, SM_BYTES>>>(c, tensor ? d_mscales : d_scales, xg, y); };
         std::vector<float> times;
         for (int rep = 0; rep < REPS; ++rep) {
-            TRY(cudaMemset(y, 0xFF, (size_t)ROWS * 4));  // NaN: a row left unwritten shows
+            if (cudaMemset(y, 0xFF, (size_t)ROWS * 4) != cudaSuccess) return -1.0f;
             times.push_back(elapsed_ms(launch) * 1e3f);
-            TRY(cudaGetLastError());
         }
-        TRY(cudaDeviceSynchronize());
+        if (cudaGetLastError() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) return -1.0f;
+        if (cudaMemcpy(out.data(), y, out.size() * 4, cudaMemcpyDeviceToHost) != cudaSuccess) return -1.0f;
         std::sort(times.begin(), times.end());
-        const float us = times[REPS / 2];
-        if (kind == Kind::Copy) copy_us = us;
+        return times[REPS / 2];
+    };
+    const auto print_row = [&](Kind kind, float us, const char* text) {
+        printf("%-13s %10.1f %8.2f %8.3f  %s\n", NAMES[(int)kind], us, bytes / (us * 1e-6) / 1e12, us / copy_us, text);
+    };
+    for (Kind kind : KINDS) {
         std::vector<float> got(MATRIX_ROWS);
-        TRY(cudaMemcpy(got.data(), y, MATRIX_ROWS * 4, cudaMemcpyDeviceToHost));
+        const float us = run(kind, d_x, got);
+        if (us < 0.0f) return printf("%s failed\n", NAMES[(int)kind]), 1;
+        if (kind == Kind::Copy) copy_us = us;
         double worst = 0.0;
         for (uint32_t row = 0; row < MATRIX_ROWS; ++row) {
             const double e = fabs((double)got[row] - want[row]) / scale[row];
@@ -447,31 +452,19 @@ int main() {
         char text[64] = "(no arithmetic)";
         if (looks_up(kind)) snprintf(text, sizeof text, "%.2e", worst);
         else if (kind != Kind::Copy) snprintf(text, sizeof text, "(not the codebook's values)");
-        printf("%-13s %10.1f %8.2f %8.3f  %s\n", NAMES[(int)kind], us, bytes / (us * 1e-6) / 1e12, us / copy_us, text);
+        print_row(kind, us, text);
     }
     // A batch's lane against its own decode (the plan's item 3): pairs on x1 alone, then pairs-batch with
     // x1 in column 1 beside x and its multiples; every row's sum compared bit for bit.
-    const auto run_pairs = [&](Kind kind, const float* xg, std::vector<float>& out) -> float {
-        const auto launch = [&] { kernel(kind)<<<sms, THREADS, SM_BYTES>>>(pcodes, d_mscales, xg, y); };
-        std::vector<float> times;
-        for (int rep = 0; rep < REPS; ++rep) {
-            if (cudaMemset(y, 0xFF, (size_t)ROWS * 4) != cudaSuccess) return -1.0f;
-            times.push_back(elapsed_ms(launch) * 1e3f);
-        }
-        if (cudaGetLastError() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) return -1.0f;
-        if (cudaMemcpy(out.data(), y, (size_t)ROWS * 4, cudaMemcpyDeviceToHost) != cudaSuccess) return -1.0f;
-        std::sort(times.begin(), times.end());
-        return times[REPS / 2];
-    };
     std::vector<float> alone(ROWS), lane1(ROWS);
-    if (run_pairs(Kind::Pairs, d_x + COLS, alone) < 0.0f) return printf("pairs on x1 failed\n"), 1;
-    const float batch_us = run_pairs(Kind::PairsBatch, d_x, lane1);
+    if (run(Kind::Pairs, d_x + COLS, alone) < 0.0f) return printf("pairs on x1 failed\n"), 1;
+    const float batch_us = run(Kind::PairsBatch, d_x, lane1);
     if (batch_us < 0.0f) return printf("pairs-batch failed\n"), 1;
     size_t differ = 0;
     for (uint32_t row = 0; row < ROWS; ++row) differ += memcmp(&alone[row], &lane1[row], 4) != 0;
     char text[96] = "column 1 bitwise pairs on x1 alone";
     if (differ != 0) snprintf(text, sizeof text, "column 1 against pairs on x1 alone: %zu of %u rows differ", differ, ROWS);
-    printf("%-13s %10.1f %8.2f %8.3f  %s\n", NAMES[(int)Kind::PairsBatch], batch_us, bytes / (batch_us * 1e-6) / 1e12, batch_us / copy_us, text);
+    print_row(Kind::PairsBatch, batch_us, text);
     for (void* p : {(void*)codes, (void*)mcodes, (void*)pcodes, (void*)d_scales, (void*)d_mscales, (void*)d_x, (void*)y}) cudaFree(p);
     return 0;
 }
