@@ -16,6 +16,8 @@
 //! their part's offset (`decode_rows`); every other coded matrix has a slot of its own. A checkpoint
 //! that cannot stream this way streams bf16, and says why (`stream_format`, `pack`).
 
+use std::borrow::Cow;
+
 use half::bf16;
 use spec::data::LayerWeights;
 use spec::{Config, Tensor};
@@ -54,6 +56,64 @@ pub const NF4_VALUES: [f32; 16] = [
     0.722_956_84,
     1.0,
 ];
+
+/// Rows of this many columns stream nf4 in pair tiles (`pair_tiled`), for the tensor cores: a block's
+/// warp w takes columns [256 w, 256 (w + 1)) of a tile's 16 rows, a 64-column group (one absmax) at a
+/// time, as four bf16 mmas (m16n8k16) whose A registers are each one byte of codes, the two values of
+/// adjacent columns of a row looked up at once (docs/perf.md, "The nf4 stream's arithmetic on the tensor
+/// cores: a probe", which measured this layout in `scripts/probes/nf4_mma.cu`'s `pairs`). The kernel
+/// does not read pair tiles yet (branch `nf4-pairs`, unfinished).
+pub const NF4_PAIR_COLS: usize = 4096;
+
+/// A pair tile's rows: an mma's 16, which is a stage of NF4_PAIR_COLS columns' codes.
+pub const NF4_TILE_ROWS: usize = 16;
+
+/// Whether a packed matrix of `rows` rows of `cols` columns in `format` is in pair tiles: its codes
+/// tile by tile of NF4_TILE_ROWS rows, each in `pair_code_index`'s order, and its scales the same way
+/// (`pair_scale_index`).
+pub fn pair_tiled(format: Format, rows: usize, cols: usize) -> bool {
+    format == Format::Nf4 && cols == NF4_PAIR_COLS && rows.is_multiple_of(NF4_TILE_ROWS)
+}
+
+/// Where a pair tile keeps byte `b` of its row `row` (columns 2b, 2b + 1, the first in the low nibble):
+/// in warp w's group j, lane 4g + q's 16 bytes, register r of k-step m, where the mma's A fragment holds
+/// row g + 8 (r % 2) at columns 256 w + 64 j + 16 m + 2q + 8 (r / 2) and the next, so that a lane reads
+/// its 16 bytes of a group in one load.
+fn pair_code_index(row: usize, b: usize) -> usize {
+    let col = 2 * b;
+    let (w, j, c) = (col / 256, col % 256 / 64, col % 64);
+    let (m, q, r) = (c / 16, c % 8 / 2, 2 * (c % 16 / 8) + row / 8);
+    (((w * 4 + j) * 32 + 4 * (row % 8) + q) * 4 + m) * 4 + r
+}
+
+/// Where a pair tile keeps row `row`'s scale of group `group`: rows g and g + 8 side by side, the lane
+/// holding both rows of the fragment reading them in one 8-byte load.
+fn pair_scale_index(row: usize, group: usize) -> usize {
+    (group * (NF4_TILE_ROWS / 2) + row % 8) * 2 + row / 8
+}
+
+/// Row-major codes and scales of `rows` rows of NF4_PAIR_COLS columns in pair tiles (`forward`), or
+/// back (not `forward`).
+fn tile_pairs(codes: &[u8], scales: &[f32], rows: usize, forward: bool) -> (Vec<u8>, Vec<f32>) {
+    let (row_bytes, groups) = (NF4_PAIR_COLS / 2, NF4_PAIR_COLS / NF4_SCALE_COLS);
+    let (mut out_codes, mut out_scales) = (vec![0u8; codes.len()], vec![0f32; scales.len()]);
+    for t in 0..rows / NF4_TILE_ROWS {
+        let (c0, s0) = (t * NF4_TILE_ROWS * row_bytes, t * NF4_TILE_ROWS * groups);
+        for r in 0..NF4_TILE_ROWS {
+            for b in 0..row_bytes {
+                let (flat, tiled) = (c0 + r * row_bytes + b, c0 + pair_code_index(r, b));
+                let (from, to) = if forward { (flat, tiled) } else { (tiled, flat) };
+                out_codes[to] = codes[from];
+            }
+            for g in 0..groups {
+                let (flat, tiled) = (s0 + r * groups + g, s0 + pair_scale_index(r, g));
+                let (from, to) = if forward { (flat, tiled) } else { (tiled, flat) };
+                out_scales[to] = scales[from];
+            }
+        }
+    }
+    (out_codes, out_scales)
+}
 
 /// The format of a checkpoint's codes, as the model kernel streams them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -216,6 +276,9 @@ pub fn pack<F: Fn(usize) -> (Tensor, usize)>(
         push_codes(m, r, c0, cols, &mut bytes);
         scales.extend((0..cols.div_ceil(scale_cols)).map(|k| group_scale(m, r, c0 + k * scale_cols)));
     }
+    if pair_tiled(format, rows, cols) {
+        (bytes, scales) = tile_pairs(&bytes, &scales, rows, true);
+    }
     bytes.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
     Ok(bytes)
 }
@@ -224,12 +287,17 @@ pub fn pack<F: Fn(usize) -> (Tensor, usize)>(
 /// one from a checkpoint stored in bf16 (the CPU executor's reading of it).
 pub fn unpack(format: Format, bytes: &[u8], rows: usize, cols: usize) -> Vec<bf16> {
     assert_eq!(bytes.len(), format.packed_bytes(rows, cols), "a packed {} matrix of {rows} x {cols}", format.name());
-    let (codes, scales) = bytes.split_at(rows * format.code_bytes(cols));
-    let groups = cols.div_ceil(format.scale_cols());
-    let scale = |r: usize, c: usize| {
-        let at = 4 * (r * groups + c / format.scale_cols());
-        f32::from_le_bytes(scales[at..at + 4].try_into().expect("four bytes"))
+    let (codes, scale_bytes) = bytes.split_at(rows * format.code_bytes(cols));
+    let scales: Vec<f32> =
+        scale_bytes.chunks_exact(4).map(|s| f32::from_le_bytes(s.try_into().expect("four bytes"))).collect();
+    let (codes, scales): (Cow<[u8]>, Vec<f32>) = if pair_tiled(format, rows, cols) {
+        let (codes, scales) = tile_pairs(codes, &scales, rows, false);
+        (Cow::Owned(codes), scales)
+    } else {
+        (Cow::Borrowed(codes), scales)
     };
+    let groups = cols.div_ceil(format.scale_cols());
+    let scale = |r: usize, c: usize| scales[r * groups + c / format.scale_cols()];
     (0..rows * cols)
         .map(|i| {
             let s = scale(i / cols, i % cols);
@@ -522,37 +590,79 @@ mod tests {
 
     /// Every packing of a layer, in one and two halves and one to three MLP parts: its bytes read as
     /// the kernel reads them are the loader's weights packed as the bf16 program packs them, bit for
-    /// bit: fp8 with scales of 128 x 128 blocks or one for the whole weight, nf4 in blocks of 64 and 256.
+    /// bit: fp8 with scales of 128 x 128 blocks or one for the whole weight, nf4 in blocks of 64 and 256,
+    /// and nf4 whose Qkv and GateUp rows have NF4_PAIR_COLS columns (pair tiles).
     #[test]
     fn a_packed_matrix_reads_as_the_loaders_weights_packed() {
         let cfg = Config { d: 384, ffn: 768, n_q: 4, n_kv: 2, hd: 64, layers: 1, ..Config::tiny() };
+        let wide = Config { d: NF4_PAIR_COLS, ffn: 384, ..cfg.clone() };
+        let q = pack::qkv(&wide, Groups::all(&wide));
+        assert!(pair_tiled(Format::Nf4, q.rows, q.cols) && pair_tiled(Format::Nf4, 2 * wide.ffn, wide.d));
         let cases = [
-            ("fp8 128", Format::Fp8, fp8_layers(&cfg, [128, 128])),
-            ("fp8 whole", Format::Fp8, fp8_layers(&cfg, [1 << 20, 1 << 20])),
-            ("nf4 64", Format::Nf4, nf4_layers(&cfg, 64)),
-            ("nf4 256", Format::Nf4, nf4_layers(&cfg, 256)),
+            ("fp8 128", &cfg, Format::Fp8, fp8_layers(&cfg, [128, 128])),
+            ("fp8 whole", &cfg, Format::Fp8, fp8_layers(&cfg, [1 << 20, 1 << 20])),
+            ("nf4 64", &cfg, Format::Nf4, nf4_layers(&cfg, 64)),
+            ("nf4 256", &cfg, Format::Nf4, nf4_layers(&cfg, 256)),
+            ("nf4 64 in pair tiles", &wide, Format::Nf4, nf4_layers(&wide, 64)),
         ];
-        for (what, format, (layers, coded)) in &cases {
+        for (what, cfg, format, (layers, coded)) in &cases {
+            let cfg = *cfg;
             let (w, layer) = (&layers[0].0, &coded[0]);
             let same = |rows: usize, cols: usize, packed: Vec<u8>, copied: Vec<bf16>| {
                 assert!(unpack(*format, &packed, rows, cols) == copied, "{what}");
             };
             let halves = [Groups { kv0: 0, n_kv: 1 }, Groups { kv0: 1, n_kv: 1 }];
-            for g in [Groups::all(&cfg)].into_iter().chain(halves) {
-                let q = pack::qkv(&cfg, g);
+            for g in [Groups::all(cfg)].into_iter().chain(halves) {
+                let q = pack::qkv(cfg, g);
                 same(q.rows, q.cols, pack(*format, &q, layer).unwrap(), copied(w, &q));
-                let o = pack::oproj(&cfg, g);
+                let o = pack::oproj(cfg, g);
                 same(o.rows, o.cols, pack(*format, &o, layer).unwrap(), copied(w, &o));
             }
             for parts in 1..=3 {
                 for k in 0..parts {
-                    let gu = gateup_part(&cfg, parts, k);
+                    let gu = gateup_part(cfg, parts, k);
                     same(gu.rows, gu.cols, pack(*format, &gu, layer).unwrap(), copied(w, &gu));
-                    let down = pack::down(&cfg, parts, k);
+                    let down = pack::down(cfg, parts, k);
                     same(down.rows, down.cols, pack(*format, &down, layer).unwrap(), copied(w, &down));
                 }
             }
         }
+    }
+
+    /// A pair tile holds, at lane l's register r of k-step m of warp w's group j, the byte of codes whose
+    /// two columns the bf16 mma's A fragment gives that register (PTX's m16n8k16 layout: row g + 8 (r %
+    /// 2), columns 2q + 8 (r / 2) and the next of the k-step; g = l / 4, q = l % 4), every byte of a tile
+    /// once; and a lane's two rows' scales of a group side by side, row g's first.
+    #[test]
+    fn pair_tiles_hold_each_lanes_mma_fragment() {
+        const GROUPS: usize = NF4_PAIR_COLS / NF4_SCALE_COLS;
+        let mut seen = vec![false; NF4_TILE_ROWS * NF4_PAIR_COLS / 2];
+        for w in 0..WARPS as usize {
+            for j in 0..NF4_PAIR_COLS / WARPS as usize / NF4_SCALE_COLS {
+                for l in 0..32 {
+                    for (m, r) in (0..4).flat_map(|m| (0..4).map(move |r| (m, r))) {
+                        let row = l / 4 + 8 * (r % 2);
+                        let col = NF4_PAIR_COLS / WARPS as usize * w
+                            + NF4_SCALE_COLS * j
+                            + 16 * m
+                            + 2 * (l % 4)
+                            + 8 * (r / 2);
+                        let at = pair_code_index(row, col / 2);
+                        assert_eq!(at, (((w * 4 + j) * 32 + l) * 4 + m) * 4 + r, "row {row}, column {col}");
+                        assert!(!std::mem::replace(&mut seen[at], true), "row {row}, column {col}: a byte twice");
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+        let mut scales: Vec<usize> =
+            (0..NF4_TILE_ROWS).flat_map(|r| (0..GROUPS).map(move |g| pair_scale_index(r, g))).collect();
+        for (g, group) in (0..8).flat_map(|g| (0..GROUPS).map(move |group| (g, group))) {
+            assert_eq!(pair_scale_index(g + 8, group), pair_scale_index(g, group) + 1);
+            assert_eq!(pair_scale_index(g, group) % 2, 0);
+        }
+        scales.sort_unstable();
+        assert_eq!(scales, (0..NF4_TILE_ROWS * GROUPS).collect::<Vec<_>>());
     }
 
     /// What the stream cannot take is refused naming the weight and why: a weight stored unquantised,
