@@ -27,7 +27,7 @@
 // rounded to bf16 only as the P V product's operand (the sum is of the rounded weights).
 //
 // The code is a small machine and its task kinds (the anchors keep one op per file): vm_*.cuh is the
-// machine (sizes, memory operations, blocks and counters, the trace, the weight stream, a phase's GEMV,
+// machine (sizes, memory operations, blocks and counters, the trace, the weight stream, its nf4 form on the tensor cores, a phase's GEMV,
 // the interpreter, the model's loop and the batch step), op_*.cuh one file per kind of task. They are
 // one translation unit with the kernels that include this file, so ptxas sees (and reports) each
 // kernel whole.
@@ -44,6 +44,7 @@
 #include "vm_deps.cuh"
 #include "vm_trace.cuh"
 #include "vm_stream.cuh"
+#include "vm_pairs.cuh"
 #include "vm_gemv.cuh"
 #include "op_qkv.cuh"
 #include "op_attention.cuh"

@@ -81,6 +81,29 @@ __device__ inline Slice lane_rmsnorm(const bf16* x, const bf16* g, uint32_t d, u
     return s;
 }
 
+// lanes_gemv for rows in pair tiles (run_pairs): its groups and chunks lanes_group's (and so
+// prime_phase's first chunk), a group's lanes B's columns, written once a group, the table once a phase.
+template <typename In, typename Out>
+__device__ void lanes_pairs(const RowStream<1, NF4_CODES>& all, uint32_t lanes, uint32_t unit, Ring& ring, Partials part, In input, Out epilogue) {
+    const uint32_t fit = lanes_per_group(group_of<1>(), unit, part.rows);
+    if (fit == 0) __trap();  // the launcher sizes the partials for a unit of rows of every phase
+    write_pair_table(ring);  // the slots' upper halves are free: the phase before ended on finish_phase's barrier
+    for (uint32_t b0 = 0; b0 < lanes; b0 += fit) {
+        const uint32_t live = min(fit, lanes - b0);
+        // The group before's columns were last read before its last epilogue's __syncthreads.
+        for (uint32_t c = 0; c < live; ++c) write_pair_b(ring, c, input(b0 + c, threadIdx.x).h[0]);
+        chunk_streams(all, b0, live, chunk_rows(live, unit, part.rows), b0 > 0, ring, part,
+                      [&](const RowStream<1, NF4_CODES>& stream) { run_pairs(stream, live, ring, part); }, epilogue);
+    }
+}
+
+// Rows a block's share of a batch phase without a Qkv's q/k norms comes in (row_unit's).
+template <uint32_t CODES>
+__device__ inline uint32_t batch_unit(const OpRow& op) {
+    if constexpr (CODES == NF4_CODES) return row_unit<CODES>(op, nullptr);
+    else return 2;
+}
+
 // Phase `op`'s GEMV for lanes [0, lanes) over this block's rows [r0, r1) in units of `unit` rows, as
 // lanes_group: the weights streamed once per group of lanes (lanes_per_group), each group's rows in
 // chunks whose partials fit (chunk_rows). The first group's first chunk is in the ring (prime_phase with
@@ -100,6 +123,9 @@ __device__ void lanes_gemv(const OpRow& op, uint32_t lanes, uint32_t unit, uint3
             lanes_group<VPT, G>(all, b0, live, chunk_rows(live, unit, part.rows), b0 > 0, ring, part, input, epilogue);
         }
     };
+    if constexpr (CODES == NF4_CODES) {
+        if (pair_tiled<CODES>(gemv)) return lanes_pairs(pair_stream(gemv, r0, r1), lanes, unit, ring, part, input, epilogue);
+    }
     if constexpr (CODES != BF16_ROWS) {
         // Packed (the loader packs every coded matrix): no row source to read.
         if (streams_codes(gemv)) return with_stream<CODES>(gemv.w, gemv.cols, r0, r1, false, [&](auto all) { groups(with_scales(all, gemv)); });
@@ -118,11 +144,11 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
         case OP_NOP: break;
         case OP_QKV: {
             const bf16* norms = m.qk_norms[l];
-            gemv_rows(op, r0, r1, norms);
+            gemv_rows<CODES>(op, r0, r1, norms);
             const uint32_t d = (uint32_t)op[qkv::D];
             lane_norms(lanes, d, __int_as_float((int)op[qkv::EpsBits]), [&](uint32_t b) { return io.x(ba, b, l); });
             const auto input = [&](uint32_t b, uint32_t t) { return lane_rmsnorm(io.x(ba, b, l), reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), d, b, t); };
-            const uint32_t unit = qkv_unit(op, norms);
+            const uint32_t unit = row_unit<CODES>(op, norms);
             if (norms != nullptr) {
                 lanes_gemv<CODES>(op, lanes, unit, r0, r1, ring, part, input,
                              [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(lane_op(op, ba, b), ba.pos[b], ring, p, norms, c0, c1); });
@@ -154,9 +180,9 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
         // and destination as lambdas, ptxas gave this kernel a 504-byte stack frame for 448 and more
         // spill loads (ptxas's report).
         case OP_O_PROJ:
-            gemv_rows(op, r0, r1);
+            gemv_rows<CODES>(op, r0, r1);
             lanes_gemv<CODES>(
-                op, lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), oproj::A), (uint32_t)op[oproj::Cols], t); },
+                op, lanes, batch_unit<CODES>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), oproj::A), (uint32_t)op[oproj::Cols], t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
                     const OpRow lop = lane_op(op, ba, b);
                     residual_epilogue(residual_out(io.x(ba, b, l), act_ptr<bf16>(lop, oproj::X1Out), part_ptr<const float>(lop, oproj::PartIn), part_ptr<float>(lop, oproj::PartOut), c0, c1), p, c0, c1);
@@ -166,16 +192,16 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
             const uint32_t d = (uint32_t)op[gateup::D];
             const auto x1 = [&](uint32_t b) { return act_ptr<const bf16>(lane_op(op, ba, b), gateup::X1); };
             lane_norms(lanes, d, __int_as_float((int)op[gateup::EpsBits]), x1);
-            gemv_rows(op, r0, r1);
+            gemv_rows<CODES>(op, r0, r1);
             lanes_gemv<CODES>(
-                op, lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return lane_rmsnorm(x1(b), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, b, t); },
+                op, lanes, batch_unit<CODES>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return lane_rmsnorm(x1(b), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, b, t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { gateup_epilogue(act_ptr<bf16>(lane_op(op, ba, b), gateup::ActOut), p, c0, c1); });
             break;
         }
         case OP_DOWN:
-            gemv_rows(op, r0, r1);
+            gemv_rows<CODES>(op, r0, r1);
             lanes_gemv<CODES>(
-                op, lanes, 2, r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), down::Act), (uint32_t)op[down::Cols], t); },
+                op, lanes, batch_unit<CODES>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), down::Act), (uint32_t)op[down::Cols], t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
                     const OpRow lop = lane_op(op, ba, b);
                     residual_epilogue(residual_out(act_ptr<const bf16>(lop, down::X1), io.y(b, l), part_ptr<const float>(lop, down::PartIn), part_ptr<float>(lop, down::PartOut), c0, c1), p, c0, c1);

@@ -1,7 +1,7 @@
 // A phase's GEMV: which matrix and rows the program row names, this block's share of them, its first
 // stages primed before the phase's wait, and its input (loaded, or normed) as each thread holds it.
 #pragma once
-#include "vm_stream.cuh"
+#include "vm_pairs.cuh"
 #include "vm_trace.cuh"
 
 // The GEMV of a phase: matrix, row length and rows, as the program row names them.
@@ -44,6 +44,24 @@ __device__ inline void set_row_source(const OpRow& op) {
 // norms (`qk_norms` not null) whole heads, whose norm needs all of a head's rows in one block.
 __device__ inline uint32_t qkv_unit(const OpRow& op, const bf16* qk_norms) {
     return op[0] == OP_QKV && qk_norms != nullptr ? (uint32_t)op[qkv::Hd] : 2;
+}
+
+// Whether an instance for a format's codes (CODES) streams phase g's rows in pair tiles (vm_pairs.cuh):
+// nf4 rows of NF4_PAIR_COLS columns in whole tiles, as the loader packs them (code_stream.rs, pair_tiled).
+template <uint32_t CODES>
+__device__ inline bool pair_tiled(const Gemv& g) { return CODES == NF4_CODES && pair_tiled_shape(g.rows, g.cols); }
+
+// Rows a block's share of phase `op` comes in, in an instance for CODES: qkv_unit's, or whole tiles
+// where the rows stream in pair tiles (a tile is a stage; up to NF4_TILE_ROWS - 2 rows more than an
+// even share in pairs, which the launcher sizes the partials for).
+template <uint32_t CODES = BF16_ROWS>
+__device__ inline uint32_t row_unit(const OpRow& op, const bf16* qk_norms) {
+    const uint32_t unit = qkv_unit(op, qk_norms);
+    if constexpr (CODES == NF4_CODES) {
+        Gemv g;
+        if (gemv_of(op, g) && pair_tiled<CODES>(g)) return max(unit, NF4_TILE_ROWS);
+    }
+    return unit;
 }
 
 // Lanes of a batch step's group (lanes_gemv): as many as the group holds (G, group_of) and the
@@ -100,7 +118,7 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     Gemv g;
     if (!gemv_of(op, g)) return;
     if (threadIdx.x == 0) set_row_source(op);
-    const uint32_t unit = qkv_unit(op, qk_norms);
+    const uint32_t unit = row_unit<CODES>(op, qk_norms);
     uint32_t r0, r1;
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
     // Packed (the loader packs every coded matrix): no row source to read.
@@ -124,11 +142,17 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     });
 }
 
-// This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit).
+// This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit; CODES as row_unit's).
+template <uint32_t CODES = BF16_ROWS>
 __device__ inline void gemv_rows(const OpRow& op, uint32_t& r0, uint32_t& r1, const bf16* qk_norms = nullptr) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
-    block_rows(g.rows, blocks_of(op), r0, r1, qkv_unit(op, qk_norms));
+    block_rows(g.rows, blocks_of(op), r0, r1, row_unit<CODES>(op, qk_norms));
+}
+
+// The block's rows [r0, r1) of a phase in pair tiles, a stream that copies their scales.
+__device__ inline RowStream<1, NF4_CODES> pair_stream(const Gemv& g, uint32_t r0, uint32_t r1) {
+    return with_scales(RowStream<1, NF4_CODES>(g.w, g.cols / VEC, r0, r1, false), g);
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
@@ -138,6 +162,16 @@ __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     stamp(TRACE_INPUT);
+    if constexpr (CODES == NF4_CODES) {
+        if (pair_tiled<CODES>(g)) {
+            // The slots' upper halves are free: the phase before ended on finish_phase's barrier.
+            write_pair_table(ring);
+            write_pair_b(ring, 0, s.h[0]);
+            run_pairs(pair_stream(g, r0, r1), 1, ring, part);
+            stamp(TRACE_STREAMED);
+            return;
+        }
+    }
     if constexpr (CODES != BF16_ROWS) {
         if (streams_codes(g)) {
             with_stream<CODES>(g.w, g.cols, r0, r1, false, [&](auto stream) { with_scales(stream, g).run_codes(s, ring, part); });

@@ -671,6 +671,28 @@ __device__ inline void zero_partials(const Partials& part) {
     for (uint32_t i = threadIdx.x; i < part.rows * WARPS; i += THREADS) part.red[i] = 0.0f;
 }
 
+// `all`'s rows in streams of `chunk` rows, each run by run(stream), which leaves the partials of lanes
+// [b0, b0 + live) as run_group does, and ended lane by lane by epilogue(b, part, c0, c1). The first
+// stream's first stages are in the ring unless `prime_first`.
+template <typename Stream, typename Run, typename Out>
+__device__ __forceinline__ void chunk_streams(const Stream& all, uint32_t b0, uint32_t live, uint32_t chunk, bool prime_first, Ring& ring, Partials part, Run run,
+                                              Out epilogue) {
+    const uint32_t end = all.r0 + all.n;
+    for (uint32_t c0 = all.r0; c0 < end; c0 += chunk) {
+        const uint32_t c1 = min(c0 + chunk, end);
+        const Stream stream = all.rows(c0, c1);
+        // The ring is free: the stream before and its epilogues (Qwen3's uses the ring's memory) ended on
+        // a __syncthreads.
+        if (c0 != all.r0 || prime_first) stream.prime(ring);
+        run(stream);
+        for (uint32_t g = 0; g < live; ++g) {
+            epilogue(b0 + g, Partials{part.red + (size_t)g * (c1 - c0) * WARPS, c1 - c0}, c0, c1);
+            // The next lane's epilogue, the next stream and its partials come after every read of these.
+            __syncthreads();
+        }
+    }
+}
+
 // Lanes [b0, b0 + live) of `all`'s rows through run_group<G>, in group streams of `chunk` rows:
 // input(b, t) is lane b's input as thread t holds it (no block-wide step: each thread takes the lanes
 // in its own order), epilogue(b, part, c0, c1) ends lane b's rows [c0, c1) from their partials. The
@@ -680,20 +702,7 @@ __device__ void lanes_group(const RowStream<VPT, VEC_BYTES>& all, uint32_t b0, u
                             Out epilogue) {
     float h[G][VPT][VEC];
     group_inputs<VPT, G, RowStream<VPT, VEC_BYTES>::ROWS_PER_SUM>(h, live, column_thread(all.vecs * VEC), [&](uint32_t g, uint32_t t) { return input(b0 + g, t); });
-    const uint32_t end = all.r0 + all.n;
-    for (uint32_t c0 = all.r0; c0 < end; c0 += chunk) {
-        const uint32_t c1 = min(c0 + chunk, end);
-        const RowStream<VPT, VEC_BYTES> stream = all.rows(c0, c1);
-        // The ring is free: the stream before and its epilogues (Qwen3's uses the ring's memory) ended on
-        // a __syncthreads.
-        if (c0 != all.r0 || prime_first) stream.prime(ring);
-        stream.template run_group<G>(h, live, ring, part);
-        for (uint32_t g = 0; g < live; ++g) {
-            epilogue(b0 + g, Partials{part.red + (size_t)g * (c1 - c0) * WARPS, c1 - c0}, c0, c1);
-            // The next lane's epilogue, the next stream and its partials come after every read of these.
-            __syncthreads();
-        }
-    }
+    chunk_streams(all, b0, live, chunk, prime_first, ring, part, [&](const RowStream<VPT, VEC_BYTES>& stream) { stream.template run_group<G>(h, live, ring, part); }, epilogue);
 }
 
 // A decode step's rows through run_group as a group of one, the input `s` as column_thread holds it:

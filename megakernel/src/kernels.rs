@@ -52,6 +52,7 @@ pub const DEVICE_SOURCE: &str = concat!(
     include_str!("../../kernels/megakernel/vm_deps.cuh"),
     include_str!("../../kernels/megakernel/vm_trace.cuh"),
     include_str!("../../kernels/megakernel/vm_stream.cuh"),
+    include_str!("../../kernels/megakernel/vm_pairs.cuh"),
     include_str!("../../kernels/megakernel/vm_gemv.cuh"),
     include_str!("../../kernels/megakernel/op_qkv.cuh"),
     include_str!("../../kernels/megakernel/op_attention.cuh"),
@@ -90,7 +91,7 @@ const MODEL_ALLOWANCES: &[::kernels::Spills] = &[
     ::kernels::Spills { function: "megakernel_model_fp8", bytes: 8, why: FP8_SPILLS },
     ::kernels::Spills { function: "megakernel_model_traced_fp8", bytes: 8, why: FP8_SPILLS },
     ::kernels::Spills { function: "megakernel_model_nf4", bytes: 100, why: NF4_SPILLS },
-    ::kernels::Spills { function: "megakernel_model_sliced_nf4", bytes: 116, why: NF4_SPILLS },
+    ::kernels::Spills { function: "megakernel_model_sliced_nf4", bytes: 736, why: NF4_SPILLS },
     ::kernels::Spills { function: "megakernel_model_batch_bf16", bytes: 640, why: BATCH_SPILLS },
     ::kernels::Spills { function: "megakernel_model_batch_fp8", bytes: 640, why: BATCH_SPILLS },
     ::kernels::Spills { function: "megakernel_model_batch_nf4", bytes: 640, why: BATCH_SPILLS },
@@ -118,12 +119,13 @@ const FP8_SPILLS: &str = "the fp8 stream's own copy of every stream width beside
 
 /// Why the model kernel's nf4 instances may spill.
 #[cfg(all(test, feature = "model"))]
-const NF4_SPILLS: &str = "the nf4 stream's own copy of every stream width beside the bf16 one, and the codebook's address \
-                          beside the scale slots' (128 registers were full before it): 24 bytes stored and 100 \
-                          loaded in the instance for wide rows, 20 and 116 in the sliced one, the program row's words \
-                          reloaded at each phase's start, none in the stream's loop. Measured as it is, \
-                          Llama-3.1-8B in nf4 decodes 33% faster than streaming bf16 (docs/perf.md, \"The nf4 \
-                          stream, run\")";
+const NF4_SPILLS: &str = "the nf4 stream's own copy of every stream width beside the bf16 one, the codebook's address \
+                          beside the scale slots', and the pair-tile stream on the tensor cores (vm_pairs.cuh: its \
+                          table's and B's addresses, a tile's block shares): 20 bytes stored and 72 loaded in the \
+                          instance for wide rows, 260 and 736 in the sliced one (4 and 8 each before the pair \
+                          tiles), none in a pair-tile or nf4 stream's loop; the sliced instance's bf16 slices' loops \
+                          reload two words a stage and its epilogues' sums up to seven a row (docs/perf.md, \
+                          \"Pair tiles in the megakernel\")";
 
 /// Why the model kernel's traced instance with q/k norms may spill.
 #[cfg(all(test, feature = "model"))]

@@ -815,6 +815,18 @@ pub fn gemv_rows(row: &Row) -> Option<usize> {
     }
 }
 
+/// Columns of the GEMV `row` streams (the kernel's `gemv_of`); `None` for a phase without one.
+pub fn gemv_cols(row: &Row) -> Option<usize> {
+    let w = |i: usize| row[i] as usize;
+    match Op::from_word(row[0])? {
+        Op::Qkv => Some(w(qkv::D as usize)),
+        Op::OProj => Some(w(oproj::Cols as usize)),
+        Op::GateUp => Some(w(gateup::D as usize)),
+        Op::Down => Some(w(down::Cols as usize)),
+        Op::Nop | Op::Attention | Op::Reduce => None,
+    }
+}
+
 /// The share of its operation's bytes (`ByteModel::by_op`) that `row` reads: the part of the groups, of
 /// the O projection's columns or of `ffn` it covers (a Reduce row, none).
 pub fn share(row: &Row, cfg: &Config) -> f64 {

@@ -61,8 +61,8 @@ pub const NF4_VALUES: [f32; 16] = [
 /// warp w takes columns [256 w, 256 (w + 1)) of a tile's 16 rows, a 64-column group (one absmax) at a
 /// time, as four bf16 mmas (m16n8k16) whose A registers are each one byte of codes, the two values of
 /// adjacent columns of a row looked up at once (docs/perf.md, "The nf4 stream's arithmetic on the tensor
-/// cores: a probe", which measured this layout in `scripts/probes/nf4_mma.cu`'s `pairs`). The kernel
-/// does not read pair tiles yet (branch `nf4-pairs`, unfinished).
+/// cores: a probe", which measured this layout in `scripts/probes/nf4_mma.cu`'s `pairs`; the kernel's
+/// `vm_pairs.cuh` streams it).
 pub const NF4_PAIR_COLS: usize = 4096;
 
 /// A pair tile's rows: an mma's 16, which is a stage of NF4_PAIR_COLS columns' codes.
@@ -73,6 +73,20 @@ pub const NF4_TILE_ROWS: usize = 16;
 /// (`pair_scale_index`).
 pub fn pair_tiled(format: Format, rows: usize, cols: usize) -> bool {
     format == Format::Nf4 && cols == NF4_PAIR_COLS && rows.is_multiple_of(NF4_TILE_ROWS)
+}
+
+/// The most rows a block takes of any phase of `rows` (a decode program) whose matrix streams in pair
+/// tiles: the kernel gives such a phase's blocks whole tiles (`row_unit`), up to NF4_TILE_ROWS - 2 rows
+/// more than an even share in pairs; 0 where no phase does.
+pub fn pair_block_rows(format: Format, rows: &[Row]) -> usize {
+    rows.iter()
+        .filter_map(|r| {
+            let (n, cols) = (program::gemv_rows(r)?, program::gemv_cols(r)?);
+            let blocks = program::Blocks::of(r).count as usize;
+            pair_tiled(format, n, cols).then(|| NF4_TILE_ROWS * (n / NF4_TILE_ROWS).div_ceil(blocks))
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Where a pair tile keeps byte `b` of its row `row` (columns 2b, 2b + 1, the first in the low nibble):
@@ -537,6 +551,12 @@ mod tests {
         let cu = crate::kernels::DEVICE_SOURCE;
         assert!(cu.contains(&format!("constexpr uint32_t FP8_SCALE_COLS = {FP8_SCALE_COLS};")));
         assert!(cu.contains(&format!("constexpr uint32_t NF4_SCALE_COLS = {NF4_SCALE_COLS};")));
+        assert!(cu.contains(&format!("constexpr uint32_t NF4_PAIR_COLS = {NF4_PAIR_COLS};")));
+        assert!(cu.contains(&format!("constexpr uint32_t NF4_TILE_ROWS = {NF4_TILE_ROWS};")));
+        assert!(cu.contains(
+            "__device__ inline bool pair_tiled_shape(uint32_t rows, uint32_t cols) { return cols == NF4_PAIR_COLS && rows % NF4_TILE_ROWS == 0; }"
+        ));
+        assert!(cu.contains("return CODES == NF4_CODES && pair_tiled_shape(g.rows, g.cols);"));
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOT_BYTES = STAGE_BYTES / FP8_SCALE_COLS * 4;"));
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOTS_BYTES = STAGES * FP8_SCALE_SLOT_BYTES;"));
         assert!(cu.contains("return VEC_BYTES == NF4_CODES ? STAGE_BYTES / 2 : STAGE_BYTES;"));
@@ -732,6 +752,30 @@ mod tests {
             let rows = program::compile(&narrow, &buffers, 132, plan, Split::None);
             assert_eq!(decode_rows(format, &narrow, plan, &rows), rows);
         }
+    }
+
+    /// A block of a phase in pair tiles takes whole tiles: Llama-3.1-8B's GateUp (28672 rows of 4096 over
+    /// the grid of 132 its plan gives it) up to 224 rows, where the bf16 program's pairs give 218; its
+    /// Qkv and O as many tiles as that grid's share; fp8 and a model of rows of 2048 none.
+    #[test]
+    fn a_block_of_pair_tiles_takes_whole_tiles() {
+        let buffers = program::test_buffers();
+        let llama8b = Config { d: 4096, ffn: 14336, n_q: 32, n_kv: 8, hd: 128, ..Config::graded() };
+        let plan = Plan::with(&llama8b, 132, Forced { roles: None, mlp_parts: Some(1) }).unwrap();
+        let rows =
+            decode_rows(Format::Nf4, &llama8b, plan, &program::compile(&llama8b, &buffers, 132, plan, Split::None));
+        let (gateup, blocks) = rows
+            .iter()
+            .find(|r| r[0] == Op::GateUp as i64)
+            .map(|r| (program::gemv_rows(r).unwrap(), program::Blocks::of(r).count as usize))
+            .unwrap();
+        assert_eq!((gateup, blocks), (28672, 132));
+        assert_eq!(pair_block_rows(Format::Nf4, &rows), 224);
+        assert_eq!(2 * (gateup / 2).div_ceil(blocks), 218);
+        assert_eq!(pair_block_rows(Format::Fp8, &rows), 0);
+        let narrow = Config { d: 2048, ffn: 8192, n_q: 32, n_kv: 8, hd: 64, ..Config::graded() };
+        let plan = Plan::choose(&narrow, 132);
+        assert_eq!(pair_block_rows(Format::Nf4, &program::compile(&narrow, &buffers, 132, plan, Split::None)), 0);
     }
 
     /// The decode program of the coded instances, run by the CPU executor reading each coded matrix as

@@ -248,10 +248,12 @@ impl CodedDecode {
         }
         // The stack's shared memory where its partials leave the tail room for a layer's rows (the LM head
         // streams through fewer a chunk at a time); else more, where the card has it.
-        let tail_rows = (format.tail_bytes() / (WARPS as usize * 4)) as u32;
-        let red_rows = stack.red_rows.saturating_sub(tail_rows).max(stack.lane_rows as u32);
-        let smem = RING_BYTES + (red_rows + tail_rows) * WARPS * 4;
+        // A block of a phase in pair tiles may take more rows than the bf16 program's (whole tiles).
         let rows = code_stream::decode_rows(format, layer, stack.layout, &stack.rows);
+        let lane_rows = stack.lane_rows.max(code_stream::pair_block_rows(format, &rows));
+        let tail_rows = (format.tail_bytes() / (WARPS as usize * 4)) as u32;
+        let red_rows = stack.red_rows.saturating_sub(tail_rows).max(lane_rows as u32);
+        let smem = RING_BYTES + (red_rows + tail_rows) * WARPS * 4;
         let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
         let (decode_file, batch_file, batch_name) = coded_files(format);
         let name = coded_kernel(format, has_narrow_rows(layer), false).expect("every format has a timed instance");
@@ -262,7 +264,7 @@ impl CodedDecode {
             Err(e) => return Err(e.into()),
         }
         // Where its partials would not fit beside the tail, the model streams bf16 and says why.
-        let batch = match batch_kernel(dev, batch_file, batch_name, stack.lane_rows, format.tail_bytes()) {
+        let batch = match batch_kernel(dev, batch_file, batch_name, lane_rows, format.tail_bytes()) {
             Ok(batch) => batch,
             Err(SubmissionError::Unsupported(why)) => return Ok(Err(why)),
             Err(e) => return Err(e.into()),
