@@ -47,17 +47,20 @@ __device__ inline uint32_t qkv_unit(const OpRow& op, const bf16* qk_norms) {
 }
 
 // Whether an instance for a format's codes (CODES) streams phase g's rows in pair tiles (vm_pairs.cuh):
-// nf4 rows of NF4_PAIR_COLS columns in whole tiles, as the loader packs them (code_stream.rs, pair_tiled).
-template <uint32_t CODES>
-__device__ inline bool pair_tiled(const Gemv& g) { return CODES == NF4_CODES && pair_tiled_shape(g.rows, g.cols); }
+// nf4 rows of NF4_PAIR_COLS columns in whole tiles, as the loader packs them (code_stream.rs, pair_tiled),
+// outside the SLICED instance. That one has no pair-tile code, which moved its whole allocation (260
+// bytes spilled, Llama-3.2-1B 8% slower, where no phase is in pair tiles); the launcher runs a model
+// with narrow rows and phases in pair tiles in the instance for wide rows (gpu.rs, runs_sliced).
+template <uint32_t CODES, bool SLICED = false>
+__device__ inline bool pair_tiled(const Gemv& g) { return CODES == NF4_CODES && !SLICED && pair_tiled_shape(g.rows, g.cols); }
 
 // Rows a block's share of phase `op` comes in, in an instance for CODES: qkv_unit's, or whole tiles
 // where the rows stream in pair tiles (a tile is a stage; up to NF4_TILE_ROWS - 2 rows more than an
 // even share in pairs, which the launcher sizes the partials for).
-template <uint32_t CODES = BF16_ROWS>
+template <uint32_t CODES = BF16_ROWS, bool SLICED = false>
 __device__ inline uint32_t row_unit(const OpRow& op, const bf16* qk_norms) {
     const uint32_t unit = qkv_unit(op, qk_norms);
-    if constexpr (CODES == NF4_CODES) {
+    if constexpr (CODES == NF4_CODES && !SLICED) {
         Gemv g;
         if (gemv_of(op, g) && pair_tiled<CODES>(g)) return max(unit, NF4_TILE_ROWS);
     }
@@ -118,7 +121,7 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     Gemv g;
     if (!gemv_of(op, g)) return;
     if (threadIdx.x == 0) set_row_source(op);
-    const uint32_t unit = row_unit<CODES>(op, qk_norms);
+    const uint32_t unit = row_unit<CODES, SLICED>(op, qk_norms);
     uint32_t r0, r1;
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
     // Packed (the loader packs every coded matrix): no row source to read.
@@ -142,12 +145,13 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     });
 }
 
-// This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit; CODES as row_unit's).
-template <uint32_t CODES = BF16_ROWS>
+// This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit; CODES and SLICED as
+// row_unit's).
+template <uint32_t CODES = BF16_ROWS, bool SLICED = false>
 __device__ inline void gemv_rows(const OpRow& op, uint32_t& r0, uint32_t& r1, const bf16* qk_norms = nullptr) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
-    block_rows(g.rows, blocks_of(op), r0, r1, row_unit<CODES>(op, qk_norms));
+    block_rows(g.rows, blocks_of(op), r0, r1, row_unit<CODES, SLICED>(op, qk_norms));
 }
 
 // The block's rows [r0, r1) of a phase in pair tiles, a stream that copies their scales.
@@ -156,13 +160,13 @@ __device__ inline RowStream<1, NF4_CODES> pair_stream(const Gemv& g, uint32_t r0
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
-// primed). CODES: as streams_codes.
-template <uint32_t CODES = BF16_ROWS>
+// primed). CODES: as streams_codes; SLICED: as pair_tiled.
+template <uint32_t CODES = BF16_ROWS, bool SLICED = false>
 __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     stamp(TRACE_INPUT);
-    if constexpr (CODES == NF4_CODES) {
+    if constexpr (CODES == NF4_CODES && !SLICED) {
         if (pair_tiled<CODES>(g)) {
             // The slots' upper halves are free: the phase before ended on finish_phase's barrier.
             write_pair_table(ring);
@@ -208,7 +212,7 @@ __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ri
         if (TRACED) stamp(TRACE_STREAMED);
         return;
     }
-    gemv_phase<CODES>(op, input(threadIdx.x), ring, part, r0, r1);
+    gemv_phase<CODES, SLICED>(op, input(threadIdx.x), ring, part, r0, r1);
 }
 
 // The sum of row r's warp partials, in warp order.
