@@ -556,7 +556,7 @@ mod tests {
         assert!(cu.contains(
             "__device__ inline bool pair_tiled_shape(uint32_t rows, uint32_t cols) { return cols == NF4_PAIR_COLS && rows % NF4_TILE_ROWS == 0; }"
         ));
-        assert!(cu.contains("return CODES == NF4_CODES && pair_tiled_shape(g.rows, g.cols);"));
+        assert!(cu.contains("return CODES == NF4_CODES && !SLICED && pair_tiled_shape(g.rows, g.cols);"));
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOT_BYTES = STAGE_BYTES / FP8_SCALE_COLS * 4;"));
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOTS_BYTES = STAGES * FP8_SCALE_SLOT_BYTES;"));
         assert!(cu.contains("return VEC_BYTES == NF4_CODES ? STAGE_BYTES / 2 : STAGE_BYTES;"));
