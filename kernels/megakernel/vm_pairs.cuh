@@ -32,7 +32,10 @@ static_assert(MAX_BATCH == PAIR_COLUMNS, "a batch's lanes are B's columns");
 // (stage_code_bytes: half a slot) never fills: the table in slot 0's, B in slot 1's (warps [0, WARPS /
 // 2)) and slot 2's (the rest). Phases of other rows (bf16 stages, attention's chunks) use whole slots,
 // so a phase streaming pair tiles writes both as it starts (the probe's pairs-rewrite, its table
-// written every 4 stages, cost nothing measurable).
+// written every 4 stages, cost nothing measurable). Ordering: those ordinary stores follow the phase
+// before's last read and copy into the halves (finish_phase's barrier; every copy it issued was waited
+// for), and precede the copy engine's next writes there (a later phase's bf16 stages) through the
+// proxy fence each phase ends with (finish_phase).
 constexpr uint32_t PAIR_HALF_BYTES = STAGE_BYTES - stage_code_bytes<NF4_CODES>();
 constexpr uint32_t PAIR_WARP_B_BYTES = PAIR_WARP_STEPS * PAIR_COLUMNS * PAIR_B_LANES * 8;  // a warp's B: 4 KB
 static_assert(PAIR_TABLE_BYTES <= PAIR_HALF_BYTES && WARPS / 2 * PAIR_WARP_B_BYTES <= PAIR_HALF_BYTES && STAGES >= 3, "the table and B fit the slots' upper halves");
