@@ -97,7 +97,9 @@ __device__ void lanes_pairs(const RowStream<1, NF4_CODES>& all, uint32_t lanes, 
     }
 }
 
-// Rows a block's share of a batch phase without a Qkv's q/k norms comes in (row_unit's).
+// Rows a block's share of a batch phase without a Qkv's q/k norms comes in (row_unit's). Pairs spelled
+// out for the bf16 and fp8 instances, not row_unit's test of the opcode at run time: so their batch
+// steps keep the machine code they were measured with (fatbins compared by function).
 template <uint32_t CODES>
 __device__ inline uint32_t batch_unit(const OpRow& op) {
     if constexpr (CODES == NF4_CODES) return row_unit<CODES>(op, nullptr);
