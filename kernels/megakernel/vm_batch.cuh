@@ -82,7 +82,8 @@ __device__ inline Slice lane_rmsnorm(const bf16* x, const bf16* g, uint32_t d, u
 }
 
 // lanes_gemv for rows in pair tiles (run_pairs): its groups and chunks lanes_group's (and so
-// prime_phase's first chunk), a group's lanes B's columns, written once a group, the table once a phase.
+// prime_phase's first chunk), a group's lanes B's columns, written once a group (each thread the
+// vector of the columns it takes: column_thread), the table once a phase.
 template <typename In, typename Out>
 __device__ void lanes_pairs(const RowStream<1, NF4_CODES>& all, uint32_t lanes, uint32_t unit, Ring& ring, Partials part, In input, Out epilogue) {
     const uint32_t fit = lanes_per_group(group_of<1>(), unit, part.rows);
@@ -91,7 +92,7 @@ __device__ void lanes_pairs(const RowStream<1, NF4_CODES>& all, uint32_t lanes, 
     for (uint32_t b0 = 0; b0 < lanes; b0 += fit) {
         const uint32_t live = min(fit, lanes - b0);
         // The group before's columns were last read before its last epilogue's __syncthreads.
-        for (uint32_t c = 0; c < live; ++c) write_pair_b(ring, c, input(b0 + c, threadIdx.x).h[0]);
+        for (uint32_t c = 0; c < live; ++c) write_pair_b(ring, c, input(b0 + c, column_thread(all.vecs * VEC)).h[0]);
         chunk_streams(all, b0, live, chunk_rows(live, unit, part.rows), b0 > 0, ring, part,
                       [&](const RowStream<1, NF4_CODES>& stream) { run_pairs(stream, live, ring, part); }, epilogue);
     }

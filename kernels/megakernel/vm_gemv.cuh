@@ -47,20 +47,18 @@ __device__ inline uint32_t qkv_unit(const OpRow& op, const bf16* qk_norms) {
 }
 
 // Whether an instance for a format's codes (CODES) streams phase g's rows in pair tiles (vm_pairs.cuh):
-// nf4 rows of NF4_PAIR_COLS columns in whole tiles, as the loader packs them (code_stream.rs, pair_tiled),
-// outside the SLICED instance. That one has no pair-tile code, which moved its whole allocation (260
-// bytes spilled, Llama-3.2-1B 8% slower, where no phase is in pair tiles); the launcher runs a model
-// with narrow rows and phases in pair tiles in the instance for wide rows (gpu.rs, runs_sliced).
-template <uint32_t CODES, bool SLICED = false>
-__device__ inline bool pair_tiled(const Gemv& g) { return CODES == NF4_CODES && !SLICED && pair_tiled_shape(g.rows, g.cols); }
+// nf4 rows of NF4_PAIR_COLS columns, or half that, in whole tiles, as the loader packs them
+// (code_stream.rs, pair_tiled).
+template <uint32_t CODES>
+__device__ inline bool pair_tiled(const Gemv& g) { return CODES == NF4_CODES && pair_tiled_shape(g.rows, g.cols); }
 
 // Rows a block's share of phase `op` comes in, in an instance for CODES: qkv_unit's, or whole tiles
-// where the rows stream in pair tiles (a tile is a stage; up to NF4_TILE_ROWS - 2 rows more than an
-// even share in pairs, which the launcher sizes the partials for).
-template <uint32_t CODES = BF16_ROWS, bool SLICED = false>
+// where the rows stream in pair tiles (up to NF4_TILE_ROWS - 2 rows more than an even share in pairs,
+// which the launcher sizes the partials for).
+template <uint32_t CODES = BF16_ROWS>
 __device__ inline uint32_t row_unit(const OpRow& op, const bf16* qk_norms) {
     const uint32_t unit = qkv_unit(op, qk_norms);
-    if constexpr (CODES == NF4_CODES && !SLICED) {
+    if constexpr (CODES == NF4_CODES) {
         Gemv g;
         if (gemv_of(op, g) && pair_tiled<CODES>(g)) return max(unit, NF4_TILE_ROWS);
     }
@@ -104,6 +102,12 @@ __device__ inline Stream with_scales(Stream stream, const Gemv& g) {
     return stream;
 }
 
+// The block's rows [r0, r1) of a phase in pair tiles, a stream that copies their scales: a group
+// stream, so that a stage holds two tiles of the narrow rows (row_slices), one of the wide.
+__device__ inline RowStream<1, NF4_CODES> pair_stream(const Gemv& g, uint32_t r0, uint32_t r1) {
+    return with_scales(RowStream<1, NF4_CODES>(g.w, g.cols / VEC, r0, r1, false, true), g);
+}
+
 // The end of a batch step's first stream over a block's rows [r0, r1) of VPT vectors a thread, in
 // units of `unit` rows, of `lanes` lanes with partials of `part_rows` rows: lanes_gemv's first group's
 // first chunk.
@@ -121,10 +125,17 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     Gemv g;
     if (!gemv_of(op, g)) return;
     if (threadIdx.x == 0) set_row_source(op);
-    const uint32_t unit = row_unit<CODES, SLICED>(op, qk_norms);
+    const uint32_t unit = row_unit<CODES>(op, qk_norms);
     uint32_t r0, r1;
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
     // Packed (the loader packs every coded matrix): no row source to read.
+    if constexpr (CODES == NF4_CODES) {
+        if (pair_tiled<CODES>(g)) {
+            const RowStream<1, NF4_CODES> all = pair_stream(g, r0, r1);
+            if (lanes == 0) return all.prime(ring);
+            return all.rows(r0, first_chunk_end<1>(r0, r1, unit, lanes, part_rows)).prime(ring);
+        }
+    }
     if constexpr (CODES != BF16_ROWS) {
         if (streams_codes(g)) {
             return with_stream<CODES>(g.w, g.cols, r0, r1, false, [&](auto stream) {
@@ -145,36 +156,32 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     });
 }
 
-// This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit; CODES and SLICED as
-// row_unit's).
-template <uint32_t CODES = BF16_ROWS, bool SLICED = false>
+// This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit; CODES as row_unit's).
+template <uint32_t CODES = BF16_ROWS>
 __device__ inline void gemv_rows(const OpRow& op, uint32_t& r0, uint32_t& r1, const bf16* qk_norms = nullptr) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
-    block_rows(g.rows, blocks_of(op), r0, r1, row_unit<CODES, SLICED>(op, qk_norms));
+    block_rows(g.rows, blocks_of(op), r0, r1, row_unit<CODES>(op, qk_norms));
 }
 
-// The block's rows [r0, r1) of a phase in pair tiles, a stream that copies their scales.
-__device__ inline RowStream<1, NF4_CODES> pair_stream(const Gemv& g, uint32_t r0, uint32_t r1) {
-    return with_scales(RowStream<1, NF4_CODES>(g.w, g.cols / VEC, r0, r1, false), g);
+// Rows [r0, r1) of g in pair tiles against x as s holds it (write_pair_b), into red (the ring already
+// primed). The slots' upper halves are free: the phase before ended on finish_phase's barrier.
+__device__ __forceinline__ void pair_phase(const Gemv& g, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
+    write_pair_table(ring);
+    write_pair_b(ring, 0, s.h[0]);
+    run_pairs(pair_stream(g, r0, r1), 1, ring, part);
+    stamp(TRACE_STREAMED);
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
-// primed). CODES: as streams_codes; SLICED: as pair_tiled.
-template <uint32_t CODES = BF16_ROWS, bool SLICED = false>
+// primed). CODES: as streams_codes and pair_tiled.
+template <uint32_t CODES = BF16_ROWS>
 __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     stamp(TRACE_INPUT);
-    if constexpr (CODES == NF4_CODES && !SLICED) {
-        if (pair_tiled<CODES>(g)) {
-            // The slots' upper halves are free: the phase before ended on finish_phase's barrier.
-            write_pair_table(ring);
-            write_pair_b(ring, 0, s.h[0]);
-            run_pairs(pair_stream(g, r0, r1), 1, ring, part);
-            stamp(TRACE_STREAMED);
-            return;
-        }
+    if constexpr (CODES == NF4_CODES) {
+        if (pair_tiled<CODES>(g)) return pair_phase(g, s, ring, part, r0, r1);
     }
     if constexpr (CODES != BF16_ROWS) {
         if (streams_codes(g)) {
@@ -198,6 +205,7 @@ __device__ inline void stamp_input(const Slice& s) {
 // kernel) and the rows run in slices (at most 2048 columns), as a group of one in full stages
 // (prime_solo), each thread holding the input of the thread whose columns it takes (column_thread).
 // The vector's products, sums and rounding are run()'s (run_group), so every output keeps its bits.
+// Narrow rows in pair tiles take the same input (their warps' columns are column_thread's).
 // CODES: as gemv_phase's.
 template <bool SLICED, bool TRACED = false, uint32_t CODES = BF16_ROWS, typename In>
 __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
@@ -206,13 +214,16 @@ __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ri
     if (SLICED && gemv_of(op, g) && row_slices(g.cols / VEC) > 1) {
         const Slice s = input(column_thread(g.cols));
         if (TRACED) stamp_input(s);
+        if constexpr (CODES == NF4_CODES) {
+            if (pair_tiled<CODES>(g)) return pair_phase(g, s, ring, part, r0, r1);
+        }
         const RowStream<1> stream = group_stream<1>(g.w, g.cols / VEC, r0, r1, g.in_place);
         start_solo(stream, ring);
         solo_group(stream, s, stream.n, ring, part, [](uint32_t, const Partials&, uint32_t, uint32_t) {});  // the caller's epilogue follows
         if (TRACED) stamp(TRACE_STREAMED);
         return;
     }
-    gemv_phase<CODES, SLICED>(op, input(threadIdx.x), ring, part, r0, r1);
+    gemv_phase<CODES>(op, input(threadIdx.x), ring, part, r0, r1);
 }
 
 // The sum of row r's warp partials, in warp order.

@@ -1,15 +1,17 @@
-// The nf4 stream on the tensor cores, for rows of NF4_PAIR_COLS columns in pair tiles (the loader
-// packs them so: megakernel/src/model/code_stream.rs, pair_tiled). A stage is one tile of NF4_TILE_ROWS
-// rows; warp w takes its columns [PAIR_WARP_COLS w, PAIR_WARP_COLS (w + 1)), a 64-column group (one
-// absmax) at a time, as PAIR_STEPS bf16 mmas (m16n8k16). An A register is two adjacent columns of a
-// row, one byte of codes, so one load from a table of each byte's two values as bf16x2 (pair_table)
-// takes the place of the fused form's two lookups and two FMAs (run_codes); the mma sums the products
-// across the fragment's lanes. B's eight columns are input vectors: a decode step's x in every one, a
-// batch step's lanes one a column, so that each lane's sums are its decode step's bits (an mma's output
-// column depends on its own column of B alone). scripts/probes/nf4_mma.cu measured this form at
-// 1.03-1.07x the ring's copy-only time, where the fused form took 1.2-1.24x, and a lane's column
-// bitwise its decode's (docs/perf.md, "The nf4 stream's arithmetic on the tensor cores: a probe").
-// The codebook is rounded to bf16 (2^-9 relative a value), as the loader rounds every bf16 weight.
+// The nf4 stream on the tensor cores, for rows of NF4_PAIR_COLS or NF4_PAIR_COLS / 2 columns in pair
+// tiles (the loader packs them so: megakernel/src/model/code_stream.rs, pair_tiled). A tile is
+// NF4_TILE_ROWS rows and a stage holds a tile of the wide rows or two of the narrow ones (a group
+// stream's two slices), 32 KB of codes either way; warp w takes PAIR_WARP_COLS columns of its tile's,
+// a 64-column group (one absmax) at a time, as PAIR_STEPS bf16 mmas (m16n8k16). An A register is two
+// adjacent columns of a row, one byte of codes, so one load from a table of each byte's two values as
+// bf16x2 (pair_table) takes the place of the fused form's two lookups and two FMAs (run_codes); the mma
+// sums the products across the fragment's lanes. B's eight columns are input vectors: a decode step's
+// x in every one, a batch step's lanes one a column, so that each lane's sums are its decode step's
+// bits (an mma's output column depends on its own column of B alone). scripts/probes/nf4_mma.cu
+// measured this form at 1.03-1.07x the ring's copy-only time, where the fused form took 1.2-1.24x, and a
+// lane's column bitwise its decode's (docs/perf.md, "The nf4 stream's arithmetic on the tensor cores:
+// a probe"). The codebook is rounded to bf16 (2^-9 relative a value), as the loader rounds every bf16
+// weight.
 #pragma once
 #include "vm_stream.cuh"
 
@@ -25,7 +27,7 @@ constexpr uint32_t PAIR_COLUMNS = 8;                                 // B's colu
 constexpr uint32_t PAIR_ENTRY_BYTES = WARP * 4;                      // a byte's entry: a bf16x2 for each lane
 constexpr uint32_t PAIR_TABLE_BYTES = 256 * PAIR_ENTRY_BYTES;        // 32 KB
 static_assert(RowStream<1, NF4_CODES>::SLICE_ROWS == NF4_TILE_ROWS, "a stage of pair-tiled rows is one tile");
-static_assert(NF4_PAIR_COLS == THREADS * VEC, "thread t holds vector t of x, whose words are B's registers (write_pair_b)");
+static_assert(NF4_PAIR_COLS == THREADS * VEC, "thread t holds vector t of x (or of the narrow rows' slice), whose words are B's registers (write_pair_b)");
 static_assert(MAX_BATCH == PAIR_COLUMNS, "a batch's lanes are B's columns");
 
 // The table and B's columns live in the upper halves of the ring's slots, which an nf4 stage
@@ -40,8 +42,11 @@ constexpr uint32_t PAIR_HALF_BYTES = STAGE_BYTES - stage_code_bytes<NF4_CODES>()
 constexpr uint32_t PAIR_WARP_B_BYTES = PAIR_WARP_STEPS * PAIR_COLUMNS * PAIR_B_LANES * 8;  // a warp's B: 4 KB
 static_assert(PAIR_TABLE_BYTES <= PAIR_HALF_BYTES && WARPS / 2 * PAIR_WARP_B_BYTES <= PAIR_HALF_BYTES && STAGES >= 3, "the table and B fit the slots' upper halves");
 
-// Whether rows of `cols` columns, `rows` of them, are in pair tiles when they stream as nf4 codes.
-__device__ inline bool pair_tiled_shape(uint32_t rows, uint32_t cols) { return cols == NF4_PAIR_COLS && rows % NF4_TILE_ROWS == 0; }
+// Whether rows of `cols` columns, `rows` of them, are in pair tiles when they stream as nf4 codes: the
+// wide rows, and the narrow ones that a group stream holds two tiles of in a stage (row_slices 2).
+__device__ inline bool pair_tiled_shape(uint32_t rows, uint32_t cols) {
+    return (cols == NF4_PAIR_COLS || cols == NF4_PAIR_COLS / 2) && rows % NF4_TILE_ROWS == 0;
+}
 
 __device__ inline char* slot_upper_half(const Ring& ring, uint32_t slot) {
     return reinterpret_cast<char*>(ring.data + slot * (STAGE_BYTES / 16)) + stage_code_bytes<NF4_CODES>();
@@ -70,10 +75,11 @@ __device__ inline void write_pair_table(const Ring& ring) {
     }
 }
 
-// Column c of B from x, rows of NF4_PAIR_COLS as thread t holds them (its vector t): register h of warp w's
-// k-step k for lane q is columns 256 w + 16 k + 8 h + 2q and the next, word q of thread 32 w + 2 k + h's
-// vector, so each thread stores its four words, store i its word (i + k / 4) % 4 (pair_b: each store
-// of the warp a bank of its own).
+// Column c of B from x as thread t holds it: its vector t, or for the narrow rows column_thread's, the
+// vector of its tile's columns (warp w takes columns 256 (w % 8) of tile w / 8). Register h of warp w's
+// k-step k for lane q is the warp's columns 16 k + 8 h + 2q and the next, word q of thread 32 w + 2 k +
+// h's vector, so each thread stores its four words, store i its word (i + k / 4) % 4 (pair_b: each
+// store of the warp a bank of its own).
 __device__ inline void write_pair_b(const Ring& ring, uint32_t c, uint4 x) {
     const uint32_t lane = threadIdx.x % WARP, k = lane / 2, h = lane % 2;
     uint32_t* b = reinterpret_cast<uint32_t*>(pair_b(ring, threadIdx.x / WARP) + (k * PAIR_COLUMNS + (c ^ k % 4)) * PAIR_B_LANES) + h;
@@ -89,13 +95,18 @@ __device__ inline void write_pair_b(const Ring& ring, uint32_t c, uint4 x) {
 
 // red[(c n + r - r0)][warp] = warp `warp`'s partial of row r with column c of B, for c < live: run_group's
 // layout for a group of `live` lanes, run_codes's for one. A warp's partial is its groups' mma sums, each
-// times its absmax, added in group order; lane 4g + q holds rows g and g + 8 of columns 2q and 2q + 1.
-// Needs the stream's first stages primed and the table and B's columns written (each thread's writes
-// precede the first stage's barrier); advances ring.seq.
+// times its absmax, added in group order; lane 4g + q holds rows g and g + 8 of columns 2q and 2q + 1. In
+// a stage of two tiles a warp stores 0 for the other tile's rows, so that each row's sum over the warps
+// (row_sum) is its own tile's warps' in warp order, plus zeros. Needs the stream's first stages primed
+// and the table and B's columns written (each thread's writes precede the first stage's barrier);
+// advances ring.seq.
 __device__ inline void run_pairs(const RowStream<1, NF4_CODES>& stream, uint32_t live, Ring& ring, Partials part) {
     const uint32_t lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, q = lane % 4;
-    // The launcher sizes the partials; a stage is a whole tile where the rows start on one (block_rows).
-    if (stream.n * live > part.rows || live > PAIR_COLUMNS || stream.stage_rows != NF4_TILE_ROWS || stream.n % NF4_TILE_ROWS != 0) __trap();
+    // The launcher sizes the partials; a block's rows are whole tiles (block_rows with row_unit's unit),
+    // a stage one tile or two (a group stream of the narrow rows).
+    const uint32_t tiles = stream.stage_rows / NF4_TILE_ROWS;
+    if (stream.n * live > part.rows || live > PAIR_COLUMNS || (tiles != 1 && tiles != 2) || stream.n % NF4_TILE_ROWS != 0) __trap();
+    const uint32_t tile = warp / (WARPS / tiles);
     const uint32_t table = smem_addr(pair_table(ring)) + lane * 4;
     // Lanes of B's columns past live read the last live one's (their sums are never stored); b[x] is the
     // lane's uint2 of k-steps k with k % 4 == x, less k's offset (pair_b).
@@ -108,37 +119,44 @@ __device__ inline void run_pairs(const RowStream<1, NF4_CODES>& stream, uint32_t
         const uint4* codes = stream.next_stage(ring, st) + warp * PAIR_GROUPS * WARP + lane;
         // The tile's absmax: rows g and g + 8 of a group side by side (code_stream.rs, pair_scale_index).
         const float2* scales = reinterpret_cast<const float2*>(slots + (ring.seq + st) % STAGES * (NF4_SCALE_SLOT_BYTES / 4)) + warp * PAIR_GROUPS * (NF4_TILE_ROWS / 2) + g;
+        // A stage's tiles: two, or one where the block's rows end half way through it.
+        const uint32_t row0 = st * stream.stage_rows, present = min(tiles, (stream.n - row0) / NF4_TILE_ROWS);
         float rows[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // as an mma's d: row g at columns 2q, 2q + 1, then row g + 8
+        if (tile < present) {  // the same in the whole warp, as each mma needs
 #pragma unroll
-        for (uint32_t j = 0; j < PAIR_GROUPS; ++j) {
-            const uint4 lane_codes = codes[j * WARP];
-            const uint32_t words[PAIR_STEPS] = {lane_codes.x, lane_codes.y, lane_codes.z, lane_codes.w};
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (uint32_t j = 0; j < PAIR_GROUPS; ++j) {
+                const uint4 lane_codes = codes[j * WARP];
+                const uint32_t words[PAIR_STEPS] = {lane_codes.x, lane_codes.y, lane_codes.z, lane_codes.w};
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (uint32_t m = 0; m < PAIR_STEPS; ++m) {
-                uint32_t a[4];
-                // Byte r of word m is register r of k-step m. Not volatile: the table is written before the
-                // barrier each stage's wait begins with, and each address comes from codes read after it.
+                for (uint32_t m = 0; m < PAIR_STEPS; ++m) {
+                    uint32_t a[4];
+                    // Byte r of word m is register r of k-step m. Not volatile: the table is written before the
+                    // barrier each stage's wait begins with, and each address comes from codes read after it.
 #pragma unroll
-                for (uint32_t r = 0; r < 4; ++r) asm("ld.shared.b32 %0, [%1];" : "=r"(a[r]) : "r"(table + __byte_perm(words[m], 0, 0x4440 + r) * PAIR_ENTRY_BYTES));
-                const uint32_t k = j * PAIR_STEPS + m;
-                const uint2 bk = b[k % 4][k * PAIR_COLUMNS * PAIR_B_LANES];
-                const uint32_t bf[2] = {bk.x, bk.y};
-                mma_bf16_m16n8k16(d, a, bf);
+                    for (uint32_t r = 0; r < 4; ++r) asm("ld.shared.b32 %0, [%1];" : "=r"(a[r]) : "r"(table + __byte_perm(words[m], 0, 0x4440 + r) * PAIR_ENTRY_BYTES));
+                    const uint32_t k = j * PAIR_STEPS + m;
+                    const uint2 bk = b[k % 4][k * PAIR_COLUMNS * PAIR_B_LANES];
+                    const uint32_t bf[2] = {bk.x, bk.y};
+                    mma_bf16_m16n8k16(d, a, bf);
+                }
+                const float2 s = scales[j * (NF4_TILE_ROWS / 2)];
+                rows[0] = fmaf(d[0], s.x, rows[0]);
+                rows[1] = fmaf(d[1], s.x, rows[1]);
+                rows[2] = fmaf(d[2], s.y, rows[2]);
+                rows[3] = fmaf(d[3], s.y, rows[3]);
             }
-            const float2 s = scales[j * (NF4_TILE_ROWS / 2)];
-            rows[0] = fmaf(d[0], s.x, rows[0]);
-            rows[1] = fmaf(d[1], s.x, rows[1]);
-            rows[2] = fmaf(d[2], s.y, rows[2]);
-            rows[3] = fmaf(d[3], s.y, rows[3]);
         }
+        for (uint32_t t = 0; t < present; ++t) {
+            const bool own = t == tile;
 #pragma unroll
-        for (uint32_t e = 0; e < 2; ++e) {
-            const uint32_t col = 2 * q + e;
-            if (col >= live) continue;
-            float* red = part.red + ((size_t)col * stream.n + st * NF4_TILE_ROWS + g) * WARPS + warp;
-            red[0] = rows[e];
-            red[NF4_TILE_ROWS / 2 * WARPS] = rows[2 + e];
+            for (uint32_t e = 0; e < 2; ++e) {
+                const uint32_t col = 2 * q + e;
+                if (col >= live) continue;
+                float* red = part.red + ((size_t)col * stream.n + row0 + t * NF4_TILE_ROWS + g) * WARPS + warp;
+                red[0] = own ? rows[e] : 0.0f;
+                red[NF4_TILE_ROWS / 2 * WARPS] = own ? rows[2 + e] : 0.0f;
+            }
         }
     }
     ring.seq += stream.nstages;

@@ -4,9 +4,10 @@
 //! byte a weight and an f32 scale per 128 columns, half of bf16's bytes; nf4: half a byte a weight and
 //! the block's absmax per 64 columns, 28% of bf16's), each vector of 8 codes' values dotted with x in
 //! f32 and the sum times its scale (the fused form: no weight rounded to bf16, so its outputs part from
-//! the bf16 stream of the loader's weights by those roundings); the batch step streams the same codes
+//! the bf16 stream of the loader's weights by those roundings), or for nf4 rows of 4096 or 2048 columns
+//! in whole tiles of 16 rows on the tensor cores (`pair_tiled`); the batch step streams the same codes
 //! in the same arithmetic (`model_fp8_batch.cu`, `model_nf4.cu`), so its lanes stay the bits of their
-//! decode steps. Narrower rows, the LM head and the norms stream bf16 as before.
+//! decode steps. Other narrow rows, the LM head and the norms stream bf16 as before.
 //!
 //! A packed matrix is the bf16 packing's rows in the same order (`pack`), each its row's codes (nf4's
 //! repacked: code e of each 8 columns at bits 4e of their 32-bit word, as the kernel's `nf4_values8`
@@ -57,12 +58,13 @@ pub const NF4_VALUES: [f32; 16] = [
     1.0,
 ];
 
-/// Rows of this many columns stream nf4 in pair tiles (`pair_tiled`), for the tensor cores: a block's
-/// warp w takes columns [256 w, 256 (w + 1)) of a tile's 16 rows, a 64-column group (one absmax) at a
-/// time, as four bf16 mmas (m16n8k16) whose A registers are each one byte of codes, the two values of
-/// adjacent columns of a row looked up at once (docs/perf.md, "The nf4 stream's arithmetic on the tensor
-/// cores: a probe", which measured this layout in `scripts/probes/nf4_mma.cu`'s `pairs`; the kernel's
-/// `vm_pairs.cuh` streams it).
+/// Rows of this many columns, or half as many, stream nf4 in pair tiles (`pair_tiled`), for the tensor
+/// cores: a warp takes 256 columns of a tile's 16 rows, a 64-column group (one absmax) at a time, as
+/// four bf16 mmas (m16n8k16) whose A registers are each one byte of codes, the two values of adjacent
+/// columns of a row looked up at once (docs/perf.md, "The nf4 stream's arithmetic on the tensor cores: a
+/// probe", which measured this layout in `scripts/probes/nf4_mma.cu`'s `pairs`; the kernel's
+/// `vm_pairs.cuh` streams it). A stage holds one tile of the wide rows, or two of the narrow (warp w
+/// then takes tile w / 8), 32 KB of codes either way.
 pub const NF4_PAIR_COLS: usize = 4096;
 
 /// A pair tile's rows: an mma's 16, which is a stage of NF4_PAIR_COLS columns' codes.
@@ -72,7 +74,7 @@ pub const NF4_TILE_ROWS: usize = 16;
 /// tile by tile of NF4_TILE_ROWS rows, each in `pair_code_index`'s order, and its scales the same way
 /// (`pair_scale_index`).
 pub fn pair_tiled(format: Format, rows: usize, cols: usize) -> bool {
-    format == Format::Nf4 && cols == NF4_PAIR_COLS && rows.is_multiple_of(NF4_TILE_ROWS)
+    format == Format::Nf4 && (cols == NF4_PAIR_COLS || cols == NF4_PAIR_COLS / 2) && rows.is_multiple_of(NF4_TILE_ROWS)
 }
 
 /// The most rows a block takes of any phase of `rows` (a decode program) whose matrix streams in pair
@@ -92,7 +94,8 @@ pub fn pair_block_rows(format: Format, rows: &[Row]) -> usize {
 /// Where a pair tile keeps byte `b` of its row `row` (columns 2b, 2b + 1, the first in the low nibble):
 /// in warp w's group j, lane 4g + q's 16 bytes, register r of k-step m, where the mma's A fragment holds
 /// row g + 8 (r % 2) at columns 256 w + 64 j + 16 m + 2q + 8 (r / 2) and the next, so that a lane reads
-/// its 16 bytes of a group in one load.
+/// its 16 bytes of a group in one load. A tile of the narrow rows is half a stage: the next tile is the
+/// stage's other half, warps 8 to 15's.
 fn pair_code_index(row: usize, b: usize) -> usize {
     let col = 2 * b;
     let (w, j, c) = (col / 256, col % 256 / 64, col % 64);
@@ -106,10 +109,10 @@ fn pair_scale_index(row: usize, group: usize) -> usize {
     (group * (NF4_TILE_ROWS / 2) + row % 8) * 2 + row / 8
 }
 
-/// Row-major codes and scales of `rows` rows of NF4_PAIR_COLS columns in pair tiles (`forward`), or
-/// back (not `forward`).
-fn tile_pairs(codes: &[u8], scales: &[f32], rows: usize, forward: bool) -> (Vec<u8>, Vec<f32>) {
-    let (row_bytes, groups) = (NF4_PAIR_COLS / 2, NF4_PAIR_COLS / NF4_SCALE_COLS);
+/// Row-major codes and scales of `rows` rows of `cols` columns in pair tiles (`forward`), or back (not
+/// `forward`).
+fn tile_pairs(codes: &[u8], scales: &[f32], rows: usize, cols: usize, forward: bool) -> (Vec<u8>, Vec<f32>) {
+    let (row_bytes, groups) = (cols / 2, cols / NF4_SCALE_COLS);
     let (mut out_codes, mut out_scales) = (vec![0u8; codes.len()], vec![0f32; scales.len()]);
     for t in 0..rows / NF4_TILE_ROWS {
         let (c0, s0) = (t * NF4_TILE_ROWS * row_bytes, t * NF4_TILE_ROWS * groups);
@@ -193,10 +196,15 @@ impl Format {
     }
 }
 
-/// Whether the coded instances stream rows of `cols` columns as codes (the kernel's `streams_codes`):
-/// those too wide for slices.
-pub fn streams_codes(cols: usize) -> bool {
-    cols > SLICED_MAX_COLS
+/// Whether the coded instances stream a matrix of `rows` rows of `cols` columns in `format` as codes
+/// (the kernel's `streams_codes` or `pair_tiled`): rows too wide for slices, and those in pair tiles.
+pub fn streams_codes(format: Format, rows: usize, cols: usize) -> bool {
+    cols > SLICED_MAX_COLS || pair_tiled(format, rows, cols)
+}
+
+/// Whether GateUp's MLP parts stream as codes: `stream_format` has refused parts that would not all.
+fn gateup_streams_codes(format: Format, cfg: &Config, parts: usize) -> bool {
+    (0..parts).all(|k| streams_codes(format, 2 * mlp_part(cfg, parts, k).len(), cfg.d))
 }
 
 /// One layer's weights as a quantised checkpoint stores them (`ModelWeights::coded`).
@@ -291,7 +299,7 @@ pub fn pack<F: Fn(usize) -> (Tensor, usize)>(
         scales.extend((0..cols.div_ceil(scale_cols)).map(|k| group_scale(m, r, c0 + k * scale_cols)));
     }
     if pair_tiled(format, rows, cols) {
-        (bytes, scales) = tile_pairs(&bytes, &scales, rows, true);
+        (bytes, scales) = tile_pairs(&bytes, &scales, rows, cols, true);
     }
     bytes.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
     Ok(bytes)
@@ -305,7 +313,7 @@ pub fn unpack(format: Format, bytes: &[u8], rows: usize, cols: usize) -> Vec<bf1
     let scales: Vec<f32> =
         scale_bytes.chunks_exact(4).map(|s| f32::from_le_bytes(s.try_into().expect("four bytes"))).collect();
     let (codes, scales): (Cow<[u8]>, Vec<f32>) = if pair_tiled(format, rows, cols) {
-        let (codes, scales) = tile_pairs(codes, &scales, rows, false);
+        let (codes, scales) = tile_pairs(codes, &scales, rows, cols, false);
         (Cow::Owned(codes), scales)
     } else {
         (Cow::Borrowed(codes), scales)
@@ -367,16 +375,16 @@ pub fn layer_matrices(format: Format, cfg: &Config, plan: Plan, layer: &CodedLay
     let halves = plan.halves(cfg);
     for (h, &g) in halves.iter().enumerate() {
         let qkv = pack::qkv(cfg, g);
-        if streams_codes(qkv.cols) {
+        if streams_codes(format, qkv.rows, qkv.cols) {
             put([Slot::WQkv0, Slot::WQkv1][h], pack(format, &qkv, layer)?, qkv.rows, qkv.cols);
         }
         let o = pack::oproj(cfg, g);
-        if streams_codes(o.cols) {
+        if streams_codes(format, o.rows, o.cols) {
             put([Slot::WO0, Slot::WO1][h], pack(format, &o, layer)?, o.rows, o.cols);
         }
     }
     let parts = plan.mlp_parts;
-    if streams_codes(cfg.d) {
+    if gateup_streams_codes(format, cfg, parts) {
         let mut bytes = Vec::new();
         for k in 0..parts {
             debug_assert_eq!(bytes.len(), gateup_part_offset(format, cfg, parts, k));
@@ -386,7 +394,7 @@ pub fn layer_matrices(format: Format, cfg: &Config, plan: Plan, layer: &CodedLay
     }
     for k in 0..parts {
         let down = pack::down(cfg, parts, k);
-        if streams_codes(down.cols) {
+        if streams_codes(format, down.rows, down.cols) {
             put([Slot::WDown0, Slot::WDown1, Slot::WDown2][k], pack(format, &down, layer)?, down.rows, down.cols);
         }
     }
@@ -401,7 +409,7 @@ pub fn decode_rows(format: Format, cfg: &Config, plan: Plan, rows: &[Row]) -> Ve
     rows.iter()
         .map(|&r| {
             let mut r = r;
-            if r[0] == Op::GateUp as i64 && streams_codes(cfg.d) {
+            if r[0] == Op::GateUp as i64 && gateup_streams_codes(format, cfg, plan.mlp_parts) {
                 let offset = gateup_part_offset(format, cfg, plan.mlp_parts, part);
                 r[gateup::W as usize] = program::layer_ref(Slot::WGateUp, offset as u64);
                 part += 1;
@@ -414,7 +422,8 @@ pub fn decode_rows(format: Format, cfg: &Config, plan: Plan, rows: &[Row]) -> Ve
 /// The format a model whose layers are `layers` streams its codes in, in its decode steps (each
 /// layer's matrices then packed by `layer_matrices`, which may still fail as `pack` does); or why it
 /// cannot: it is not a quantised checkpoint, its layers have q/k norms (the q/k-norm instance streams
-/// bf16), it streams in place (no packed copies), or no GEMV has rows too wide for slices.
+/// bf16), it streams in place (no packed copies), no GEMV streams codes, or the parts of one GEMV would
+/// not all be in pair tiles or all not.
 pub fn stream_format(
     cfg: &Config,
     plan: Plan,
@@ -432,12 +441,35 @@ pub fn stream_format(
     if in_place {
         return Err(format!("the stack streams in place, without the packed copies the {name} stream reads"));
     }
-    let o = plan.halves(cfg).into_iter().map(|g| g.n_q(cfg) * cfg.hd);
-    let down = (0..plan.mlp_parts).map(|k| mlp_part(cfg, plan.mlp_parts, k).len());
-    let streamed: Vec<usize> = o.chain([cfg.d]).chain(down).filter(|&c| streams_codes(c)).collect();
+    // Each GEMV's matrices (a plan's halves or parts) as (rows, columns).
+    let halves = plan.halves(cfg);
+    let qkv: Vec<(usize, usize)> = halves.iter().map(|&g| (pack::qkv_rows(cfg, g), cfg.d)).collect();
+    let o: Vec<(usize, usize)> = halves.iter().map(|g| (cfg.d, g.n_q(cfg) * cfg.hd)).collect();
+    let parts = (0..plan.mlp_parts).map(|k| mlp_part(cfg, plan.mlp_parts, k).len());
+    let gateup: Vec<(usize, usize)> = parts.clone().map(|f| (2 * f, cfg.d)).collect();
+    let down: Vec<(usize, usize)> = parts.map(|f| (cfg.d, f)).collect();
+    // The O projection's halves and Down's parts add each other's partials on the same blocks' rows, which
+    // a block takes in whole tiles where they are in pair tiles: all of them are, or none. GateUp's parts
+    // are one allocation, codes throughout or bf16.
+    let tiled = |&(r, c): &(usize, usize)| pair_tiled(format, r, c);
+    let coded = |&(r, c): &(usize, usize)| streams_codes(format, r, c);
+    for (gemv, matrices, all_coded) in
+        [("the O projection", &o, false), ("GateUp", &gateup, true), ("Down", &down, false)]
+    {
+        let agree = if all_coded { matrices.iter().all(coded) } else { matrices.iter().all(tiled) };
+        if matrices.iter().any(tiled) && !agree {
+            return Err(format!(
+                "{gemv}'s parts of (rows, columns) {matrices:?}: some in {name} pair tiles and some not, which the \
+                 kernel cannot run together"
+            ));
+        }
+    }
+    let all = [qkv, o, gateup, down].concat();
+    let streamed: Vec<usize> = all.iter().filter(|&&(r, c)| streams_codes(format, r, c)).map(|&(_, c)| c).collect();
     if streamed.is_empty() {
         return Err(format!(
-            "no GEMV has rows wider than {SLICED_MAX_COLS} columns (narrower rows stream bf16 in slices)"
+            "no GEMV has rows wider than {SLICED_MAX_COLS} columns or in {name} pair tiles (narrower rows stream bf16 \
+             in slices)"
         ));
     }
     let multiple = format.cols_multiple();
@@ -545,7 +577,7 @@ mod tests {
     /// The kernel reads a scale per FP8_SCALE_COLS (NF4_SCALE_COLS) columns, as the packing writes them,
     /// keeps the formats' tails of shared memory as `tail_bytes` sizes them, looks nf4 codes up in
     /// NF4_VALUES, and streams codes where it streams rows of more than SLICED_MAX_COLS columns outside
-    /// slices.
+    /// slices, and nf4's rows of 2048 in pair tiles.
     #[test]
     fn the_code_streams_constants_mirror_the_kernel() {
         let cu = crate::kernels::DEVICE_SOURCE;
@@ -553,10 +585,10 @@ mod tests {
         assert!(cu.contains(&format!("constexpr uint32_t NF4_SCALE_COLS = {NF4_SCALE_COLS};")));
         assert!(cu.contains(&format!("constexpr uint32_t NF4_PAIR_COLS = {NF4_PAIR_COLS};")));
         assert!(cu.contains(&format!("constexpr uint32_t NF4_TILE_ROWS = {NF4_TILE_ROWS};")));
-        assert!(cu.contains(
-            "__device__ inline bool pair_tiled_shape(uint32_t rows, uint32_t cols) { return cols == NF4_PAIR_COLS && rows % NF4_TILE_ROWS == 0; }"
-        ));
-        assert!(cu.contains("return CODES == NF4_CODES && !SLICED && pair_tiled_shape(g.rows, g.cols);"));
+        assert!(
+            cu.contains("return (cols == NF4_PAIR_COLS || cols == NF4_PAIR_COLS / 2) && rows % NF4_TILE_ROWS == 0;")
+        );
+        assert!(cu.contains("return CODES == NF4_CODES && pair_tiled_shape(g.rows, g.cols);"));
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOT_BYTES = STAGE_BYTES / FP8_SCALE_COLS * 4;"));
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOTS_BYTES = STAGES * FP8_SCALE_SLOT_BYTES;"));
         assert!(cu.contains("return VEC_BYTES == NF4_CODES ? STAGE_BYTES / 2 : STAGE_BYTES;"));
@@ -568,7 +600,11 @@ mod tests {
         assert!(cu.contains("return VEC_BYTES == NF4_CODES ? NF4_TAIL_BYTES : FP8_SCALE_SLOTS_BYTES;"));
         assert_eq!((Format::Fp8.tail_bytes(), Format::Nf4.tail_bytes()), (6144, 3 * 4096 + 64));
         assert!(cu.contains("__device__ inline bool streams_codes(const Gemv& g) { return !in_slices(g.cols); }"));
-        assert!(streams_codes(SLICED_MAX_COLS + 16) && !streams_codes(SLICED_MAX_COLS));
+        assert!(
+            streams_codes(Format::Fp8, 8, SLICED_MAX_COLS + 16) && !streams_codes(Format::Fp8, 16, SLICED_MAX_COLS)
+        );
+        assert!(streams_codes(Format::Nf4, 16, SLICED_MAX_COLS) && !streams_codes(Format::Nf4, 8, SLICED_MAX_COLS));
+        assert!(!streams_codes(Format::Nf4, 16, SLICED_MAX_COLS / 2));
         let table = cu.split("__constant__ float NF4_VALUES[16] = {").nth(1).and_then(|t| t.split('}').next()).unwrap();
         let values: Vec<f32> = table.split(',').map(|v| v.trim().trim_end_matches('f').parse().unwrap()).collect();
         assert_eq!(values.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), NF4_VALUES.map(f32::to_bits).to_vec());
@@ -611,19 +647,32 @@ mod tests {
     /// Every packing of a layer, in one and two halves and one to three MLP parts: its bytes read as
     /// the kernel reads them are the loader's weights packed as the bf16 program packs them, bit for
     /// bit: fp8 with scales of 128 x 128 blocks or one for the whole weight, nf4 in blocks of 64 and 256,
-    /// and nf4 whose Qkv and GateUp rows have NF4_PAIR_COLS columns (pair tiles).
+    /// and nf4 whose Qkv and GateUp rows have NF4_PAIR_COLS columns, or half as many (pair tiles; and a
+    /// Down of rows of 2048).
     #[test]
     fn a_packed_matrix_reads_as_the_loaders_weights_packed() {
         let cfg = Config { d: 384, ffn: 768, n_q: 4, n_kv: 2, hd: 64, layers: 1, ..Config::tiny() };
         let wide = Config { d: NF4_PAIR_COLS, ffn: 384, ..cfg.clone() };
-        let q = pack::qkv(&wide, Groups::all(&wide));
-        assert!(pair_tiled(Format::Nf4, q.rows, q.cols) && pair_tiled(Format::Nf4, 2 * wide.ffn, wide.d));
+        let narrow = Config { d: NF4_PAIR_COLS / 2, ffn: 1536, ..cfg.clone() };
+        for c in [&wide, &narrow] {
+            let q = pack::qkv(c, Groups::all(c));
+            assert!(pair_tiled(Format::Nf4, q.rows, q.cols) && pair_tiled(Format::Nf4, 2 * c.ffn, c.d));
+        }
+        let narrow_down = Config { ffn: NF4_PAIR_COLS / 2, ..narrow.clone() };
+        let (layers, coded) = nf4_layers(&narrow_down, 64);
+        let down = pack::down(&narrow_down, 1, 0);
+        assert!(pair_tiled(Format::Nf4, down.rows, down.cols));
+        assert!(
+            unpack(Format::Nf4, &pack(Format::Nf4, &down, &coded[0]).unwrap(), down.rows, down.cols)
+                == copied(&layers[0].0, &down)
+        );
         let cases = [
             ("fp8 128", &cfg, Format::Fp8, fp8_layers(&cfg, [128, 128])),
             ("fp8 whole", &cfg, Format::Fp8, fp8_layers(&cfg, [1 << 20, 1 << 20])),
             ("nf4 64", &cfg, Format::Nf4, nf4_layers(&cfg, 64)),
             ("nf4 256", &cfg, Format::Nf4, nf4_layers(&cfg, 256)),
             ("nf4 64 in pair tiles", &wide, Format::Nf4, nf4_layers(&wide, 64)),
+            ("nf4 64 in narrow pair tiles", &narrow, Format::Nf4, nf4_layers(&narrow, 64)),
         ];
         for (what, cfg, format, (layers, coded)) in &cases {
             let cfg = *cfg;
@@ -652,37 +701,40 @@ mod tests {
     /// A pair tile holds, at lane l's register r of k-step m of warp w's group j, the byte of codes whose
     /// two columns the bf16 mma's A fragment gives that register (PTX's m16n8k16 layout: row g + 8 (r %
     /// 2), columns 2q + 8 (r / 2) and the next of the k-step; g = l / 4, q = l % 4), every byte of a tile
-    /// once; and a lane's two rows' scales of a group side by side, row g's first.
+    /// once; and a lane's two rows' scales of a group side by side, row g's first. In rows of either
+    /// width: a tile of the narrow rows is the wide one's first eight warps'.
     #[test]
     fn pair_tiles_hold_each_lanes_mma_fragment() {
-        const GROUPS: usize = NF4_PAIR_COLS / NF4_SCALE_COLS;
-        let mut seen = vec![false; NF4_TILE_ROWS * NF4_PAIR_COLS / 2];
-        for w in 0..WARPS as usize {
-            for j in 0..NF4_PAIR_COLS / WARPS as usize / NF4_SCALE_COLS {
-                for l in 0..32 {
-                    for (m, r) in (0..4).flat_map(|m| (0..4).map(move |r| (m, r))) {
-                        let row = l / 4 + 8 * (r % 2);
-                        let col = NF4_PAIR_COLS / WARPS as usize * w
-                            + NF4_SCALE_COLS * j
-                            + 16 * m
-                            + 2 * (l % 4)
-                            + 8 * (r / 2);
-                        let at = pair_code_index(row, col / 2);
-                        assert_eq!(at, (((w * 4 + j) * 32 + l) * 4 + m) * 4 + r, "row {row}, column {col}");
-                        assert!(!std::mem::replace(&mut seen[at], true), "row {row}, column {col}: a byte twice");
+        for cols in [NF4_PAIR_COLS, NF4_PAIR_COLS / 2] {
+            let (groups, warps) = (cols / NF4_SCALE_COLS, cols / (NF4_PAIR_COLS / WARPS as usize));
+            let mut seen = vec![false; NF4_TILE_ROWS * cols / 2];
+            for w in 0..warps {
+                for j in 0..NF4_PAIR_COLS / WARPS as usize / NF4_SCALE_COLS {
+                    for l in 0..32 {
+                        for (m, r) in (0..4).flat_map(|m| (0..4).map(move |r| (m, r))) {
+                            let row = l / 4 + 8 * (r % 2);
+                            let col = NF4_PAIR_COLS / WARPS as usize * w
+                                + NF4_SCALE_COLS * j
+                                + 16 * m
+                                + 2 * (l % 4)
+                                + 8 * (r / 2);
+                            let at = pair_code_index(row, col / 2);
+                            assert_eq!(at, (((w * 4 + j) * 32 + l) * 4 + m) * 4 + r, "row {row}, column {col}");
+                            assert!(!std::mem::replace(&mut seen[at], true), "row {row}, column {col}: a byte twice");
+                        }
                     }
                 }
             }
+            assert!(seen.iter().all(|&s| s), "{cols} columns");
+            let mut scales: Vec<usize> =
+                (0..NF4_TILE_ROWS).flat_map(|r| (0..groups).map(move |g| pair_scale_index(r, g))).collect();
+            for (g, group) in (0..8).flat_map(|g| (0..groups).map(move |group| (g, group))) {
+                assert_eq!(pair_scale_index(g + 8, group), pair_scale_index(g, group) + 1);
+                assert_eq!(pair_scale_index(g, group) % 2, 0);
+            }
+            scales.sort_unstable();
+            assert_eq!(scales, (0..NF4_TILE_ROWS * groups).collect::<Vec<_>>(), "{cols} columns");
         }
-        assert!(seen.iter().all(|&s| s));
-        let mut scales: Vec<usize> =
-            (0..NF4_TILE_ROWS).flat_map(|r| (0..GROUPS).map(move |g| pair_scale_index(r, g))).collect();
-        for (g, group) in (0..8).flat_map(|g| (0..GROUPS).map(move |group| (g, group))) {
-            assert_eq!(pair_scale_index(g + 8, group), pair_scale_index(g, group) + 1);
-            assert_eq!(pair_scale_index(g, group) % 2, 0);
-        }
-        scales.sort_unstable();
-        assert_eq!(scales, (0..NF4_TILE_ROWS * GROUPS).collect::<Vec<_>>());
     }
 
     /// What the stream cannot take is refused naming the weight and why: a weight stored unquantised,
@@ -725,15 +777,26 @@ mod tests {
     }
 
     /// The decode program's GateUp rows name their part's matrix in the coded allocation; every other
-    /// word is the bf16 program's, and a model whose d runs in slices keeps GateUp's rows as they were.
+    /// word is the bf16 program's. A model whose d runs in slices keeps GateUp's rows as they were in fp8,
+    /// and in nf4 (d of 2048: pair tiles) moves them too.
     #[test]
     fn decode_rows_move_only_gateups_weights() {
         let buffers = program::test_buffers();
+        let narrow = Config { d: 2048, ffn: 8192, n_q: 32, n_kv: 8, hd: 64, ..Config::graded() };
         for format in [Format::Fp8, Format::Nf4] {
-            for (cfg, parts) in [(Config::graded(), 2), (Config { d: 2304, ffn: 6144, ..Config::graded() }, 3)] {
+            let shapes = [
+                (Config::graded(), 2, true),
+                (Config { d: 2304, ffn: 6144, ..Config::graded() }, 3, true),
+                (narrow.clone(), 1, format == Format::Nf4),
+            ];
+            for (cfg, parts, moved) in shapes {
                 let plan = Plan::with(&cfg, 132, Forced { roles: None, mlp_parts: Some(parts) }).unwrap();
                 let rows = program::compile(&cfg, &buffers, 132, plan, Split::None);
                 let decode = decode_rows(format, &cfg, plan, &rows);
+                if !moved {
+                    assert_eq!(decode, rows, "{format:?} d {}", cfg.d);
+                    continue;
+                }
                 let mut k = 0;
                 for (r, d) in rows.iter().zip(&decode) {
                     if r[0] != Op::GateUp as i64 {
@@ -747,16 +810,13 @@ mod tests {
                 }
                 assert_eq!(k, parts);
             }
-            let narrow = Config { d: 2048, ffn: 8192, n_q: 32, n_kv: 8, hd: 64, ..Config::graded() };
-            let plan = Plan::choose(&narrow, 132);
-            let rows = program::compile(&narrow, &buffers, 132, plan, Split::None);
-            assert_eq!(decode_rows(format, &narrow, plan, &rows), rows);
         }
     }
 
     /// A block of a phase in pair tiles takes whole tiles: Llama-3.1-8B's GateUp (28672 rows of 4096 over
     /// the grid of 132 its plan gives it) up to 224 rows, where the bf16 program's pairs give 218; its
-    /// Qkv and O as many tiles as that grid's share; fp8 and a model of rows of 2048 none.
+    /// Qkv and O as many tiles as that grid's share; Llama-3.2-1B's GateUp (16384 rows of 2048) 128, as
+    /// in pairs; fp8 none.
     #[test]
     fn a_block_of_pair_tiles_takes_whole_tiles() {
         let buffers = program::test_buffers();
@@ -774,8 +834,11 @@ mod tests {
         assert_eq!(2 * (gateup / 2).div_ceil(blocks), 218);
         assert_eq!(pair_block_rows(Format::Fp8, &rows), 0);
         let narrow = Config { d: 2048, ffn: 8192, n_q: 32, n_kv: 8, hd: 64, ..Config::graded() };
-        let plan = Plan::choose(&narrow, 132);
-        assert_eq!(pair_block_rows(Format::Nf4, &program::compile(&narrow, &buffers, 132, plan, Split::None)), 0);
+        let plan = Plan::with(&narrow, 132, Forced { roles: None, mlp_parts: Some(1) }).unwrap();
+        let rows = program::compile(&narrow, &buffers, 132, plan, Split::None);
+        let blocks = rows.iter().find(|r| r[0] == Op::GateUp as i64).map(|r| program::Blocks::of(r).count).unwrap();
+        assert_eq!((blocks, pair_block_rows(Format::Nf4, &rows)), (132, 128));
+        assert_eq!(pair_block_rows(Format::Fp8, &rows), 0);
     }
 
     /// The decode program of the coded instances, run by the CPU executor reading each coded matrix as
@@ -837,5 +900,17 @@ mod tests {
         let (_, nf4) = nf4_layers(&odder, 64);
         let why = stream_format(&odder, Plan::choose(&odder, 132), &nf4, false, false).unwrap_err();
         assert!(why.contains("rows of 2112 columns") && why.contains("multiple of 256"), "{why}");
+        // nf4 rows of 2048 in pair tiles stream codes; Down's two parts of an ffn of 4104, 2048 columns
+        // (pair tiles) and 2056 (the fused form), would take their rows in different units.
+        let (_, nf4) = nf4_layers(&narrow, 64);
+        assert!(stream_format(&narrow, plan, &nf4, false, false).unwrap_err().contains("or in nf4 pair tiles"));
+        let tiled = Config { d: 2048, ffn: 2048, n_q: 16, n_kv: 4, hd: 128, layers: 1, ..Config::tiny() };
+        let (_, nf4) = nf4_layers(&tiled, 64);
+        assert_eq!(stream_format(&tiled, Plan::choose(&tiled, 132), &nf4, false, false), Ok(Format::Nf4));
+        let mixed = Config { ffn: 4104, ..tiled };
+        let (_, nf4) = nf4_layers(&mixed, 64);
+        let two = Plan::with(&mixed, 132, Forced { roles: None, mlp_parts: Some(2) }).unwrap();
+        let why = stream_format(&mixed, two, &nf4, false, false).unwrap_err();
+        assert!(why.contains("Down's parts") && why.contains("(2048, 2048), (2048, 2056)"), "{why}");
     }
 }

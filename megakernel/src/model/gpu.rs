@@ -173,13 +173,6 @@ fn coded_kernel(format: Format, narrow: bool, traced: bool) -> Option<&'static s
     })
 }
 
-/// Whether a model of layers `layer` whose decode program is `rows` runs `format`'s sliced instance:
-/// where it has narrow rows and no phase in pair tiles, which that instance does not stream (the kernel's
-/// `pair_tiled`; a model with both runs the instance for wide rows, its narrow rows unsliced).
-fn runs_sliced(format: Format, layer: &Config, rows: &[program::Row]) -> bool {
-    has_narrow_rows(layer) && code_stream::pair_block_rows(format, rows) == 0
-}
-
 /// The kernel file of `format`'s decode instances, and of its batch step with that kernel's name.
 fn coded_files(format: Format) -> (&'static Kernel, &'static Kernel, &'static str) {
     match format {
@@ -263,8 +256,7 @@ impl CodedDecode {
         let smem = RING_BYTES + (red_rows + tail_rows) * WARPS * 4;
         let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
         let (decode_file, batch_file, batch_name) = coded_files(format);
-        let name =
-            coded_kernel(format, runs_sliced(format, layer, &rows), false).expect("every format has a timed instance");
+        let name = coded_kernel(format, has_narrow_rows(layer), false).expect("every format has a timed instance");
         let func = dev.function(decode_file, name)?;
         match fit_one_block(&func, smem, "the coded model kernel") {
             Ok(()) => {}
@@ -461,11 +453,12 @@ impl GpuModel {
         let q = self.cfg.quantized?;
         Some(match &self.coded {
             Ok(f) => format!(
-                "{}: decode steps stream the rows wider than {} columns as {} codes, a scale a row per {} columns \
+                "{}: decode steps stream the rows wider than {} columns{} as {} codes, a scale a row per {} columns \
                  ({} GEMV matrices a layer), the rest bf16; {:.2} GB a token at position 0 against bf16's {:.2}, \
                  which a floor counts; batch steps stream the same codes",
                 q.name(),
                 crate::kernels::SLICED_MAX_COLS,
+                if f.format == Format::Nf4 { " and those of 2048 in whole tiles of 16 rows" } else { "" },
                 match f.format {
                     Format::Fp8 => "e4m3",
                     Format::Nf4 => "nf4",
@@ -827,28 +820,6 @@ mod tests {
             "uint32_t token[MAX_BATCH];\n    uint32_t pos[MAX_BATCH];\n    uint32_t seq[MAX_BATCH];".to_string(),
         ] {
             assert!(CU.contains(&line), "kernels/megakernel/ lacks `{line}`");
-        }
-    }
-
-    /// The sliced instance runs the models with narrow rows, but for none with a phase in pair tiles,
-    /// which it cannot stream: Llama-3.2-1B's (rows of 2048) runs sliced in both formats, Llama-3.1-8B's
-    /// (no narrow rows) not; a model of d = 4096 with an MLP of 2048 runs sliced in fp8 only.
-    #[test]
-    fn the_sliced_instance_never_meets_pair_tiles() {
-        use crate::program::{Forced, Plan, Split};
-        let buffers = program::test_buffers();
-        let shape = |d, ffn, n_q, n_kv, hd| Config { d, ffn, n_q, n_kv, hd, ..Config::graded() };
-        for (cfg, sliced) in [
-            (shape(2048, 8192, 32, 8, 64), [true, true]),
-            (shape(4096, 14336, 32, 8, 128), [false, false]),
-            (shape(4096, 2048, 32, 8, 128), [true, false]),
-        ] {
-            let plan = Plan::with(&cfg, 132, Forced { roles: None, mlp_parts: Some(1) }).unwrap();
-            let rows = program::compile(&cfg, &buffers, 132, plan, Split::None);
-            for (format, want) in [Format::Fp8, Format::Nf4].into_iter().zip(sliced) {
-                let rows = code_stream::decode_rows(format, &cfg, plan, &rows);
-                assert_eq!(runs_sliced(format, &cfg, &rows), want, "{format:?} d {} ffn {}", cfg.d, cfg.ffn);
-            }
         }
     }
 
