@@ -19,13 +19,13 @@ __device__ __forceinline__ void phase_gateup(const OpRow& op, Ring& ring, Partia
     const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm));
     uint32_t r0, r1;
     if (SLICED) {
-        gemv_rows<CODES>(op, r0, r1);
+        gemv_rows<CODES, SLICED>(op, r0, r1);
         stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return rmsnorm_slice(x1, g, d, eps, t); }, ring, part, r0, r1);
     } else {
         // The norm's loads before the rows' arithmetic, as the layer kernels were measured.
         const Slice s = rmsnorm_slice(x1, g, d, eps);
-        gemv_rows<CODES>(op, r0, r1);
-        gemv_phase<CODES>(op, s, ring, part, r0, r1);
+        gemv_rows<CODES, SLICED>(op, r0, r1);
+        gemv_phase<CODES, SLICED>(op, s, ring, part, r0, r1);
     }
     gateup_epilogue(act, part, r0, r1);
 }

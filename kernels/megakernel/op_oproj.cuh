@@ -41,7 +41,7 @@ template <bool SLICED, bool TRACED = false, uint32_t CODES = BF16_ROWS>
 __device__ void residual_gemv(const OpRow& op, const bf16* v, uint32_t cols, const bf16* residual, bf16* dst,
                               const float* part_in, float* part_out, Ring& ring, Partials part) {
     uint32_t r0, r1;
-    gemv_rows<CODES>(op, r0, r1);
+    gemv_rows<CODES, SLICED>(op, r0, r1);
     const ResidualOut o = residual_out(residual, dst, part_in, part_out, r0, r1);
     stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return load_slice(v, cols, t); }, ring, part, r0, r1);
     residual_epilogue(o, part, r0, r1);

@@ -62,7 +62,7 @@ __device__ __forceinline__ void phase_qkv(const OpRow& op, const bf16* x, uint32
     const float eps = __int_as_float((int)op[qkv::EpsBits]);
     const QkvOut out = qkv_out(op, pos);
     uint32_t r0, r1;
-    gemv_rows<CODES>(op, r0, r1);
+    gemv_rows<CODES, SLICED>(op, r0, r1);
     const RopeFirst first = rope_first(op, out, r0, r1);
     const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm));
     stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return rmsnorm_slice(x, g, d, eps, t); }, ring, part, r0, r1);

@@ -94,7 +94,7 @@ __device__ void lanes_pairs(const RowStream<1, NF4_CODES>& all, uint32_t lanes, 
         // The group before's columns were last read before its last epilogue's __syncthreads.
         for (uint32_t c = 0; c < live; ++c) write_pair_b(ring, c, input(b0 + c, column_thread(all.vecs * VEC)).h[0]);
         chunk_streams(all, b0, live, chunk_rows(live, unit, part.rows), b0 > 0, ring, part,
-                      [&](const RowStream<1, NF4_CODES>& stream) { run_pairs(stream, live, ring, part); }, epilogue);
+                      [&](const RowStream<1, NF4_CODES>& stream) { run_pairs<true>(stream, live, ring, part); }, epilogue);
     }
 }
 
@@ -103,7 +103,7 @@ __device__ void lanes_pairs(const RowStream<1, NF4_CODES>& all, uint32_t lanes, 
 // steps keep the machine code they were measured with (fatbins compared by function).
 template <uint32_t CODES>
 __device__ inline uint32_t batch_unit(const OpRow& op) {
-    if constexpr (CODES == NF4_CODES) return row_unit<CODES>(op, nullptr);
+    if constexpr (CODES == NF4_CODES) return row_unit<CODES, true>(op, nullptr);
     else return 2;
 }
 
@@ -127,7 +127,7 @@ __device__ void lanes_gemv(const OpRow& op, uint32_t lanes, uint32_t unit, uint3
         }
     };
     if constexpr (CODES == NF4_CODES) {
-        if (pair_tiled<CODES>(gemv)) return lanes_pairs(pair_stream(gemv, r0, r1), lanes, unit, ring, part, input, epilogue);
+        if (pair_tiled<CODES, true>(gemv)) return lanes_pairs(pair_stream<true>(gemv, r0, r1), lanes, unit, ring, part, input, epilogue);
     }
     if constexpr (CODES != BF16_ROWS) {
         // Packed (the loader packs every coded matrix): no row source to read.
@@ -147,11 +147,11 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
         case OP_NOP: break;
         case OP_QKV: {
             const bf16* norms = m.qk_norms[l];
-            gemv_rows<CODES>(op, r0, r1, norms);
+            gemv_rows<CODES, true>(op, r0, r1, norms);
             const uint32_t d = (uint32_t)op[qkv::D];
             lane_norms(lanes, d, __int_as_float((int)op[qkv::EpsBits]), [&](uint32_t b) { return io.x(ba, b, l); });
             const auto input = [&](uint32_t b, uint32_t t) { return lane_rmsnorm(io.x(ba, b, l), reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), d, b, t); };
-            const uint32_t unit = row_unit<CODES>(op, norms);
+            const uint32_t unit = row_unit<CODES, true>(op, norms);
             if (norms != nullptr) {
                 lanes_gemv<CODES>(op, lanes, unit, r0, r1, ring, part, input,
                              [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(lane_op(op, ba, b), ba.pos[b], ring, p, norms, c0, c1); });
@@ -183,7 +183,7 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
         // and destination as lambdas, ptxas gave this kernel a 504-byte stack frame for 448 and more
         // spill loads (ptxas's report).
         case OP_O_PROJ:
-            gemv_rows<CODES>(op, r0, r1);
+            gemv_rows<CODES, true>(op, r0, r1);
             lanes_gemv<CODES>(
                 op, lanes, batch_unit<CODES>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), oproj::A), (uint32_t)op[oproj::Cols], t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
@@ -195,14 +195,14 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
             const uint32_t d = (uint32_t)op[gateup::D];
             const auto x1 = [&](uint32_t b) { return act_ptr<const bf16>(lane_op(op, ba, b), gateup::X1); };
             lane_norms(lanes, d, __int_as_float((int)op[gateup::EpsBits]), x1);
-            gemv_rows<CODES>(op, r0, r1);
+            gemv_rows<CODES, true>(op, r0, r1);
             lanes_gemv<CODES>(
                 op, lanes, batch_unit<CODES>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return lane_rmsnorm(x1(b), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, b, t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { gateup_epilogue(act_ptr<bf16>(lane_op(op, ba, b), gateup::ActOut), p, c0, c1); });
             break;
         }
         case OP_DOWN:
-            gemv_rows<CODES>(op, r0, r1);
+            gemv_rows<CODES, true>(op, r0, r1);
             lanes_gemv<CODES>(
                 op, lanes, batch_unit<CODES>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), down::Act), (uint32_t)op[down::Cols], t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
@@ -293,7 +293,7 @@ template <uint32_t CODES>
 __device__ inline void batch_prime(const Walk<PROGRAM_MAX_LAYERS>& walk, uint32_t f, const ModelArgs& m, const BatchArgs& ba, const Ring& ring, const Partials& part) {
     const OpRow op = lane_op(walk.op(f), ba, 0);
     if (op[0] == OP_ATTENTION) prime_attention(op, ba.pos[0], ring.data);
-    else prime_phase<false, CODES>(op, ring, m.qk_norms[f / walk.phases], ba.lanes, part.rows);
+    else prime_phase<false, CODES, true>(op, ring, m.qk_norms[f / walk.phases], ba.lanes, part.rows);
 }
 
 // One step of every lane of `ba` through the model, in one launch: the stack's phases as run_model runs

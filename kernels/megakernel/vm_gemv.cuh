@@ -47,20 +47,21 @@ __device__ inline uint32_t qkv_unit(const OpRow& op, const bf16* qk_norms) {
 }
 
 // Whether an instance for a format's codes (CODES) streams phase g's rows in pair tiles (vm_pairs.cuh):
-// nf4 rows of NF4_PAIR_COLS columns, or half that, in whole tiles, as the loader packs them
-// (code_stream.rs, pair_tiled).
-template <uint32_t CODES>
-__device__ inline bool pair_tiled(const Gemv& g) { return CODES == NF4_CODES && pair_tiled_shape(g.rows, g.cols); }
+// nf4 rows of NF4_PAIR_COLS columns, or where NARROW (pair_tiled_shape) half that, in whole tiles, as
+// the loader packs them (code_stream.rs, pair_tiled). The instance for wide rows never meets narrow
+// ones (the launcher runs a model with any in the sliced instance).
+template <uint32_t CODES, bool NARROW>
+__device__ inline bool pair_tiled(const Gemv& g) { return CODES == NF4_CODES && pair_tiled_shape<NARROW>(g.rows, g.cols); }
 
 // Rows a block's share of phase `op` comes in, in an instance for CODES: qkv_unit's, or whole tiles
 // where the rows stream in pair tiles (up to NF4_TILE_ROWS - 2 rows more than an even share in pairs,
-// which the launcher sizes the partials for).
-template <uint32_t CODES = BF16_ROWS>
+// which the launcher sizes the partials for). NARROW: as pair_tiled's.
+template <uint32_t CODES = BF16_ROWS, bool NARROW = false>
 __device__ inline uint32_t row_unit(const OpRow& op, const bf16* qk_norms) {
     const uint32_t unit = qkv_unit(op, qk_norms);
     if constexpr (CODES == NF4_CODES) {
         Gemv g;
-        if (gemv_of(op, g) && pair_tiled<CODES>(g)) return max(unit, NF4_TILE_ROWS);
+        if (gemv_of(op, g) && pair_tiled<CODES, NARROW>(g)) return max(unit, NF4_TILE_ROWS);
     }
     return unit;
 }
@@ -102,10 +103,11 @@ __device__ inline Stream with_scales(Stream stream, const Gemv& g) {
     return stream;
 }
 
-// The block's rows [r0, r1) of a phase in pair tiles, a stream that copies their scales: a group
-// stream, so that a stage holds two tiles of the narrow rows (row_slices), one of the wide.
+// The block's rows [r0, r1) of a phase in pair tiles, a stream that copies their scales: where NARROW a
+// group stream, so that a stage holds two tiles of the narrow rows (row_slices), one of the wide.
+template <bool NARROW>
 __device__ inline RowStream<1, NF4_CODES> pair_stream(const Gemv& g, uint32_t r0, uint32_t r1) {
-    return with_scales(RowStream<1, NF4_CODES>(g.w, g.cols / VEC, r0, r1, false, true), g);
+    return with_scales(RowStream<1, NF4_CODES>(g.w, g.cols / VEC, r0, r1, false, NARROW), g);
 }
 
 // The end of a batch step's first stream over a block's rows [r0, r1) of VPT vectors a thread, in
@@ -119,19 +121,20 @@ __device__ inline uint32_t first_chunk_end(uint32_t r0, uint32_t r1, uint32_t un
 
 // For a batch step of `lanes` lanes (0: a decode step) with partials of `part_rows` rows, the first
 // stream is its first group's first chunk (lanes_gemv); a decode step's is the block's rows. CODES: as
-// streams_codes.
-template <bool SLICED = false, uint32_t CODES = BF16_ROWS>
+// streams_codes; NARROW: as pair_tiled's (without it the wide rows' pair tiles are primed as codes of
+// one vector a thread, the same stream).
+template <bool SLICED = false, uint32_t CODES = BF16_ROWS, bool NARROW = SLICED>
 __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_norms, uint32_t lanes = 0, uint32_t part_rows = 0) {
     Gemv g;
     if (!gemv_of(op, g)) return;
     if (threadIdx.x == 0) set_row_source(op);
-    const uint32_t unit = row_unit<CODES>(op, qk_norms);
+    const uint32_t unit = row_unit<CODES, NARROW>(op, qk_norms);
     uint32_t r0, r1;
     block_rows(g.rows, blocks_of(op), r0, r1, unit);
     // Packed (the loader packs every coded matrix): no row source to read.
-    if constexpr (CODES == NF4_CODES) {
-        if (pair_tiled<CODES>(g)) {
-            const RowStream<1, NF4_CODES> all = pair_stream(g, r0, r1);
+    if constexpr (CODES == NF4_CODES && NARROW) {
+        if (pair_tiled<CODES, NARROW>(g)) {
+            const RowStream<1, NF4_CODES> all = pair_stream<NARROW>(g, r0, r1);
             if (lanes == 0) return all.prime(ring);
             return all.rows(r0, first_chunk_end<1>(r0, r1, unit, lanes, part_rows)).prime(ring);
         }
@@ -156,32 +159,34 @@ __device__ void prime_phase(const OpRow& op, const Ring& ring, const bf16* qk_no
     });
 }
 
-// This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit; CODES as row_unit's).
-template <uint32_t CODES = BF16_ROWS>
+// This block's rows [r0, r1) of phase `op`'s GEMV (`qk_norms` as for qkv_unit; CODES and NARROW as
+// row_unit's).
+template <uint32_t CODES = BF16_ROWS, bool NARROW = false>
 __device__ inline void gemv_rows(const OpRow& op, uint32_t& r0, uint32_t& r1, const bf16* qk_norms = nullptr) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
-    block_rows(g.rows, blocks_of(op), r0, r1, row_unit<CODES>(op, qk_norms));
+    block_rows(g.rows, blocks_of(op), r0, r1, row_unit<CODES, NARROW>(op, qk_norms));
 }
 
 // Rows [r0, r1) of g in pair tiles against x as s holds it (write_pair_b), into red (the ring already
 // primed). The slots' upper halves are free: the phase before ended on finish_phase's barrier.
+template <bool NARROW>
 __device__ __forceinline__ void pair_phase(const Gemv& g, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     write_pair_table(ring);
     write_pair_b(ring, 0, s.h[0]);
-    run_pairs(pair_stream(g, r0, r1), 1, ring, part);
+    run_pairs<NARROW>(pair_stream<NARROW>(g, r0, r1), 1, ring, part);
     stamp(TRACE_STREAMED);
 }
 
 // This block's rows [r0, r1) of phase `op`'s GEMV against the slice, into red (the ring already
-// primed). CODES: as streams_codes and pair_tiled.
-template <uint32_t CODES = BF16_ROWS>
+// primed). CODES: as streams_codes; CODES and NARROW: as pair_tiled.
+template <uint32_t CODES = BF16_ROWS, bool NARROW = false>
 __device__ void gemv_phase(const OpRow& op, const Slice& s, Ring& ring, Partials part, uint32_t r0, uint32_t r1) {
     Gemv g;
     if (!gemv_of(op, g)) __trap();
     stamp(TRACE_INPUT);
     if constexpr (CODES == NF4_CODES) {
-        if (pair_tiled<CODES>(g)) return pair_phase(g, s, ring, part, r0, r1);
+        if (pair_tiled<CODES, NARROW>(g)) return pair_phase<NARROW>(g, s, ring, part, r0, r1);
     }
     if constexpr (CODES != BF16_ROWS) {
         if (streams_codes(g)) {
@@ -215,7 +220,7 @@ __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ri
         const Slice s = input(column_thread(g.cols));
         if (TRACED) stamp_input(s);
         if constexpr (CODES == NF4_CODES) {
-            if (pair_tiled<CODES>(g)) return pair_phase(g, s, ring, part, r0, r1);
+            if (pair_tiled<CODES, SLICED>(g)) return pair_phase<SLICED>(g, s, ring, part, r0, r1);
         }
         const RowStream<1> stream = group_stream<1>(g.w, g.cols / VEC, r0, r1, g.in_place);
         start_solo(stream, ring);
@@ -223,7 +228,7 @@ __device__ __forceinline__ void stream_phase(const OpRow& op, In input, Ring& ri
         if (TRACED) stamp(TRACE_STREAMED);
         return;
     }
-    gemv_phase<CODES>(op, input(threadIdx.x), ring, part, r0, r1);
+    gemv_phase<CODES, SLICED>(op, input(threadIdx.x), ring, part, r0, r1);
 }
 
 // The sum of row r's warp partials, in warp order.

@@ -43,9 +43,12 @@ constexpr uint32_t PAIR_WARP_B_BYTES = PAIR_WARP_STEPS * PAIR_COLUMNS * PAIR_B_L
 static_assert(PAIR_TABLE_BYTES <= PAIR_HALF_BYTES && WARPS / 2 * PAIR_WARP_B_BYTES <= PAIR_HALF_BYTES && STAGES >= 3, "the table and B fit the slots' upper halves");
 
 // Whether rows of `cols` columns, `rows` of them, are in pair tiles when they stream as nf4 codes: the
-// wide rows, and the narrow ones that a group stream holds two tiles of in a stage (row_slices 2).
+// wide rows, and where NARROW the narrow ones that a group stream holds two tiles of in a stage
+// (row_slices 2). NARROW: an instance that meets narrow rows (the sliced one, the batch step); the
+// instance for wide rows keeps the machine code it was measured with.
+template <bool NARROW>
 __device__ inline bool pair_tiled_shape(uint32_t rows, uint32_t cols) {
-    return (cols == NF4_PAIR_COLS || cols == NF4_PAIR_COLS / 2) && rows % NF4_TILE_ROWS == 0;
+    return (cols == NF4_PAIR_COLS || (NARROW && cols == NF4_PAIR_COLS / 2)) && rows % NF4_TILE_ROWS == 0;
 }
 
 __device__ inline char* slot_upper_half(const Ring& ring, uint32_t slot) {
@@ -99,14 +102,15 @@ __device__ inline void write_pair_b(const Ring& ring, uint32_t c, uint4 x) {
 // a stage of two tiles a warp stores 0 for the other tile's rows, so that each row's sum over the warps
 // (row_sum) is its own tile's warps' in warp order, plus zeros. Needs the stream's first stages primed
 // and the table and B's columns written (each thread's writes precede the first stage's barrier);
-// advances ring.seq.
+// advances ring.seq. NARROW: as pair_tiled_shape's (otherwise a stage is one tile).
+template <bool NARROW>
 __device__ inline void run_pairs(const RowStream<1, NF4_CODES>& stream, uint32_t live, Ring& ring, Partials part) {
     const uint32_t lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, q = lane % 4;
     // The launcher sizes the partials; a block's rows are whole tiles (block_rows with row_unit's unit),
     // a stage one tile or two (a group stream of the narrow rows).
-    const uint32_t tiles = stream.stage_rows / NF4_TILE_ROWS;
-    if (stream.n * live > part.rows || live > PAIR_COLUMNS || (tiles != 1 && tiles != 2) || stream.n % NF4_TILE_ROWS != 0) __trap();
-    const uint32_t tile = warp / (WARPS / tiles);
+    const uint32_t tiles = NARROW ? stream.stage_rows / NF4_TILE_ROWS : 1;
+    if (stream.n * live > part.rows || live > PAIR_COLUMNS || stream.stage_rows != tiles * NF4_TILE_ROWS || tiles > 2 || stream.n % NF4_TILE_ROWS != 0) __trap();
+    const uint32_t tile = NARROW ? warp / (WARPS / tiles) : 0;
     const uint32_t table = smem_addr(pair_table(ring)) + lane * 4;
     // Lanes of B's columns past live read the last live one's (their sums are never stored); b[x] is the
     // lane's uint2 of k-steps k with k % 4 == x, less k's offset (pair_b).
@@ -120,7 +124,7 @@ __device__ inline void run_pairs(const RowStream<1, NF4_CODES>& stream, uint32_t
         // The tile's absmax: rows g and g + 8 of a group side by side (code_stream.rs, pair_scale_index).
         const float2* scales = reinterpret_cast<const float2*>(slots + (ring.seq + st) % STAGES * (NF4_SCALE_SLOT_BYTES / 4)) + warp * PAIR_GROUPS * (NF4_TILE_ROWS / 2) + g;
         // A stage's tiles: two, or one where the block's rows end half way through it.
-        const uint32_t row0 = st * stream.stage_rows, present = min(tiles, (stream.n - row0) / NF4_TILE_ROWS);
+        const uint32_t row0 = st * stream.stage_rows, present = NARROW ? min(tiles, (stream.n - row0) / NF4_TILE_ROWS) : 1;
         float rows[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // as an mma's d: row g at columns 2q, 2q + 1, then row g + 8
         if (tile < present) {  // the same in the whole warp, as each mma needs
 #pragma unroll

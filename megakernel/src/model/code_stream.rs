@@ -25,7 +25,7 @@ use spec::{Config, Tensor};
 
 use super::quantized::Coded;
 use super::quantized::fp8::weight;
-use crate::kernels::{SLICED_MAX_COLS, STAGE_BYTES, STAGES};
+use crate::kernels::{SLICED_MAX_COLS, STAGE_BYTES, STAGES, has_narrow_rows};
 use crate::pack::{self, Packing, mlp_part};
 use crate::program::{self, LAYER_WORDS, Op, Plan, Row, Slot, gateup};
 
@@ -72,20 +72,24 @@ pub const NF4_TILE_ROWS: usize = 16;
 
 /// Whether a packed matrix of `rows` rows of `cols` columns in `format` is in pair tiles: its codes
 /// tile by tile of NF4_TILE_ROWS rows, each in `pair_code_index`'s order, and its scales the same way
-/// (`pair_scale_index`).
-pub fn pair_tiled(format: Format, rows: usize, cols: usize) -> bool {
-    format == Format::Nf4 && (cols == NF4_PAIR_COLS || cols == NF4_PAIR_COLS / 2) && rows.is_multiple_of(NF4_TILE_ROWS)
+/// (`pair_scale_index`). Rows of NF4_PAIR_COLS / 2 columns only in a `narrow` model (one with rows of at
+/// most 2048 columns: `kernels::has_narrow_rows`), which runs the sliced instance, the decode instance
+/// that streams them (the kernel's `pair_tiled_shape`); a wide model's, the O projection's halves of
+/// two roles, stream bf16.
+pub fn pair_tiled(format: Format, narrow: bool, rows: usize, cols: usize) -> bool {
+    let width = cols == NF4_PAIR_COLS || (narrow && cols == NF4_PAIR_COLS / 2);
+    format == Format::Nf4 && width && rows.is_multiple_of(NF4_TILE_ROWS)
 }
 
 /// The most rows a block takes of any phase of `rows` (a decode program) whose matrix streams in pair
 /// tiles: the kernel gives such a phase's blocks whole tiles (`row_unit`), up to NF4_TILE_ROWS - 2 rows
 /// more than an even share in pairs; 0 where no phase does.
-pub fn pair_block_rows(format: Format, rows: &[Row]) -> usize {
+pub fn pair_block_rows(format: Format, narrow: bool, rows: &[Row]) -> usize {
     rows.iter()
         .filter_map(|r| {
             let (n, cols) = (program::gemv_rows(r)?, program::gemv_cols(r)?);
             let blocks = program::Blocks::of(r).count as usize;
-            pair_tiled(format, n, cols).then(|| NF4_TILE_ROWS * (n / NF4_TILE_ROWS).div_ceil(blocks))
+            pair_tiled(format, narrow, n, cols).then(|| NF4_TILE_ROWS * (n / NF4_TILE_ROWS).div_ceil(blocks))
         })
         .max()
         .unwrap_or(0)
@@ -197,14 +201,15 @@ impl Format {
 }
 
 /// Whether the coded instances stream a matrix of `rows` rows of `cols` columns in `format` as codes
-/// (the kernel's `streams_codes` or `pair_tiled`): rows too wide for slices, and those in pair tiles.
-pub fn streams_codes(format: Format, rows: usize, cols: usize) -> bool {
-    cols > SLICED_MAX_COLS || pair_tiled(format, rows, cols)
+/// (the kernel's `streams_codes` or `pair_tiled`): rows too wide for slices, and those in pair tiles
+/// (`narrow` as for `pair_tiled`).
+pub fn streams_codes(format: Format, narrow: bool, rows: usize, cols: usize) -> bool {
+    cols > SLICED_MAX_COLS || pair_tiled(format, narrow, rows, cols)
 }
 
 /// Whether GateUp's MLP parts stream as codes: `stream_format` has refused parts that would not all.
 fn gateup_streams_codes(format: Format, cfg: &Config, parts: usize) -> bool {
-    (0..parts).all(|k| streams_codes(format, 2 * mlp_part(cfg, parts, k).len(), cfg.d))
+    (0..parts).all(|k| streams_codes(format, has_narrow_rows(cfg), 2 * mlp_part(cfg, parts, k).len(), cfg.d))
 }
 
 /// One layer's weights as a quantised checkpoint stores them (`ModelWeights::coded`).
@@ -271,9 +276,11 @@ fn group_scale(m: &Coded, r: usize, c: usize) -> f32 {
 
 /// The packed matrix `packing` describes, from `layer`'s codes and scales (all of `format`): its codes
 /// in the packing's order, then each packed row's scales; or why it cannot be (a weight stored
-/// unquantised, or scales that do not hold for whole groups of the format's columns).
+/// unquantised, or scales that do not hold for whole groups of the format's columns). `narrow`: as for
+/// `pair_tiled`.
 pub fn pack<F: Fn(usize) -> (Tensor, usize)>(
     format: Format,
+    narrow: bool,
     packing: &Packing<F>,
     layer: &CodedLayer,
 ) -> Result<Vec<u8>, String> {
@@ -298,7 +305,7 @@ pub fn pack<F: Fn(usize) -> (Tensor, usize)>(
         push_codes(m, r, c0, cols, &mut bytes);
         scales.extend((0..cols.div_ceil(scale_cols)).map(|k| group_scale(m, r, c0 + k * scale_cols)));
     }
-    if pair_tiled(format, rows, cols) {
+    if pair_tiled(format, narrow, rows, cols) {
         (bytes, scales) = tile_pairs(&bytes, &scales, rows, cols, true);
     }
     bytes.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
@@ -306,13 +313,13 @@ pub fn pack<F: Fn(usize) -> (Tensor, usize)>(
 }
 
 /// The weights of a packed matrix of `rows` rows of `cols` (`pack`), in bf16, as the loader makes each
-/// one from a checkpoint stored in bf16 (the CPU executor's reading of it).
-pub fn unpack(format: Format, bytes: &[u8], rows: usize, cols: usize) -> Vec<bf16> {
+/// one from a checkpoint stored in bf16 (the CPU executor's reading of it). `narrow`: as for `pair_tiled`.
+pub fn unpack(format: Format, narrow: bool, bytes: &[u8], rows: usize, cols: usize) -> Vec<bf16> {
     assert_eq!(bytes.len(), format.packed_bytes(rows, cols), "a packed {} matrix of {rows} x {cols}", format.name());
     let (codes, scale_bytes) = bytes.split_at(rows * format.code_bytes(cols));
     let scales: Vec<f32> =
         scale_bytes.chunks_exact(4).map(|s| f32::from_le_bytes(s.try_into().expect("four bytes"))).collect();
-    let (codes, scales): (Cow<[u8]>, Vec<f32>) = if pair_tiled(format, rows, cols) {
+    let (codes, scales): (Cow<[u8]>, Vec<f32>) = if pair_tiled(format, narrow, rows, cols) {
         let (codes, scales) = tile_pairs(codes, &scales, rows, cols, false);
         (Cow::Owned(codes), scales)
     } else {
@@ -372,15 +379,15 @@ pub fn layer_matrices(format: Format, cfg: &Config, plan: Plan, layer: &CodedLay
         out.saved += (2 * rows * cols - format.packed_bytes(rows, cols)) as u64;
         out.matrices.push((slot, bytes));
     };
-    let halves = plan.halves(cfg);
+    let (halves, narrow) = (plan.halves(cfg), has_narrow_rows(cfg));
     for (h, &g) in halves.iter().enumerate() {
         let qkv = pack::qkv(cfg, g);
-        if streams_codes(format, qkv.rows, qkv.cols) {
-            put([Slot::WQkv0, Slot::WQkv1][h], pack(format, &qkv, layer)?, qkv.rows, qkv.cols);
+        if streams_codes(format, narrow, qkv.rows, qkv.cols) {
+            put([Slot::WQkv0, Slot::WQkv1][h], pack(format, narrow, &qkv, layer)?, qkv.rows, qkv.cols);
         }
         let o = pack::oproj(cfg, g);
-        if streams_codes(format, o.rows, o.cols) {
-            put([Slot::WO0, Slot::WO1][h], pack(format, &o, layer)?, o.rows, o.cols);
+        if streams_codes(format, narrow, o.rows, o.cols) {
+            put([Slot::WO0, Slot::WO1][h], pack(format, narrow, &o, layer)?, o.rows, o.cols);
         }
     }
     let parts = plan.mlp_parts;
@@ -388,14 +395,19 @@ pub fn layer_matrices(format: Format, cfg: &Config, plan: Plan, layer: &CodedLay
         let mut bytes = Vec::new();
         for k in 0..parts {
             debug_assert_eq!(bytes.len(), gateup_part_offset(format, cfg, parts, k));
-            bytes.extend(pack(format, &gateup_part(cfg, parts, k), layer)?);
+            bytes.extend(pack(format, narrow, &gateup_part(cfg, parts, k), layer)?);
         }
         put(Slot::WGateUp, bytes, 2 * cfg.ffn, cfg.d);
     }
     for k in 0..parts {
         let down = pack::down(cfg, parts, k);
-        if streams_codes(format, down.rows, down.cols) {
-            put([Slot::WDown0, Slot::WDown1, Slot::WDown2][k], pack(format, &down, layer)?, down.rows, down.cols);
+        if streams_codes(format, narrow, down.rows, down.cols) {
+            put(
+                [Slot::WDown0, Slot::WDown1, Slot::WDown2][k],
+                pack(format, narrow, &down, layer)?,
+                down.rows,
+                down.cols,
+            );
         }
     }
     Ok(out)
@@ -451,8 +463,9 @@ pub fn stream_format(
     // The O projection's halves and Down's parts add each other's partials on the same blocks' rows, which
     // a block takes in whole tiles where they are in pair tiles: all of them are, or none. GateUp's parts
     // are one allocation, codes throughout or bf16.
-    let tiled = |&(r, c): &(usize, usize)| pair_tiled(format, r, c);
-    let coded = |&(r, c): &(usize, usize)| streams_codes(format, r, c);
+    let narrow = has_narrow_rows(cfg);
+    let tiled = |&(r, c): &(usize, usize)| pair_tiled(format, narrow, r, c);
+    let coded = |&(r, c): &(usize, usize)| streams_codes(format, narrow, r, c);
     for (gemv, matrices, all_coded) in
         [("the O projection", &o, false), ("GateUp", &gateup, true), ("Down", &down, false)]
     {
@@ -465,7 +478,7 @@ pub fn stream_format(
         }
     }
     let all = [qkv, o, gateup, down].concat();
-    let streamed: Vec<usize> = all.iter().filter(|&&(r, c)| streams_codes(format, r, c)).map(|&(_, c)| c).collect();
+    let streamed: Vec<usize> = all.iter().filter(|&&p| coded(&p)).map(|&(_, c)| c).collect();
     if streamed.is_empty() {
         return Err(format!(
             "no GEMV has rows wider than {SLICED_MAX_COLS} columns or in {name} pair tiles (narrower rows stream bf16 \
@@ -585,10 +598,10 @@ mod tests {
         assert!(cu.contains(&format!("constexpr uint32_t NF4_SCALE_COLS = {NF4_SCALE_COLS};")));
         assert!(cu.contains(&format!("constexpr uint32_t NF4_PAIR_COLS = {NF4_PAIR_COLS};")));
         assert!(cu.contains(&format!("constexpr uint32_t NF4_TILE_ROWS = {NF4_TILE_ROWS};")));
-        assert!(
-            cu.contains("return (cols == NF4_PAIR_COLS || cols == NF4_PAIR_COLS / 2) && rows % NF4_TILE_ROWS == 0;")
-        );
-        assert!(cu.contains("return CODES == NF4_CODES && pair_tiled_shape(g.rows, g.cols);"));
+        assert!(cu.contains(
+            "return (cols == NF4_PAIR_COLS || (NARROW && cols == NF4_PAIR_COLS / 2)) && rows % NF4_TILE_ROWS == 0;"
+        ));
+        assert!(cu.contains("return CODES == NF4_CODES && pair_tiled_shape<NARROW>(g.rows, g.cols);"));
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOT_BYTES = STAGE_BYTES / FP8_SCALE_COLS * 4;"));
         assert!(cu.contains("constexpr uint32_t FP8_SCALE_SLOTS_BYTES = STAGES * FP8_SCALE_SLOT_BYTES;"));
         assert!(cu.contains("return VEC_BYTES == NF4_CODES ? STAGE_BYTES / 2 : STAGE_BYTES;"));
@@ -600,11 +613,17 @@ mod tests {
         assert!(cu.contains("return VEC_BYTES == NF4_CODES ? NF4_TAIL_BYTES : FP8_SCALE_SLOTS_BYTES;"));
         assert_eq!((Format::Fp8.tail_bytes(), Format::Nf4.tail_bytes()), (6144, 3 * 4096 + 64));
         assert!(cu.contains("__device__ inline bool streams_codes(const Gemv& g) { return !in_slices(g.cols); }"));
+        assert!(streams_codes(Format::Fp8, true, 8, SLICED_MAX_COLS + 16));
+        assert!(!streams_codes(Format::Fp8, true, 16, SLICED_MAX_COLS));
         assert!(
-            streams_codes(Format::Fp8, 8, SLICED_MAX_COLS + 16) && !streams_codes(Format::Fp8, 16, SLICED_MAX_COLS)
+            streams_codes(Format::Nf4, true, 16, SLICED_MAX_COLS)
+                && !streams_codes(Format::Nf4, true, 8, SLICED_MAX_COLS)
         );
-        assert!(streams_codes(Format::Nf4, 16, SLICED_MAX_COLS) && !streams_codes(Format::Nf4, 8, SLICED_MAX_COLS));
-        assert!(!streams_codes(Format::Nf4, 16, SLICED_MAX_COLS / 2));
+        assert!(!streams_codes(Format::Nf4, true, 16, SLICED_MAX_COLS / 2));
+        // A wide model's rows of 2048 (Llama-3.1-8B's O projection in two roles' halves) run in the
+        // instance for wide rows, which streams them bf16.
+        let llama8b = Config { d: 4096, ffn: 14336, n_q: 32, n_kv: 8, hd: 128, ..Config::graded() };
+        assert!(!has_narrow_rows(&llama8b) && !streams_codes(Format::Nf4, false, 4096, SLICED_MAX_COLS));
         let table = cu.split("__constant__ float NF4_VALUES[16] = {").nth(1).and_then(|t| t.split('}').next()).unwrap();
         let values: Vec<f32> = table.split(',').map(|v| v.trim().trim_end_matches('f').parse().unwrap()).collect();
         assert_eq!(values.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), NF4_VALUES.map(f32::to_bits).to_vec());
@@ -656,14 +675,14 @@ mod tests {
         let narrow = Config { d: NF4_PAIR_COLS / 2, ffn: 1536, ..cfg.clone() };
         for c in [&wide, &narrow] {
             let q = pack::qkv(c, Groups::all(c));
-            assert!(pair_tiled(Format::Nf4, q.rows, q.cols) && pair_tiled(Format::Nf4, 2 * c.ffn, c.d));
+            assert!(pair_tiled(Format::Nf4, true, q.rows, q.cols) && pair_tiled(Format::Nf4, true, 2 * c.ffn, c.d));
         }
         let narrow_down = Config { ffn: NF4_PAIR_COLS / 2, ..narrow.clone() };
         let (layers, coded) = nf4_layers(&narrow_down, 64);
         let down = pack::down(&narrow_down, 1, 0);
-        assert!(pair_tiled(Format::Nf4, down.rows, down.cols));
+        assert!(pair_tiled(Format::Nf4, true, down.rows, down.cols));
         assert!(
-            unpack(Format::Nf4, &pack(Format::Nf4, &down, &coded[0]).unwrap(), down.rows, down.cols)
+            unpack(Format::Nf4, true, &pack(Format::Nf4, true, &down, &coded[0]).unwrap(), down.rows, down.cols)
                 == copied(&layers[0].0, &down)
         );
         let cases = [
@@ -678,21 +697,26 @@ mod tests {
             let cfg = *cfg;
             let (w, layer) = (&layers[0].0, &coded[0]);
             let same = |rows: usize, cols: usize, packed: Vec<u8>, copied: Vec<bf16>| {
-                assert!(unpack(*format, &packed, rows, cols) == copied, "{what}");
+                assert!(unpack(*format, has_narrow_rows(cfg), &packed, rows, cols) == copied, "{what}");
             };
             let halves = [Groups { kv0: 0, n_kv: 1 }, Groups { kv0: 1, n_kv: 1 }];
             for g in [Groups::all(cfg)].into_iter().chain(halves) {
                 let q = pack::qkv(cfg, g);
-                same(q.rows, q.cols, pack(*format, &q, layer).unwrap(), copied(w, &q));
+                same(q.rows, q.cols, pack(*format, has_narrow_rows(cfg), &q, layer).unwrap(), copied(w, &q));
                 let o = pack::oproj(cfg, g);
-                same(o.rows, o.cols, pack(*format, &o, layer).unwrap(), copied(w, &o));
+                same(o.rows, o.cols, pack(*format, has_narrow_rows(cfg), &o, layer).unwrap(), copied(w, &o));
             }
             for parts in 1..=3 {
                 for k in 0..parts {
                     let gu = gateup_part(cfg, parts, k);
-                    same(gu.rows, gu.cols, pack(*format, &gu, layer).unwrap(), copied(w, &gu));
+                    same(gu.rows, gu.cols, pack(*format, has_narrow_rows(cfg), &gu, layer).unwrap(), copied(w, &gu));
                     let down = pack::down(cfg, parts, k);
-                    same(down.rows, down.cols, pack(*format, &down, layer).unwrap(), copied(w, &down));
+                    same(
+                        down.rows,
+                        down.cols,
+                        pack(*format, has_narrow_rows(cfg), &down, layer).unwrap(),
+                        copied(w, &down),
+                    );
                 }
             }
         }
@@ -744,35 +768,35 @@ mod tests {
     fn what_a_code_stream_cannot_take_is_refused_naming_it() {
         let cfg = Config { d: 384, ffn: 768, n_q: 4, n_kv: 2, hd: 64, layers: 1, ..Config::tiny() };
         let (_, mut fp8) = fp8_layers(&cfg, [64, 64]);
-        let why = pack(Format::Fp8, &pack::qkv(&cfg, Groups::all(&cfg)), &fp8[0]).unwrap_err();
+        let why = pack(Format::Fp8, true, &pack::qkv(&cfg, Groups::all(&cfg)), &fp8[0]).unwrap_err();
         assert!(why.contains("q's blocks of 64 columns") && why.contains("a scale per 128"), "{why}");
         let (_, fp8_128) = fp8_layers(&cfg, [128, 128]);
         // Three parts of 768 start at columns 256 and 512: whole groups; two halves of the O projection's
         // 256 columns start at 128. An ffn of 800 in two parts starts its second at 384 + 16.
-        assert!(pack(Format::Fp8, &pack::down(&cfg, 3, 1), &fp8_128[0]).is_ok());
-        assert!(pack(Format::Fp8, &pack::oproj(&cfg, Groups { kv0: 1, n_kv: 1 }), &fp8_128[0]).is_ok());
+        assert!(pack(Format::Fp8, true, &pack::down(&cfg, 3, 1), &fp8_128[0]).is_ok());
+        assert!(pack(Format::Fp8, true, &pack::oproj(&cfg, Groups { kv0: 1, n_kv: 1 }), &fp8_128[0]).is_ok());
         let odd = Config { ffn: 800, ..cfg.clone() };
         let (_, fp8_odd) = fp8_layers(&odd, [128, 128]);
-        let why = pack(Format::Fp8, &pack::down(&odd, 2, 1), &fp8_odd[0]).unwrap_err();
+        let why = pack(Format::Fp8, true, &pack::down(&odd, 2, 1), &fp8_odd[0]).unwrap_err();
         assert!(why.contains("from column 400"), "{why}");
         fp8[0].gate = None;
-        let why = pack(Format::Fp8, &gateup_part(&cfg, 1, 0), &fp8[0]).unwrap_err();
+        let why = pack(Format::Fp8, true, &gateup_part(&cfg, 1, 0), &fp8[0]).unwrap_err();
         assert!(why.contains("stored unquantised"), "{why}");
         // nf4: blocks of 32 elements; the second Down part of an ffn of 832 in two, its rows from column
         // 416 (half a block of 64 in); a quant_map that is not NF4's.
         let (_, nf4_32) = nf4_layers(&cfg, 32);
-        let why = pack(Format::Nf4, &pack::qkv(&cfg, Groups::all(&cfg)), &nf4_32[0]).unwrap_err();
+        let why = pack(Format::Nf4, true, &pack::qkv(&cfg, Groups::all(&cfg)), &nf4_32[0]).unwrap_err();
         assert!(why.contains("q's blocks of 32 elements") && why.contains("an absmax per 64"), "{why}");
         let nf4_odd_cfg = Config { ffn: 832, ..cfg.clone() };
         let (_, nf4_odd) = nf4_layers(&nf4_odd_cfg, 64);
-        assert!(pack(Format::Nf4, &pack::down(&nf4_odd_cfg, 2, 0), &nf4_odd[0]).is_ok());
-        let why = pack(Format::Nf4, &pack::down(&nf4_odd_cfg, 2, 1), &nf4_odd[0]).unwrap_err();
+        assert!(pack(Format::Nf4, true, &pack::down(&nf4_odd_cfg, 2, 0), &nf4_odd[0]).is_ok());
+        let why = pack(Format::Nf4, true, &pack::down(&nf4_odd_cfg, 2, 1), &nf4_odd[0]).unwrap_err();
         assert!(why.contains("down's blocks of 64 elements, a streamed row starting at element 416"), "{why}");
         let (_, mut nf4) = nf4_layers(&cfg, 64);
         if let Some(Coded::Nf4(m)) = nf4[0].up.as_mut() {
             m.quant_map[3] = 0.25;
         }
-        let why = pack(Format::Nf4, &gateup_part(&cfg, 1, 0), &nf4[0]).unwrap_err();
+        let why = pack(Format::Nf4, true, &gateup_part(&cfg, 1, 0), &nf4[0]).unwrap_err();
         assert!(why.contains("up's quant_map is not bitsandbytes' NF4 values"), "{why}");
     }
 
@@ -830,15 +854,15 @@ mod tests {
             .map(|r| (program::gemv_rows(r).unwrap(), program::Blocks::of(r).count as usize))
             .unwrap();
         assert_eq!((gateup, blocks), (28672, 132));
-        assert_eq!(pair_block_rows(Format::Nf4, &rows), 224);
+        assert_eq!(pair_block_rows(Format::Nf4, false, &rows), 224);
         assert_eq!(2 * (gateup / 2).div_ceil(blocks), 218);
-        assert_eq!(pair_block_rows(Format::Fp8, &rows), 0);
+        assert_eq!(pair_block_rows(Format::Fp8, false, &rows), 0);
         let narrow = Config { d: 2048, ffn: 8192, n_q: 32, n_kv: 8, hd: 64, ..Config::graded() };
         let plan = Plan::with(&narrow, 132, Forced { roles: None, mlp_parts: Some(1) }).unwrap();
         let rows = program::compile(&narrow, &buffers, 132, plan, Split::None);
         let blocks = rows.iter().find(|r| r[0] == Op::GateUp as i64).map(|r| program::Blocks::of(r).count).unwrap();
-        assert_eq!((blocks, pair_block_rows(Format::Nf4, &rows)), (132, 128));
-        assert_eq!(pair_block_rows(Format::Fp8, &rows), 0);
+        assert_eq!((blocks, pair_block_rows(Format::Nf4, true, &rows)), (132, 128));
+        assert_eq!(pair_block_rows(Format::Fp8, true, &rows), 0);
     }
 
     /// The decode program of the coded instances, run by the CPU executor reading each coded matrix as

@@ -248,7 +248,7 @@ impl CodedDecode {
         }
         // A block of a phase in pair tiles may take more rows than the bf16 program's (whole tiles).
         let rows = code_stream::decode_rows(format, layer, stack.layout, &stack.rows);
-        let lane_rows = stack.lane_rows.max(code_stream::pair_block_rows(format, &rows));
+        let lane_rows = stack.lane_rows.max(code_stream::pair_block_rows(format, has_narrow_rows(layer), &rows));
         // The stack's shared memory where its partials leave the tail room for a layer's rows (the LM head
         // streams through fewer a chunk at a time); else more, where the card has it.
         let tail_rows = (format.tail_bytes() / (WARPS as usize * 4)) as u32;
