@@ -478,6 +478,15 @@ pub fn stream_format(
         }
     }
     let all = [qkv, o, gateup, down].concat();
+    // The batch step, one instance for every model, takes nf4 rows of 2048 in whole tiles for pair tiles
+    // (the kernel's NARROW), where a model without narrow rows packs them unpaired: it must have none
+    // (Plan::choose gives none but a layer of d >= 8192 whose O halves or Down's parts are 2048 wide).
+    if let Some(&(r, c)) = all.iter().find(|&&(r, c)| !narrow && pair_tiled(format, true, r, c) && !tiled(&(r, c))) {
+        return Err(format!(
+            "a GEMV of {r} rows of {c} columns in a layer without narrow rows: the {name} batch step would read \
+             them as pair tiles"
+        ));
+    }
     let streamed: Vec<usize> = all.iter().filter(|&&p| coded(&p)).map(|&(_, c)| c).collect();
     if streamed.is_empty() {
         return Err(format!(
@@ -936,5 +945,13 @@ mod tests {
         let two = Plan::with(&mixed, 132, Forced { roles: None, mlp_parts: Some(2) }).unwrap();
         let why = stream_format(&mixed, two, &nf4, false, false).unwrap_err();
         assert!(why.contains("Down's parts") && why.contains("(2048, 2048), (2048, 2056)"), "{why}");
+        // A layer of d 8192 with 32 query heads of 128 (two roles: O projection halves of 2048 columns)
+        // has no narrow rows, so its halves would stream bf16 in the decode step and as tiles in the batch
+        // step (only the format of the codes is read from the layers).
+        let halves = Config { d: 8192, ffn: 8192, n_q: 32, n_kv: 8, hd: 128, layers: 1, ..Config::tiny() };
+        let plan = Plan::choose(&halves, 132);
+        assert_eq!((plan.roles, has_narrow_rows(&halves)), (2, false));
+        let why = stream_format(&halves, plan, &nf4, false, false).unwrap_err();
+        assert!(why.contains("8192 rows of 2048 columns") && why.contains("batch step"), "{why}");
     }
 }
