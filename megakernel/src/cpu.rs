@@ -324,11 +324,12 @@ impl CpuStack {
     /// (`stream_codes`), bf16 otherwise.
     fn weights(&self, w: i64, rows: usize, cols: usize) -> Vec<bf16> {
         #[cfg(feature = "model")]
-        if let Some((format, _)) = self.coded
-            && code_stream::streams_codes(format, crate::kernels::has_narrow_rows(&self.cfg), rows, cols)
-        {
-            let bytes = self.arena.bytes(w as u64, format.packed_bytes(rows, cols));
-            return code_stream::unpack(format, crate::kernels::has_narrow_rows(&self.cfg), bytes, rows, cols);
+        if let Some((format, _)) = self.coded {
+            let narrow = crate::kernels::has_narrow_rows(&self.cfg);
+            if code_stream::streams_codes(format, narrow, rows, cols) {
+                let bytes = self.arena.bytes(w as u64, format.packed_bytes(rows, cols));
+                return code_stream::unpack(format, narrow, bytes, rows, cols);
+            }
         }
         self.arena.bf16(w, rows * cols)
     }

@@ -209,7 +209,11 @@ pub fn streams_codes(format: Format, narrow: bool, rows: usize, cols: usize) -> 
 
 /// Whether GateUp's MLP parts stream as codes: `stream_format` has refused parts that would not all.
 fn gateup_streams_codes(format: Format, cfg: &Config, parts: usize) -> bool {
-    (0..parts).all(|k| streams_codes(format, has_narrow_rows(cfg), 2 * mlp_part(cfg, parts, k).len(), cfg.d))
+    let narrow = has_narrow_rows(cfg);
+    (0..parts).all(|k| {
+        let (rows, cols) = shape(&gateup_part(cfg, parts, k));
+        streams_codes(format, narrow, rows, cols)
+    })
 }
 
 /// One layer's weights as a quantised checkpoint stores them (`ModelWeights::coded`).
@@ -359,6 +363,11 @@ pub fn table(mut table: [i64; LAYER_WORDS], placed: &[(Slot, u64)]) -> [i64; LAY
     table
 }
 
+/// A packing's (rows, columns).
+fn shape<F: Fn(usize) -> (Tensor, usize)>(p: &Packing<F>) -> (usize, usize) {
+    (p.rows, p.cols)
+}
+
 /// GateUp's rows of MLP part `k` of `parts` (its gate/up pairs of `mlp_part`), as one packing.
 fn gateup_part(cfg: &Config, parts: usize, k: usize) -> Packing<impl Fn(usize) -> (Tensor, usize) + '_> {
     let f = mlp_part(cfg, parts, k);
@@ -453,13 +462,12 @@ pub fn stream_format(
     if in_place {
         return Err(format!("the stack streams in place, without the packed copies the {name} stream reads"));
     }
-    // Each GEMV's matrices (a plan's halves or parts) as (rows, columns).
-    let halves = plan.halves(cfg);
-    let qkv: Vec<(usize, usize)> = halves.iter().map(|&g| (pack::qkv_rows(cfg, g), cfg.d)).collect();
-    let o: Vec<(usize, usize)> = halves.iter().map(|g| (cfg.d, g.n_q(cfg) * cfg.hd)).collect();
-    let parts = (0..plan.mlp_parts).map(|k| mlp_part(cfg, plan.mlp_parts, k).len());
-    let gateup: Vec<(usize, usize)> = parts.clone().map(|f| (2 * f, cfg.d)).collect();
-    let down: Vec<(usize, usize)> = parts.map(|f| (cfg.d, f)).collect();
+    // Each GEMV's matrices (a plan's halves or parts) as (rows, columns), as `layer_matrices` packs them.
+    let (halves, parts) = (plan.halves(cfg), plan.mlp_parts);
+    let qkv: Vec<_> = halves.iter().map(|&g| shape(&pack::qkv(cfg, g))).collect();
+    let o: Vec<_> = halves.iter().map(|&g| shape(&pack::oproj(cfg, g))).collect();
+    let gateup: Vec<_> = (0..parts).map(|k| shape(&gateup_part(cfg, parts, k))).collect();
+    let down: Vec<_> = (0..parts).map(|k| shape(&pack::down(cfg, parts, k))).collect();
     // The O projection's halves and Down's parts add each other's partials on the same blocks' rows, which
     // a block takes in whole tiles where they are in pair tiles: all of them are, or none. GateUp's parts
     // are one allocation, codes throughout or bf16.

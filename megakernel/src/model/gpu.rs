@@ -458,7 +458,11 @@ impl GpuModel {
                  which a floor counts; batch steps stream the same codes",
                 q.name(),
                 crate::kernels::SLICED_MAX_COLS,
-                if f.format == Format::Nf4 { " and those of 2048 in whole tiles of 16 rows" } else { "" },
+                if f.format == Format::Nf4 && has_narrow_rows(&self.layer) {
+                    " and those of 2048 in whole tiles of 16 rows"
+                } else {
+                    ""
+                },
                 match f.format {
                     Format::Fp8 => "e4m3",
                     Format::Nf4 => "nf4",
