@@ -13,7 +13,7 @@
 // Weight streaming (the 1.71 GB that decide the score): a GEMV phase splits its rows evenly over the
 // blocks, in RoPE / gate-up pairs. A block streams its rows through a ring of STAGES shared-memory
 // slots, each filled by one bulk copy of whole consecutive rows (the copy engine, completing on the
-// slot's mbarrier), STAGES - 1 slots ahead of use. Thread t owns the 16-byte vectors t, t + THREADS,
+// slot's mbarrier), IN_FLIGHT slots ahead of use (STAGES - 1; one in a model's batch step). Thread t owns the 16-byte vectors t, t + THREADS,
 // ... of every row and holds the matching vectors of the input in registers; each warp reduces a row
 // with a shuffle butterfly and the warps' partials meet in shared memory once, at the end of the
 // phase, where they are added in warp order. A phase's first slots are filled before its input

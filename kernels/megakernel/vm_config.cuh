@@ -9,7 +9,7 @@ constexpr uint32_t THREADS = 512;
 constexpr uint32_t WARPS = THREADS / WARP;
 constexpr uint32_t THREADS_LOG2 = 9, WARPS_LOG2 = 4;
 static_assert(1u << THREADS_LOG2 == THREADS && 1u << WARPS_LOG2 == WARPS, "the shifts of slices_log2 and run_group");
-// The ring: STAGES slots of STAGE_BYTES, STAGES - 1 of them in flight ahead of use.
+// The ring: STAGES slots of STAGE_BYTES, up to STAGES - 1 of them in flight ahead of use (IN_FLIGHT).
 constexpr uint32_t STAGES = 3;
 constexpr uint32_t STAGE_BYTES = 64 * 1024;
 constexpr uint32_t RING_BYTES = STAGES * STAGE_BYTES;

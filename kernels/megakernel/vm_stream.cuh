@@ -40,6 +40,19 @@ struct Partials {
     uint32_t rows;
 };
 
+// Stages a stream keeps in flight ahead of the one in use: STAGES - 1, or what a translation unit
+// defines as RING_IN_FLIGHT before the headers (the batch step: model_batch.cu). With fewer, a stage's
+// copy is issued when the one before lands, not when a slot frees: one 64 KB stage per SM already
+// moves HBM at its rate, and every byte in flight past it lengthens each L2 hit and hand-off of every
+// SM (docs/perf.md, "What bytes in flight do to a hop"); but a stream of a few stages a block then pays
+// a round trip a stage, so the decode steps keep two ("One stage in flight, run").
+#ifdef RING_IN_FLIGHT
+constexpr uint32_t IN_FLIGHT = RING_IN_FLIGHT;
+#else
+constexpr uint32_t IN_FLIGHT = STAGES - 1;
+#endif
+static_assert(IN_FLIGHT >= 1 && IN_FLIGHT <= STAGES - 1, "at least one stage ahead, at most the free slots");
+
 // The ring: STAGES slots of STAGE_BYTES, each filled by one bulk copy that completes on the slot's
 // mbarrier. `seq` counts the stages a launch has issued so far (the same in every thread): stage k
 // uses slot k % STAGES and completes phase (k / STAGES) & 1 of that slot's barrier.
@@ -410,19 +423,22 @@ struct RowStream : StreamScales<VEC_BYTES> {
         bulk_copy(slot, stage_src(st), stage_count(st) * vecs * VEC_BYTES, &ring.full[k % STAGES], l2_evict_first());
     }
 
-    // The first STAGES - 1 stages. Weights do not depend on anything the layer computes, so this runs
+    // The first IN_FLIGHT stages. Weights do not depend on anything the layer computes, so this runs
     // before the phase's input exists: before its norm, and before the wait for its dependencies.
     __device__ void prime(const Ring& ring) const {
-        for (uint32_t st = 0; st < STAGES - 1; ++st) issue(ring, st);
+        for (uint32_t st = 0; st < IN_FLIGHT; ++st) issue(ring, st);
     }
 
-    // Waits for stage st to land and returns its slot, after refilling the slot stage st - 1 used with
-    // stage st + STAGES - 1.
+    // Waits for stage st to land and returns its slot. With the whole ring in flight, first refills the
+    // slot stage st - 1 used with stage st + STAGES - 1; with fewer, issues stage st + IN_FLIGHT once
+    // stage st has landed, into the slot of a stage at or before st - 2 (every thread was done with it
+    // before the barrier of next_stage(st - 1)).
     __device__ const uint4* next_stage(const Ring& ring, uint32_t st) const {
-        __syncthreads();  // every thread is done with stage st - 1, whose slot the next issue refills
-        issue(ring, st + STAGES - 1);
+        __syncthreads();  // every thread is done with stage st - 1, whose slot the next issue may refill
+        if constexpr (IN_FLIGHT == STAGES - 1) issue(ring, st + STAGES - 1);
         const uint32_t k = ring.seq + st;
         mbar_wait(&ring.full[k % STAGES], (k / STAGES) & 1);  // stage st has landed
+        if constexpr (IN_FLIGHT < STAGES - 1) issue(ring, st + IN_FLIGHT);
         return ring.data + (k % STAGES) * (STAGE_BYTES / 16);
     }
 
@@ -611,15 +627,16 @@ __device__ inline RowStream<VPT> group_stream(const bf16* w, uint32_t vecs, uint
 // A model's decode step streams rows that run in slices as a group of one (stream_phase's SLICED), in
 // full stages, of which it issues SOLO_PRIMED before the wait (prime_solo): as many bytes as the two
 // stages of one slice a layer kernel primes at 2048 columns, so that the input after the wait queues
-// behind no more than before. The rest of the first STAGES - 1 go as the stream starts (start_solo).
+// behind no more than before. The rest of the first IN_FLIGHT go as the stream starts (start_solo).
 // Two primed full stages made Llama-3.2-1B 4% slower than one (docs/perf.md, "Qwen3's Qkv in full
 // stages").
 constexpr uint32_t SOLO_PRIMED = 1;
+static_assert(SOLO_PRIMED <= IN_FLIGHT, "primed stages are in flight");
 __device__ inline void prime_solo(const RowStream<1>& stream, const Ring& ring) {
     for (uint32_t st = 0; st < SOLO_PRIMED; ++st) stream.issue(ring, st);
 }
 __device__ inline void start_solo(const RowStream<1>& stream, const Ring& ring) {
-    for (uint32_t st = SOLO_PRIMED; st < STAGES - 1; ++st) stream.issue(ring, st);
+    for (uint32_t st = SOLO_PRIMED; st < IN_FLIGHT; ++st) stream.issue(ring, st);
 }
 
 // Calls f(RowStream<VPT, VEC_BYTES>) for the VPT of rows of `cols` columns: the loops above unroll at
@@ -707,7 +724,7 @@ __device__ void lanes_group(const RowStream<VPT, VEC_BYTES>& all, uint32_t b0, u
 
 // A decode step's rows through run_group as a group of one, the input `s` as column_thread holds it:
 // full stages where the rows run in slices, each output's products, sums and rounding run()'s, so its
-// bits too. `stream` (the block's rows) has its first STAGES - 1 stages issued; they go in chunks of
+// bits too. `stream` (the block's rows) has its first IN_FLIGHT stages issued; they go in chunks of
 // `chunk` rows (as many as the partials hold), epilogue(0, part, c0, c1) ending each. The phase before
 // ended on a __syncthreads, so the partials are free to zero.
 template <typename Out>

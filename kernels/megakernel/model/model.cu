@@ -1,6 +1,6 @@
 // The model's kernels (`megakernel generate/bench/check`, megakernel/src/model): a whole checkpoint's
-// positions in one launch (run_model), in three instances and their traced twins, and the batch step
-// of up to MAX_BATCH lanes (run_batch). The device code they run is ../megakernel.cuh; compiled by the
+// positions in one launch (run_model), in three instances and their traced twins (the batch step is
+// model_batch.cu's). The device code they run is ../megakernel.cuh; compiled by the
 // megakernel crate's build script with its `model` feature, apart from the judge's kernels
 // (../megakernel.cu), so that the grader's build never waits for these; each kernel's machine code is
 // the one it had when all shared one file. The traced twins stay in this file: without them the
@@ -24,6 +24,3 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_nor
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_traced_bf16(MODEL_TRACE_PARAMS) { run_model<false, false, true>(MODEL_ARGS, trace); }
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_sliced_traced_bf16(MODEL_TRACE_PARAMS) { run_model<false, true, true>(MODEL_ARGS, trace); }
 extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_qk_norm_traced_bf16(MODEL_TRACE_PARAMS) { run_model<true, true, true>(MODEL_ARGS, trace); }
-
-// One step of up to MAX_BATCH lanes of a model, in one launch (run_batch).
-extern "C" __global__ void __launch_bounds__(THREADS, 1) megakernel_model_batch_bf16(BATCH_PARAMS) { run_batch(BATCH_ARGS); }

@@ -20,7 +20,7 @@ use super::code_stream::{self, CodedLayer, Format};
 use super::hf::{ModelConfig, ModelWeights};
 use super::request::{Lane, Limits, MAX_EOS, Stop};
 use super::together::generate_together;
-use crate::kernels::model::{MODEL, MODEL_FP8, MODEL_FP8_BATCH, MODEL_FP8_TRACED, MODEL_NF4};
+use crate::kernels::model::{MODEL, MODEL_BATCH, MODEL_FP8, MODEL_FP8_BATCH, MODEL_FP8_TRACED, MODEL_NF4};
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
 use crate::program;
 use crate::stack::{CompiledStack, ProgramParam, StackOptions, Target, fit_one_block, rows_beside};
@@ -403,7 +403,7 @@ impl GpuModel {
         // The model kernel always reads the layers' tables.
         let program =
             ProgramParam::new(&stack.rows, &stack.tables).expect("rows and tables within the parameter block");
-        let batch = batch_kernel(dev, &MODEL, "megakernel_model_batch_bf16", stack.lane_rows, 0)?;
+        let batch = batch_kernel(dev, &MODEL_BATCH, "megakernel_model_batch_bf16", stack.lane_rows, 0)?;
         let coded = match stream {
             WeightStream::AsStored => CodedDecode::build(dev, cfg, &layer, &stack, &weights.coded, progress)?,
             WeightStream::Bf16 => Err("bf16 asked for".into()),
@@ -829,12 +829,13 @@ mod tests {
 
     /// Every instance the model launches is an entry point of its file: model.cu's bf16 ones and their
     /// traced twins, model_fp8.cu's fp8 ones and model_fp8_traced.cu's twins of those, model_nf4.cu's
-    /// nf4 ones, and each format's batch step.
+    /// nf4 ones, and each format's batch step (bf16's in model_batch.cu).
     #[test]
     fn the_model_kernels_named_are_entry_points() {
         let bf16 = include_str!("../../../kernels/megakernel/model/model.cu");
         let fp8 = include_str!("../../../kernels/megakernel/model/model_fp8.cu");
         let fp8_traced = include_str!("../../../kernels/megakernel/model/model_fp8_traced.cu");
+        let bf16_batch = include_str!("../../../kernels/megakernel/model/model_batch.cu");
         let fp8_batch = include_str!("../../../kernels/megakernel/model/model_fp8_batch.cu");
         let nf4 = include_str!("../../../kernels/megakernel/model/model_nf4.cu");
         for (qk_norm, narrow, traced) in (0..8).map(|i| (i & 1 == 1, i & 2 == 2, i & 4 == 4)) {
@@ -854,6 +855,7 @@ mod tests {
             assert!(nf4.contains(&format!(" {name}(MODEL_PARAMS)")), "{name} is not a kernel of model_nf4.cu");
             assert_eq!(coded_kernel(Format::Nf4, narrow, true), None);
         }
+        assert!(bf16_batch.contains(" megakernel_model_batch_bf16(BATCH_PARAMS)"), "the bf16 batch step is not a kernel of model_batch.cu");
         for (format, file) in [(Format::Fp8, fp8_batch), (Format::Nf4, nf4)] {
             let name = coded_files(format).2;
             assert!(file.contains(&format!(" {name}(BATCH_PARAMS)")), "{name} is not a kernel of its file");
