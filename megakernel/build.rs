@@ -9,7 +9,14 @@ fn main() {
         let model = cuda_build::Owner {
             name: "model",
             folder: "megakernel/model",
-            hopper_only: &["model.cu", "model_batch.cu", "model_fp8.cu", "model_fp8_traced.cu", "model_fp8_batch.cu", "model_nf4.cu"],
+            hopper_only: &[
+                "model.cu",
+                "model_batch.cu",
+                "model_fp8.cu",
+                "model_fp8_traced.cu",
+                "model_fp8_batch.cu",
+                "model_nf4.cu",
+            ],
             rdc: &[],
         };
         cuda_build::build(&toolchain, &[model], "");

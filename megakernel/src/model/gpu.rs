@@ -855,7 +855,10 @@ mod tests {
             assert!(nf4.contains(&format!(" {name}(MODEL_PARAMS)")), "{name} is not a kernel of model_nf4.cu");
             assert_eq!(coded_kernel(Format::Nf4, narrow, true), None);
         }
-        assert!(bf16_batch.contains(" megakernel_model_batch_bf16(BATCH_PARAMS)"), "the bf16 batch step is not a kernel of model_batch.cu");
+        assert!(
+            bf16_batch.contains(" megakernel_model_batch_bf16(BATCH_PARAMS)"),
+            "the bf16 batch step is not a kernel of model_batch.cu"
+        );
         for (format, file) in [(Format::Fp8, fp8_batch), (Format::Nf4, nf4)] {
             let name = coded_files(format).2;
             assert!(file.contains(&format!(" {name}(BATCH_PARAMS)")), "{name} is not a kernel of its file");
