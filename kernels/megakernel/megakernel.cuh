@@ -13,14 +13,14 @@
 // Weight streaming (the 1.71 GB that decide the score): a GEMV phase splits its rows evenly over the
 // blocks, in RoPE / gate-up pairs. A block streams its rows through a ring of STAGES shared-memory
 // slots, each filled by one bulk copy of whole consecutive rows (the copy engine, completing on the
-// slot's mbarrier), IN_FLIGHT slots ahead of use (STAGES - 1; one in a model's batch step). Thread t owns the 16-byte vectors t, t + THREADS,
-// ... of every row and holds the matching vectors of the input in registers; each warp reduces a row
-// with a shuffle butterfly and the warps' partials meet in shared memory once, at the end of the
-// phase, where they are added in warp order. A phase's first slots are filled before its input
-// exists (before the norm, while the block waits for the phases it depends on), so the stream does not
-// stop between phases; attention's first cached rows are loaded before its wait too. Weights are not prefetched to L2:
-// bulk prefetches of rows the ring then copies made the phases slower (docs/perf.md); the ring's copies
-// mark them evict-first instead. No float atomics anywhere: outputs are bitwise reproducible.
+// slot's mbarrier), IN_FLIGHT slots ahead of use (STAGES - 1; one in a model's batch steps). Thread t
+// owns the 16-byte vectors t, t + THREADS, ... of every row and holds the matching vectors of the
+// input in registers; each warp reduces a row with a shuffle butterfly and the warps' partials meet in
+// shared memory once, at the end of the phase, where they are added in warp order. A phase's first
+// slots are filled before its input exists (before the norm, while the block waits for the phases it
+// depends on), so the stream does not stop between phases; attention's first cached rows are loaded
+// before its wait too. Weights are not prefetched to L2: bulk prefetches of rows the ring then copies
+// made the phases slower (docs/perf.md); the ring's copies mark them evict-first instead. No float atomics anywhere: outputs are bitwise reproducible.
 //
 // Rounding follows the eager reference: q, k, v, a, o, x1, h, h2, gate, up, act and down are rounded to
 // bf16 where the reference stores them; scores, maxima and sums stay f32, and the softmax weights are

@@ -1,7 +1,7 @@
 // The model's kernels (`megakernel generate/bench/check`, megakernel/src/model): a whole checkpoint's
 // positions in one launch (run_model), in three instances and their traced twins (the batch step is
-// model_batch.cu's). The device code they run is ../megakernel.cuh; compiled by the
-// megakernel crate's build script with its `model` feature, apart from the judge's kernels
+// model_batch.cu's). The device code they run is ../megakernel.cuh; compiled by the megakernel
+// crate's build script with its `model` feature, apart from the judge's kernels
 // (../megakernel.cu), so that the grader's build never waits for these; each kernel's machine code is
 // the one it had when all shared one file. The traced twins stay in this file: without them the
 // other instances compile to different machine code (the cubins' code sections compared), and theirs
