@@ -2,17 +2,16 @@
 // weight streams (issue 47, docs/perf.md "A reading to test: instruction fetch under load"). A few
 // "runner" blocks each execute a straight line of CODE_INSTRS independent FMAs (no loop, no branch:
 // every instruction fetched once a pass) twice, timing each pass with %globaltimer, while the other
-// blocks of the grid either idle or stream a buffer far larger than L2 from HBM with 16-byte loads, as
-// the megakernel's other blocks stream weights while attention runs. The first pass fetches the code
-// from L2 (or HBM); the second finds it in the SM's instruction caches where it fits them.
+// blocks of the grid idle, stream from HBM with 16-byte loads (`plain`), or keep 64 KB bulk copies in
+// flight as the megakernel's ring does (`bulk 1`, `bulk 2`: stages in flight a block, evict-first, each
+// block over its own 16 MB). The first pass fetches the code from L2 (or HBM); the second finds it in
+// the SM's instruction caches where it fits them.
 //
-// Reported for each code size, with and without the stream: the runners' first and second pass in
-// nanoseconds (median over runners and repeats), and the stream's rate. Prediction (written before it
-// ran): without the stream the first pass costs about as much as the second plus one L2 round trip per
-// fetch run; with the stream the first pass of 16-64 KB of code is 2-5 times its unloaded time, the
-// second pass unchanged; if so, a phase's first pass through several KB of new code costs about a
-// microsecond under load, the size of the sub-microsecond parts docs/perf.md could not explain. (It
-// did not: docs/perf.md, call 4 of 2026-12-05.)
+// Reported for each code size and stream: the runners' first and second pass in nanoseconds (median over
+// runners and repeats), and the stream's rate. The plain stream (call 4 of 2026-12-05) did not slow the
+// first pass; but it keeps about 1 MB in flight, where the ring keeps 8-17 MB, and docs/perf.md's
+// inflight_latency.cu measured L2 hits 1.4-7x slower behind the ring's bytes. Predictions for the bulk
+// modes are in docs/perf.md ("Instruction fetch behind the ring's bytes").
 //   nvcc -O3 -arch=sm_90a -o icache_load scripts/probes/icache_load.cu && ./icache_load
 #include <algorithm>
 #include <cstdint>
@@ -20,13 +19,19 @@
 #include <cuda_runtime.h>
 #include <vector>
 #include "probe.cuh"
+#include "../../kernels/include/bulk.cuh"
 
 constexpr int THREADS = 512;       // the megakernel's block
 constexpr int RUNNERS = 8;         // blocks 0..7 run the code, as attention's 8 blocks at Llama-3.2-1B
 constexpr int REPEATS = 20;        // launches per configuration
 constexpr unsigned long long SETTLE_NS = 100000;  // the runners start once the stream has run this long
-constexpr size_t STREAM_BYTES = 8ull << 30;       // far past the 60 MB L2
-constexpr int SMEM_BYTES = 120 << 10;             // unused; more than half an SM's, so one block an SM
+constexpr size_t REGION_BYTES = 16ull << 20;      // a streaming block's own region, read round and round
+constexpr uint32_t STAGE_BYTES = 64 * 1024, MAX_STAGES = 2;  // the bulk modes' ring
+constexpr int SMEM_BYTES = MAX_STAGES * STAGE_BYTES;          // more than half an SM's: one block an SM
+
+// What the blocks past the runners do: nothing, 16-byte loads, or bulk copies with 1 or 2 in flight.
+enum Stream : int { IDLE = 0, PLAIN = 1, BULK1 = 2, BULK2 = 3 };
+const char* const STREAM_NAMES[] = {"idle", "plain", "bulk 1", "bulk 2"};
 
 // Eight independent FMAs, one instruction each: a warp issues them back to back once fetched.
 #define FMA8                                                                                              \
@@ -49,19 +54,67 @@ __device__ __forceinline__ void pass(float (&a)[8]) {
     }
 }
 
-// Blocks below RUNNERS: wait for the stream to settle (or not, without one), run the code twice, stamp
-// each pass. The others stream `words` 16-byte words of `buf` when `stream`, else return at once.
+__device__ inline uint32_t ld_relaxed(const unsigned* p) {
+    uint32_t v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// 16-byte loads of the block's region, round and round, until every runner is done; the bytes read.
+__device__ unsigned long long stream_plain(const uint4* region, const unsigned* done) {
+    constexpr size_t WORDS = REGION_BYTES / 16;
+    uint32_t s = 0;
+    unsigned long long words = 0;
+    for (size_t i = threadIdx.x;; i = (i + THREADS) % WORDS) {
+        const uint4 v = __ldcs(region + i);
+        s ^= v.x ^ v.y ^ v.z ^ v.w;
+        ++words;
+        if (words % 64 == 0 && ld_relaxed(done) == RUNNERS) break;  // a poll every 64 loads
+    }
+    if (s == 0x12345678u) words = 0;  // keeps the loads
+    return words * 16;
+}
+
+// One thread keeps `stages` bulk copies of 64 KB in flight from the block's region until every runner is
+// done; the bytes landed.
+__device__ unsigned long long stream_bulk(const char* region, uint32_t stages, const unsigned* done, char* ring, uint64_t* full) {
+    const uint64_t policy = l2_evict_first();
+    const uint32_t per_region = REGION_BYTES / STAGE_BYTES;
+    for (uint32_t k = 0; k < stages; ++k) {
+        mbar_expect_tx(&full[k], STAGE_BYTES);
+        bulk_copy(ring + k * STAGE_BYTES, region + (size_t)k * STAGE_BYTES, STAGE_BYTES, &full[k], policy);
+    }
+    unsigned long long landed = 0;
+    uint32_t k = 0;
+    for (;; ++k) {
+        mbar_wait(&full[k % stages], (k / stages) & 1);
+        landed += STAGE_BYTES;
+        if (ld_relaxed(done) == RUNNERS) break;
+        mbar_expect_tx(&full[k % stages], STAGE_BYTES);
+        bulk_copy(ring + k % stages * STAGE_BYTES, region + (size_t)((k + stages) % per_region) * STAGE_BYTES, STAGE_BYTES, &full[k % stages], policy);
+    }
+    // The copies still in flight land before the block exits (they write its shared memory).
+    for (uint32_t j = k + 1; j < k + stages; ++j) mbar_wait(&full[j % stages], (j / stages) & 1);
+    return landed;
+}
+
+// Blocks below RUNNERS: wait for the stream to settle, run the code twice, stamp each pass, count
+// themselves done. The others stream their region as `mode` says until every runner is done.
 template <int KB16>
-__global__ void __launch_bounds__(THREADS, 1) probe(const uint4* buf, size_t words, bool stream, unsigned long long* ns, float* sink) {
+__global__ void __launch_bounds__(THREADS, 1)
+    probe(const char* buf, Stream mode, unsigned* done, unsigned long long* landed, unsigned long long* ns, float* sink) {
+    extern __shared__ __align__(128) char ring[];
+    __shared__ uint64_t full[MAX_STAGES];
     if (blockIdx.x >= RUNNERS) {
-        if (!stream) return;
-        uint32_t s = 0;
-        const size_t stride = (size_t)(gridDim.x - RUNNERS) * THREADS;
-        for (size_t i = (size_t)(blockIdx.x - RUNNERS) * THREADS + threadIdx.x; i < words; i += stride) {
-            const uint4 v = __ldcs(buf + i);
-            s ^= v.x ^ v.y ^ v.z ^ v.w;
+        const char* region = buf + (size_t)(blockIdx.x - RUNNERS) * REGION_BYTES;
+        if (mode == PLAIN) {
+            const unsigned long long bytes = stream_plain(reinterpret_cast<const uint4*>(region), done);
+            atomicAdd(&landed[blockIdx.x], bytes);
+        } else if (mode != IDLE && threadIdx.x == 0) {
+            for (uint32_t k = 0; k < MAX_STAGES; ++k) mbar_init(&full[k], 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // before any copy names them
+            landed[blockIdx.x] = stream_bulk(region, mode == BULK1 ? 1 : 2, done, ring, full);
         }
-        if (s == 0x12345678u) sink[0] = (float)s;  // keeps the loads
         return;
     }
     __shared__ unsigned long long t0;
@@ -84,6 +137,8 @@ __global__ void __launch_bounds__(THREADS, 1) probe(const uint4* buf, size_t wor
     if (threadIdx.x == 0) {
         ns[blockIdx.x * 2] = stamps[1] - stamps[0];
         ns[blockIdx.x * 2 + 1] = stamps[2] - stamps[1];
+        ns[2 * RUNNERS + blockIdx.x] = stamps[2] - stamps[0] + SETTLE_NS;  // the runner's window
+        red_release(done);  // the streams stop once every runner is here
     }
     float s = 0;
     for (int k = 0; k < 8; ++k) s += a[k];
@@ -91,25 +146,33 @@ __global__ void __launch_bounds__(THREADS, 1) probe(const uint4* buf, size_t wor
 }
 
 template <int KB16>
-int measure(const uint4* buf, size_t words, int grid, unsigned long long* ns, float* sink) {
+int measure(const char* buf, int grid, unsigned* done, unsigned long long* landed, unsigned long long* ns, float* sink) {
     TRY(cudaFuncSetAttribute(probe<KB16>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-    for (bool stream : {false, true}) {
+    for (Stream mode : {IDLE, PLAIN, BULK1, BULK2}) {
         std::vector<unsigned long long> first, second;
-        float total_ms = 0;
+        double bytes = 0, window_ns = 0;
         for (int r = 0; r < REPEATS; ++r) {
-            total_ms += elapsed_ms([&] { probe<KB16><<<grid, THREADS, SMEM_BYTES>>>(buf, words, stream, ns, sink); });
-            TRY(cudaGetLastError());
-            std::vector<unsigned long long> h(RUNNERS * 2);
+            TRY(cudaMemset(done, 0, sizeof *done));
+            TRY(cudaMemset(landed, 0, grid * sizeof *landed));
+            void* args[] = {(void*)&buf, &mode, &done, &landed, &ns, &sink};
+            // Cooperative: every block resident at once, so the runners' count can stop the streams.
+            TRY(cudaLaunchCooperativeKernel((void*)probe<KB16>, grid, THREADS, args, SMEM_BYTES, 0));
+            TRY(cudaDeviceSynchronize());
+            std::vector<unsigned long long> h(RUNNERS * 3), l(grid);
             TRY(cudaMemcpy(h.data(), ns, h.size() * sizeof h[0], cudaMemcpyDeviceToHost));
+            TRY(cudaMemcpy(l.data(), landed, grid * sizeof l[0], cudaMemcpyDeviceToHost));
             for (int i = 0; i < RUNNERS; ++i) {
                 first.push_back(h[2 * i]);
                 second.push_back(h[2 * i + 1]);
             }
+            for (int b = 0; b < grid; ++b) bytes += l[b];
+            window_ns += *std::max_element(h.begin() + 2 * RUNNERS, h.end());
         }
         std::sort(first.begin(), first.end());
         std::sort(second.begin(), second.end());
-        const double rate = stream ? words * 16.0 / (total_ms / REPEATS * 1e-3) / 1e12 : 0.0;
-        printf("%6d KB  %-9s %12llu %12llu %10.2f\n", KB16 * 16, stream ? "streamed" : "idle", first[first.size() / 2], second[second.size() / 2], rate);
+        // The rate over the runners' windows (the streams run a little longer, to their poll).
+        printf("%6d KB  %-9s %12llu %12llu %10.2f\n", KB16 * 16, STREAM_NAMES[mode], first[first.size() / 2], second[second.size() / 2],
+               bytes / window_ns / 1e3);
     }
     return 0;
 }
@@ -120,15 +183,19 @@ int main() {
         printf("no CUDA device\n");
         return 1;
     }
-    uint4* buf = nullptr;
-    unsigned long long* ns = nullptr;
+    char* buf = nullptr;
+    unsigned* done = nullptr;
+    unsigned long long *ns = nullptr, *landed = nullptr;
     float* sink = nullptr;
-    TRY(cudaMalloc(&buf, STREAM_BYTES));
-    TRY(cudaMemset(buf, 1, STREAM_BYTES));
-    TRY(cudaMalloc(&ns, RUNNERS * 2 * sizeof *ns));
+    TRY(cudaMalloc(&buf, (size_t)sms * REGION_BYTES));
+    TRY(cudaMemset(buf, 1, (size_t)sms * REGION_BYTES));
+    TRY(cudaMalloc(&done, sizeof *done));
+    TRY(cudaMalloc(&landed, sms * sizeof *landed));
+    TRY(cudaMalloc(&ns, RUNNERS * 3 * sizeof *ns));
     TRY(cudaMalloc(&sink, 2 * sizeof *sink));
-    const size_t words = STREAM_BYTES / 16;
     printf("%9s  %-9s %12s %12s %10s\n", "code", "others", "pass 1 ns", "pass 2 ns", "TB/s");
-    if (measure<1>(buf, words, sms, ns, sink) || measure<4>(buf, words, sms, ns, sink) || measure<8>(buf, words, sms, ns, sink)) return 1;
+    if (measure<1>(buf, sms, done, landed, ns, sink) || measure<2>(buf, sms, done, landed, ns, sink) ||
+        measure<4>(buf, sms, done, landed, ns, sink) || measure<8>(buf, sms, done, landed, ns, sink))
+        return 1;
     return 0;
 }

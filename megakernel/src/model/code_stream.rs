@@ -6,7 +6,7 @@
 //! f32 and the sum times its scale (the fused form: no weight rounded to bf16, so its outputs part from
 //! the bf16 stream of the loader's weights by those roundings), or for nf4 rows of 4096 or 2048 columns
 //! in whole tiles of 16 rows on the tensor cores (`pair_tiled`); the batch step streams the same codes
-//! in the same arithmetic (`model_fp8_batch.cu`, `model_nf4.cu`), so its lanes stay the bits of their
+//! in the same arithmetic (`model_fp8_batch.cu`, `model_nf4_batch.cu`), so its lanes stay the bits of their
 //! decode steps. Other narrow rows, the LM head and the norms stream bf16 as before.
 //!
 //! A packed matrix is the bf16 packing's rows in the same order (`pack`), each its row's codes (nf4's

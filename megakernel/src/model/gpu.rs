@@ -20,7 +20,9 @@ use super::code_stream::{self, CodedLayer, Format};
 use super::hf::{ModelConfig, ModelWeights};
 use super::request::{Lane, Limits, MAX_EOS, Stop};
 use super::together::generate_together;
-use crate::kernels::model::{MODEL, MODEL_BATCH, MODEL_FP8, MODEL_FP8_BATCH, MODEL_FP8_TRACED, MODEL_NF4};
+use crate::kernels::model::{
+    MODEL, MODEL_BATCH, MODEL_FP8, MODEL_FP8_BATCH, MODEL_FP8_TRACED, MODEL_NF4, MODEL_NF4_BATCH,
+};
 use crate::kernels::{RING_BYTES, TRACE_STAMPS, WARPS, has_narrow_rows};
 use crate::program;
 use crate::stack::{CompiledStack, ProgramParam, StackOptions, Target, fit_one_block, rows_beside};
@@ -180,7 +182,7 @@ const BF16_BATCH: &str = "megakernel_model_batch_bf16";
 fn coded_files(format: Format) -> (&'static Kernel, &'static Kernel, &'static str) {
     match format {
         Format::Fp8 => (&MODEL_FP8, &MODEL_FP8_BATCH, "megakernel_model_batch_fp8"),
-        Format::Nf4 => (&MODEL_NF4, &MODEL_NF4, "megakernel_model_batch_nf4"),
+        Format::Nf4 => (&MODEL_NF4, &MODEL_NF4_BATCH, "megakernel_model_batch_nf4"),
     }
 }
 
@@ -832,7 +834,7 @@ mod tests {
 
     /// Every instance the model launches is an entry point of its file: model.cu's bf16 ones and their
     /// traced twins, model_fp8.cu's fp8 ones and model_fp8_traced.cu's twins of those, model_nf4.cu's
-    /// nf4 ones, and each format's batch step (bf16's in model_batch.cu).
+    /// nf4 ones, and each format's batch step (in model_batch.cu, model_fp8_batch.cu and model_nf4_batch.cu).
     #[test]
     fn the_model_kernels_named_are_entry_points() {
         let bf16 = include_str!("../../../kernels/megakernel/model/model.cu");
@@ -841,6 +843,7 @@ mod tests {
         let bf16_batch = include_str!("../../../kernels/megakernel/model/model_batch.cu");
         let fp8_batch = include_str!("../../../kernels/megakernel/model/model_fp8_batch.cu");
         let nf4 = include_str!("../../../kernels/megakernel/model/model_nf4.cu");
+        let nf4_batch = include_str!("../../../kernels/megakernel/model/model_nf4_batch.cu");
         for (qk_norm, narrow, traced) in (0..8).map(|i| (i & 1 == 1, i & 2 == 2, i & 4 == 4)) {
             let params = if traced { "MODEL_TRACE_PARAMS" } else { "MODEL_PARAMS" };
             let name = model_kernel(qk_norm, narrow, traced);
@@ -859,7 +862,7 @@ mod tests {
             assert_eq!(coded_kernel(Format::Nf4, narrow, true), None);
         }
         for (name, file) in
-            [(BF16_BATCH, bf16_batch), (coded_files(Format::Fp8).2, fp8_batch), (coded_files(Format::Nf4).2, nf4)]
+            [(BF16_BATCH, bf16_batch), (coded_files(Format::Fp8).2, fp8_batch), (coded_files(Format::Nf4).2, nf4_batch)]
         {
             assert!(file.contains(&format!(" {name}(BATCH_PARAMS)")), "{name} is not a kernel of its file");
         }
