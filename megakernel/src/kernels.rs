@@ -128,8 +128,9 @@ const BATCH_SPILLS: &str = "a batch step holds a group's inputs, up to 64 f32 a 
                             around them. Measured as it is (docs/perf.md): 8 sequences decode at 2.0-3.3x the \
                             throughput of one; the decode step's kernels spill at most 176 bytes. The fp8 batch \
                             step's GEMVs (their mangled names carry batch_phase too) hold a vector's 8 code values \
-                            beside the group: up to 1,584 bytes stored and 4,776 loaded (4,632 before its ring kept one \
-                            stage in flight; the nf4 batch step's 1,540 and 4,532), the bf16 ones' 736 and 2,240";
+                            beside the group: up to 1,504 bytes stored and 4,776 loaded (4,632 before its ring kept one \
+                            stage in flight; the nf4 batch step's 1,384 and 3,956, and 1,388 and 4,016 with two), the \
+                            bf16 ones' 736 and 2,240";
 
 /// Why the model kernel's fp8 instances may spill.
 #[cfg(all(test, feature = "model"))]

@@ -10,8 +10,9 @@
 // Reported for each code size and stream: the runners' first and second pass in nanoseconds (median over
 // runners and repeats), and the stream's rate. The plain stream (call 4 of 2026-12-05) did not slow the
 // first pass; but it keeps about 1 MB in flight, where the ring keeps 8-17 MB, and docs/perf.md's
-// inflight_latency.cu measured L2 hits 1.4-7x slower behind the ring's bytes. Predictions for the bulk
-// modes are in docs/perf.md ("Instruction fetch behind the ring's bytes").
+// inflight_latency.cu measured L2 hits 1.4-7x slower behind the ring's bytes. The bulk modes' predictions
+// and outcome are in docs/perf.md ("Instruction fetch behind the ring's bytes"): code that fits the SM's
+// instruction cache (up to 64 KB) ran as fast behind them as idle; 128 KB, which does not, 1.6-2.2x slower.
 //   nvcc -O3 -arch=sm_90a -o icache_load scripts/probes/icache_load.cu && ./icache_load
 #include <algorithm>
 #include <cstdint>
