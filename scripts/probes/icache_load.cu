@@ -20,15 +20,15 @@
 #include <cuda_runtime.h>
 #include <vector>
 #include "probe.cuh"
-#include "../../kernels/include/bulk.cuh"
+#include "probe_stream.cuh"
 
 constexpr int THREADS = 512;       // the megakernel's block
 constexpr int RUNNERS = 8;         // blocks 0..7 run the code, as attention's 8 blocks at Llama-3.2-1B
 constexpr int REPEATS = 20;        // launches per configuration
 constexpr unsigned long long SETTLE_NS = 100000;  // the runners start once the stream has run this long
 constexpr size_t REGION_BYTES = 16ull << 20;      // a streaming block's own region, read round and round
-constexpr uint32_t STAGE_BYTES = 64 * 1024, MAX_STAGES = 2;  // the bulk modes' ring
-constexpr int SMEM_BYTES = MAX_STAGES * STAGE_BYTES;          // more than half an SM's: one block an SM
+constexpr uint32_t MAX_STAGES = 2;                        // the bulk modes' ring
+constexpr int SMEM_BYTES = MAX_STAGES * STREAM_STAGE;     // more than half an SM's: one block an SM
 
 // What the blocks past the runners do: nothing, 16-byte loads, or bulk copies with 1 or 2 in flight.
 enum Stream : int { IDLE = 0, PLAIN = 1, BULK1 = 2, BULK2 = 3 };
@@ -55,12 +55,6 @@ __device__ __forceinline__ void pass(float (&a)[8]) {
     }
 }
 
-__device__ inline uint32_t ld_relaxed(const unsigned* p) {
-    uint32_t v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // 16-byte loads of the block's region, round and round, until every runner is done; the bytes read.
 __device__ unsigned long long stream_plain(const uint4* region, const unsigned* done) {
     constexpr size_t WORDS = REGION_BYTES / 16;
@@ -74,29 +68,6 @@ __device__ unsigned long long stream_plain(const uint4* region, const unsigned* 
     }
     if (s == 0x12345678u) words = 0;  // keeps the loads
     return words * 16;
-}
-
-// One thread keeps `stages` bulk copies of 64 KB in flight from the block's region until every runner is
-// done; the bytes landed.
-__device__ unsigned long long stream_bulk(const char* region, uint32_t stages, const unsigned* done, char* ring, uint64_t* full) {
-    const uint64_t policy = l2_evict_first();
-    const uint32_t per_region = REGION_BYTES / STAGE_BYTES;
-    for (uint32_t k = 0; k < stages; ++k) {
-        mbar_expect_tx(&full[k], STAGE_BYTES);
-        bulk_copy(ring + k * STAGE_BYTES, region + (size_t)k * STAGE_BYTES, STAGE_BYTES, &full[k], policy);
-    }
-    unsigned long long landed = 0;
-    uint32_t k = 0;
-    for (;; ++k) {
-        mbar_wait(&full[k % stages], (k / stages) & 1);
-        landed += STAGE_BYTES;
-        if (ld_relaxed(done) == RUNNERS) break;
-        mbar_expect_tx(&full[k % stages], STAGE_BYTES);
-        bulk_copy(ring + k % stages * STAGE_BYTES, region + (size_t)((k + stages) % per_region) * STAGE_BYTES, STAGE_BYTES, &full[k % stages], policy);
-    }
-    // The copies still in flight land before the block exits (they write its shared memory).
-    for (uint32_t j = k + 1; j < k + stages; ++j) mbar_wait(&full[j % stages], (j / stages) & 1);
-    return landed;
 }
 
 // Blocks below RUNNERS: wait for the stream to settle, run the code twice, stamp each pass, count
@@ -114,7 +85,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         } else if (mode != IDLE && threadIdx.x == 0) {
             for (uint32_t k = 0; k < MAX_STAGES; ++k) mbar_init(&full[k], 1);
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // before any copy names them
-            landed[blockIdx.x] = stream_bulk(region, mode == BULK1 ? 1 : 2, done, ring, full);
+            landed[blockIdx.x] = stream_bulk(region, REGION_BYTES, mode == BULK1 ? 1 : 2, done, RUNNERS, ring, full);
         }
         return;
     }

@@ -13,51 +13,22 @@
 // Build and run on the GPU:
 //   nvcc -O3 -arch=sm_90a -o inflight_latency scripts/probes/inflight_latency.cu && ./inflight_latency
 #include "probe.cuh"
-#include "../../kernels/include/bulk.cuh"
+#include "probe_stream.cuh"
 #include <stdint.h>
 #include <vector>
 
-constexpr uint32_t THREADS = 128, STAGE_BYTES = 64 * 1024, MAX_STAGES = 3;
+constexpr uint32_t THREADS = 128, MAX_STAGES = 3;
 constexpr size_t REGION_BYTES = 16ull << 20;  // each block's stream, read round and round
 constexpr uint32_t CHASE_WORDS = 1u << 18;    // 1 MB of indices
 constexpr uint32_t CHASE_STRIDE = 64;         // words between consecutive loads' lines (256 bytes)
 constexpr uint32_t CHASE_LOADS = 4000, PINGS = 2000;
 constexpr unsigned long long RAMP_NS = 30000;  // the streams reach their rate before the timing starts
 
-__device__ inline uint32_t ld_relaxed(const uint32_t* p) {
-    uint32_t v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 __device__ inline void st_release(unsigned* p, unsigned v) { asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory"); }
 
 struct Result {
     unsigned long long chase_ns, ping_ns, window_ns;
 };
-
-// Keeps `stages` copies of 64 KB in flight from the block's region until `stop` is set; returns the
-// bytes landed. One thread.
-__device__ unsigned long long stream(const char* region, uint32_t stages, const unsigned* stop, char* ring, uint64_t* full) {
-    if (stages == 0) return 0;
-    const uint64_t policy = l2_evict_first();
-    const uint32_t per_region = REGION_BYTES / STAGE_BYTES;
-    for (uint32_t k = 0; k < stages; ++k) {
-        mbar_expect_tx(&full[k], STAGE_BYTES);
-        bulk_copy(ring + k * STAGE_BYTES, region + (size_t)k * STAGE_BYTES, STAGE_BYTES, &full[k], policy);
-    }
-    unsigned long long landed = 0;
-    uint32_t k = 0;
-    for (;; ++k) {
-        mbar_wait(&full[k % stages], (k / stages) & 1);
-        landed += STAGE_BYTES;
-        if (ld_relaxed(stop) != 0) break;
-        mbar_expect_tx(&full[k % stages], STAGE_BYTES);
-        bulk_copy(ring + k % stages * STAGE_BYTES, region + (size_t)((k + stages) % per_region) * STAGE_BYTES, STAGE_BYTES, &full[k % stages], policy);
-    }
-    // The copies still in flight land before the block exits (they write its shared memory).
-    for (uint32_t j = k + 1; j < k + stages; ++j) mbar_wait(&full[j % stages], (j / stages) & 1);
-    return landed;
-}
 
 __global__ void __launch_bounds__(THREADS, 1)
     probe(const char* weights, const uint32_t* chase, unsigned* flags, unsigned long long* landed, Result* out, uint32_t others, uint32_t own) {
@@ -73,8 +44,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     const char* region = weights + (size_t)blockIdx.x * REGION_BYTES;
     const bool timed = blockIdx.x < 2;
     // Blocks 0 and 1: thread 0 times, warp 1 streams `own`; the others: thread 0 streams `others`.
-    if (timed && threadIdx.x == 32) landed[blockIdx.x] = stream(region, own, stop, ring, full);
-    if (!timed && threadIdx.x == 0) landed[blockIdx.x] = stream(region, others, stop, ring, full);
+    if (timed && threadIdx.x == 32) landed[blockIdx.x] = stream_bulk(region, REGION_BYTES, own, stop, 1, ring, full);
+    if (!timed && threadIdx.x == 0) landed[blockIdx.x] = stream_bulk(region, REGION_BYTES, others, stop, 1, ring, full);
     if (!timed || threadIdx.x != 0) return;
     const unsigned long long t0 = globaltimer();
     while (globaltimer() - t0 < RAMP_NS) {
@@ -131,7 +102,7 @@ int main() {
     }
     for (uint32_t i = 0; i < lines; ++i) host[order[i] * CHASE_STRIDE] = order[(i + 1) % lines] * CHASE_STRIDE;
     TRY(cudaMemcpy(chase, host.data(), CHASE_WORDS * 4, cudaMemcpyHostToDevice));
-    const uint32_t smem = MAX_STAGES * STAGE_BYTES;
+    const uint32_t smem = MAX_STAGES * STREAM_STAGE;
     TRY(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     printf("%-26s %14s %14s %12s\n", "in flight (64 KB stages)", "L2 hit, ns", "hand-off, ns", "TB/s");
     const uint32_t cases[][2] = {{0, 0}, {1, 0}, {2, 0}, {3, 0}, {0, 2}, {2, 2}, {0, 3}, {3, 3}};
