@@ -1,5 +1,6 @@
 //! With the `model` feature, compiles the model's kernels (`kernels/megakernel/model/model.cu`,
-//! `model_batch.cu`, `model_fp8.cu`, `model_fp8_traced.cu`, `model_fp8_batch.cu`, `model_nf4.cu` and `model_nf4_batch.cu`, a whole checkpoint in one launch) with the nvcc the root package's build script
+//! `model_batch.cu`, `model_fp8.cu`, `model_fp8_traced.cu`, `model_fp8_batch.cu`, `model_nf4.cu` and
+//! `model_nf4_batch.cu`, a whole checkpoint in one launch) with the nvcc the root package's build script
 //! found, and puts the CUDA library folders on the `megakernel` command's run path. The judge's kernels
 //! (`kernels/megakernel/megakernel.cu`) are the root package's: the grader never waits for these.
 
