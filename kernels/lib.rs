@@ -107,6 +107,80 @@ mod tests {
         }
     }
 
+    /// The probes of `scripts/probes/` (the measurements docs/perf.md quotes) still compile, host code
+    /// included, with the kernels' nvcc: a probe that rots would otherwise fail only at its next device
+    /// call. Compiled again only when the compiler, a probe or a header it can include changed.
+    #[test]
+    fn every_probe_compiles() {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        use std::path::Path;
+        use std::process::{Command, Stdio};
+        // Probes that need what a build does not have, and why.
+        const NOT_HERE: &[(&str, &str)] = &[("nccl_hop.cu", "NCCL's headers, from its wheel on the device machine")];
+        // Flags beyond the common ones, as the probe's own build line gives them.
+        const EXTRA: &[(&str, &[&str])] =
+            &[("nf4_mma.cu", &["-Xcompiler", "-fpermissive", "-I", "kernels/megakernel"])];
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let files = |dir: &str, ext: &str| -> Vec<std::path::PathBuf> {
+            let mut v: Vec<_> = std::fs::read_dir(root.join(dir))
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.extension().is_some_and(|e| e == ext))
+                .collect();
+            v.sort();
+            v
+        };
+        let probes = files("scripts/probes", "cu");
+        let name = |p: &Path| p.file_name().unwrap().to_str().unwrap().to_string();
+        for probe in NOT_HERE.iter().map(|(p, _)| p).chain(EXTRA.iter().map(|(p, _)| p)) {
+            assert!(probes.iter().any(|p| name(p) == *probe), "{probe} is named here but is not a probe");
+        }
+        let mut key = DefaultHasher::new();
+        NVCC.hash(&mut key);
+        for f in [
+            files("scripts/probes", "cu"),
+            files("scripts/probes", "cuh"),
+            files("kernels/include", "cuh"),
+            files("kernels/megakernel", "cuh"),
+        ]
+        .concat()
+        {
+            (name(&f), std::fs::read(&f).unwrap()).hash(&mut key);
+        }
+        let key = format!("{:016x}", key.finish());
+        let dir = std::env::current_exe().unwrap().ancestors().nth(2).unwrap().join("fixtures").join("probes");
+        let stamp = dir.join("compiled-from.txt");
+        if std::fs::read_to_string(&stamp).is_ok_and(|k| k == key) {
+            return;
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let runs: Vec<_> = probes
+            .iter()
+            .filter(|p| !NOT_HERE.iter().any(|(n, _)| *n == name(p)))
+            .map(|p| {
+                let extra = EXTRA.iter().find(|(n, _)| *n == name(p)).map_or(&[][..], |(_, e)| *e);
+                let out = dir.join(name(p)).with_extension("o");
+                let child = Command::new(NVCC)
+                    .current_dir(root)
+                    .args(["-O3", "-std=c++17", "-arch=sm_90a", "-I", "kernels/include", "-c", "-o"])
+                    .arg(&out)
+                    .args(extra)
+                    .arg(p)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn();
+                (name(p), child)
+            })
+            .collect();
+        for (probe, run) in runs {
+            // Every probe's nvcc runs at once; each is waited for here.
+            let out = run.and_then(|c| c.wait_with_output()).unwrap_or_else(|e| panic!("could not run {NVCC}: {e}"));
+            assert!(out.status.success(), "{probe} does not compile:\n{}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::fs::write(&stamp, key).unwrap();
+    }
+
     #[test]
     fn an_allowance_covers_its_function_and_the_functions_within_it_only() {
         let a = Spills { function: "batch_phase", bytes: 8, why: "" };
