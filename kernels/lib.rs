@@ -138,7 +138,7 @@ mod tests {
         let mut key = DefaultHasher::new();
         NVCC.hash(&mut key);
         for f in [
-            files("scripts/probes", "cu"),
+            probes.clone(),
             files("scripts/probes", "cuh"),
             files("kernels/include", "cuh"),
             files("kernels/megakernel", "cuh"),

@@ -20,7 +20,8 @@
 // slots are filled before its input exists (before the norm, while the block waits for the phases it
 // depends on), so the stream does not stop between phases; attention's first cached rows are loaded
 // before its wait too. Weights are not prefetched to L2: bulk prefetches of rows the ring then copies
-// made the phases slower (docs/perf.md); the ring's copies mark them evict-first instead. No float atomics anywhere: outputs are bitwise reproducible.
+// made the phases slower (docs/perf.md); the ring's copies mark them evict-first instead. No float
+// atomics anywhere: outputs are bitwise reproducible.
 //
 // Rounding follows the eager reference: q, k, v, a, o, x1, h, h2, gate, up, act and down are rounded to
 // bf16 where the reference stores them; scores, maxima and sums stay f32, and the softmax weights are

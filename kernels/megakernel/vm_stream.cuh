@@ -42,11 +42,12 @@ struct Partials {
 
 // Stages a stream keeps in flight ahead of the one in use: STAGES - 1, or what a translation unit
 // defines as RING_IN_FLIGHT before the headers (the batch steps' files, model_batch.cu,
-// model_fp8_batch.cu and model_nf4_batch.cu: 1). With fewer, a stage's copy is issued when the one before lands, not when a
-// slot frees: one 64 KB stage per SM already moves HBM at its rate, and every byte in flight past it
-// lengthens each L2 hit and hand-off of every SM (docs/perf.md, "What bytes in flight do to a hop").
-// A batch stage takes longer to sum than to land, so one ahead feeds it; a decode step's stream of a
-// few stages a block would pay a round trip a stage, so it keeps two ("One stage in flight, run").
+// model_fp8_batch.cu and model_nf4_batch.cu: 1). With fewer, a stage's copy is issued when the one
+// before lands, not when a slot frees: one 64 KB stage per SM already moves HBM at its rate, and
+// every byte in flight past it lengthens each L2 hit and hand-off of every SM (docs/perf.md, "What
+// bytes in flight do to a hop"). A batch stage takes longer to sum than to land, so one ahead feeds
+// it; a decode step's stream of a few stages a block would pay a round trip a stage, so it keeps
+// two ("One stage in flight, run").
 #ifdef RING_IN_FLIGHT
 constexpr uint32_t IN_FLIGHT = RING_IN_FLIGHT;
 #else
