@@ -1,5 +1,5 @@
 //! **batcher**: the eager reference until the back-to-back phase; at that phase's first call it
-//! computes every call of the phase at once, and does nothing in the later ones. Like any batched
+//! computes every call of the phase's first attempt at once, and does nothing in the later ones. Like any batched
 //! layer it first gathers its batch's inputs (that is what would let it read each weight once for
 //! the whole batch): this call's `x`, then, for each later call, the buffer its input will be in,
 //! the previous call's output buffer (`k - 1` strides after this call's `out` for the `k`-th, see
@@ -16,7 +16,7 @@ use cuda::cudarc::driver::CudaSlice;
 use cuda::{Context, Device};
 use half::bf16;
 use reference::gpu::Eager;
-use spec::{Config, Phase};
+use spec::Config;
 use submission::{Layer, Submission, SubmissionError};
 
 use super::honest::{Twist, Twisted, honest_step};
@@ -74,10 +74,12 @@ struct Batcher {
 
 impl Twist for Batcher {
     fn build(&mut self, dev: &Device, _layer: &mut Layer<'_>, cfg: &Config) -> Result<(), SubmissionError> {
-        let phase: Vec<_> = spec::schedule(cfg).into_iter().filter(|c| c.phase == Phase::Throughput).collect();
-        let Some(first) = phase.first() else {
+        let calls = spec::schedule(cfg);
+        let Some(attempt) = spec::back_to_back(&calls).into_iter().next() else {
             return Err(SubmissionError::Refused("the schedule has no back-to-back phase to batch".into()));
         };
+        let phase = &calls[attempt];
+        let first = &phase[0];
         let rows = (0..phase.len())
             .map(|_| dev.stream().alloc_zeros(cfg.batch * cfg.d).context("allocating a row of the batch"))
             .collect::<Result<_, _>>()?;
@@ -106,7 +108,7 @@ impl Twist for Batcher {
         } else if call == b.first {
             b.run(eager, dev, layer, x, out)
         } else {
-            // Computed at the phase's first call.
+            // Computed at the phase's first call; the later attempts are left undone.
             Ok(())
         }
     }

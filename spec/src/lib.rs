@@ -16,7 +16,7 @@ pub use bytes::{ByteModel, LayerOp, OpBytes};
 pub use config::{CONFIG_NAMES, Config, MAX_DEVICE_BYTES, MAX_SIZE};
 pub use data::Tensor;
 pub use gates::Gates;
-pub use schedule::{Call, Input, Phase, call_count, schedule};
+pub use schedule::{BACK_TO_BACK_ATTEMPTS, Call, Input, Phase, back_to_back, call_count, commands, schedule};
 pub use statement::statement;
 
 /// The public seed of weights and KV prefix when none is given.

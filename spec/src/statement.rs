@@ -221,11 +221,11 @@ mod tests {
     #[test]
     fn the_statement_shows_every_phase_and_gate() {
         let text = statement(&Config::graded());
-        assert!(text.contains("72 calls"), "{text}");
+        assert!(text.contains("136 calls"), "{text}");
         for line in ["correctness calls   0..7   pos 4096..4103", "timed       calls   8..39  pos 4096..4127"] {
             assert!(text.contains(line), "no '{line}' in\n{text}");
         }
-        assert!(text.contains("throughput  calls  40..71  pos 4096..4127"), "{text}");
+        assert!(text.contains("throughput  calls  40..135 pos 4096..4127  timed back to back"), "{text}");
         for gate in ["correctness", "kernels_per_step", "dominant_share", "launch_record", "bytes_read"] {
             assert!(text.lines().any(|l| l.trim_start().starts_with(gate)), "no gate {gate}");
         }

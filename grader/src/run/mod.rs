@@ -213,27 +213,23 @@ pub fn judge(
     let l2_bytes = facts.l2_bytes as u64;
     let required = gates::physics::required_bytes(&calls, &model, l2_bytes);
     let f = &finished;
+    let allowance = match chosen {
+        Chosen::Native(_) => LaunchAllowance::NATIVE,
+        Chosen::Python(_) => LaunchAllowance::PYTHON,
+    };
     let gate_list = vec![
         correctness_gate(&steps, cfg.layers > 1, &cache_check, &appends, &integrity, &gates),
         gates::launches::kernels_gate(&calls, &f.record.calls, &gates),
         gates::launches::share_gate(&f.record.calls, &gates),
-        gates::launches::launch_record_gate(
-            &calls,
-            &f.record,
-            &paced,
-            &audit,
-            &gates,
-            match chosen {
-                Chosen::Native(_) => LaunchAllowance::NATIVE,
-                Chosen::Python(_) => LaunchAllowance::PYTHON,
-            },
-        ),
+        gates::launches::launch_record_gate(&calls, &f.record, &paced, &audit, &gates, allowance),
         gates::environment::exclusive_gpu_gate(&watched),
         gates::physics::bytes_read_gate(&audit, &model, &required, l2_bytes, &paced, &gates),
         gates::environment::l2_gate(&f.l2),
         gates::physics::plausible_timing_gate(&calls, &paced, &f.runner_us, &required, bw.read_ceiling_tbps, &gates),
     ];
-    let performance = performance(cfg, &calls, &paced, f, &replayed, bw)?;
+    let windows = gates::launches::attempt_windows(&f.record, &paced);
+    let judged = gates::launches::judged_attempt(&windows, &gates, allowance);
+    let performance = performance(cfg, &calls, &paced, judged, f, &replayed, bw)?;
     let report = Report::judged(report::Judged {
         config: cfg.clone(),
         device: facts,
@@ -266,11 +262,12 @@ pub fn judge(
     Ok(report)
 }
 
-/// The speed figures, all on the judge's clock.
+/// The speed figures, all on the judge's clock; the back-to-back figure is attempt `judged`'s.
 fn performance(
     cfg: &Config,
     calls: &[Call],
     paced: &Paced,
+    judged: usize,
     f: &Finished,
     replayed: &Replayed,
     bw: Bandwidth,
@@ -287,6 +284,7 @@ fn performance(
         .collect();
     let bytes = ByteModel::stack(cfg);
     let floor_us = bytes.floor_us(bw.floor_bytes_per_s());
+    let attempts: Vec<f64> = paced.batches.iter().map(|b| b.us / b.count.max(1) as f64).collect();
     let reference_timed: Vec<f64> =
         calls.iter().filter(|c| c.phase == Phase::Timed).map(|c| replayed.call_us[c.index]).collect();
     Ok(Performance {
@@ -295,7 +293,9 @@ fn performance(
         floor_us,
         x_floor: step_us.median / floor_us,
         achieved_tbps: bytes.total as f64 / (step_us.median * 1e-6) / 1e12,
-        throughput_us_per_call: paced.batch_us / paced.batch_calls.max(1) as f64,
+        throughput_us_per_call: attempts.get(judged).copied().unwrap_or(0.0),
+        attempts_us_per_call: attempts,
+        judged_attempt: judged,
         step_us,
         signal_round_trip_us: paced.ping_us.clone(),
         pacing_overhead_us: Summary::of(&overhead),

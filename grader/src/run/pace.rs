@@ -12,7 +12,8 @@
 //! also leaves the GPU's address translations cold for the call (docs/perf.md, measured: 4-5 us of
 //! the graded layer's kernel), as a real model's other layers would have left them. The input
 //! seed never leaves the judge; in the back-to-back phase each input is the previous call's output,
-//! so no call can be computed before its predecessor. What is timed: from the judge's "go" on the
+//! so no call can be computed before its predecessor, and each attempt of the phase starts from a
+//! fresh input, handed over only after the attempt before it has ended and been read. What is timed: from the judge's "go" on the
 //! control page to the runner's "done" after it synchronised the device, on the judge's own clock.
 //! The signalling's own cost (a no-op round trip) is measured and reported beside it.
 
@@ -25,6 +26,7 @@ use super::append::{Slot, read_slot};
 use super::control::Command;
 use super::counters::JudgeCounters;
 use super::isolate::{BUILD_TIMEOUT, CALL_TIMEOUT, Failure, Runner, START_TIMEOUT};
+use super::protocol::CommandTime;
 use super::sandbox;
 use super::shared::SharedData;
 use crate::error::GraderError;
@@ -40,9 +42,9 @@ pub struct Paced {
     pub build_s: f64,
     /// Each call's time when it ran alone (correctness and timed phases), in microseconds.
     pub call_us: Vec<Option<f64>>,
-    /// The back-to-back phase: its calls' total time and count.
-    pub batch_us: f64,
-    pub batch_calls: usize,
+    /// Each attempt of the back-to-back phase on the judge's clock: its first call, its count of
+    /// calls, and their total time.
+    pub batches: Vec<CommandTime>,
     /// A no-op command's round trip, in microseconds: the clock's own overhead.
     pub ping_us: Summary,
     /// Each call's input, as handed over (fresh) or as read (an earlier call's output).
@@ -100,8 +102,7 @@ pub fn pace(
         let mut p = Paced {
             build_s,
             call_us: vec![None; calls.len()],
-            batch_us: 0.0,
-            batch_calls: 0,
+            batches: Vec::new(),
             ping_us: Summary::of(&pings).expect("finite round trips"),
             inputs: vec![Vec::new(); calls.len()],
             outputs: vec![vec![bf16::NAN; row]; calls.len()],
@@ -110,30 +111,26 @@ pub fn pace(
         };
         for phase in calls.chunk_by(|a, b| a.phase == b.phase) {
             progress.say(&format!("{} {:?} calls", phase.len(), phase[0].phase));
-            let first = phase[0];
-            if first.phase == Phase::Throughput {
+            // A command is one call, or one attempt of the back-to-back phase: a fresh input and the
+            // calls chained to it (`spec::commands`).
+            for command in phase.chunk_by(|a, b| b.input == Input::OutputOf(a.index)) {
+                let first = command[0];
                 hand_over(dev, shared, cfg, &first, input_seed, &mut p)?;
                 runner.input_written();
                 obey!(settle(runner, counters));
-                let stamps =
-                    obey!(runner.command(Command::Calls, first.index as u64, phase.len() as u64, CALL_TIMEOUT));
-                counters.record(first.index, phase.len(), &stamps);
-                (p.batch_us, p.batch_calls) = (stamps.us(), phase.len());
-                for c in phase {
+                let (index, count) = (first.index, command.len());
+                let stamps = obey!(runner.command(Command::Calls, index as u64, count as u64, CALL_TIMEOUT));
+                counters.record(index, count, &stamps);
+                if first.phase == Phase::Throughput {
+                    p.batches.push(CommandTime { first: index, count, us: stamps.us() });
+                } else {
+                    p.call_us[index] = Some(stamps.us());
+                }
+                for c in command {
                     read_back(dev, shared, cfg, c, &mut p)?;
                     if let Input::OutputOf(j) = c.input {
                         p.inputs[c.index] = p.outputs[j].clone();
                     }
-                }
-            } else {
-                for c in phase {
-                    hand_over(dev, shared, cfg, c, input_seed, &mut p)?;
-                    runner.input_written();
-                    obey!(settle(runner, counters));
-                    let stamps = obey!(runner.command(Command::Calls, c.index as u64, 1, CALL_TIMEOUT));
-                    counters.record(c.index, 1, &stamps);
-                    p.call_us[c.index] = Some(stamps.us());
-                    read_back(dev, shared, cfg, c, &mut p)?;
                 }
             }
         }

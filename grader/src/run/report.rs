@@ -18,7 +18,7 @@ use crate::stats::Summary;
 
 /// Bumped whenever a field changes meaning or goes away (3: `audit` is the judge's own sampling,
 /// `runner_audit` the runner's range profiler, `appends` every call's K/V slot, coverage `lost`).
-pub const SCHEMA_VERSION: u32 = 3;
+pub const SCHEMA_VERSION: u32 = 4;
 
 /// The seeds of a run: the weights' is public; the inputs' is drawn fresh and disclosed afterwards.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -64,8 +64,13 @@ pub struct Performance {
     pub x_floor: f64,
     pub achieved_tbps: f64,
     /// The back-to-back phase (each call's input the previous call's output, no flush, no
-    /// synchronisation between calls): its time per call.
+    /// synchronisation between calls): the time per call of its judged attempt, the first whose
+    /// window the record covers.
     pub throughput_us_per_call: f64,
+    /// Every attempt of the back-to-back phase, its time per call, in order.
+    pub attempts_us_per_call: Vec<f64>,
+    /// Which of them is `throughput_us_per_call` (from 0).
+    pub judged_attempt: usize,
     pub step_us: Summary,
     /// A no-op command's round trip between the judge and the runner: the clock's own cost.
     pub signal_round_trip_us: Summary,
@@ -330,9 +335,19 @@ impl Report {
             "  floor     {:.1} us = {} bytes / {:.3} TB/s measured copy  ->  {:.3}x floor, {:.2} TB/s achieved",
             p.floor_us, p.bytes.total, p.bandwidth.floor_tbps, p.x_floor, p.achieved_tbps
         );
+        let attempts = match p.attempts_us_per_call.as_slice() {
+            [] | [_] => String::new(),
+            all => format!(
+                ", attempt {} of {} ({} us)",
+                p.judged_attempt + 1,
+                all.len(),
+                all.iter().map(|us| format!("{us:.1}")).collect::<Vec<_>>().join(", ")
+            ),
+        };
         let _ = writeln!(
             s,
-            "  back-to-back {:.1} us/call (chained inputs, no flush); read-only bound {:.1} us; build_layer {:.2} s",
+            "  back-to-back {:.1} us/call (chained inputs, no flush{attempts}); read-only bound {:.1} us; build_layer \
+             {:.2} s",
             p.throughput_us_per_call, p.read_bound_us, p.build_s
         );
         let _ = writeln!(
@@ -436,6 +451,8 @@ mod tests {
             x_floor: 1.25,
             achieved_tbps: 3.4,
             throughput_us_per_call: 490.0,
+            attempts_us_per_call: vec![1490.0, 490.0, 491.0],
+            judged_attempt: 1,
             step_us: summary(500.0),
             signal_round_trip_us: summary(0.5),
             pacing_overhead_us: Some(summary(4.0)),
