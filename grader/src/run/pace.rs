@@ -13,9 +13,10 @@
 //! the graded layer's kernel), as a real model's other layers would have left them. The input
 //! seed never leaves the judge; in the back-to-back phase each input is the previous call's output,
 //! so no call can be computed before its predecessor, and each attempt of the phase starts from a
-//! fresh input, handed over only after the attempt before it has ended and been read. What is timed: from the judge's "go" on the
-//! control page to the runner's "done" after it synchronised the device, on the judge's own clock.
-//! The signalling's own cost (a no-op round trip) is measured and reported beside it.
+//! fresh input, handed over only after the attempt before it has ended and been read. What is
+//! timed: from the judge's "go" on the control page to the runner's "done" after it synchronised the
+//! device, on the judge's own clock. The signalling's own cost (a no-op round trip) is measured and
+//! reported beside it.
 
 use cuda::Device;
 use half::bf16;
@@ -111,9 +112,9 @@ pub fn pace(
         };
         for phase in calls.chunk_by(|a, b| a.phase == b.phase) {
             progress.say(&format!("{} {:?} calls", phase.len(), phase[0].phase));
-            // A command is one call, or one attempt of the back-to-back phase: a fresh input and the
-            // calls chained to it (`spec::commands`).
-            for command in phase.chunk_by(|a, b| b.input == Input::OutputOf(a.index)) {
+            // A command is one call, or one attempt of the back-to-back phase.
+            for command in spec::commands(phase) {
+                let command = &calls[command];
                 let first = command[0];
                 hand_over(dev, shared, cfg, &first, input_seed, &mut p)?;
                 runner.input_written();
