@@ -167,9 +167,11 @@ impl Runner {
         }
     }
 
-    /// Says the next call's input is written: the runner waits for it before its eviction, so the
-    /// judge's context is done with the device before the runner's last work ahead of the call.
-    pub fn input_written(&self) {
+    /// Says the judge is done with the device after the last command: its outputs read and the next
+    /// call's input written, if there is one. The runner waits for it before its eviction, so the
+    /// judge's context is done before the runner's last work ahead of the next call, and the eviction
+    /// starts only after the judge has seen the command end.
+    pub fn staged(&self) {
         self.control.staged(self.seq);
     }
 

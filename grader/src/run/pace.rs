@@ -117,7 +117,7 @@ pub fn pace(
                 let command = &calls[command];
                 let first = command[0];
                 hand_over(dev, shared, cfg, &first, input_seed, &mut p)?;
-                runner.input_written();
+                runner.staged();
                 obey!(settle(runner, counters));
                 let (index, count) = (first.index, command.len());
                 let stamps = obey!(runner.command(Command::Calls, index as u64, count as u64, CALL_TIMEOUT));
@@ -135,6 +135,8 @@ pub fn pace(
                 }
             }
         }
+        // Nothing to write after the last command: its outputs are read.
+        runner.staged();
         obey!(runner.command(Command::Teardown, 0, 0, CALL_TIMEOUT));
         Ok(Ok(p))
     })()

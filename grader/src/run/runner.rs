@@ -47,8 +47,8 @@ use crate::error::{GraderError, Outcome};
 /// The eviction before every command of calls reads this many times L2: enough to replace every
 /// line the last call left.
 const EVICTION_L2_MULTIPLE: usize = 2;
-/// The longest wait for the judge to write the next input: past it the runner goes on (a judge that
-/// died is found by its watchdog, not here).
+/// The longest wait for the judge to be done after a command of calls: past it the runner goes on
+/// (a judge that died is found by its watchdog, not here).
 const STAGED_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `grader runner`: reads the job, obeys the control page, and always ends with one report.
@@ -182,14 +182,17 @@ fn serve(job: &Job, control: &Control, state: &mut State) -> Result<Finished, Gr
         state.pending = None;
         control.ack(seq, Status::Ok);
         // Bookkeeping after the ack, outside the judge's clock, which waits for `ready`.
-        if kind == Some(Command::Calls) && s.next < s.calls.len() {
-            // The judge writes the next input now; its context is to be done before the runner's.
+        if kind == Some(Command::Calls) {
+            // The judge reads the outputs and writes the next input, if any, then says so: its context
+            // is to be done before the runner's, and the judge's window ends where the judge saw the
+            // ack, which on a busy host can be long after it was written (seen: the eviction after
+            // the run's last command, 300 us after the ack, inside the judge's window of it).
             let start = Instant::now();
             control.wait_staged(seq, || start.elapsed() > STAGED_WAIT);
-        } else if kind == Some(Command::Calls) && job.judge_samples {
-            // Nothing staged after the last call: the device stays idle until the sample that holds
-            // the call's end is over.
-            std::thread::sleep(Duration::from_nanos(QUIET_INTERVALS * SAMPLING_INTERVAL_NS));
+            if job.judge_samples {
+                // The device stays idle until the sample that holds the window's end is over.
+                std::thread::sleep(Duration::from_nanos(QUIET_INTERVALS * SAMPLING_INTERVAL_NS));
+            }
         }
         s.after_command(kind)?;
         control.ready(seq);
