@@ -24,6 +24,7 @@ mod counters;
 pub(crate) mod dump;
 pub mod gates;
 mod isolate;
+mod load;
 mod memfd;
 pub mod pace;
 pub mod protocol;
@@ -149,6 +150,11 @@ pub fn judge(
     fits_one_gpu(cfg, calls.len(), facts.total_mem_bytes as u64)?;
     let submission = &chosen.label();
     progress.say(&format!("{} ({} SMs), config '{}', submission '{submission}'", facts.name, facts.sms, cfg.name));
+    // Before the submission exists, so that none of its threads is counted.
+    let host_before = load::HostLoad::sample();
+    if let Some(busy) = host_before.filter(load::HostLoad::busy) {
+        progress.say(&format!("warning: {}", busy.said()));
+    }
     progress.say("measuring the copy and read-only bandwidths (the floor and the timing bound)");
     let bw = bandwidth::measure(dev, RUN_BANDWIDTH_BYTES, RUN_BANDWIDTH_REPS)?;
 
@@ -217,7 +223,7 @@ pub fn judge(
         Chosen::Native(_) => LaunchAllowance::NATIVE,
         Chosen::Python(_) => LaunchAllowance::PYTHON,
     };
-    let gate_list = vec![
+    let mut gate_list = vec![
         correctness_gate(&steps, cfg.layers > 1, &cache_check, &appends, &integrity, &gates),
         gates::launches::kernels_gate(&calls, &f.record.calls, &gates),
         gates::launches::share_gate(&f.record.calls, &gates),
@@ -227,9 +233,17 @@ pub fn judge(
         gates::environment::l2_gate(&f.l2),
         gates::physics::plausible_timing_gate(&calls, &paced, &f.runner_us, &required, bw.read_ceiling_tbps, &gates),
     ];
+    // A busy host never excuses a gate (a submission can starve its own runner); beside a failure of
+    // the coverage rules it says what the judge saw before the submission started.
+    if let Some(busy) = host_before.filter(load::HostLoad::busy) {
+        for g in gate_list.iter_mut().filter(|g| g.name == "launch_record" && !g.passed) {
+            g.detail += &format!("; {}", busy.said());
+        }
+    }
     let windows = gates::launches::attempt_windows(&f.record, &paced);
     let judged = gates::launches::judged_attempt(&windows, &gates, allowance);
-    let performance = performance(cfg, &calls, &paced, judged, f, &replayed, bw)?;
+    let mut performance = performance(cfg, &calls, &paced, judged, f, &replayed, bw)?;
+    performance.host_before = host_before;
     let report = Report::judged(report::Judged {
         config: cfg.clone(),
         device: facts,
@@ -305,6 +319,7 @@ fn performance(
         bytes,
         build_s: paced.build_s,
         host: HostShare::of(&f.record, calls.iter().filter(|c| c.phase == Phase::Timed).map(|c| c.index)),
+        host_before: None,
     })
 }
 

@@ -10,6 +10,7 @@ use spec::{ByteModel, Config};
 use super::append::Faulty;
 use super::gates::{CacheCheck, Gate, Integrity, Source, StepCheck};
 use super::isolate::Failure;
+use super::load::HostLoad;
 use super::protocol::{Audit, Coverage};
 use super::watch::Watched;
 use crate::bandwidth::Bandwidth;
@@ -85,6 +86,9 @@ pub struct Performance {
     pub build_s: f64,
     /// What each timed call spent beside its kernels; `None` when no timed call recorded a kernel.
     pub host: Option<HostShare>,
+    /// The host's runnable threads before the submission started (the judge's own read); `None`
+    /// where it cannot be read.
+    pub host_before: Option<HostLoad>,
 }
 
 /// Where a timed call's time went beside its kernels, from the runner's stamps around the call and
@@ -367,6 +371,9 @@ impl Report {
                 h.launch_us.median, h.completion_us.median
             );
         }
+        if let Some(busy) = p.host_before.filter(HostLoad::busy) {
+            let _ = writeln!(s, "  warning   {}", busy.said());
+        }
         let mean =
             |l: &[StepLaunches], f: fn(&StepLaunches) -> f64| l.iter().map(f).sum::<f64>() / l.len().max(1) as f64;
         let (mine, theirs) = (&self.launches.submission, &self.launches.reference);
@@ -462,6 +469,7 @@ mod tests {
             bytes: ByteModel::of(&cfg),
             build_s: 0.1,
             host: None,
+            host_before: Some(HostLoad { runnable: 16, cpus: 16 }),
         };
         let call = Call { index: 0, phase: Phase::Timed, pos: cfg.prefill, input: spec::Input::Fresh };
         let r = Report::judged(Judged {
@@ -510,6 +518,9 @@ mod tests {
         assert_eq!(doc["steps"][0]["call"]["phase"], "timed");
         assert!(r.verdict_line().starts_with("VERDICT: FAIL"));
         assert!(r.table().contains("runner"), "the table says who measured each gate");
+        assert!(r.table().contains("attempt 2 of 3 (1490.0, 490.0, 491.0 us)"), "{}", r.table());
+        assert!(r.table().contains("warning   the host was busy before the submission started"), "{}", r.table());
+        assert_eq!(doc["performance"]["host_before"]["runnable"], 16);
     }
 
     /// The host's share is measured from the runner's window to the first kernel's start and from the

@@ -1,0 +1,83 @@
+//! How busy the host was before the submission started: the judge's own read of the kernel's count
+//! of runnable threads, taken before the runner exists, so nothing of the submission's is in it.
+//!
+//! A host whose cores are all taken stalls the runner's thread between its launches and the judge's
+//! between its clock reads; the coverage rules of `launch_record` then see windows short of recorded
+//! work, which is also what hidden work looks like, so they may fail honest work (docs/perf.md, "A
+//! busy host"). A submission can starve its own runner too, so a busy host never excuses a gate: the
+//! judge says what it saw, before the run and beside a failure, and the user judges again on a quiet
+//! host.
+
+use serde::Serialize;
+
+/// Reads of the count taken, and the time between them: the median of a short series, so that one
+/// burst of another program does not decide.
+const SAMPLES: usize = 9;
+const SAMPLE_GAP: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Runnable threads on the host besides the judge's own, against its CPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct HostLoad {
+    pub runnable: u32,
+    pub cpus: u32,
+}
+
+impl HostLoad {
+    /// The median of [`SAMPLES`] reads of `/proc/stat`'s `procs_running`, less the judge's own thread;
+    /// `None` where the count cannot be read (not Linux).
+    pub fn sample() -> Option<HostLoad> {
+        let cpus = std::thread::available_parallelism().ok()?.get() as u32;
+        let mut counts = Vec::with_capacity(SAMPLES);
+        for k in 0..SAMPLES {
+            if k > 0 {
+                std::thread::sleep(SAMPLE_GAP);
+            }
+            counts.push(procs_running(&std::fs::read_to_string("/proc/stat").ok()?)?);
+        }
+        counts.sort_unstable();
+        Some(HostLoad { runnable: counts[SAMPLES / 2].saturating_sub(1), cpus })
+    }
+
+    /// Three quarters of the CPUs or more taken by other threads: the runner will lose its core.
+    pub fn busy(&self) -> bool {
+        4 * self.runnable >= 3 * self.cpus
+    }
+
+    /// What the judge saw, in a clause.
+    pub fn said(&self) -> String {
+        format!(
+            "the host was busy before the submission started ({} runnable threads besides the judge on {} CPUs): a busy \
+             host stalls the runner and the judge, and a stall leaves a window short of recorded work; judge again on a \
+             quiet host",
+            self.runnable, self.cpus
+        )
+    }
+}
+
+/// The `procs_running` line of `/proc/stat`.
+fn procs_running(stat: &str) -> Option<u32> {
+    stat.lines().find_map(|l| l.strip_prefix("procs_running ")).and_then(|n| n.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_count_is_read_from_proc_stat_and_a_host_is_busy_from_three_quarters_of_its_cpus() {
+        let stat = "cpu  1 2 3 4\nintr 5 6\nctxt 7\nprocs_running 17\nprocs_blocked 0\n";
+        assert_eq!(procs_running(stat), Some(17));
+        assert_eq!(procs_running("cpu 1 2 3\n"), None);
+        assert!(HostLoad { runnable: 16, cpus: 16 }.busy());
+        assert!(HostLoad { runnable: 12, cpus: 16 }.busy());
+        assert!(!HostLoad { runnable: 11, cpus: 16 }.busy());
+        assert!(!HostLoad { runnable: 0, cpus: 2 }.busy());
+        let said = HostLoad { runnable: 16, cpus: 16 }.said();
+        assert!(said.contains("16 runnable threads besides the judge on 16 CPUs"), "{said}");
+        // This machine's own count reads, whatever it is.
+        if std::path::Path::new("/proc/stat").exists() {
+            let here = HostLoad::sample().expect("a Linux host's count");
+            assert!(here.cpus >= 1, "{here:?}");
+        }
+    }
+}
