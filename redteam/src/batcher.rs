@@ -1,9 +1,9 @@
 //! **batcher**: the eager reference until the back-to-back phase; at that phase's first call it
-//! computes every call of the phase's first attempt at once, and does nothing in the later ones. Like any batched
-//! layer it first gathers its batch's inputs (that is what would let it read each weight once for
-//! the whole batch): this call's `x`, then, for each later call, the buffer its input will be in,
-//! the previous call's output buffer (`k - 1` strides after this call's `out` for the `k`-th, see
-//! [`region`](super::region)). Then it runs the rows one by one with the eager reference, writing
+//! computes every call of the phase's first attempt at once, and does nothing in the later ones.
+//! Like any batched layer it first gathers its batch's inputs (that is what would let it read each
+//! weight once for the whole batch): this call's `x`, then, for each later call, the buffer its
+//! input will be in, the previous call's output buffer (`k - 1` strides after this call's `out` for
+//! the `k`-th, see [`region`](super::region)). Then it runs the rows one by one with the eager reference, writing
 //! each call's output into its buffer (`k` strides after `out`) and its cache slot.
 //!
 //! The exploit: batching the calls of a phase amortises the weights over many tokens, which no

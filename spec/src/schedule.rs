@@ -12,9 +12,11 @@ use crate::Config;
 /// How many times the judge runs the back-to-back phase's chain, each from a fresh input. One host
 /// stall inside a chain's single window leaves that window short of recorded GPU work, which is what
 /// hidden work looks like; a stall is chance, and the phase passes when one attempt's window is
-/// whole (under 16 busy threads on 16 cores one attempt in two was stalled: three fail together
-/// about one run in eight, where one failed one in two).
+/// whole (Llama-3.2-1B under 16 busy threads on 16 cores: one window failed one run in two, three
+/// failed together in one run of seven; docs/perf.md).
 pub const BACK_TO_BACK_ATTEMPTS: usize = 3;
+// `Phase::describe` and docs/task.md say "three attempts".
+const _: () = assert!(BACK_TO_BACK_ATTEMPTS == 3, "Phase::describe names three attempts");
 
 /// The phases of a run, in order. Every phase starts again at position `prefill`, so each attends
 /// over the same cache depth; so does each attempt of the back-to-back phase.

@@ -15,7 +15,9 @@ use serde::Serialize;
 const SAMPLES: usize = 9;
 const SAMPLE_GAP: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Runnable threads on the host besides the judge's own, against its CPUs.
+/// Runnable threads on the host besides the judge's own, against its online CPUs: both host-wide,
+/// as `/proc/stat` gives them (a process's own CPU set or quota is no measure of what the host's
+/// other threads take).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct HostLoad {
     pub runnable: u32,
@@ -24,18 +26,27 @@ pub struct HostLoad {
 
 impl HostLoad {
     /// The median of [`SAMPLES`] reads of `/proc/stat`'s `procs_running`, less the judge's own thread;
-    /// `None` where the count cannot be read (not Linux).
+    /// `None` where it cannot be read (not Linux).
     pub fn sample() -> Option<HostLoad> {
-        let cpus = std::thread::available_parallelism().ok()?.get() as u32;
-        let mut counts = Vec::with_capacity(SAMPLES);
+        let mut reads = Vec::with_capacity(SAMPLES);
         for k in 0..SAMPLES {
             if k > 0 {
                 std::thread::sleep(SAMPLE_GAP);
             }
-            counts.push(procs_running(&std::fs::read_to_string("/proc/stat").ok()?)?);
+            reads.push(HostLoad::of(&std::fs::read_to_string("/proc/stat").ok()?)?);
         }
-        counts.sort_unstable();
-        Some(HostLoad { runnable: counts[SAMPLES / 2].saturating_sub(1), cpus })
+        reads.sort_unstable_by_key(|r| r.runnable);
+        let median = reads[SAMPLES / 2];
+        Some(HostLoad { runnable: median.runnable.saturating_sub(1), ..median })
+    }
+
+    /// One read of `/proc/stat`: its `procs_running` line and its `cpuN` lines.
+    fn of(stat: &str) -> Option<HostLoad> {
+        let runnable =
+            stat.lines().find_map(|l| l.strip_prefix("procs_running ")).and_then(|n| n.trim().parse().ok())?;
+        let is_cpu = |l: &&str| l.strip_prefix("cpu").is_some_and(|n| n.starts_with(|c: char| c.is_ascii_digit()));
+        let cpus = stat.lines().filter(is_cpu).count() as u32;
+        (cpus > 0).then_some(HostLoad { runnable, cpus })
     }
 
     /// Three quarters of the CPUs or more taken by other threads: the runner will lose its core.
@@ -54,20 +65,16 @@ impl HostLoad {
     }
 }
 
-/// The `procs_running` line of `/proc/stat`.
-fn procs_running(stat: &str) -> Option<u32> {
-    stat.lines().find_map(|l| l.strip_prefix("procs_running ")).and_then(|n| n.trim().parse().ok())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn the_count_is_read_from_proc_stat_and_a_host_is_busy_from_three_quarters_of_its_cpus() {
-        let stat = "cpu  1 2 3 4\nintr 5 6\nctxt 7\nprocs_running 17\nprocs_blocked 0\n";
-        assert_eq!(procs_running(stat), Some(17));
-        assert_eq!(procs_running("cpu 1 2 3\n"), None);
+        let stat = "cpu  1 2 3 4\ncpu0 1 2 3 4\ncpu1 1 2 3 4\nintr 5 6\nctxt 7\nprocs_running 17\nprocs_blocked 0\n";
+        assert_eq!(HostLoad::of(stat), Some(HostLoad { runnable: 17, cpus: 2 }));
+        assert_eq!(HostLoad::of("cpu 1 2 3\ncpu0 1 2 3\n"), None, "no procs_running");
+        assert_eq!(HostLoad::of("cpu 1 2 3\nprocs_running 3\n"), None, "no cpuN line");
         assert!(HostLoad { runnable: 16, cpus: 16 }.busy());
         assert!(HostLoad { runnable: 12, cpus: 16 }.busy());
         assert!(!HostLoad { runnable: 11, cpus: 16 }.busy());
