@@ -40,8 +40,10 @@ fn honest_outcome(submission: &str, r: &Report) -> Result<(), String> {
             Err(details.join("; "))
         }
         Status::Crashed | Status::Timeout => Err(format!("{:?}: {}", v.status, v.reason.as_deref().unwrap_or(""))),
-        // Not a false failure of the gates, but no verdict either: the counters were not read.
+        // Not a false failure of the gates, but no verdict either: the counters were not read, or the
+        // host was too busy to tell its stalls from hidden work.
         Status::Unaudited => Err(format!("unaudited: {}", v.unaudited.as_deref().unwrap_or(""))),
+        Status::HostBusy => Err(format!("not judged: {}", v.reason.as_deref().unwrap_or(""))),
     }
 }
 
@@ -61,6 +63,7 @@ fn row(member: &Member, submission: &str, run: usize, r: &Report, honest: &Resul
     let v = &r.verdict;
     let verdict = match v.status {
         Status::Fail => format!("FAIL ({})", v.failed_gates.join(", ")),
+        Status::HostBusy => "HOST BUSY".into(),
         s => format!("{s:?}").to_uppercase(),
     };
     let (x, us) = r.performance.as_ref().map_or((String::from("-"), String::from("-")), |p| {

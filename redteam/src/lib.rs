@@ -97,11 +97,12 @@ pub struct Adversary {
 }
 
 /// The gates of `grader/src/run/gates/`, by the names their verdicts carry.
-pub const GATES: [&str; 8] = [
+pub const GATES: [&str; 9] = [
     "correctness",
     "kernels_per_step",
     "dominant_share",
     "launch_record",
+    "record_coverage",
     "exclusive_gpu",
     "bytes_read",
     "l2_persisting",

@@ -157,7 +157,7 @@ fn schedule(s: &mut String, cfg: &Config) {
 }
 
 /// The gates, by the names reports give them, each with what it checks in one line.
-fn gate_lines() -> [(&'static str, String); 8] {
+fn gate_lines() -> [(&'static str, String); 9] {
     let g = Gates::TASK;
     [
         (
@@ -170,6 +170,13 @@ fn gate_lines() -> [(&'static str, String); 8] {
         ("kernels_per_step", format!("at most {} kernels on every call, every call recorded", g.max_kernels_per_step)),
         ("dominant_share", format!("the largest kernel takes >= {} of each call's kernel time", g.min_dominant_share)),
         ("launch_record", "two independent CUPTI paths agree, recording never off, no device-side launches".into()),
+        (
+            "record_coverage",
+            format!(
+                "recorded GPU work covers >= {} of most timed calls and of one back-to-back attempt; HOST BUSY, never a pass, where only this fails on a host busy before the run",
+                g.min_coverage
+            ),
+        ),
         ("exclusive_gpu", "no process but the judge and its runner on the GPU, none started during the steps".into()),
         (
             "bytes_read",

@@ -2,11 +2,11 @@
 //! of runnable threads, taken before the runner exists, so nothing of the submission's is in it.
 //!
 //! A host whose cores are all taken stalls the runner's thread between its launches and the judge's
-//! between its clock reads; the coverage rules of `launch_record` then see windows short of recorded
-//! work, which is also what hidden work looks like, so they may fail honest work (docs/perf.md, "A
-//! busy host"). A submission can starve its own runner too, so a busy host never excuses a gate: the
-//! judge says what it saw, before the run and beside a failure, and the user judges again on a quiet
-//! host.
+//! between its clock reads; `record_coverage` then sees windows short of recorded work, which is
+//! also what hidden work looks like, so it may fail honest work (docs/perf.md, "A busy host"). A
+//! submission can starve its own runner too, so a busy host never excuses a gate: the judge says
+//! what it saw, before the run and beside a failure, a run failing only that gate on a busy host is
+//! `HOST BUSY` (not judged, not a pass), and the user judges again on a quiet host.
 
 use serde::Serialize;
 

@@ -227,16 +227,18 @@ pub fn judge(
         correctness_gate(&steps, cfg.layers > 1, &cache_check, &appends, &integrity, &gates),
         gates::launches::kernels_gate(&calls, &f.record.calls, &gates),
         gates::launches::share_gate(&f.record.calls, &gates),
-        gates::launches::launch_record_gate(&calls, &f.record, &paced, &audit, &gates, allowance),
+        gates::launches::launch_record_gate(&f.record, &audit),
+        gates::launches::record_coverage_gate(&calls, &f.record, &paced, &gates, allowance),
         gates::environment::exclusive_gpu_gate(&watched),
         gates::physics::bytes_read_gate(&audit, &model, &required, l2_bytes, &paced, &gates),
         gates::environment::l2_gate(&f.l2),
         gates::physics::plausible_timing_gate(&calls, &paced, &f.runner_us, &required, bw.read_ceiling_tbps, &gates),
     ];
     // A busy host never excuses a gate (a submission can starve its own runner); beside a failure of
-    // the coverage rules it says what the judge saw before the submission started.
+    // the coverage rule it says what the judge saw before the submission started, and where that is
+    // the only failure the verdict is HOST BUSY, not a pass (`Report::judged`).
     if let Some(busy) = host_before.filter(load::HostLoad::busy) {
-        for g in gate_list.iter_mut().filter(|g| g.name == "launch_record" && !g.passed) {
+        for g in gate_list.iter_mut().filter(|g| g.name == "record_coverage" && !g.passed) {
             g.detail += &format!("; {}", busy.said());
         }
     }

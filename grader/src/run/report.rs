@@ -18,8 +18,10 @@ use crate::cupti::{Record, StepLaunches, kernel_bounds};
 use crate::stats::Summary;
 
 /// Bumped whenever a field changes meaning or goes away (3: `audit` is the judge's own sampling,
-/// `runner_audit` the runner's range profiler, `appends` every call's K/V slot, coverage `lost`).
-pub const SCHEMA_VERSION: u32 = 4;
+/// `runner_audit` the runner's range profiler, `appends` every call's K/V slot, coverage `lost`;
+/// 4: the back-to-back phase's attempts; 5: the coverage rule its own gate, `record_coverage`, and
+/// the status `host_busy`).
+pub const SCHEMA_VERSION: u32 = 5;
 
 /// The seeds of a run: the weights' is public; the inputs' is drawn fresh and disclosed afterwards.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -143,6 +145,10 @@ pub enum Status {
     /// Every gate passed but the hardware counters, which could not be read from the start (the
     /// device allows none here, or `--no-audit`): not a pass.
     Unaudited,
+    /// Every gate passed but `record_coverage`, on a host the judge saw busy before the submission
+    /// started: its stalls make windows short of recorded work as hidden work does, so the run is not
+    /// judged, and it is never a pass (a submission can starve its own runner).
+    HostBusy,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -150,7 +156,7 @@ pub struct Verdict {
     pub status: Status,
     pub passed: bool,
     pub failed_gates: Vec<&'static str>,
-    /// Why a run was cut short (crashed, timeout, unsupported).
+    /// Why a run was cut short (crashed, timeout, unsupported) or not judged (host busy).
     pub reason: Option<String>,
     /// Why the hardware counters were not read, when they were not from the start.
     pub unaudited: Option<String>,
@@ -219,14 +225,17 @@ impl Report {
             _ => None,
         };
         // Unaudited from the start, and nothing else wrong: the counters' gate is the only one failed.
-        let status = match (passed, &unaudited) {
-            (true, _) => Status::Pass,
-            (false, Some(_)) if failed_gates == ["bytes_read"] => Status::Unaudited,
-            (false, _) => Status::Fail,
+        // A busy host, and only the rule its stalls can fail failed: not judged.
+        let busy = j.performance.host_before.filter(HostLoad::busy);
+        let (status, reason) = match (passed, &unaudited, busy) {
+            (true, _, _) => (Status::Pass, None),
+            (false, Some(_), _) if failed_gates == ["bytes_read"] => (Status::Unaudited, None),
+            (false, _, Some(busy)) if failed_gates == ["record_coverage"] => (Status::HostBusy, Some(busy.said())),
+            (false, _, _) => (Status::Fail, None),
         };
         Self {
             meta: Meta::new(j.config, j.device, j.seeds, &j.submission),
-            verdict: Verdict { status, passed, failed_gates, reason: None, unaudited },
+            verdict: Verdict { status, passed, failed_gates, reason, unaudited },
             gates: j.gates,
             performance: Some(j.performance),
             launches: j.launches,
@@ -291,6 +300,7 @@ impl Report {
             (Status::Crashed, _) => format!("VERDICT: CRASHED  {reason}\n"),
             (Status::Timeout, _) => format!("VERDICT: TIMEOUT  {reason}\n"),
             (Status::Unsupported, _) => format!("VERDICT: UNSUPPORTED  {reason}\n"),
+            (Status::HostBusy, _) => format!("VERDICT: HOST BUSY  not judged, not a pass: {reason}\n"),
             _ => format!("VERDICT: FAIL  ({})\n", v.failed_gates.join(", ")),
         }
     }
@@ -438,9 +448,8 @@ mod tests {
         Gate { name, source: Source::Runner, passed, value, limit: 2.0, detail: format!("{value}") }
     }
 
-    /// The JSON a failed run writes reads back with the fields people and scripts rely on.
-    #[test]
-    fn json_round_trip_of_a_failed_run() {
+    /// A judged run of the tiny config with these gates, the host as the judge saw it before.
+    fn judged(gates: Vec<Gate>, host_before: Option<HostLoad>) -> Report {
         let cfg = Config::tiny();
         let bw = Bandwidth {
             buffer_bytes: 1 << 31,
@@ -469,15 +478,15 @@ mod tests {
             bytes: ByteModel::of(&cfg),
             build_s: 0.1,
             host: None,
-            host_before: Some(HostLoad { runnable: 16, cpus: 16 }),
+            host_before,
         };
         let call = Call { index: 0, phase: Phase::Timed, pos: cfg.prefill, input: spec::Input::Fresh };
-        let r = Report::judged(Judged {
+        Report::judged(Judged {
             config: cfg,
             device: facts(),
             seeds: Seeds { weights: 1, inputs: 2 },
             submission: "reference".into(),
-            gates: vec![gate("correctness", true, 1e-3), gate("kernels_per_step", false, 21.0)],
+            gates,
             performance,
             steps: vec![StepCheck {
                 call,
@@ -505,7 +514,15 @@ mod tests {
                 windows: vec![],
             },
             call_us: vec![Some(500.0)],
-        });
+        })
+    }
+
+    const BUSY: Option<HostLoad> = Some(HostLoad { runnable: 16, cpus: 16 });
+
+    /// The JSON a failed run writes reads back with the fields people and scripts rely on.
+    #[test]
+    fn json_round_trip_of_a_failed_run() {
+        let r = judged(vec![gate("correctness", true, 1e-3), gate("kernels_per_step", false, 21.0)], BUSY);
         let doc: serde_json::Value = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(doc["meta"]["schema_version"], SCHEMA_VERSION);
         assert_eq!(doc["meta"]["seeds"]["inputs"], 2);
@@ -521,6 +538,30 @@ mod tests {
         assert!(r.table().contains("attempt 2 of 3 (1490.0, 490.0, 491.0 us)"), "{}", r.table());
         assert!(r.table().contains("warning   the host was busy before the submission started"), "{}", r.table());
         assert_eq!(doc["performance"]["host_before"]["runnable"], 16);
+    }
+
+    /// Only the coverage rule failed, on a host the judge saw busy before the run: not judged, and
+    /// not a pass; on a quiet host, or beside any other failure, a fail as ever.
+    #[test]
+    fn a_busy_host_failing_only_coverage_is_not_judged_and_never_passes() {
+        let covered = |passed| vec![gate("correctness", true, 1e-3), gate("record_coverage", passed, 0.2)];
+        let r = judged(covered(false), BUSY);
+        assert!(r.verdict.status == Status::HostBusy && !r.verdict.passed, "{:?}", r.verdict);
+        let line = r.verdict_line();
+        assert!(line.starts_with("VERDICT: HOST BUSY  not judged, not a pass: the host was busy"), "{line}");
+        assert!(line.contains("16 runnable threads besides the judge on 16 CPUs"), "{line}");
+        let doc = serde_json::to_value(&r).unwrap();
+        assert_eq!(doc["verdict"]["status"], "host_busy");
+        assert_eq!(doc["verdict"]["failed_gates"][0], "record_coverage");
+        assert_eq!(judged(covered(true), BUSY).verdict.status, Status::Pass);
+        let quiet = Some(HostLoad { runnable: 2, cpus: 16 });
+        for host in [quiet, None] {
+            assert_eq!(judged(covered(false), host).verdict.status, Status::Fail, "{host:?}");
+        }
+        let mut also = covered(false);
+        also.push(gate("bytes_read", false, 0.5));
+        let r = judged(also, BUSY);
+        assert!(r.verdict.status == Status::Fail && r.verdict_line().starts_with("VERDICT: FAIL"), "{:?}", r.verdict);
     }
 
     /// The host's share is measured from the runner's window to the first kernel's start and from the

@@ -2,8 +2,8 @@
 //! touches the GPU, so every rule is tested on synthetic data.
 //!
 //! - [`correctness`]: the judge's own reads (outputs, cache, read-only buffers);
-//! - [`launches`]: kernels per call, dominant share, and the integrity of the launch record
-//!   (recorded inside the runner, cross-checked against the judge's clock and the hardware);
+//! - [`launches`]: kernels per call, dominant share, the integrity of the launch record (recorded
+//!   inside the runner, cross-checked against the hardware) and its coverage of the judge's clock;
 //! - [`physics`]: DRAM bytes read (hardware counters) and the timing bound (the read-only ceiling
 //!   measured in the same run);
 //! - [`environment`]: no other process on the GPU, no persisting L2.
@@ -45,11 +45,12 @@ pub struct Gate {
 }
 
 /// The gates' names, in the order a report lists them.
-pub const NAMES: [&str; 8] = [
+pub const NAMES: [&str; 9] = [
     "correctness",
     "kernels_per_step",
     "dominant_share",
     "launch_record",
+    "record_coverage",
     "exclusive_gpu",
     "bytes_read",
     "l2_persisting",
