@@ -169,7 +169,11 @@ fn gate_lines() -> [(&'static str, String); 9] {
         ),
         ("kernels_per_step", format!("at most {} kernels on every call, every call recorded", g.max_kernels_per_step)),
         ("dominant_share", format!("the largest kernel takes >= {} of each call's kernel time", g.min_dominant_share)),
-        ("launch_record", "two independent CUPTI paths agree, recording never off, no device-side launches".into()),
+        (
+            "launch_record",
+            "two independent CUPTI paths agree, recording never off, no device-side launches, every thread block the hardware counted in a recorded kernel"
+                .into(),
+        ),
         (
             "record_coverage",
             format!(
