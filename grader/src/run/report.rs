@@ -225,7 +225,7 @@ impl Report {
             _ => None,
         };
         // Unaudited from the start, and nothing else wrong: the counters' gate is the only one failed.
-        // A busy host, and only the rule its stalls can fail failed: not judged.
+        // Only the rule a host's stalls can fail failed, on a host busy before the run: not judged.
         let busy = j.performance.host_before.filter(HostLoad::busy);
         let (status, reason) = match (passed, &unaudited, busy) {
             (true, _, _) => (Status::Pass, None),
