@@ -3,8 +3,9 @@
 //! Like any batched layer it first gathers its batch's inputs (that is what would let it read each
 //! weight once for the whole batch): this call's `x`, then, for each later call, the buffer its
 //! input will be in, the previous call's output buffer (`k - 1` strides after this call's `out` for
-//! the `k`-th, see [`region`](super::region)). Then it runs the rows one by one with the eager reference, writing
-//! each call's output into its buffer (`k` strides after `out`) and its cache slot.
+//! the `k`-th, see [`region`](super::region)). Then it runs the rows one by one with the eager
+//! reference, writing each call's output into its buffer (`k` strides after `out`) and its cache
+//! slot.
 //!
 //! The exploit: batching the calls of a phase amortises the weights over many tokens, which no
 //! batch-1 decode may do. Caught by correctness: in the back-to-back phase each input is the previous

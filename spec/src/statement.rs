@@ -237,7 +237,9 @@ mod tests {
             assert!(text.contains(line), "no '{line}' in\n{text}");
         }
         assert!(text.contains("throughput  calls  40..135 pos 4096..4127  timed back to back"), "{text}");
-        for gate in ["correctness", "kernels_per_step", "dominant_share", "launch_record", "bytes_read"] {
+        for gate in
+            ["correctness", "kernels_per_step", "dominant_share", "launch_record", "record_coverage", "bytes_read"]
+        {
             assert!(text.lines().any(|l| l.trim_start().starts_with(gate)), "no gate {gate}");
         }
         assert!(text.contains("1728253952 bytes"), "{text}");
