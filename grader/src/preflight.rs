@@ -54,13 +54,9 @@ pub fn submission(name_or_path: &str, python: Option<&Path>) -> Result<Chosen, G
 /// initialisers never run inside the judge, and passes on the child's one-line reason.
 fn check_library(path: &Path) -> Result<(), GraderError> {
     let exe = std::env::current_exe().map_err(|e| usage(format!("cannot find the grader binary: {e}")))?;
-    let mut child = Command::new(exe)
-        .arg(CHECK_LIBRARY)
-        .arg(path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
+    let mut command = Command::new(exe);
+    command.arg(CHECK_LIBRARY).arg(path).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    let mut child = submission::child::spawn_contained(&mut command)
         .map_err(|e| usage(format!("cannot start a process to check {}: {e}", path.display())))?;
     let mut stderr = child.stderr.take().expect("piped");
     // Read while waiting, so a chatty initialiser cannot block on a full pipe.
@@ -69,7 +65,10 @@ fn check_library(path: &Path) -> Result<(), GraderError> {
         let _ = stderr.read_to_string(&mut text);
         text
     });
-    let status = match submission::child::wait_or_kill(&mut child, LIBRARY_CHECK_TIMEOUT) {
+    let waited = submission::child::wait_or_kill(&mut child, LIBRARY_CHECK_TIMEOUT);
+    // What the initialisers started dies with the check, so no leftover holds its stderr open.
+    submission::child::end_session(child.id());
+    let status = match waited {
         Ok(Some(status)) => status,
         Ok(None) => {
             return Err(usage(format!(

@@ -1,11 +1,37 @@
-//! Waiting for a helper process with a deadline: the grader's probes (a Python interpreter, a
-//! library's initialisers) run code it does not control, which may never finish.
+//! The processes the grader starts to run code it does not control (the runner, a library's
+//! initialisers, a Python interpreter's probe): waiting for one with a deadline, and containing it,
+//! so that nothing it starts outlives it.
+//!
+//! A contained process gets a session of its own (so that nothing it starts can join one of the
+//! grader's process groups, which only a process of the same session may), dies with the grader's
+//! thread that started it (`PR_SET_PDEATHSIG`), and has the grader as the reaper of its orphans
+//! (`PR_SET_CHILD_SUBREAPER`), so that a process that detaches itself (forks twice, starts a session
+//! of its own) comes back to the grader as a child instead of going to init. Once the contained
+//! process has exited, [`end_session`] kills everything that came of it: every process of its
+//! session, and every child of the grader in a session that is neither the grader's nor another
+//! contained process's.
 
-use std::process::{Child, ExitStatus};
+use std::collections::BTreeSet;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, ExitStatus};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How often a waiting caller looks at the child.
 const POLL: Duration = Duration::from_millis(10);
+/// How long [`end_session`] keeps killing and reaping: a process in the kernel's uninterruptible
+/// sleep (inside a driver) dies only when it leaves it.
+pub const END_LIMIT: Duration = Duration::from_secs(2);
+/// The pause between two of [`end_session`]'s looks at the process table.
+const END_ROUND: Duration = Duration::from_millis(5);
+
+/// The sessions of the contained processes not yet ended (a session's number is its leader's pid):
+/// their leaders are the grader's children in sessions of their own, and no leftover of another.
+static LIVE: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
+
+fn live() -> std::sync::MutexGuard<'static, BTreeSet<u32>> {
+    LIVE.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// The child's exit status, or `None` when it was still running at `timeout` (it is then killed and
 /// reaped).
@@ -21,5 +47,187 @@ pub fn wait_or_kill(child: &mut Child, timeout: Duration) -> std::io::Result<Opt
                 return Ok(None);
             }
         }
+    }
+}
+
+/// Starts `cmd` contained (the module's text says how); end it with [`end_session`] once it has
+/// exited and been reaped. The thread that calls this must outlive the child: its exit kills it.
+pub fn spawn_contained(cmd: &mut Command) -> std::io::Result<Child> {
+    // SAFETY: prctl with integer arguments; makes this process the reaper of its descendants' orphans.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: only async-signal-safe calls (setsid, prctl, getppid, _exit) run between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The grader died before the signal was asked for: nothing would deliver it.
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        })
+    };
+    let mut live = live();
+    let child = cmd.spawn()?;
+    live.insert(child.id());
+    Ok(child)
+}
+
+/// What the contained process left behind when it exited, killed by [`end_session`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Leftovers {
+    /// Each process killed, as `name (pid)`.
+    pub killed: Vec<String>,
+    /// Processes still there at the end (stuck in the kernel), as `name (pid)`.
+    pub surviving: Vec<String>,
+}
+
+/// Kills everything the contained process with pid `leader` left behind: every process of its
+/// session, and every child of this process in a session that is neither this process's nor a live
+/// contained one's (a leftover that started a session of its own, its parent gone). Call after the
+/// leader has exited and been reaped. Zombies that come to this process are reaped.
+pub fn end_session(leader: u32) -> Leftovers {
+    let mut live_sessions = live();
+    live_sessions.remove(&leader);
+    // SAFETY: getsid(0) reads this process's session.
+    let own = Owner { pid: std::process::id(), session: unsafe { libc::getsid(0) } as u32 };
+    let mut killed = BTreeSet::new();
+    let mut out = Leftovers::default();
+    let start = Instant::now();
+    loop {
+        let found: Vec<Proc> = processes().into_iter().filter(|p| own.left_by(p, leader, &live_sessions)).collect();
+        if found.is_empty() {
+            return out;
+        }
+        if start.elapsed() > END_LIMIT {
+            out.surviving = found.iter().filter(|p| p.state != 'Z').map(Proc::label).collect();
+            return out;
+        }
+        for p in &found {
+            if p.state == 'Z' {
+                if p.ppid == own.pid {
+                    // SAFETY: reaps this process's own zombie child by pid, without blocking.
+                    unsafe { libc::waitpid(p.pid as libc::pid_t, std::ptr::null_mut(), libc::WNOHANG) };
+                }
+                continue;
+            }
+            // SAFETY: kill with a pid read from /proc and SIGKILL. A pid reused since the read would
+            // have to belong to a new process of the same session, which is the session's too.
+            unsafe { libc::kill(p.pid as libc::pid_t, libc::SIGKILL) };
+            if killed.insert(p.pid) {
+                out.killed.push(p.label());
+            }
+        }
+        std::thread::sleep(END_ROUND);
+    }
+}
+
+/// The process calling [`end_session`]: its pid and its session.
+struct Owner {
+    pid: u32,
+    session: u32,
+}
+
+impl Owner {
+    /// Whether `p` came of the contained session `leader`: it is in that session, or it is this
+    /// process's child in a session of its own that no live contained process leads.
+    fn left_by(&self, p: &Proc, leader: u32, live: &BTreeSet<u32>) -> bool {
+        p.session == leader || (p.ppid == self.pid && p.session != self.session && !live.contains(&p.session))
+    }
+}
+
+/// One line of `/proc/<pid>/stat`, the fields [`end_session`] reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Proc {
+    pid: u32,
+    name: String,
+    state: char,
+    ppid: u32,
+    session: u32,
+}
+
+impl Proc {
+    /// `pid (comm) state ppid pgrp session ...`; the name may hold spaces and parentheses, so it ends
+    /// at the last `)`.
+    fn parse(stat: &str) -> Option<Proc> {
+        let (head, tail) = stat.rsplit_once(')')?;
+        let (pid, name) = head.split_once(" (")?;
+        let mut fields = tail.split_whitespace();
+        let state = fields.next()?.chars().next()?;
+        let ppid = fields.next()?.parse().ok()?;
+        let _pgrp = fields.next()?;
+        let session = fields.next()?.parse().ok()?;
+        Some(Proc { pid: pid.trim().parse().ok()?, name: name.to_string(), state, ppid, session })
+    }
+
+    fn label(&self) -> String {
+        format!("{} ({})", self.name, self.pid)
+    }
+}
+
+/// Every process whose stat can be read (one that exits meanwhile is skipped).
+fn processes() -> Vec<Proc> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(Result::ok)
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())))
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter_map(|s| Proc::parse(&s))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Stdio;
+
+    #[test]
+    fn a_stat_line_is_read_past_a_name_with_spaces_and_parentheses() {
+        let p = Proc::parse("4242 (a (b) c) S 17 4242 4242 0 -1 4194560 99 0 0 0\n").expect("parsed");
+        assert_eq!(p, Proc { pid: 4242, name: "a (b) c".into(), state: 'S', ppid: 17, session: 4242 });
+        assert_eq!(p.label(), "a (b) c (4242)");
+        assert_eq!(Proc::parse("12 (x) Z"), None, "too few fields");
+    }
+
+    /// Only what came of the ended session: its own processes, and this process's children in
+    /// sessions nobody live leads; never this process's own session, nor a live contained one.
+    #[test]
+    fn what_a_session_left_is_told_from_the_grader_s_other_children() {
+        let own = Owner { pid: 100, session: 50 };
+        let live = BTreeSet::from([300]);
+        let p = |ppid, session| Proc { pid: 999, name: "x".into(), state: 'S', ppid, session };
+        assert!(own.left_by(&p(1, 200), 200, &live), "in the ended session, whoever its parent");
+        assert!(own.left_by(&p(100, 999), 200, &live), "a child of ours that started a session of its own");
+        assert!(!own.left_by(&p(100, 50), 200, &live), "a child of ours in our session");
+        assert!(!own.left_by(&p(100, 300), 200, &live), "a live contained process");
+        assert!(!own.left_by(&p(1, 999), 200, &live), "someone else's process");
+    }
+
+    /// A contained shell that leaves two sleepers behind, one in its session and one detached into a
+    /// session of its own, and exits: both are killed, and no process of either is left.
+    #[test]
+    fn a_contained_process_leaves_nothing_behind() {
+        let script = "sleep 300 >/dev/null & setsid sleep 301 >/dev/null & echo $!; exit 0";
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", script]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null());
+        let child = spawn_contained(&mut cmd).expect("sh starts");
+        let leader = child.id();
+        let out = child.wait_with_output().expect("sh ends");
+        assert!(out.status.success(), "{:?}", out.status);
+        let detached: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("the detached pid");
+        let left = end_session(leader);
+        assert_eq!(left.killed.len(), 2, "{left:?}");
+        // Named as they were when killed: `sleep`, or the shell or `setsid` not yet replaced by it.
+        assert!(left.killed.iter().any(|k| k.ends_with(&format!(" ({detached})"))), "{left:?}");
+        assert!(left.surviving.is_empty(), "{left:?}");
+        let still = processes().into_iter().filter(|p| p.session == leader || p.pid == detached).count();
+        assert_eq!(still, 0, "nothing of the session is left, zombies included");
+        assert_eq!(end_session(leader), Leftovers::default(), "ending it again finds nothing");
     }
 }

@@ -85,8 +85,9 @@ impl Runner {
         process.arg("runner").stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::piped());
         // SAFETY: only async-signal-safe calls (fcntl, dup2) run between fork and exec.
         unsafe { process.pre_exec(move || place_descriptors(&[(report_fd, REPORT_FD), (control_fd, CONTROL_FD)])) };
-        let mut child =
-            process.spawn().map_err(|e| GraderError::Runner(format!("cannot start the runner process: {e}")))?;
+        // Contained: whatever the submission starts (in build_layer, where it may) ends with the runner.
+        let mut child = submission::child::spawn_contained(&mut process)
+            .map_err(|e| GraderError::Runner(format!("cannot start the runner process: {e}")))?;
         drop(write_end);
         let job_line = serde_json::to_string(job).expect("the job serialises") + "\n";
         if let Some(mut stdin) = child.stdin.take() {
@@ -191,18 +192,22 @@ impl Runner {
                 Err(channel) => Err(Failure::Crashed(channel)),
             }
         });
-        let watched = self.stop_watch();
+        let watched = self.close();
         (outcome, watched)
     }
 
     /// Ends the runner after a failure; returns what the watch saw.
     pub fn abandon(mut self) -> Watched {
-        kill(&mut self.child);
-        self.stop_watch()
+        self.close()
     }
 
-    fn stop_watch(&mut self) -> Watched {
-        self.watch.take().map(ProcessWatch::stop).expect("stopped once")
+    /// Ends the runner (killed if it still runs) and every process it left behind, then the watch:
+    /// what the watch saw, with the leftovers killed.
+    fn close(&mut self) -> Watched {
+        kill(&mut self.child);
+        let leftovers = submission::child::end_session(self.child.id());
+        let watched = self.watch.take().map(ProcessWatch::stop).expect("closed once");
+        Watched { leftovers, ..watched }
     }
 
     /// The runner acknowledged a failure: it wrote why on its channel and exits.
@@ -250,9 +255,8 @@ impl Runner {
 
 impl Drop for Runner {
     fn drop(&mut self) {
-        kill(&mut self.child);
-        if let Some(w) = self.watch.take() {
-            w.stop();
+        if self.watch.is_some() {
+            self.close();
         }
     }
 }

@@ -1,12 +1,16 @@
-//! How busy the host was before the submission started: the judge's own read of the kernel's count
-//! of runnable threads, taken before the runner exists, so nothing of the submission's is in it.
+//! How busy the host was: the judge's own reads of the kernel's count of runnable threads, taken
+//! before the runner exists and, where the coverage rule failed, after the runner and every process
+//! it left behind have been ended (`submission::child`), so that no thread of the submission's is in
+//! either.
 //!
 //! A host whose cores are all taken stalls the runner's thread between its launches and the judge's
 //! between its clock reads; `record_coverage` then sees windows short of recorded work, which is
 //! also what hidden work looks like, so it may fail honest work (docs/perf.md, "A busy host"). A
 //! submission can starve its own runner too, so a busy host never excuses a gate: the judge says
 //! what it saw, before the run and beside a failure, a run failing only that gate on a busy host is
-//! `HOST BUSY` (not judged, not a pass), and the user judges again on a quiet host.
+//! `HOST BUSY` (not judged, not a pass), and the user judges again on a quiet host. The read after
+//! the run sees a host that turned busy during it and stayed so (another job started); the
+//! submission cannot make it busy then, since nothing of it is left.
 
 use serde::Serialize;
 
@@ -54,15 +58,26 @@ impl HostLoad {
         4 * self.runnable >= 3 * self.cpus
     }
 
-    /// What the judge saw, in a clause.
-    pub fn said(&self) -> String {
+    /// What the judge saw, and when, in a clause.
+    pub fn said(&self, when: Moment) -> String {
+        let when = match when {
+            Moment::Before => "before the submission started",
+            Moment::After => "after the run, every process of the submission's gone",
+        };
         format!(
-            "the host was busy before the submission started ({} runnable threads besides the judge on {} CPUs): a busy \
-             host stalls the runner and the judge, and a stall leaves a window short of recorded work; judge again on a \
-             quiet host",
+            "the host was busy {when} ({} runnable threads besides the judge on {} CPUs): a busy host stalls the runner \
+             and the judge, and a stall leaves a window short of recorded work; judge again on a quiet host",
             self.runnable, self.cpus
         )
     }
+}
+
+/// When the judge read the host: before the runner existed, or after it and everything it left
+/// behind had been ended (so in neither read is a thread of the submission's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moment {
+    Before,
+    After,
 }
 
 #[cfg(test)]
@@ -79,8 +94,13 @@ mod tests {
         assert!(HostLoad { runnable: 12, cpus: 16 }.busy());
         assert!(!HostLoad { runnable: 11, cpus: 16 }.busy());
         assert!(!HostLoad { runnable: 0, cpus: 2 }.busy());
-        let said = HostLoad { runnable: 16, cpus: 16 }.said();
-        assert!(said.contains("16 runnable threads besides the judge on 16 CPUs"), "{said}");
+        let said = HostLoad { runnable: 16, cpus: 16 }.said(Moment::Before);
+        assert!(
+            said.contains("busy before the submission started (16 runnable threads besides the judge on 16 CPUs)"),
+            "{said}"
+        );
+        let said = HostLoad { runnable: 13, cpus: 16 }.said(Moment::After);
+        assert!(said.contains("busy after the run, every process of the submission's gone (13 runnable"), "{said}");
         // This machine's own count reads, whatever it is.
         if std::path::Path::new("/proc/stat").exists() {
             let here = HostLoad::sample().expect("a Linux host's count");

@@ -153,7 +153,7 @@ pub fn judge(
     // Before the submission exists, so that none of its threads is counted.
     let host_before = load::HostLoad::sample();
     if let Some(busy) = host_before.filter(load::HostLoad::busy) {
-        progress.say(&format!("warning: {}", busy.said()));
+        progress.say(&format!("warning: {}", busy.said(load::Moment::Before)));
     }
     progress.say("measuring the copy and read-only bandwidths (the floor and the timing bound)");
     let bw = bandwidth::measure(dev, RUN_BANDWIDTH_BYTES, RUN_BANDWIDTH_REPS)?;
@@ -234,18 +234,21 @@ pub fn judge(
         gates::environment::l2_gate(&f.l2),
         gates::physics::plausible_timing_gate(&calls, &paced, &f.runner_us, &required, bw.read_ceiling_tbps, &gates),
     ];
-    // A busy host never excuses a gate (a submission can starve its own runner); beside a failure of
-    // the coverage rule it says what the judge saw before the submission started, and where that is
-    // the only failure the verdict is HOST BUSY, not a pass (`Report::judged`).
-    if let Some(busy) = host_before.filter(load::HostLoad::busy) {
-        for g in gate_list.iter_mut().filter(|g| g.name == "record_coverage" && !g.passed) {
-            g.detail += &format!("; {}", busy.said());
-        }
-    }
     let windows = gates::launches::attempt_windows(&f.record, &paced);
     let judged = gates::launches::judged_attempt(&windows, &gates, allowance);
     let mut performance = performance(cfg, &calls, &paced, judged, f, &replayed, bw)?;
+    // A busy host never excuses a gate (a submission can starve its own runner); beside a failure of
+    // the coverage rule it says what the judge saw before the submission started or after the run
+    // (the runner and all it left behind are ended by now), and where that is the only failure the
+    // verdict is HOST BUSY, not a pass (`Report::judged`).
+    let coverage_failed = gate_list.iter().any(|g| g.name == "record_coverage" && !g.passed);
     performance.host_before = host_before;
+    performance.host_after = if coverage_failed { load::HostLoad::sample() } else { None };
+    if let Some(busy) = performance.busy_host() {
+        for g in gate_list.iter_mut().filter(|g| g.name == "record_coverage" && !g.passed) {
+            g.detail += &format!("; {busy}");
+        }
+    }
     let report = Report::judged(report::Judged {
         config: cfg.clone(),
         device: facts,
@@ -322,6 +325,7 @@ fn performance(
         build_s: paced.build_s,
         host: HostShare::of(&f.record, calls.iter().filter(|c| c.phase == Phase::Timed).map(|c| c.index)),
         host_before: None,
+        host_after: None,
     })
 }
 

@@ -10,7 +10,7 @@ use spec::{ByteModel, Config};
 use super::append::Faulty;
 use super::gates::{CacheCheck, Gate, Integrity, Source, StepCheck};
 use super::isolate::Failure;
-use super::load::HostLoad;
+use super::load::{HostLoad, Moment};
 use super::protocol::{Audit, Coverage};
 use super::watch::Watched;
 use crate::bandwidth::Bandwidth;
@@ -91,6 +91,17 @@ pub struct Performance {
     /// The host's runnable threads before the submission started (the judge's own read); `None`
     /// where it cannot be read.
     pub host_before: Option<HostLoad>,
+    /// The same read after the run, the runner and all it left behind ended; taken only where
+    /// `record_coverage` failed, `None` elsewhere.
+    pub host_after: Option<HostLoad>,
+}
+
+impl Performance {
+    /// What the judge saw of a busy host, before the run or else after it; `None` on a quiet host.
+    pub fn busy_host(&self) -> Option<String> {
+        let busy = |h: Option<HostLoad>, when| h.filter(HostLoad::busy).map(|h| h.said(when));
+        busy(self.host_before, Moment::Before).or_else(|| busy(self.host_after, Moment::After))
+    }
 }
 
 /// Where a timed call's time went beside its kernels, from the runner's stamps around the call and
@@ -225,12 +236,13 @@ impl Report {
             _ => None,
         };
         // Unaudited from the start, and nothing else wrong: the counters' gate is the only one failed.
-        // Only the rule a host's stalls can fail failed, on a host busy before the run: not judged.
-        let busy = j.performance.host_before.filter(HostLoad::busy);
+        // Only the rule a host's stalls can fail failed, on a host seen busy before or after the run:
+        // not judged.
+        let busy = j.performance.busy_host();
         let (status, reason) = match (passed, &unaudited, busy) {
             (true, _, _) => (Status::Pass, None),
             (false, Some(_), _) if failed_gates == ["bytes_read"] => (Status::Unaudited, None),
-            (false, _, Some(busy)) if failed_gates == ["record_coverage"] => (Status::HostBusy, Some(busy.said())),
+            (false, _, Some(busy)) if failed_gates == ["record_coverage"] => (Status::HostBusy, Some(busy)),
             (false, _, _) => (Status::Fail, None),
         };
         Self {
@@ -308,11 +320,13 @@ impl Report {
     /// The table for people.
     pub fn table(&self) -> String {
         let m = &self.meta;
+        let left = self.watched.describe_leftovers().map(|l| format!("  warning   {l}\n")).unwrap_or_default();
         let Some(p) = &self.performance else {
             return format!(
                 "\npersistent-layer: submission '{}' on {}, config '{}'\n",
                 m.submission, m.device.name, m.config.name
-            ) + &self.verdict_line();
+            ) + &left
+                + &self.verdict_line();
         };
         let mut s = String::new();
         let _ = writeln!(
@@ -381,9 +395,10 @@ impl Report {
                 h.launch_us.median, h.completion_us.median
             );
         }
-        if let Some(busy) = p.host_before.filter(HostLoad::busy) {
-            let _ = writeln!(s, "  warning   {}", busy.said());
+        if let Some(busy) = p.busy_host() {
+            let _ = writeln!(s, "  warning   {busy}");
         }
+        s += &left;
         let mean =
             |l: &[StepLaunches], f: fn(&StepLaunches) -> f64| l.iter().map(f).sum::<f64>() / l.len().max(1) as f64;
         let (mine, theirs) = (&self.launches.submission, &self.launches.reference);
@@ -441,7 +456,7 @@ mod tests {
     }
 
     fn watched() -> Watched {
-        Watched { unavailable: None, polls: 100, intruders: vec![] }
+        Watched { unavailable: None, polls: 100, intruders: vec![], leftovers: Default::default() }
     }
 
     fn gate(name: &'static str, passed: bool, value: f64) -> Gate {
@@ -450,6 +465,16 @@ mod tests {
 
     /// A judged run of the tiny config with these gates, the host as the judge saw it before.
     fn judged(gates: Vec<Gate>, host_before: Option<HostLoad>) -> Report {
+        judged_with(gates, host_before, None, watched())
+    }
+
+    /// [`judged`], with the host as the judge saw it after the run and what its watch saw.
+    fn judged_with(
+        gates: Vec<Gate>,
+        host_before: Option<HostLoad>,
+        host_after: Option<HostLoad>,
+        watched: Watched,
+    ) -> Report {
         let cfg = Config::tiny();
         let bw = Bandwidth {
             buffer_bytes: 1 << 31,
@@ -479,6 +504,7 @@ mod tests {
             build_s: 0.1,
             host: None,
             host_before,
+            host_after,
         };
         let call = Call { index: 0, phase: Phase::Timed, pos: cfg.prefill, input: spec::Input::Fresh };
         Report::judged(Judged {
@@ -501,7 +527,7 @@ mod tests {
             launches: Launches { submission: vec![], reference: vec![] },
             audit: Audit::without(Coverage::Unaudited("no counters".into()), 1),
             runner_audit: Audit::without(Coverage::Unaudited("no counters".into()), 1),
-            watched: watched(),
+            watched,
             record: Record {
                 build: StepLaunches::of(&[]),
                 calls: vec![],
@@ -562,6 +588,39 @@ mod tests {
         also.push(gate("bytes_read", false, 0.5));
         let r = judged(also, BUSY);
         assert!(r.verdict.status == Status::Fail && r.verdict_line().starts_with("VERDICT: FAIL"), "{:?}", r.verdict);
+    }
+
+    /// A host quiet before the run and busy after it (the submission's processes all ended) is as
+    /// busy for the verdict, and said as seen after; quiet both times, the failure stands.
+    #[test]
+    fn a_host_busy_after_the_run_is_not_judged_either() {
+        let covered = vec![gate("correctness", true, 1e-3), gate("record_coverage", false, 0.2)];
+        let quiet = Some(HostLoad { runnable: 1, cpus: 16 });
+        let r = judged_with(covered.clone(), quiet, BUSY, watched());
+        assert_eq!(r.verdict.status, Status::HostBusy, "{:?}", r.verdict);
+        assert!(
+            r.verdict_line().contains("busy after the run, every process of the submission's gone"),
+            "{}",
+            r.verdict_line()
+        );
+        assert_eq!(serde_json::to_value(&r).unwrap()["performance"]["host_after"]["runnable"], 16);
+        assert_eq!(judged_with(covered, quiet, quiet, watched()).verdict.status, Status::Fail);
+    }
+
+    /// Processes the submission left behind are named in a warning line, the verdict untouched.
+    #[test]
+    fn leftovers_are_said_beside_the_verdict() {
+        let mut w = watched();
+        w.leftovers.killed = vec!["sleep (41)".into(), "spin (42)".into()];
+        let r = judged_with(vec![gate("correctness", true, 1e-3)], None, None, w);
+        assert_eq!(r.verdict.status, Status::Pass);
+        let table = r.table();
+        assert!(
+            table.contains("warning   the submission left 2 process(es) running after its runner exited (sleep (41), spin (42)): the judge killed them"),
+            "{table}"
+        );
+        assert_eq!(serde_json::to_value(&r).unwrap()["watched"]["leftovers"]["killed"][1], "spin (42)");
+        assert!(!judged(vec![gate("correctness", true, 1e-3)], None).table().contains("left"), "none, none said");
     }
 
     /// The host's share is measured from the runner's window to the first kernel's start and from the

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use nvml_wrapper::Nvml;
 use serde::Serialize;
+use submission::child::Leftovers;
 
 /// How often the list is read: a graded call lasts ~0.4 ms, a phase tens of ms, a build seconds;
 /// a helper doing the work holds its context throughout.
@@ -34,6 +35,9 @@ pub struct Watched {
     pub unavailable: Option<String>,
     pub polls: u64,
     pub intruders: Vec<Intruder>,
+    /// The processes the submission left running after its runner exited, which the judge then
+    /// killed (`submission::child`): its own to start in `build_layer`, never to leave behind.
+    pub leftovers: Leftovers,
 }
 
 /// A running watch; [`ProcessWatch::stop`] ends it.
@@ -57,12 +61,13 @@ impl ProcessWatch {
             unavailable: Some("the watch thread panicked".into()),
             polls: 0,
             intruders: Vec::new(),
+            leftovers: Leftovers::default(),
         })
     }
 }
 
 fn watch(pci_bus_id: &str, allowed: &[u32], stop: &AtomicBool) -> Watched {
-    let mut w = Watched { unavailable: None, polls: 0, intruders: Vec::new() };
+    let mut w = Watched { unavailable: None, polls: 0, intruders: Vec::new(), leftovers: Leftovers::default() };
     let nvml = match Nvml::init() {
         Ok(n) => n,
         Err(e) => {
@@ -111,6 +116,24 @@ fn command_name(pid: u32) -> String {
 }
 
 impl Watched {
+    /// One sentence for the report when the submission left processes behind.
+    pub fn describe_leftovers(&self) -> Option<String> {
+        let Leftovers { killed, surviving } = &self.leftovers;
+        if killed.is_empty() {
+            return None;
+        }
+        let mut said = format!(
+            "the submission left {} process(es) running after its runner exited ({}): the judge killed them",
+            killed.len(),
+            killed.join(", ")
+        );
+        if !surviving.is_empty() {
+            said +=
+                &format!("; still there after {} s: {}", submission::child::END_LIMIT.as_secs(), surviving.join(", "));
+        }
+        Some(said)
+    }
+
     /// One sentence for the verdict when something was found.
     pub fn describe_intruders(&self) -> Option<String> {
         let first = self.intruders.first()?;
@@ -144,6 +167,7 @@ mod tests {
             unavailable: None,
             polls: 10,
             intruders: vec![Intruder { pid: 42, name: "helper".into(), first_seen_ms: 7 }],
+            leftovers: Leftovers::default(),
         };
         let s = w.describe_intruders().unwrap();
         assert!(s.contains("pid 42 'helper'") && s.contains("1 other process"), "{s}");

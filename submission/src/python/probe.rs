@@ -91,36 +91,32 @@ fn probe_within(python: &Path, module: &Path, timeout: Duration) -> Result<Pytho
 /// `python -c PROBE module`, killed if it has not exited within `timeout`.
 fn run(python: &Path, module: &Path, timeout: Duration) -> Result<Output, SubmissionError> {
     let refuse = |m: String| SubmissionError::Python(m);
-    let mut child = Command::new(python)
-        .arg("-c")
-        .arg(PROBE)
-        .arg(module)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| {
-            refuse(match e.kind() {
-                std::io::ErrorKind::NotFound => format!(
-                    "no Python interpreter {}: a .py submission runs in one with torch; install it, or name one with \
+    let mut command = Command::new(python);
+    command.arg("-c").arg(PROBE).arg(module).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = crate::child::spawn_contained(&mut command).map_err(|e| {
+        refuse(match e.kind() {
+            std::io::ErrorKind::NotFound => format!(
+                "no Python interpreter {}: a .py submission runs in one with torch; install it, or name one with \
                      --python PATH (or $PYTHON)",
-                    python.display()
-                ),
-                // Running a folder fails with "Permission denied", which hides the mistake.
-                _ if python.is_dir() => format!(
-                    "the Python interpreter {} is a directory, not an interpreter: name its executable with \
+                python.display()
+            ),
+            // Running a folder fails with "Permission denied", which hides the mistake.
+            _ if python.is_dir() => format!(
+                "the Python interpreter {} is a directory, not an interpreter: name its executable with \
                      --python PATH (or $PYTHON), e.g. {}",
-                    python.display(),
-                    python.join("bin/python3").display()
-                ),
-                _ => format!("cannot run the Python interpreter {}: {e}", python.display()),
-            })
-        })?;
+                python.display(),
+                python.join("bin/python3").display()
+            ),
+            _ => format!("cannot run the Python interpreter {}: {e}", python.display()),
+        })
+    })?;
     let stdout = drain(child.stdout.take().expect("piped"));
     let stderr = drain(child.stderr.take().expect("piped"));
-    let status = match crate::child::wait_or_kill(&mut child, timeout) {
+    let waited = crate::child::wait_or_kill(&mut child, timeout);
+    // What the module's import started dies with the probe, so no leftover holds the pipes open.
+    crate::child::end_session(child.id());
+    let status = match waited {
         Ok(Some(status)) => status,
-        // The readers are left behind: a process the interpreter started may hold the pipes.
         Ok(None) => {
             return Err(refuse(format!(
                 "the Python interpreter {} did not answer the grader's probe within {} s and was stopped: name a \

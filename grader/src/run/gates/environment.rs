@@ -47,16 +47,18 @@ mod tests {
 
     #[test]
     fn intruders_and_an_unwatched_device_fail() {
-        let clean = Watched { unavailable: None, polls: 500, intruders: vec![] };
+        let clean = Watched { unavailable: None, polls: 500, intruders: vec![], leftovers: Default::default() };
         assert!(exclusive_gpu_gate(&clean).passed);
         let helper = Watched {
             unavailable: None,
             polls: 500,
             intruders: vec![Intruder { pid: 9, name: "helper".into(), first_seen_ms: 40 }],
+            leftovers: Default::default(),
         };
         let g = exclusive_gpu_gate(&helper);
         assert!(!g.passed && g.detail.contains("helper"), "{g:?}");
-        let blind = Watched { unavailable: Some("no NVML".into()), polls: 0, intruders: vec![] };
+        let blind =
+            Watched { unavailable: Some("no NVML".into()), polls: 0, intruders: vec![], leftovers: Default::default() };
         assert!(!exclusive_gpu_gate(&blind).passed);
     }
 
@@ -71,6 +73,7 @@ mod tests {
             unavailable: None,
             polls: 500,
             intruders: vec![Intruder { pid: 9, name: "grader".into(), first_seen_ms: 40 }],
+            leftovers: Default::default(),
         };
         let g = exclusive_gpu_gate(&helper);
         assert!(g.name == gate && !g.passed && g.detail.contains(word), "{g:?}");
