@@ -34,6 +34,7 @@ mod int8;
 mod int8_down;
 mod int8_down_padded;
 pub mod kernels;
+mod lingerer;
 mod lookahead;
 mod lossy_weights;
 mod memset_cover;
@@ -81,6 +82,9 @@ pub enum Expect {
     Timeout,
     /// Nothing fails, but the measured step time includes the hidden work: at least `min_us` per step.
     TimedHonestly { min_us: f64 },
+    /// The layer is correct, and the report names `count` processes the submission left running after
+    /// its runner exited, each killed by the judge and gone.
+    LeftBehind { count: usize },
 }
 
 // The only float, `min_us`, is always a finite constant (a test checks it), so equality is total.
@@ -344,6 +348,12 @@ pub const ALL: &[Adversary] = &[
         make: spawn_in_step::make,
     },
     Adversary {
+        name: lingerer::NAME,
+        what: "the megakernel, plus two processes started in build_layer and left running, one detached into a session of its own",
+        expect: Expect::LeftBehind { count: lingerer::LEFT },
+        make: lingerer::make,
+    },
+    Adversary {
         name: forged_report::NAME,
         what: "the eager layer, and in teardown a forged report of one kernel per call on the runner's report channel",
         expect: Expect::CrashedFor { word: "report channel" },
@@ -458,6 +468,7 @@ mod tests {
                 Expect::TimedHonestly { min_us } => assert!(min_us.is_finite() && min_us > 0.0, "{}", a.name),
                 Expect::Crashed | Expect::Timeout => {}
                 Expect::CrashedFor { word } => assert!(!word.trim().is_empty(), "{}: empty word", a.name),
+                Expect::LeftBehind { count } => assert!(count > 0, "{}", a.name),
             }
         }
         // Every kind of conclusion is exercised, and the correctness, kernel, DRAM-traffic and L2

@@ -20,8 +20,9 @@ use crate::stats::Summary;
 /// Bumped whenever a field changes meaning or goes away (3: `audit` is the judge's own sampling,
 /// `runner_audit` the runner's range profiler, `appends` every call's K/V slot, coverage `lost`;
 /// 4: the back-to-back phase's attempts; 5: the coverage rule its own gate, `record_coverage`, and
-/// the status `host_busy`).
-pub const SCHEMA_VERSION: u32 = 5;
+/// the status `host_busy`; 6: `host_busy` also from the read after the run, `performance.host_after`,
+/// and `watched.leftovers`).
+pub const SCHEMA_VERSION: u32 = 6;
 
 /// The seeds of a run: the weights' is public; the inputs' is drawn fresh and disclosed afterwards.
 #[derive(Debug, Clone, Copy, Serialize)]
