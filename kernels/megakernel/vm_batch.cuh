@@ -100,11 +100,10 @@ __device__ void lanes_pairs(const RowStream<1, NF4_CODES>& all, uint32_t lanes, 
 
 // Rows a block's share of a batch phase without a Qkv's q/k norms comes in (row_unit's). Pairs spelled
 // out for the bf16 and fp8 instances, not row_unit's test of the opcode at run time: so their batch
-// steps keep the machine code they were measured with (fatbins compared by function). NARROW: as
-// run_batch's.
-template <uint32_t CODES, bool NARROW>
+// steps keep the machine code they were measured with (fatbins compared by function).
+template <uint32_t CODES>
 __device__ inline uint32_t batch_unit(const OpRow& op) {
-    if constexpr (CODES == NF4_CODES) return row_unit<CODES, NARROW>(op, nullptr);
+    if constexpr (CODES == NF4_CODES) return row_unit<CODES, true>(op, nullptr);
     else return 2;
 }
 
@@ -112,8 +111,8 @@ __device__ inline uint32_t batch_unit(const OpRow& op) {
 // lanes_group: the weights streamed once per group of lanes (lanes_per_group), each group's rows in
 // chunks whose partials fit (chunk_rows). The first group's first chunk is in the ring (prime_phase with
 // the lanes); every later stream primes its own. CODES: as streams_codes, the codes decoded once for every
-// lane of a group. NARROW: as run_batch's.
-template <uint32_t CODES, bool NARROW, typename In, typename Out>
+// lane of a group.
+template <uint32_t CODES, typename In, typename Out>
 __device__ void lanes_gemv(const OpRow& op, uint32_t lanes, uint32_t unit, uint32_t r0, uint32_t r1, Ring& ring, Partials part, In input, Out epilogue) {
     Gemv gemv;
     if (!gemv_of(op, gemv)) __trap();
@@ -128,7 +127,7 @@ __device__ void lanes_gemv(const OpRow& op, uint32_t lanes, uint32_t unit, uint3
         }
     };
     if constexpr (CODES == NF4_CODES) {
-        if (pair_tiled<CODES, NARROW>(gemv)) return lanes_pairs(pair_stream<NARROW>(gemv, r0, r1), lanes, unit, ring, part, input, epilogue);
+        if (pair_tiled<CODES, true>(gemv)) return lanes_pairs(pair_stream<true>(gemv, r0, r1), lanes, unit, ring, part, input, epilogue);
     }
     if constexpr (CODES != BF16_ROWS) {
         // Packed (the loader packs every coded matrix): no row source to read.
@@ -139,9 +138,8 @@ __device__ void lanes_gemv(const OpRow& op, uint32_t lanes, uint32_t unit, uint3
 
 // Phase `op` of a batch step for every lane (`l` its layer): the GEMV phases through lanes_gemv, with
 // each lane's input and epilogue those of the decode step's phase; attention lane after lane. CODES: the
-// GEMVs as streams_codes (the model kernel's batch steps for fp8 and nf4 checkpoints); NARROW: as
-// run_batch's.
-template <uint32_t CODES, bool NARROW>
+// GEMVs as streams_codes (the model kernel's batch steps for fp8 and nf4 checkpoints).
+template <uint32_t CODES>
 __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, const BatchArgs& ba, const BatchIo& io, Ring& ring, Partials part) {
     const uint32_t lanes = ba.lanes;
     uint32_t r0, r1;
@@ -149,16 +147,16 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
         case OP_NOP: break;
         case OP_QKV: {
             const bf16* norms = m.qk_norms[l];
-            gemv_rows<CODES, NARROW>(op, r0, r1, norms);
+            gemv_rows<CODES, true>(op, r0, r1, norms);
             const uint32_t d = (uint32_t)op[qkv::D];
             lane_norms(lanes, d, __int_as_float((int)op[qkv::EpsBits]), [&](uint32_t b) { return io.x(ba, b, l); });
             const auto input = [&](uint32_t b, uint32_t t) { return lane_rmsnorm(io.x(ba, b, l), reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm)), d, b, t); };
-            const uint32_t unit = row_unit<CODES, NARROW>(op, norms);
+            const uint32_t unit = row_unit<CODES, true>(op, norms);
             if (norms != nullptr) {
-                lanes_gemv<CODES, NARROW>(op, lanes, unit, r0, r1, ring, part, input,
+                lanes_gemv<CODES>(op, lanes, unit, r0, r1, ring, part, input,
                              [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { qkv_normed_epilogue(lane_op(op, ba, b), ba.pos[b], ring, p, norms, c0, c1); });
             } else {
-                lanes_gemv<CODES, NARROW>(op, lanes, unit, r0, r1, ring, part, input, [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
+                lanes_gemv<CODES>(op, lanes, unit, r0, r1, ring, part, input, [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
                     const OpRow lop = lane_op(op, ba, b);
                     const QkvOut out = qkv_out(lop, ba.pos[b]);
                     qkv_epilogue(lop, ba.pos[b], out, p, c0, c1, rope_first(lop, out, c0, c1));
@@ -185,9 +183,9 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
         // and destination as lambdas, ptxas gave this kernel a 504-byte stack frame for 448 and more
         // spill loads (ptxas's report).
         case OP_O_PROJ:
-            gemv_rows<CODES, NARROW>(op, r0, r1);
-            lanes_gemv<CODES, NARROW>(
-                op, lanes, batch_unit<CODES, NARROW>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), oproj::A), (uint32_t)op[oproj::Cols], t); },
+            gemv_rows<CODES, true>(op, r0, r1);
+            lanes_gemv<CODES>(
+                op, lanes, batch_unit<CODES>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), oproj::A), (uint32_t)op[oproj::Cols], t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
                     const OpRow lop = lane_op(op, ba, b);
                     residual_epilogue(residual_out(io.x(ba, b, l), act_ptr<bf16>(lop, oproj::X1Out), part_ptr<const float>(lop, oproj::PartIn), part_ptr<float>(lop, oproj::PartOut), c0, c1), p, c0, c1);
@@ -197,16 +195,16 @@ __device__ void batch_phase(const OpRow& op, uint32_t l, const ModelArgs& m, con
             const uint32_t d = (uint32_t)op[gateup::D];
             const auto x1 = [&](uint32_t b) { return act_ptr<const bf16>(lane_op(op, ba, b), gateup::X1); };
             lane_norms(lanes, d, __int_as_float((int)op[gateup::EpsBits]), x1);
-            gemv_rows<CODES, NARROW>(op, r0, r1);
-            lanes_gemv<CODES, NARROW>(
-                op, lanes, batch_unit<CODES, NARROW>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return lane_rmsnorm(x1(b), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, b, t); },
+            gemv_rows<CODES, true>(op, r0, r1);
+            lanes_gemv<CODES>(
+                op, lanes, batch_unit<CODES>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return lane_rmsnorm(x1(b), reinterpret_cast<const bf16*>(layer_address(op, gateup::Norm)), d, b, t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) { gateup_epilogue(act_ptr<bf16>(lane_op(op, ba, b), gateup::ActOut), p, c0, c1); });
             break;
         }
         case OP_DOWN:
-            gemv_rows<CODES, NARROW>(op, r0, r1);
-            lanes_gemv<CODES, NARROW>(
-                op, lanes, batch_unit<CODES, NARROW>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), down::Act), (uint32_t)op[down::Cols], t); },
+            gemv_rows<CODES, true>(op, r0, r1);
+            lanes_gemv<CODES>(
+                op, lanes, batch_unit<CODES>(op), r0, r1, ring, part, [&](uint32_t b, uint32_t t) { return load_slice(act_ptr<const bf16>(lane_op(op, ba, b), down::Act), (uint32_t)op[down::Cols], t); },
                 [&](uint32_t b, const Partials& p, uint32_t c0, uint32_t c1) {
                     const OpRow lop = lane_op(op, ba, b);
                     residual_epilogue(residual_out(act_ptr<const bf16>(lop, down::X1), io.y(b, l), part_ptr<const float>(lop, down::PartIn), part_ptr<float>(lop, down::PartOut), c0, c1), p, c0, c1);
@@ -291,11 +289,11 @@ __device__ inline void batch_tokens(const ModelArgs& m, const BatchArgs& ba, con
 
 // Before the wait of phase f of a batch step, what does not depend on the step (as prime_inputs): a GEMV
 // phase's first stream of lanes_gemv, or lane 0's first cached rows for its attention.
-template <uint32_t CODES, bool NARROW>
+template <uint32_t CODES>
 __device__ inline void batch_prime(const Walk<PROGRAM_MAX_LAYERS>& walk, uint32_t f, const ModelArgs& m, const BatchArgs& ba, const Ring& ring, const Partials& part) {
     const OpRow op = lane_op(walk.op(f), ba, 0);
     if (op[0] == OP_ATTENTION) prime_attention(op, ba.pos[0], ring.data);
-    else prime_phase<false, CODES, NARROW>(op, ring, m.qk_norms[f / walk.phases], ba.lanes, part.rows);
+    else prime_phase<false, CODES, true>(op, ring, m.qk_norms[f / walk.phases], ba.lanes, part.rows);
 }
 
 // One step of every lane of `ba` through the model, in one launch: the stack's phases as run_model runs
@@ -303,12 +301,8 @@ __device__ inline void batch_prime(const Walk<PROGRAM_MAX_LAYERS>& walk, uint32_
 // in block 0, each lane's greedy token. The model's positions, tokens, done counts and end-of-sequence
 // tokens are not read: a batch step is one step, its lanes given. CODES: the GEMVs whose rows are too wide
 // for slices stream as that format's codes (streams_codes), as its decode steps do; not with q/k
-// norms, whose Qkv phase streams bf16 rows. NARROW: nf4's pair tiles of rows of 2048 columns, two
-// a stage, beside those of 4096 (pair_tiled's), for models with rows narrow enough for slices; without
-// it the nf4 instance for wide rows takes a stage of one tile, as its decode step does, and keeps the
-// allocation that the narrow tiles' run-time tile count moved (docs/perf.md, "The nf4 batch step for
-// wide rows"). The bf16 and fp8 batch steps have no pair tiles: NARROW changes nothing in them.
-template <uint32_t CODES = BF16_ROWS, bool NARROW = true>
+// norms, whose Qkv phase streams bf16 rows.
+template <uint32_t CODES = BF16_ROWS>
 __device__ __forceinline__ void run_batch(const Program<PROGRAM_MAX_LAYERS>& program, const ModelArgs& m, const BatchArgs& ba, uint32_t phases, uint32_t layers,
                                           bf16* out, bf16* hidden, uint32_t d, uint32_t step, unsigned* phase_done, uint32_t red_rows) {
     __shared__ uint64_t full[STAGES];
@@ -325,14 +319,14 @@ __device__ __forceinline__ void run_batch(const Program<PROGRAM_MAX_LAYERS>& pro
     const BatchIo io{m.embed, out, hidden, d, layers};
     const uint32_t per_step = phases * layers;
     uint32_t f = walk.next_own(0, per_step);
-    if (f < per_step) batch_prime<CODES, NARROW>(walk, f, m, ba, ring, part);
+    if (f < per_step) batch_prime<CODES>(walk, f, m, ba, ring, part);
     while (f < per_step) {
         const OpRow op = walk.op(f);
         wait_for(program.words, (uint64_t)op[ROW_WAITS], phase_done, step, layers, f / phases, f >= phases);
-        batch_phase<CODES, NARROW>(op, f / phases, m, ba, io, ring, part);
+        batch_phase<CODES>(op, f / phases, m, ba, io, ring, part);
         finish_phase(phase_done, f % phases);
         f = walk.next_own(f + 1, per_step);
-        if (f < per_step) batch_prime<CODES, NARROW>(walk, f, m, ba, ring, part);
+        if (f < per_step) batch_prime<CODES>(walk, f, m, ba, ring, part);
     }
     prime_head<false>(m, d, ring, part.rows / head_group(d), true);
     // Every row of the last layer, as the layer before the head: every lane's output is whole.

@@ -116,7 +116,6 @@ const MODEL_ALLOWANCES: &[::kernels::Spills] = &[
           Llama-3.2-1B in fp8 a step 1.9% faster than with two (docs/perf.md, \"The batch step with one stage in \
           flight\")",
     },
-    ::kernels::Spills { function: "megakernel_model_batch_sliced_nf4", bytes: 640, why: BATCH_SPILLS },
     ::kernels::Spills { function: "megakernel_model_batch_nf4", bytes: 640, why: BATCH_SPILLS },
     ::kernels::Spills { function: "batch_phase", bytes: 4776, why: BATCH_SPILLS },
     ::kernels::Spills { function: "batch_head", bytes: 512, why: BATCH_SPILLS },

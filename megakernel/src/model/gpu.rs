@@ -178,13 +178,11 @@ fn coded_kernel(format: Format, narrow: bool, traced: bool) -> Option<&'static s
 /// The bf16 batch step's kernel, model_batch.cu's (its own file: its ring keeps one stage in flight).
 const BF16_BATCH: &str = "megakernel_model_batch_bf16";
 
-/// The kernel file of `format`'s decode instances, and of its batch step with that kernel's name: nf4's
-/// for layers with rows narrow enough for slices (`narrow`: the pair tiles of 2048 columns) or without.
-fn coded_files(format: Format, narrow: bool) -> (&'static Kernel, &'static Kernel, &'static str) {
-    match (format, narrow) {
-        (Format::Fp8, _) => (&MODEL_FP8, &MODEL_FP8_BATCH, "megakernel_model_batch_fp8"),
-        (Format::Nf4, true) => (&MODEL_NF4, &MODEL_NF4_BATCH, "megakernel_model_batch_sliced_nf4"),
-        (Format::Nf4, false) => (&MODEL_NF4, &MODEL_NF4_BATCH, "megakernel_model_batch_nf4"),
+/// The kernel file of `format`'s decode instances, and of its batch step with that kernel's name.
+fn coded_files(format: Format) -> (&'static Kernel, &'static Kernel, &'static str) {
+    match format {
+        Format::Fp8 => (&MODEL_FP8, &MODEL_FP8_BATCH, "megakernel_model_batch_fp8"),
+        Format::Nf4 => (&MODEL_NF4, &MODEL_NF4_BATCH, "megakernel_model_batch_nf4"),
     }
 }
 
@@ -262,7 +260,7 @@ impl CodedDecode {
         let red_rows = stack.red_rows.saturating_sub(tail_rows).max(lane_rows as u32);
         let smem = RING_BYTES + (red_rows + tail_rows) * WARPS * 4;
         let program = ProgramParam::new(&rows, &tables).expect("the bf16 program's rows and tables fit");
-        let (decode_file, batch_file, batch_name) = coded_files(format, has_narrow_rows(layer));
+        let (decode_file, batch_file, batch_name) = coded_files(format);
         let name = coded_kernel(format, has_narrow_rows(layer), false).expect("every format has a timed instance");
         let func = dev.function(decode_file, name)?;
         match fit_one_block(&func, smem, "the coded model kernel") {
@@ -863,10 +861,9 @@ mod tests {
             assert!(nf4.contains(&format!(" {name}(MODEL_PARAMS)")), "{name} is not a kernel of model_nf4.cu");
             assert_eq!(coded_kernel(Format::Nf4, narrow, true), None);
         }
-        let batches = [false, true].map(|narrow| {
-            [(coded_files(Format::Fp8, narrow).2, fp8_batch), (coded_files(Format::Nf4, narrow).2, nf4_batch)]
-        });
-        for (name, file) in std::iter::once((BF16_BATCH, bf16_batch)).chain(batches.into_iter().flatten()) {
+        for (name, file) in
+            [(BF16_BATCH, bf16_batch), (coded_files(Format::Fp8).2, fp8_batch), (coded_files(Format::Nf4).2, nf4_batch)]
+        {
             assert!(file.contains(&format!(" {name}(BATCH_PARAMS)")), "{name} is not a kernel of its file");
         }
     }
