@@ -9,12 +9,14 @@
 //! of its own) comes back to the grader as a child instead of going to init. Once the contained
 //! process has exited, [`end_session`] kills everything that came of it: every process of its
 //! session, and every child of the grader in a session that is neither the grader's nor another
-//! contained process's.
+//! contained process's. A signal that ends the grader from outside (Ctrl-C, which no longer reaches a
+//! contained session through the terminal's process group) first kills every live contained group.
 
 use std::collections::BTreeSet;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
 
 /// How often a waiting caller looks at the child.
@@ -31,6 +33,52 @@ static LIVE: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
 
 fn live() -> std::sync::MutexGuard<'static, BTreeSet<u32>> {
     LIVE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The same sessions' first process groups (a session's leader leads one, numbered as the session), for
+/// [`end_groups_and_reraise`]: slots of atomics, since a signal handler may neither lock nor allocate.
+/// More contained processes at once than slots go uncovered by the handler only.
+static GROUPS: [AtomicI32; 8] = [const { AtomicI32::new(0) }; 8];
+/// The signals that end the grader from outside (Ctrl-C, `kill`, a closed terminal).
+const ENDING_SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+static HANDLERS: Once = Once::new();
+
+/// A contained session is no longer in the terminal's foreground group, so Ctrl-C reaches only the
+/// grader; on such a signal this kills each live contained group (the contained process itself
+/// dies with the grader through `PR_SET_PDEATHSIG`), then lets the signal end the grader as it would
+/// have (`SA_RESETHAND` restored its default action; raised again, it is delivered on return).
+extern "C" fn end_groups_and_reraise(signal: libc::c_int) {
+    for slot in &GROUPS {
+        let group = slot.load(Ordering::Relaxed);
+        if group > 0 {
+            // SAFETY: kill is async-signal-safe; a group that has gone answers ESRCH.
+            unsafe { libc::kill(-group, libc::SIGKILL) };
+        }
+    }
+    // SAFETY: raise is async-signal-safe.
+    unsafe { libc::raise(signal) };
+}
+
+/// Installs [`end_groups_and_reraise`] for each ending signal whose action is still the default (a
+/// program embedding the grader keeps handlers of its own).
+fn install_handlers() {
+    HANDLERS.call_once(|| {
+        for signal in ENDING_SIGNALS {
+            // SAFETY: sigaction reads the current action into a zeroed struct, then installs a handler
+            // that only calls async-signal-safe functions.
+            unsafe {
+                let mut old: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(signal, std::ptr::null(), &mut old) != 0 || old.sa_sigaction != libc::SIG_DFL {
+                    continue;
+                }
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction = end_groups_and_reraise as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                action.sa_flags = libc::SA_RESETHAND;
+                libc::sigemptyset(&mut action.sa_mask);
+                libc::sigaction(signal, &action, std::ptr::null_mut());
+            }
+        }
+    });
 }
 
 /// The child's exit status, or `None` when it was still running at `timeout` (it is then killed and
@@ -74,9 +122,12 @@ pub fn spawn_contained(cmd: &mut Command) -> std::io::Result<Child> {
             Ok(())
         })
     };
+    install_handlers();
     let mut live = live();
     let child = cmd.spawn()?;
     live.insert(child.id());
+    let group = child.id() as i32;
+    let _ = GROUPS.iter().find(|slot| slot.compare_exchange(0, group, Ordering::Relaxed, Ordering::Relaxed).is_ok());
     Ok(child)
 }
 
@@ -96,6 +147,9 @@ pub struct Leftovers {
 pub fn end_session(leader: u32) -> Leftovers {
     let mut live_sessions = live();
     live_sessions.remove(&leader);
+    for slot in &GROUPS {
+        let _ = slot.compare_exchange(leader as i32, 0, Ordering::Relaxed, Ordering::Relaxed);
+    }
     // SAFETY: getsid(0) reads this process's session.
     let own = Owner { pid: std::process::id(), session: unsafe { libc::getsid(0) } as u32 };
     let mut killed = BTreeSet::new();
@@ -229,5 +283,45 @@ mod tests {
         let still = processes().into_iter().filter(|p| p.session == leader || p.pid == detached).count();
         assert_eq!(still, 0, "nothing of the session is left, zombies included");
         assert_eq!(end_session(leader), Leftovers::default(), "ending it again finds nothing");
+    }
+
+    /// Set in the copy of this test binary that the interrupt test starts.
+    const CHILD: &str = "PERSISTENT_LAYER_CONTAINED_CHILD";
+
+    /// A grader interrupted while a contained shell and its sleeper run: the sleeper dies with it,
+    /// and the grader ends by the signal, as it would have without the handler.
+    #[test]
+    fn an_interrupted_grader_takes_its_contained_group_with_it() {
+        use std::io::{BufRead, BufReader};
+        use std::os::unix::process::ExitStatusExt;
+        if std::env::var_os(CHILD).is_some() {
+            let mut cmd = Command::new("sh");
+            cmd.args(["-c", "sleep 302 >/dev/null & echo $!; wait"]).stdin(Stdio::null()).stdout(Stdio::piped());
+            let mut child = spawn_contained(&mut cmd).expect("sh starts");
+            let mut line = String::new();
+            BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).expect("the sleeper's pid");
+            println!("sleeper {}", line.trim());
+            // SAFETY: raises SIGINT in this process, as Ctrl-C would.
+            unsafe { libc::raise(libc::SIGINT) };
+            std::process::exit(7);
+        }
+        let name = "child::tests::an_interrupted_grader_takes_its_contained_group_with_it";
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--test-threads=1", "--nocapture"])
+            .env(CHILD, "1")
+            .stderr(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.signal(), Some(libc::SIGINT), "ended by the signal: {:?}", out.status);
+        let text = String::from_utf8_lossy(&out.stdout);
+        // The harness's own "test NAME ... " precedes it on the line.
+        let printed = text.split("sleeper ").nth(1).and_then(|t| t.split_whitespace().next());
+        let sleeper: u32 = printed.and_then(|p| p.parse().ok()).expect("the pid printed");
+        // SIGKILL has been sent before the signal ended the child; its exit reaches init soon after.
+        let start = Instant::now();
+        while processes().iter().any(|p| p.pid == sleeper && p.state != 'Z') && start.elapsed() < END_LIMIT {
+            std::thread::sleep(END_ROUND);
+        }
+        assert!(!processes().iter().any(|p| p.pid == sleeper && p.state != 'Z'), "sleeper {sleeper} still runs");
     }
 }
