@@ -263,10 +263,15 @@ mod tests {
         assert!(!own.left_by(&p(1, 999), 200, &live), "someone else's process");
     }
 
+    /// Held by each test that ends or interrupts contained processes: this test process is their
+    /// orphans' reaper, so one test's orphans would be another's leftovers.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
     /// A contained shell that leaves two sleepers behind, one in its session and one detached into a
     /// session of its own, and exits: both are killed, and no process of either is left.
     #[test]
     fn a_contained_process_leaves_nothing_behind() {
+        let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let script = "sleep 300 >/dev/null & setsid sleep 301 >/dev/null & echo $!; exit 0";
         let mut cmd = Command::new("sh");
         cmd.args(["-c", script]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null());
@@ -295,6 +300,10 @@ mod tests {
         use std::io::{BufRead, BufReader};
         use std::os::unix::process::ExitStatusExt;
         if std::env::var_os(CHILD).is_some() {
+            // SIGINT as a terminal's foreground job has it (a shell's background job inherits it
+            // ignored, and the handler leaves an ignored signal alone).
+            // SAFETY: resets one signal's action to the default.
+            unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
             let mut cmd = Command::new("sh");
             cmd.args(["-c", "sleep 302 >/dev/null & echo $!; wait"]).stdin(Stdio::null()).stdout(Stdio::piped());
             let mut child = spawn_contained(&mut cmd).expect("sh starts");
@@ -305,6 +314,7 @@ mod tests {
             unsafe { libc::raise(libc::SIGINT) };
             std::process::exit(7);
         }
+        let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let name = "child::tests::an_interrupted_grader_takes_its_contained_group_with_it";
         let out = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", name, "--test-threads=1", "--nocapture"])
