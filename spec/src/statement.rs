@@ -177,7 +177,7 @@ fn gate_lines() -> [(&'static str, String); 9] {
         (
             "record_coverage",
             format!(
-                "recorded GPU work covers >= {} of most timed calls and of one back-to-back attempt; HOST BUSY, never a pass, where only this fails on a host busy before the run",
+                "recorded GPU work covers >= {} of most timed calls and of one back-to-back attempt; HOST BUSY, never a pass, where only this fails on a host busy before or after the run",
                 g.min_coverage
             ),
         ),

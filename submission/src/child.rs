@@ -134,10 +134,31 @@ pub fn spawn_contained(cmd: &mut Command) -> std::io::Result<Child> {
 /// What the contained process left behind when it exited, killed by [`end_session`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Leftovers {
-    /// Each process killed, as `name (pid)`.
-    pub killed: Vec<String>,
-    /// Processes still there at the end (stuck in the kernel), as `name (pid)`.
-    pub surviving: Vec<String>,
+    /// Each process killed.
+    pub killed: Vec<Left>,
+    /// Processes still there at the end (stuck in the kernel).
+    pub surviving: Vec<Left>,
+}
+
+/// A process left behind: its pid and its name when it was found.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Left {
+    pub pid: u32,
+    pub name: String,
+}
+
+impl std::fmt::Display for Left {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.name, self.pid)
+    }
+}
+
+/// Whether process `pid` still runs (a zombie has ended).
+pub fn runs(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| Proc::parse(&s))
+        .is_some_and(|p| p.state != 'Z')
 }
 
 /// Kills everything the contained process with pid `leader` left behind: every process of its
@@ -152,7 +173,6 @@ pub fn end_session(leader: u32) -> Leftovers {
     }
     // SAFETY: getsid(0) reads this process's session.
     let own = Owner { pid: std::process::id(), session: unsafe { libc::getsid(0) } as u32 };
-    let mut killed = BTreeSet::new();
     let mut out = Leftovers::default();
     let start = Instant::now();
     loop {
@@ -161,7 +181,7 @@ pub fn end_session(leader: u32) -> Leftovers {
             return out;
         }
         if start.elapsed() > END_LIMIT {
-            out.surviving = found.iter().filter(|p| p.state != 'Z').map(Proc::label).collect();
+            out.surviving = found.iter().filter(|p| p.state != 'Z').map(Proc::left).collect();
             return out;
         }
         for p in &found {
@@ -175,8 +195,8 @@ pub fn end_session(leader: u32) -> Leftovers {
             // SAFETY: kill with a pid read from /proc and SIGKILL. A pid reused since the read would
             // have to belong to a new process of the same session, which is the session's too.
             unsafe { libc::kill(p.pid as libc::pid_t, libc::SIGKILL) };
-            if killed.insert(p.pid) {
-                out.killed.push(p.label());
+            if !out.killed.iter().any(|k| k.pid == p.pid) {
+                out.killed.push(p.left());
             }
         }
         std::thread::sleep(END_ROUND);
@@ -221,8 +241,8 @@ impl Proc {
         Some(Proc { pid: pid.trim().parse().ok()?, name: name.to_string(), state, ppid, session })
     }
 
-    fn label(&self) -> String {
-        format!("{} ({})", self.name, self.pid)
+    fn left(&self) -> Left {
+        Left { pid: self.pid, name: self.name.clone() }
     }
 }
 
@@ -245,7 +265,7 @@ mod tests {
     fn a_stat_line_is_read_past_a_name_with_spaces_and_parentheses() {
         let p = Proc::parse("4242 (a (b) c) S 17 4242 4242 0 -1 4194560 99 0 0 0\n").expect("parsed");
         assert_eq!(p, Proc { pid: 4242, name: "a (b) c".into(), state: 'S', ppid: 17, session: 4242 });
-        assert_eq!(p.label(), "a (b) c (4242)");
+        assert_eq!(p.left().to_string(), "a (b) c (4242)");
         assert_eq!(Proc::parse("12 (x) Z"), None, "too few fields");
     }
 
@@ -283,7 +303,7 @@ mod tests {
         let left = end_session(leader);
         assert_eq!(left.killed.len(), 2, "{left:?}");
         // Named as they were when killed: `sleep`, or the shell or `setsid` not yet replaced by it.
-        assert!(left.killed.iter().any(|k| k.ends_with(&format!(" ({detached})"))), "{left:?}");
+        assert!(left.killed.iter().any(|k| k.pid == detached), "{left:?}");
         assert!(left.surviving.is_empty(), "{left:?}");
         let still = processes().into_iter().filter(|p| p.session == leader || p.pid == detached).count();
         assert_eq!(still, 0, "nothing of the session is left, zombies included");

@@ -158,7 +158,7 @@ pub enum Status {
     /// device allows none here, or `--no-audit`): not a pass.
     Unaudited,
     /// Every gate passed but `record_coverage`, on a host the judge saw busy before the submission
-    /// started: its stalls make windows short of recorded work as hidden work does, so the run is not
+    /// started or after the run: its stalls make windows short of recorded work as hidden work does, so the run is not
     /// judged, and it is never a pass (a submission can starve its own runner).
     HostBusy,
 }
@@ -612,7 +612,8 @@ mod tests {
     #[test]
     fn leftovers_are_said_beside_the_verdict() {
         let mut w = watched();
-        w.leftovers.killed = vec!["sleep (41)".into(), "spin (42)".into()];
+        let left = |pid, name: &str| submission::child::Left { pid, name: name.into() };
+        w.leftovers.killed = vec![left(41, "sleep"), left(42, "spin")];
         let r = judged_with(vec![gate("correctness", true, 1e-3)], None, None, w);
         assert_eq!(r.verdict.status, Status::Pass);
         let table = r.table();
@@ -620,7 +621,7 @@ mod tests {
             table.contains("warning   the submission left 2 process(es) running after its runner exited (sleep (41), spin (42)): the judge killed them"),
             "{table}"
         );
-        assert_eq!(serde_json::to_value(&r).unwrap()["watched"]["leftovers"]["killed"][1], "spin (42)");
+        assert_eq!(serde_json::to_value(&r).unwrap()["watched"]["leftovers"]["killed"][1]["pid"], 42);
         assert!(!judged(vec![gate("correctness", true, 1e-3)], None).table().contains("left"), "none, none said");
     }
 

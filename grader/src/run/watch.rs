@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use nvml_wrapper::Nvml;
 use serde::Serialize;
-use submission::child::Leftovers;
+use submission::child::{Left, Leftovers};
 
 /// How often the list is read: a graded call lasts ~0.4 ms, a phase tens of ms, a build seconds;
 /// a helper doing the work holds its context throughout.
@@ -122,14 +122,14 @@ impl Watched {
         if killed.is_empty() {
             return None;
         }
+        let list = |l: &[Left]| l.iter().map(Left::to_string).collect::<Vec<_>>().join(", ");
         let mut said = format!(
             "the submission left {} process(es) running after its runner exited ({}): the judge killed them",
             killed.len(),
-            killed.join(", ")
+            list(killed)
         );
         if !surviving.is_empty() {
-            said +=
-                &format!("; still there after {} s: {}", submission::child::END_LIMIT.as_secs(), surviving.join(", "));
+            said += &format!("; still there after {} s: {}", submission::child::END_LIMIT.as_secs(), list(surviving));
         }
         Some(said)
     }

@@ -49,9 +49,9 @@ fn caught(r: &Report, expect: Expect) -> Result<String, String> {
         Expect::LeftBehind { count } => {
             let left = &r.watched.leftovers;
             let correct = r.gates.iter().any(|g| g.name == "correctness" && g.passed);
-            let alive: Vec<&String> = left.killed.iter().filter(|k| still_running(k)).collect();
+            let alive: Vec<u32> = left.killed.iter().map(|k| k.pid).filter(|&p| submission::child::runs(p)).collect();
             if correct && left.killed.len() == count && left.surviving.is_empty() && alive.is_empty() {
-                Ok(format!("correct; killed after the run: {}", left.killed.join(", ")))
+                Ok(format!("correct; killed after the run: {}", r.watched.describe_leftovers().unwrap_or_default()))
             } else {
                 Err(format!("{}; left behind {:?}, of them still running {alive:?}", shown(), left))
             }
@@ -64,13 +64,6 @@ fn caught(r: &Report, expect: Expect) -> Result<String, String> {
         },
         _ => Err(shown()),
     }
-}
-
-/// Whether the process a report names as `name (pid)` still runs (a zombie counts as gone).
-fn still_running(label: &str) -> bool {
-    let pid = label.rsplit_once('(').and_then(|(_, p)| p.strip_suffix(')'));
-    let stat = pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok());
-    stat.and_then(|s| s.rsplit_once(')').map(|(_, t)| t.trim_start().to_string())).is_some_and(|t| !t.starts_with('Z'))
 }
 
 fn red_team(ctx: &mut Ctx) -> CheckResult {
