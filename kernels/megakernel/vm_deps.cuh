@@ -57,12 +57,15 @@ __device__ inline bool runs(const BlockSet& b) { return (blockIdx.x - b.first) %
 // layer l, and the layer before's (bits from PREV_LAYER_WAITS) when the layer is `chained` to one run
 // earlier in this launch (a stack's layers after the first; a model's first layer after a step this
 // launch ran; otherwise the launch boundary orders the step before). Call with the block converged.
+// Thread w checks phase w's bits and polls its count: one thread's walk over every phase's bits, with
+// each waited count polled in turn, cost a narrow model 0.17-0.35 us a phase (docs/perf.md, "Waits
+// polled in parallel").
 __device__ inline void wait_for(const int64_t* program, uint64_t waits, const unsigned* phase_done, uint32_t step,
                                 uint32_t layers, uint32_t l, bool chained) {
-    if (threadIdx.x == 0) {
-        for (uint32_t w = 0; w < PROGRAM_MAX_PHASES; ++w) {
-            const bool own = (waits >> w) & 1, before = chained && ((waits >> (PREV_LAYER_WAITS + w)) & 1);
-            if (!own && !before) continue;
+    const uint32_t w = threadIdx.x;
+    if (w < PROGRAM_MAX_PHASES) {
+        const bool own = (waits >> w) & 1, before = chained && ((waits >> (PREV_LAYER_WAITS + w)) & 1);
+        if (own || before) {
             // The layer before's count, then this layer's (which implies it). For l = 0 the layer before
             // is the step before's last: count * (step * layers) is where that step ended.
             const unsigned target = blocks_of(program + (size_t)w * PROGRAM_ROW_WORDS).count * (step * layers + l + (own ? 1 : 0));
@@ -70,7 +73,7 @@ __device__ inline void wait_for(const int64_t* program, uint64_t waits, const un
             while ((int)(ld_acquire(&phase_done[w]) - target) < 0) __nanosleep(64);
         }
     }
-    __syncthreads();  // the rest of the block waits for thread 0 to see every count
+    __syncthreads();  // the rest of the block waits for the pollers to see every count
 }
 
 // Counts this block as done with phase p: call after a __syncthreads that follows every write of it.
