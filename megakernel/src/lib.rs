@@ -183,8 +183,10 @@ impl Megakernel {
         hidden: Option<&mut CudaSlice<bf16>>,
         out: &mut CudaSlice<bf16>,
     ) -> Result<Trace, SubmissionError> {
-        let (phases, grid, plan) = match (self.phases(), &self.built) {
-            (Some(phases), Some(b)) => (phases, b.stack.grid, b.stack.plan.iter().map(|p| p.op).collect::<Vec<_>>()),
+        let (phases, grid, plan, waits) = match (self.phases(), &self.built) {
+            (Some(phases), Some(b)) => {
+                (phases, b.stack.grid, b.stack.plan.iter().map(|p| p.op).collect::<Vec<_>>(), b.stack.waits())
+            }
             _ => return Err(SubmissionError::Refused("trace_step before build_stack".into())),
         };
         let mut trace = dev
@@ -194,7 +196,7 @@ impl Megakernel {
         let kernel_ms = dev.time_ms(|| self.launch(dev, x, pos, hidden, out, 0..phases, Some(&mut trace)))?;
         let stamps = dev.stream().clone_dtoh(&trace).context("reading the trace")?;
         let layers = phases as usize / plan.len().max(1);
-        Ok(Trace { stamps, grid: grid as usize, plan, layers, head: false, prompt: 0, kernel_ms })
+        Ok(Trace { stamps, grid: grid as usize, plan, waits, layers, head: false, prompt: 0, kernel_ms })
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -86,9 +86,9 @@ enum Command {
         #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=gpu::MAX_BATCH as i64))]
         batch: u32,
         /// Then run the generation once more in the model kernel's traced instance (every block stamps
-        /// the global timer around each phase) and print where a token's time goes: per kind of phase,
-        /// its time on the critical path as the hand-off from the phase before, the median block's work
-        /// and what the blocks later than the median add. An fp8 checkpoint whose decode steps stream
+        /// the global timer around each phase) and print where a token's time goes along its critical
+        /// path: per kind of phase on it, the hand-off from the end of the phase it waited for last, the
+        /// median block's work and what the blocks later than the median add. An fp8 checkpoint whose decode steps stream
         /// codes is traced streaming them (with --bf16-stream, streaming bf16); an nf4 checkpoint is
         /// traced streaming bf16 (its instances have no traced twin), and the trace says so.
         #[arg(long)]

@@ -243,6 +243,11 @@ impl CompiledStack {
         self.rows.len() as u32
     }
 
+    /// Each row's waits word, for reading a trace along the program's dependencies (`Trace::waits`).
+    pub fn waits(&self) -> Vec<u64> {
+        self.rows.iter().map(|r| r[program::WAITS_WORD] as u64).collect()
+    }
+
     /// Layers of the stack: one address table each.
     pub fn layers(&self) -> u32 {
         self.tables.len() as u32

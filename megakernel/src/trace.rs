@@ -1,11 +1,14 @@
 //! Where a step's time goes in a traced launch: every block stamps the GPU's global timer when it starts
 //! a phase (its dependencies met) and when it has finished it, at every position the launch runs (the
 //! model kernel's traced instance, `GpuModel::trace`; a stack's one step, `Megakernel::trace_step`,
-//! which `grader profile --config STACK` reads). A phase's time on the critical path (its span) runs
-//! from the last block's end of the phase before to its own last block's end, and comes apart into the
-//! hand-off (from that end to the median block's start: the release, the poll, the block's barrier),
-//! the median block's work (its start to its end) and the rest, the time the blocks later than the
-//! median add (the slowest block's lead). A GEMV phase's blocks also stamp when their input is in
+//! which `grader profile --config STACK` reads). A phase is ready when the last block of the last of the
+//! phases it waits for (the program's waits) has ended, and its span runs from then to its own last
+//! block's end; it comes apart into the hand-off (from ready to the median block's start: the release,
+//! the poll, the block's barrier), the median block's work (its start to its end) and the rest, the time
+//! the blocks later than the median add (the slowest block's lead). The critical path runs back from
+//! the position's last phase through the phase each one waited for last: its phases' spans add up to
+//! the position's time, and the table counts those phases only (phases that ran beside them, such as the
+//! two-role plan's second Qkv, are off it). A GEMV phase's blocks also stamp when their input is in
 //! registers and when their stream is done, which takes the work apart into the input, the stream and
 //! the tail (the epilogue and the block's last barrier). `Trace::table` prints it the same way for
 //! both commands.
@@ -15,6 +18,7 @@ use std::fmt::Write as _;
 use spec::bytes::LayerOp;
 
 use crate::TRACE_STAMPS;
+use crate::program::PREV_LAYER_WAITS;
 
 /// The stamps of a traced launch and what they are of.
 #[derive(Debug, Clone)]
@@ -25,6 +29,9 @@ pub struct Trace {
     pub grid: usize,
     /// What each row of the program (one layer's phases) computes.
     pub plan: Vec<LayerOp>,
+    /// Each row's waits word (`program::WAITS_WORD`): the phases of its layer (bits from 0) and of the
+    /// layer before (bits from `PREV_LAYER_WAITS`) it waits for.
+    pub waits: Vec<u64>,
     pub layers: usize,
     /// Whether each position ends with the LM head's phase (a model's; a stack's step has none).
     pub head: bool,
@@ -34,13 +41,13 @@ pub struct Trace {
     pub kernel_ms: f32,
 }
 
-/// One kind of phase's part of a token, in microseconds summed over its phases of a position, the
-/// mean over the positions traced: `span_us = handoff_us + work_us + later_us`.
+/// One kind of phase's part of a token's critical path, in microseconds summed over its phases on the
+/// path at a position, the mean over the positions traced: `span_us = handoff_us + work_us + later_us`.
 #[derive(Debug, Clone, PartialEq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct PhaseShare {
     pub what: String,
-    /// Phases of this kind per position.
+    /// Phases of this kind on the critical path, per position (the most at any position traced).
     pub phases: usize,
     pub span_us: f64,
     pub handoff_us: f64,
@@ -110,6 +117,20 @@ impl Trace {
         Some(spans)
     }
 
+    /// The phases of a position that phase `f` waits for: its row's waits in its layer and, from the
+    /// second layer on, in the layer before; the head's, every phase of the last layer. A phase with none
+    /// (the first layer's first) waits for the position before.
+    fn after(&self, f: usize) -> Vec<usize> {
+        let rows = self.plan.len();
+        if f >= rows * self.layers {
+            return ((self.layers - 1) * rows..self.layers * rows).collect();
+        }
+        let (l, w) = (f / rows, self.waits[f % rows]);
+        let own = (0..rows).filter(|&r| w >> r & 1 == 1).map(|r| l * rows + r);
+        let before = (0..rows).filter(|&r| l > 0 && w >> (PREV_LAYER_WAITS + r) & 1 == 1).map(|r| (l - 1) * rows + r);
+        own.chain(before).collect()
+    }
+
     /// The kind of phase `f` of a position: its layer operation's name, or the head's.
     fn kind(&self, f: usize) -> String {
         match self.plan.get(f % self.plan.len()) {
@@ -151,7 +172,7 @@ impl Trace {
                 f[0], f[1], f[2], f[3]
             );
         };
-        let _ = writeln!(t, "where a step's time goes, traced (us a step, {over}):");
+        let _ = writeln!(t, "where a step's time goes along its critical path, traced (us a step, {over}):");
         let _ = writeln!(
             t,
             "{:<10} {:>6} {:>8} {:>9} {:>13} {:>13}   a block's input / stream / tail (medians)",
@@ -172,18 +193,17 @@ impl Trace {
         t
     }
 
-    /// Each kind of phase's part of a token over `positions`, where a position's first phase counts
-    /// from `ready(p)`.
+    /// Each kind of phase's part of a token's critical path over `positions`, where a phase that waits
+    /// for none of its position's counts from `ready(p)`.
     fn shares_over(
         &self,
         positions: std::ops::Range<usize>,
         ready: impl Fn(usize) -> Option<u64>,
     ) -> Option<Vec<PhaseShare>> {
-        if positions.is_empty() || self.plan.is_empty() {
+        if positions.is_empty() || self.plan.is_empty() || self.waits.len() != self.plan.len() {
             return None;
         }
         let n = self.per_position();
-        let mut kinds: Vec<PhaseShare> = Vec::new();
         let median = |mut v: Vec<u64>| {
             v.sort_unstable();
             v[v.len() / 2]
@@ -197,50 +217,83 @@ impl Trace {
             }
             Some([0, 1, 2].map(|i| us(median(inner.iter().map(|s| s[i + 1] - s[i]).collect()) as i64)))
         };
+        // A kind per layer operation in the program's order, then the head's; none is dropped for being
+        // off the path.
+        let mut kinds: Vec<PhaseShare> = Vec::new();
+        for f in 0..n {
+            let what = self.kind(f);
+            if kinds.iter().all(|k| k.what != what) {
+                let parts_us = Some([0.0; 3]);
+                kinds.push(PhaseShare {
+                    what,
+                    phases: 0,
+                    span_us: 0.0,
+                    handoff_us: 0.0,
+                    work_us: 0.0,
+                    later_us: 0.0,
+                    parts_us,
+                });
+            }
+        }
         for p in positions.clone() {
-            let mut ended = ready(p)?;
+            let start = ready(p)?;
+            // Each phase's last end, the phase it waited for last (None: the position's start), its
+            // figures and its blocks' stamps.
+            let mut ends = vec![0u64; n];
+            let mut from: Vec<Option<usize>> = vec![None; n];
+            let mut figures = Vec::with_capacity(n);
             for f in 0..n {
                 let spans = self.spans(p, f)?;
-                let last = spans.iter().map(|s| s[END]).max()?;
-                let start = median(spans.iter().map(|s| s[START]).collect());
-                let work = median(spans.iter().map(|s| s[END] - s[START]).collect());
-                let (span, handoff) = (us(last as i64 - ended as i64), us(start as i64 - ended as i64));
-                let what = self.kind(f);
-                let k = match kinds.iter().position(|k| k.what == what) {
-                    Some(k) => k,
-                    None => {
-                        kinds.push(PhaseShare {
-                            what,
-                            phases: 0,
-                            span_us: 0.0,
-                            handoff_us: 0.0,
-                            work_us: 0.0,
-                            later_us: 0.0,
-                            parts_us: parts(&spans).map(|_| [0.0; 3]),
-                        });
-                        kinds.len() - 1
-                    }
-                };
-                let k = &mut kinds[k];
-                if p == positions.start {
-                    k.phases += 1;
+                ends[f] = spans.iter().map(|s| s[END]).max()?;
+                let (ready_f, pred) = self
+                    .after(f)
+                    .into_iter()
+                    .map(|g| (ends[g], Some(g)))
+                    .max_by_key(|&(end, _)| end)
+                    .unwrap_or((start, None));
+                from[f] = pred;
+                let first = median(spans.iter().map(|s| s[START]).collect());
+                let work = us(median(spans.iter().map(|s| s[END] - s[START]).collect()) as i64);
+                let (span, handoff) = (us(ends[f] as i64 - ready_f as i64), us(first as i64 - ready_f as i64));
+                figures.push((span, handoff, work, parts(&spans)));
+            }
+            // Back from the phase that ended last through the phase each waited for last.
+            let mut path = vec![false; n];
+            let mut f = (0..n).max_by_key(|&f| ends[f])?;
+            loop {
+                path[f] = true;
+                match from[f] {
+                    Some(g) => f = g,
+                    None => break,
                 }
+            }
+            let mut on_path = vec![0usize; kinds.len()];
+            for f in (0..n).filter(|&f| path[f]) {
+                let k = kinds.iter().position(|k| k.what == self.kind(f))?;
+                let (span, handoff, work, phase_parts) = figures[f];
+                on_path[k] += 1;
+                let k = &mut kinds[k];
                 k.span_us += span;
                 k.handoff_us += handoff;
-                k.work_us += us(work as i64);
-                k.later_us += span - handoff - us(work as i64);
-                // A kind's parts only where every phase of it at every position has them.
-                k.parts_us = match (k.parts_us, parts(&spans)) {
+                k.work_us += work;
+                k.later_us += span - handoff - work;
+                // A kind's parts only where every phase of it on the path at every position has them.
+                k.parts_us = match (k.parts_us, phase_parts) {
                     (Some(sum), Some(add)) => Some([0, 1, 2].map(|i| sum[i] + add[i])),
                     _ => None,
                 };
-                ended = last;
+            }
+            for (k, count) in kinds.iter_mut().zip(on_path) {
+                k.phases = k.phases.max(count);
             }
         }
         let count = positions.len() as f64;
         for k in &mut kinds {
             for v in [&mut k.span_us, &mut k.handoff_us, &mut k.work_us, &mut k.later_us] {
                 *v /= count;
+            }
+            if k.phases == 0 {
+                k.parts_us = None;
             }
             if let Some(parts) = &mut k.parts_us {
                 parts.iter_mut().for_each(|v| *v /= count);
@@ -280,6 +333,7 @@ mod tests {
             stamps,
             grid,
             plan: vec![LayerOp::Qkv, LayerOp::Down],
+            waits: vec![0, 1],
             layers: 1,
             head: true,
             prompt: 1,
@@ -346,6 +400,67 @@ mod tests {
         let rows: Vec<&str> = table.lines().map(|l| l.split_whitespace().next().unwrap_or("")).collect();
         assert_eq!(rows, ["where", "phase", "Qkv", "Down", "all", "a"], "{table}");
         assert!(table.contains("   19.0 "), "the step's span, 9 + 10 us: {table}");
+    }
+
+    /// Phases that run side by side: two attention phases both wait for Qkv and Down for both, the
+    /// first of them the longer. The critical path runs Qkv, the longer attention, Down, the head: their
+    /// spans add up to the position's time, each counted from the end of the phase it waited for last,
+    /// and the shorter attention is off the path.
+    #[test]
+    fn phases_side_by_side_are_read_along_the_critical_path() {
+        let (grid, positions) = (3usize, 3usize);
+        // Per phase: the phases it starts 1 us after the last end of (none: the position's start), and
+        // block b's work, (b + 1) times this many ns.
+        let phases: [(&[usize], u64); 5] =
+            [(&[], 3_000), (&[0], 4_000), (&[0], 1_000), (&[1, 2], 3_000), (&[3], 3_000)];
+        let n = phases.len();
+        let mut stamps = vec![0u64; positions * grid * n * TRACE_STAMPS];
+        let mut position_end = 1_000;
+        for p in 0..positions {
+            let mut ends = [0u64; 5];
+            for (f, &(after, work)) in phases.iter().enumerate() {
+                let start = 1_000 + after.iter().map(|&g| ends[g]).max().unwrap_or(position_end);
+                for b in 0..grid {
+                    let at = ((p * grid + b) * n + f) * TRACE_STAMPS;
+                    stamps[at + START] = start;
+                    stamps[at + END] = start + work * (b as u64 + 1);
+                }
+                ends[f] = start + work * grid as u64;
+            }
+            position_end = ends[n - 1];
+        }
+        let t = Trace {
+            stamps,
+            grid,
+            plan: vec![LayerOp::Qkv, LayerOp::Attention, LayerOp::Attention, LayerOp::Down],
+            waits: vec![0, 0b1, 0b1, 0b110],
+            layers: 1,
+            head: true,
+            prompt: 1,
+            kernel_ms: 0.0,
+        };
+        let shares = t.shares().expect("complete");
+        let rows: Vec<_> = shares
+            .iter()
+            .map(|s| (s.what.as_str(), s.phases, s.span_us, s.handoff_us, s.work_us, s.later_us))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("Qkv", 1, 10.0, 1.0, 6.0, 3.0),
+                ("Attention", 1, 13.0, 1.0, 8.0, 4.0),
+                ("Down", 1, 10.0, 1.0, 6.0, 3.0),
+                ("Head", 1, 10.0, 1.0, 6.0, 3.0)
+            ]
+        );
+        // The path's spans are the position's time: 43 us from one head's end to the next's.
+        assert_eq!(shares.iter().map(|s| s.span_us).sum::<f64>(), 43.0);
+        // Read as if Down waited for the shorter attention alone (the one before it in program order, as
+        // the trace read every phase before it followed the program's waits), Down's hand-off holds the
+        // longer attention's lead over the shorter: 10 us where it is 1.
+        let misread = Trace { waits: vec![0, 0b1, 0b1, 0b100], ..t };
+        let down = misread.shares().expect("complete")[2].clone();
+        assert_eq!((down.span_us, down.handoff_us), (19.0, 10.0));
     }
 
     #[test]

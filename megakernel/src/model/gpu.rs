@@ -697,7 +697,7 @@ impl GpuModel {
         };
         fit_one_block(&traced, smem, "the traced model kernel")?;
         let (grid, layers, per_step) = (b.grid as usize, b.layers() as usize, (b.phases() * b.layers()) as usize + 1);
-        let plan: Vec<_> = b.plan.iter().map(|p| p.op).collect();
+        let (plan, waits): (Vec<_>, _) = (b.plan.iter().map(|p| p.op).collect(), b.waits());
         let positions = (given.len() + max_new - 1).min(self.context() - pos0);
         let mut stamps = dev
             .stream()
@@ -707,7 +707,7 @@ impl GpuModel {
         let ([ran, _], kernel_ms) = self.launch(dev, pos0, given, max_new, &[], instance)?;
         let mut stamps = dev.stream().clone_dtoh(&stamps).context("reading the trace")?;
         stamps.truncate(ran as usize * grid * per_step * TRACE_STAMPS);
-        Ok(Trace { stamps, grid, plan, layers, head: true, prompt: given.len(), kernel_ms })
+        Ok(Trace { stamps, grid, plan, waits, layers, head: true, prompt: given.len(), kernel_ms })
     }
 
     /// Bytes a decode step at `pos` must move: every layer's (`ByteModel::stack_at`), the LM head and
