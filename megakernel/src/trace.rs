@@ -463,6 +463,43 @@ mod tests {
         assert_eq!((down.span_us, down.handoff_us), (19.0, 10.0));
     }
 
+    /// Two layers of [Qkv, Down] as the compiler writes their waits: Qkv waits for the layer before's
+    /// Down (a bit from `PREV_LAYER_WAITS`, none in the first layer), Down for its Qkv. Each phase starts
+    /// 1 us after the phase before and its blocks take 3, 6 and 9 us: every phase is on the path, and
+    /// the second layer's Qkv counts from the first layer's Down.
+    #[test]
+    fn a_layers_first_phase_waits_for_the_layer_before() {
+        let (grid, n) = (3usize, 5usize);
+        let mut stamps = vec![0u64; 2 * grid * n * TRACE_STAMPS];
+        let mut ended = 1_000;
+        for p in 0..2 {
+            for f in 0..n {
+                let start = ended + 1_000;
+                for b in 0..grid {
+                    let at = ((p * grid + b) * n + f) * TRACE_STAMPS;
+                    (stamps[at + START], stamps[at + END]) = (start, start + 3_000 * (b as u64 + 1));
+                }
+                ended = start + 9_000;
+            }
+        }
+        let t = Trace {
+            stamps,
+            grid,
+            plan: vec![LayerOp::Qkv, LayerOp::Down],
+            waits: vec![1 << (PREV_LAYER_WAITS + 1), 1],
+            layers: 2,
+            head: true,
+            prompt: 1,
+            kernel_ms: 0.0,
+        };
+        assert_eq!(t.after(2), [1], "the second layer's Qkv waits for the first layer's Down");
+        assert_eq!(t.after(0), [] as [usize; 0], "the first layer's Qkv waits for the position before");
+        assert_eq!(t.after(4), [2, 3], "the head waits for the last layer");
+        let rows: Vec<_> =
+            t.shares().expect("complete").iter().map(|s| (s.what.clone(), s.phases, s.span_us)).collect();
+        assert_eq!(rows, [("Qkv".to_string(), 2, 20.0), ("Down".to_string(), 2, 20.0), ("Head".to_string(), 1, 10.0)]);
+    }
+
     #[test]
     fn incomplete_stamps_are_not_read() {
         let mut t = trace(3, 3_000, 1_000);
