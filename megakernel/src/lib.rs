@@ -183,10 +183,8 @@ impl Megakernel {
         hidden: Option<&mut CudaSlice<bf16>>,
         out: &mut CudaSlice<bf16>,
     ) -> Result<Trace, SubmissionError> {
-        let (phases, grid, plan, waits) = match (self.phases(), &self.built) {
-            (Some(phases), Some(b)) => {
-                (phases, b.stack.grid, b.stack.plan.iter().map(|p| p.op).collect::<Vec<_>>(), b.stack.waits())
-            }
+        let (phases, grid, (plan, waits)) = match (self.phases(), &self.built) {
+            (Some(phases), Some(b)) => (phases, b.stack.grid, b.stack.traced_rows()),
             _ => return Err(SubmissionError::Refused("trace_step before build_stack".into())),
         };
         let mut trace = dev

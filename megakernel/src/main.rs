@@ -88,9 +88,10 @@ enum Command {
         /// Then run the generation once more in the model kernel's traced instance (every block stamps
         /// the global timer around each phase) and print where a token's time goes along its critical
         /// path: per kind of phase on it, the hand-off from the end of the phase it waited for last, the
-        /// median block's work and what the blocks later than the median add. An fp8 checkpoint whose decode steps stream
-        /// codes is traced streaming them (with --bf16-stream, streaming bf16); an nf4 checkpoint is
-        /// traced streaming bf16 (its instances have no traced twin), and the trace says so.
+        /// median block's work and what the blocks later than the median add. An fp8 checkpoint whose
+        /// decode steps stream codes is traced streaming them (with --bf16-stream, streaming bf16); an
+        /// nf4 checkpoint is traced streaming bf16 (its instances have no traced twin), and the trace
+        /// says so.
         #[arg(long)]
         trace: bool,
     },

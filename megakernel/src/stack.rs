@@ -243,9 +243,10 @@ impl CompiledStack {
         self.rows.len() as u32
     }
 
-    /// Each row's waits word, for reading a trace along the program's dependencies (`Trace::waits`).
-    pub fn waits(&self) -> Vec<u64> {
-        self.rows.iter().map(|r| r[program::WAITS_WORD] as u64).collect()
+    /// What a trace of this program needs of its rows: each row's operation and waits word
+    /// (`Trace::plan`, `Trace::waits`).
+    pub fn traced_rows(&self) -> (Vec<LayerOp>, Vec<u64>) {
+        (self.plan.iter().map(|p| p.op).collect(), self.rows.iter().map(|r| r[program::WAITS_WORD] as u64).collect())
     }
 
     /// Layers of the stack: one address table each.

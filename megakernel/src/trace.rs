@@ -200,7 +200,8 @@ impl Trace {
         positions: std::ops::Range<usize>,
         ready: impl Fn(usize) -> Option<u64>,
     ) -> Option<Vec<PhaseShare>> {
-        if positions.is_empty() || self.plan.is_empty() || self.waits.len() != self.plan.len() {
+        assert_eq!(self.waits.len(), self.plan.len(), "a trace names each row's waits");
+        if positions.is_empty() || self.plan.is_empty() {
             return None;
         }
         let n = self.per_position();
@@ -269,7 +270,7 @@ impl Trace {
             }
             let mut on_path = vec![0usize; kinds.len()];
             for f in (0..n).filter(|&f| path[f]) {
-                let k = kinds.iter().position(|k| k.what == self.kind(f))?;
+                let k = kinds.iter().position(|k| k.what == self.kind(f)).expect("every kind was listed above");
                 let (span, handoff, work, phase_parts) = figures[f];
                 on_path[k] += 1;
                 let k = &mut kinds[k];

@@ -697,7 +697,7 @@ impl GpuModel {
         };
         fit_one_block(&traced, smem, "the traced model kernel")?;
         let (grid, layers, per_step) = (b.grid as usize, b.layers() as usize, (b.phases() * b.layers()) as usize + 1);
-        let (plan, waits): (Vec<_>, _) = (b.plan.iter().map(|p| p.op).collect(), b.waits());
+        let (plan, waits) = b.traced_rows();
         let positions = (given.len() + max_new - 1).min(self.context() - pos0);
         let mut stamps = dev
             .stream()
