@@ -1,6 +1,6 @@
 // The megakernel's weight stream as the probes keep it beside what they time: one thread keeps
 // `stages` bulk copies of STREAM_STAGE bytes in flight from a region (evict-first, round and round)
-// until a word reaches a target. Shared by inflight_latency.cu and icache_load.cu.
+// until a word reaches a target. Shared by inflight_latency.cu, icache_load.cu and cluster_hop.cu.
 #pragma once
 #include <stdint.h>
 #include "../../kernels/include/bulk.cuh"
