@@ -65,7 +65,7 @@ __device__ __forceinline__ void phase_qkv(const OpRow& op, const bf16* x, uint32
     gemv_rows<CODES, SLICED>(op, r0, r1);
     const RopeFirst first = rope_first(op, out, r0, r1);
     const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm));
-    stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return rmsnorm_slice(x, g, d, eps, t); }, ring, part, r0, r1);
+    stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return rmsnorm_input<SLICED, CODES>(x, g, d, eps, t); }, ring, part, r0, r1);
     qkv_epilogue(op, pos, out, part, r0, r1, first);
 }
 
@@ -134,7 +134,7 @@ __device__ __forceinline__ void phase_qkv_normed(const OpRow& op, const bf16* x,
         return;
     }
     // Each thread holds the vectors of the thread whose columns it takes.
-    const Slice s = rmsnorm_slice(x, g, d, eps, column_thread(d));
+    const Slice s = rmsnorm_one(x, g, d, eps, column_thread(d));
     if (TRACED) stamp_input(s);
     Gemv w;
     if (!gemv_of(op, w)) __trap();

@@ -276,6 +276,36 @@ __device__ inline Slice rmsnorm_slice(const bf16* x, const bf16* g, uint32_t d, 
     return s;
 }
 
+// rmsnorm_slice where a thread holds at most one vector of x (d <= THREADS * VEC; the model kernels'
+// rows in slices take it, d <= 2048), as thread t holds it: the same sum, root and scaling on the one
+// vector, so the same bits (the other vectors' products in rmsnorm_slice are exact zeros added to a
+// sum of squares), with the norm's weights asked for beside x, after the wait, where scale_slice asks
+// after the sum's barriers, and without the zero vectors' chain of products.
+__device__ inline Slice rmsnorm_one(const bf16* x, const bf16* g, uint32_t d, float eps, uint32_t t) {
+    Slice s;
+    s.vecs = d / VEC;
+    s.vpt = 1;
+    const bool own = t < s.vecs;
+    s.h[0] = own ? load_cg(x, t) : make_uint4(0, 0, 0, 0);
+    const uint4 w = own ? __ldg(reinterpret_cast<const uint4*>(g) + t) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (uint32_t j = 1; j < MAX_VPT; ++j) s.h[j] = make_uint4(0, 0, 0, 0);
+    const float acc = sumsq8(s.h[0], 0.0f);
+    const float r = inv_rms(__fdiv_rn(block_reduce(threadIdx.x == t ? acc : 0.0f, Add{}), (float)d), eps);
+    if (own) s.h[0] = rms_scale8(s.h[0], w, r);
+    return s;
+}
+
+// rmsnorm(x, g) as stream_phase takes it: rmsnorm_one where SLICED and the rows run in slices (the
+// input is then column_thread's), rmsnorm_slice elsewhere and in the nf4 instances (CODES), whose
+// allocation rmsnorm_one moved (272 to 280 bytes of spill stores, 816 to 936 of loads) where no nf4
+// checkpoint could be timed (docs/perf.md, "The normed input on one vector").
+template <bool SLICED, uint32_t CODES>
+__device__ inline Slice rmsnorm_input(const bf16* x, const bf16* g, uint32_t d, float eps, uint32_t t) {
+    if (SLICED && CODES != NF4_CODES && in_slices(d)) return rmsnorm_one(x, g, d, eps, t);
+    return rmsnorm_slice(x, g, d, eps, t);
+}
+
 __device__ inline float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // Element threadIdx.x of v[0, n) (0 past n), for an epilogue that adds it: loaded before the phase's
