@@ -25,7 +25,6 @@
 #include <algorithm>
 #include <cooperative_groups.h>
 #include <stdint.h>
-#include <vector>
 
 namespace cg = cooperative_groups;
 
@@ -145,22 +144,32 @@ __global__ void __launch_bounds__(THREADS, 1)
     cluster.sync();  // no block of the cluster exits while another may still write its shared memory
 }
 
-// Clusters of `size` blocks of 512 threads and `smem` bytes of dynamic shared memory that can be
+// A launch of `grid` blocks of THREADS threads and `smem` bytes of dynamic shared memory, in clusters of
+// `size`. Not copied: the configuration points at its own attribute.
+struct ClusterLaunch {
+    cudaLaunchAttribute attr{};
+    cudaLaunchConfig_t config{};
+    ClusterLaunch(uint32_t size, uint32_t grid, uint32_t smem) {
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = size;
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        config.gridDim = dim3(grid);
+        config.blockDim = dim3(THREADS);
+        config.dynamicSmemBytes = smem;
+        config.attrs = &attr;
+        config.numAttrs = 1;
+    }
+    ClusterLaunch(const ClusterLaunch&) = delete;
+    ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
+// Clusters of `size` blocks of THREADS threads and `smem` bytes of dynamic shared memory that can be
 // resident at once (0 if none; the function's maximum must allow `smem`).
 int resident_clusters(uint32_t size, uint32_t smem) {
-    cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = size;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    config.gridDim = dim3(size * 16);
-    config.blockDim = dim3(THREADS);
-    config.dynamicSmemBytes = smem;
-    config.attrs = &attr;
-    config.numAttrs = 1;
+    const ClusterLaunch launch(size, size * 16, smem);
     int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, (void*)probe, &config) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveClusters(&n, (void*)probe, &launch.config) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
@@ -187,8 +196,7 @@ int main() {
     uint4* gvec;
     unsigned long long* landed;
     Result* out;
-    TRY(cudaMalloc(&weights, (size_t)sms * REGION_BYTES));
-    TRY(cudaMemset(weights, 1, (size_t)sms * REGION_BYTES));
+    TRY(stream_regions(sms, REGION_BYTES, &weights));
     TRY(cudaMalloc(&flags, 16));
     TRY(cudaMalloc(&gvec, 2 * VEC_THREADS * sizeof(uint4)));
     TRY(cudaMalloc(&landed, sms * 8));
@@ -214,26 +222,14 @@ int main() {
                 for (uint32_t m = 0; m < MODES; ++m) {
                     TRY(cudaMemset(flags, 0, 16));
                     TRY(cudaMemset(landed, 0, sms * 8));
-                    cudaLaunchConfig_t config = {};
-                    cudaLaunchAttribute attr;
-                    attr.id = cudaLaunchAttributeClusterDimension;
-                    attr.val.clusterDim.x = size;
-                    attr.val.clusterDim.y = 1;
-                    attr.val.clusterDim.z = 1;
-                    config.gridDim = dim3(clusters * size);
-                    config.blockDim = dim3(THREADS);
-                    config.dynamicSmemBytes = smem;
-                    config.attrs = &attr;
-                    config.numAttrs = 1;
+                    const ClusterLaunch launch(size, clusters * size, smem);
                     const Mode mode = (Mode)m;
-                    TRY(cudaLaunchKernelEx(&config, probe, (const char*)weights, flags, gvec, landed, out, others, mode));
+                    TRY(cudaLaunchKernelEx(&launch.config, probe, (const char*)weights, flags, gvec, landed, out, others, mode));
                     TRY(cudaDeviceSynchronize());
                     Result r;
-                    std::vector<unsigned long long> l(sms);
+                    unsigned long long bytes;
                     TRY(cudaMemcpy(&r, out, sizeof r, cudaMemcpyDeviceToHost));
-                    TRY(cudaMemcpy(l.data(), landed, sms * 8, cudaMemcpyDeviceToHost));
-                    unsigned long long bytes = 0;
-                    for (int b = 0; b < sms; ++b) bytes += l[b];
+                    TRY(landed_bytes(landed, sms, &bytes));
                     tbs += bytes / (double)r.window_ns / 1e3 / MODES;
                     printf(" %16llu", r.one_way_ns);
                 }

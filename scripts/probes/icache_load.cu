@@ -159,8 +159,7 @@ int main() {
     unsigned* done = nullptr;
     unsigned long long *ns = nullptr, *landed = nullptr;
     float* sink = nullptr;
-    TRY(cudaMalloc(&buf, (size_t)sms * REGION_BYTES));
-    TRY(cudaMemset(buf, 1, (size_t)sms * REGION_BYTES));
+    TRY(stream_regions(sms, REGION_BYTES, &buf));
     TRY(cudaMalloc(&done, sizeof *done));
     TRY(cudaMalloc(&landed, sms * sizeof *landed));
     TRY(cudaMalloc(&ns, RUNNERS * 3 * sizeof *ns));

@@ -85,8 +85,7 @@ int main() {
     unsigned* flags;
     unsigned long long* landed;
     Result* out;
-    TRY(cudaMalloc(&weights, (size_t)sms * REGION_BYTES));
-    TRY(cudaMemset(weights, 1, (size_t)sms * REGION_BYTES));
+    TRY(stream_regions(sms, REGION_BYTES, &weights));
     TRY(cudaMalloc(&chase, CHASE_WORDS * 4));
     TRY(cudaMalloc(&flags, 8));
     TRY(cudaMalloc(&landed, sms * 8));
@@ -114,11 +113,9 @@ int main() {
             TRY(cudaLaunchCooperativeKernel((void*)probe, sms, THREADS, args, smem, 0));
             TRY(cudaDeviceSynchronize());
             Result r;
-            std::vector<unsigned long long> l(sms);
+            unsigned long long bytes;
             TRY(cudaMemcpy(&r, out, sizeof r, cudaMemcpyDeviceToHost));
-            TRY(cudaMemcpy(l.data(), landed, sms * 8, cudaMemcpyDeviceToHost));
-            unsigned long long bytes = 0;
-            for (int b = 0; b < sms; ++b) bytes += l[b];
+            TRY(landed_bytes(landed, sms, &bytes));
             char name[64];
             snprintf(name, sizeof name, "others %u, own %u", c[0], c[1]);
             printf("%-26s %14llu %14llu %12.2f\n", name, r.chase_ns, r.ping_ns, bytes / (double)r.window_ns / 1e3);

@@ -1,8 +1,10 @@
 // The megakernel's weight stream as the probes keep it beside what they time: one thread keeps
 // `stages` bulk copies of STREAM_STAGE bytes in flight from a region (evict-first, round and round)
-// until a word reaches a target. Shared by inflight_latency.cu, icache_load.cu and cluster_hop.cu.
+// until a word reaches a target; on the host, the regions and the bytes the streams landed. Shared by
+// inflight_latency.cu, icache_load.cu and cluster_hop.cu.
 #pragma once
 #include <stdint.h>
+#include <vector>
 #include "../../kernels/include/bulk.cuh"
 
 constexpr uint32_t STREAM_STAGE = 64 * 1024;  // the ring's stage
@@ -38,4 +40,20 @@ __device__ unsigned long long stream_bulk(const char* region, size_t region_byte
     // The copies still in flight land before the block exits (they write its shared memory).
     for (uint32_t j = k + 1; j < k + stages; ++j) mbar_wait(&full[j % stages], (j / stages) & 1);
     return landed;
+}
+
+// The bytes the blocks' streams landed (stream_bulk's returns, one word a block in `landed`), summed.
+inline cudaError_t landed_bytes(const unsigned long long* landed, int blocks, unsigned long long* bytes) {
+    std::vector<unsigned long long> l(blocks);
+    const cudaError_t e = cudaMemcpy(l.data(), landed, blocks * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+    *bytes = 0;
+    for (const unsigned long long b : l) *bytes += b;
+    return e;
+}
+
+// `blocks` regions of `region_bytes` for stream_bulk, one a block, filled (so that no read finds a
+// page untouched).
+inline cudaError_t stream_regions(int blocks, size_t region_bytes, char** regions) {
+    const cudaError_t e = cudaMalloc(regions, (size_t)blocks * region_bytes);
+    return e != cudaSuccess ? e : cudaMemset(*regions, 1, (size_t)blocks * region_bytes);
 }
