@@ -81,9 +81,9 @@ const MODEL_ALLOWANCES: &[::kernels::Spills] = &[
           inlined (as a call, as the other model instances run it, this instance spilled 368 bytes stored and \
           1,064 loaded): 92 bytes stored and 172 loaded since the normed input runs on one vector (Qwen3-0.6B \
           1.6% faster with it: docs/perf.md, \"The normed input on one vector\"), 84 and 140 since the waits \
-          are polled in parallel (104 and 176 \
-          since attention's tiles stop at the live slots, 56 and 84 before, 100 and 208 before the head's \
-          bundles, 136 and 244 before a group's passes stopped at the stage's rows); measured as it is, \
+          are polled in parallel (104 and 176 since attention's tiles stop at the live slots, 56 and 84 \
+          before, 100 and 208 before the head's bundles, 136 and 244 before a group's passes stopped at the \
+          stage's rows); measured as it is, \
           Qwen3-0.6B decodes 8% faster than without the head's group (docs/perf.md, \"The head in full \
           stages\"), 6% faster than with the passes run whole (\"The step as a dataflow graph: the house \
           first\"), 2% faster than before the bundles (\"The head in bundles\") and 0.7% slower than before \

@@ -182,14 +182,17 @@ int main() {
     cudaDeviceProp prop;
     TRY(cudaGetDeviceProperties(&prop, 0));
     TRY(cudaFuncSetAttribute(probe, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    // The megakernel's dynamic shared memory less the probe's static (its vector and flags).
+    // The megakernel's dynamic shared memory less 8 KB, room for the probe's static (its vector and
+    // flags): a block an SM either way, which is what decides the clusters resident.
     const uint32_t like_megakernel = MEGAKERNEL_SMEM - 8192;
     TRY(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, like_megakernel));
+    cudaFuncAttributes attrs;
+    TRY(cudaFuncGetAttributes(&attrs, probe));
     printf("%s, %d SMs\n", prop.name, sms);
     for (uint32_t size : {2u, 4u, 8u, 16u}) {
         const int n = resident_clusters(size, like_megakernel);
-        printf("clusters of %2u blocks (%u threads, %u bytes of shared memory) resident at once: %d (%d blocks)\n", size, THREADS,
-               MEGAKERNEL_SMEM, n, n * (int)size);
+        printf("clusters of %2u blocks (%u threads, %zu bytes of shared memory; the megakernel's %u) resident at once: %d (%d blocks)\n",
+               size, THREADS, like_megakernel + attrs.sharedSizeBytes, MEGAKERNEL_SMEM, n, n * (int)size);
     }
     char* weights;
     unsigned* flags;
