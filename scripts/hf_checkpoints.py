@@ -118,6 +118,50 @@ def nf4_checkpoint(dense, out, device):
     return model
 
 
+# bitsandbytes' 16 nf4 values (each checkpoint's `quant_map`), its block of 64 elements a scale, and the
+# projections its 4-bit loading quantises (every Linear but the LM head).
+NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
+NF4_BLOCK = 64
+NF4_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def nf4_speed_checkpoint(dense, out, device="cuda"):
+    """The bf16 checkpoint `dense` in bitsandbytes' nf4 layout without bitsandbytes (whose CUDA build a
+    machine may lack), for speed runs: each projection's codes the nearest of NF4_VALUES to its element
+    over its block's absmax (bitsandbytes' own quantiser may pick the other value at a midpoint), f32
+    absmax (no double quantisation), the tensors and config that a model loaded in 4 bits saves, so
+    the loader reads it as it reads theirs (megakernel/src/model/quantized/nf4.rs)."""
+    from safetensors.torch import load_file, save_file
+    values = torch.tensor(NF4_VALUES, device=device)
+    tensors = {}
+    for f in sorted(Path(dense).glob("*.safetensors")):
+        for name, w in load_file(f, device=device).items():
+            if not (name.endswith(".weight") and name.split(".")[-2] in NF4_PROJECTIONS):
+                tensors[name] = w
+                continue
+            blocks = w.float().reshape(-1, NF4_BLOCK)
+            absmax = blocks.abs().amax(dim=1)
+            scaled = blocks / absmax.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
+            codes = (scaled.reshape(-1, 1) - values).abs().argmin(dim=1).to(torch.uint8)
+            state = {"quant_type": "nf4", "blocksize": NF4_BLOCK, "dtype": "bfloat16", "shape": list(w.shape)}
+            tensors[name] = (codes[0::2] << 4 | codes[1::2]).reshape(-1, 1)  # the first code in the high nibble
+            tensors[name + ".absmax"] = absmax
+            tensors[name + ".quant_map"] = values.clone()
+            tensors[name + ".quant_state.bitsandbytes__nf4"] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((Path(dense) / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": False, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if (Path(dense) / "tokenizer.json").exists():
+        shutil.copy(Path(dense) / "tokenizer.json", out / "tokenizer.json")
+
+
 def fp8_block(shape):
     """The largest square block of 128, 64 or 32 that tiles every projection of shape (SHAPES' form):
     a block that does not tile a weight leaves it unquantised with a stray scale, which the loader

@@ -20,7 +20,7 @@ __device__ __forceinline__ void phase_gateup(const OpRow& op, Ring& ring, Partia
     uint32_t r0, r1;
     if (SLICED) {
         gemv_rows<CODES, SLICED>(op, r0, r1);
-        stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return rmsnorm_input<SLICED, CODES>(x1, g, d, eps, t); }, ring, part, r0, r1);
+        stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return rmsnorm_input<SLICED>(x1, g, d, eps, t); }, ring, part, r0, r1);
     } else {
         // The norm's loads before the rows' arithmetic, as the layer kernels were measured.
         const Slice s = rmsnorm_slice(x1, g, d, eps);

@@ -65,7 +65,7 @@ __device__ __forceinline__ void phase_qkv(const OpRow& op, const bf16* x, uint32
     gemv_rows<CODES, SLICED>(op, r0, r1);
     const RopeFirst first = rope_first(op, out, r0, r1);
     const bf16* g = reinterpret_cast<const bf16*>(layer_address(op, qkv::Norm));
-    stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return rmsnorm_input<SLICED, CODES>(x, g, d, eps, t); }, ring, part, r0, r1);
+    stream_phase<SLICED, TRACED, CODES>(op, [&](uint32_t t) { return rmsnorm_input<SLICED>(x, g, d, eps, t); }, ring, part, r0, r1);
     qkv_epilogue(op, pos, out, part, r0, r1, first);
 }
 

@@ -297,12 +297,10 @@ __device__ inline Slice rmsnorm_one(const bf16* x, const bf16* g, uint32_t d, fl
 }
 
 // rmsnorm(x, g) as stream_phase takes it: rmsnorm_one where SLICED and the rows run in slices (the
-// input is then column_thread's), rmsnorm_slice elsewhere and in the nf4 instances (CODES), whose
-// allocation rmsnorm_one moved (272 to 280 bytes of spill stores, 816 to 936 of loads) where no nf4
-// checkpoint could be timed (docs/perf.md, "The normed input on one vector").
-template <bool SLICED, uint32_t CODES>
+// input is then column_thread's), rmsnorm_slice elsewhere.
+template <bool SLICED>
 __device__ inline Slice rmsnorm_input(const bf16* x, const bf16* g, uint32_t d, float eps, uint32_t t) {
-    if (SLICED && CODES != NF4_CODES && in_slices(d)) return rmsnorm_one(x, g, d, eps, t);
+    if (SLICED && in_slices(d)) return rmsnorm_one(x, g, d, eps, t);
     return rmsnorm_slice(x, g, d, eps, t);
 }
 
