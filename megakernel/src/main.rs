@@ -94,6 +94,12 @@ enum Command {
         /// says so.
         #[arg(long)]
         trace: bool,
+        /// With --trace, also write every stamp of the traced launch to FILE as a NumPy array
+        /// (`numpy.load`): u64 ns of shape (positions, blocks, phases, 4), the phases a position runs
+        /// in order (row r of layer l at l * rows + r, the head last), each phase's stamps its start,
+        /// its input in registers, its stream done and its end, 0 where a block does not take one.
+        #[arg(long, value_name = "FILE", requires = "trace")]
+        trace_stamps: Option<PathBuf>,
     },
     /// Check the GPU against the CPU model on random tokens: each position's logits, the kernel's
     /// greedy token against the argmax of its logits, a generation in one launch against a launch per
@@ -201,8 +207,8 @@ fn main() -> ExitCode {
 fn run(command: Command) -> Result<bool, Failure> {
     match command {
         Command::Generate { model, prompt, max_new } => generate(&model, &prompt, max_new as usize).map(|()| true),
-        Command::Bench { model, tokens, reps, batch, trace } => {
-            bench(&model, tokens as usize, reps as usize, batch as usize, trace).map(|()| true)
+        Command::Bench { model, tokens, reps, batch, trace, trace_stamps } => {
+            bench(&model, tokens as usize, reps as usize, batch as usize, trace, trace_stamps.as_deref()).map(|()| true)
         }
         Command::Check { model, positions, batch, seed } => check(&model, positions as usize, batch as usize, seed),
         Command::Logits { model, tokens, on } => logits(&model, &tokens, on).map(|()| true),
@@ -322,7 +328,15 @@ fn copy_bandwidth(dev: &Device) -> Result<f64, Failure> {
     Ok(2.0 * BYTES as f64 / (median(times) / 1e3))
 }
 
-fn bench(args: &ModelArgs, tokens: usize, reps: usize, batch: usize, trace: bool) -> Result<(), Failure> {
+/// `stamps`: where to write the traced launch's stamps (`--trace-stamps`, with `trace` only).
+fn bench(
+    args: &ModelArgs,
+    tokens: usize,
+    reps: usize,
+    batch: usize,
+    trace: bool,
+    stamps: Option<&Path>,
+) -> Result<(), Failure> {
     let (dev, mut model, cfg, _) = load(args, batch, |_| Ok(()))?;
     let tokens = tokens.min(model.context());
     let bandwidth = copy_bandwidth(&dev)?;
@@ -368,7 +382,13 @@ fn bench(args: &ModelArgs, tokens: usize, reps: usize, batch: usize, trace: bool
         if model.streams_codes() && !model.traces_codes() {
             out!("the traced launch streams bf16: the nf4 instances have no traced twin");
         }
-        print_trace(&model.trace(&dev, &start, tokens)?);
+        let trace = model.trace(&dev, &start, tokens)?;
+        print_trace(&trace);
+        if let Some(path) = stamps {
+            std::fs::write(path, trace.to_npy())
+                .map_err(|e| format!("writing the stamps to {}: {e}", path.display()))?;
+            out!("the traced launch's stamps: {}", path.display());
+        }
     }
     Ok(())
 }

@@ -86,6 +86,27 @@ impl Trace {
         self.plan.len() * self.layers + usize::from(self.head)
     }
 
+    /// The stamps as a NumPy `.npy` file (`numpy.load` reads it): little-endian u64 ns of shape
+    /// `(positions, grid, phases, TRACE_STAMPS)`, phase `l * plan.len() + r` row r of layer l, the head
+    /// last where there is one; the stamps start, input, streamed and end, zero where not taken.
+    pub fn to_npy(&self) -> Vec<u8> {
+        let shape = format!("({}, {}, {}, {})", self.positions(), self.grid, self.per_position(), TRACE_STAMPS);
+        let mut header = format!("{{'descr': '<u8', 'fortran_order': False, 'shape': {shape}, }}");
+        // The format pads its header with spaces to a newline that ends 64-byte aligned, after the
+        // magic (6 bytes), the version (2) and the header's length (2).
+        let unpadded = 10 + header.len() + 1;
+        header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
+        header.push('\n');
+        let mut out = Vec::with_capacity(10 + header.len() + self.stamps.len() * 8);
+        out.extend_from_slice(b"\x93NUMPY\x01\x00");
+        out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+        out.extend_from_slice(header.as_bytes());
+        // Whole positions only: a launch's stamps are whole positions (see `positions`).
+        let whole = self.positions() * self.grid * self.per_position() * TRACE_STAMPS;
+        out.extend(self.stamps[..whole].iter().flat_map(|ns| ns.to_le_bytes()));
+        out
+    }
+
     /// Positions the launch ran.
     pub fn positions(&self) -> usize {
         self.stamps.len() / (self.grid * self.per_position() * TRACE_STAMPS).max(1)
@@ -363,6 +384,21 @@ mod tests {
             (2, 20.0, 2.0, 12.0, 6.0)
         );
         assert_eq!(per_layer(&shares, 2).span_us, 10.0);
+    }
+
+    #[test]
+    fn the_stamps_write_as_numpy_reads_them() {
+        let t = trace(4, 3_000, 1_000);
+        let npy = t.to_npy();
+        assert_eq!(&npy[..8], b"\x93NUMPY\x01\x00");
+        let len = u16::from_le_bytes([npy[8], npy[9]]) as usize;
+        assert_eq!((10 + len) % 64, 0, "the data starts 64-byte aligned");
+        let header = std::str::from_utf8(&npy[10..10 + len]).expect("ASCII");
+        assert!(header.ends_with('\n'), "{header:?}");
+        assert!(header.contains(&format!("'shape': (4, {}, 3, {TRACE_STAMPS})", t.grid)), "{header}");
+        let data: Vec<u64> =
+            npy[10 + len..].chunks(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect();
+        assert_eq!(data, t.stamps);
     }
 
     #[test]
