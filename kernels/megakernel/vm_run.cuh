@@ -83,8 +83,23 @@ __device__ void prime_inputs(const OpRow& op, const Ring& ring, uint32_t pos, co
 // registers and the kernel spills none. In the q/k-norm instance the call spilled 368 bytes, so it stays
 // inline there, as in the judge's kernels, which spill nothing either way (docs/perf.md, "Attention on
 // blocks of its own").
-template <bool TRACED>
-__device__ __noinline__ void attention_call(const OpRow& op, uint32_t pos, uint4* smem) { phase_attention<TRACED>(op, pos, smem, true); }
+// BY_VALUE: the row is the call's argument in registers. By reference it stays in the caller's frame,
+// and the call re-read its words, table and cache offset (three local loads) before each 16-byte copy
+// of the cache's rows: 50 local loads in the sliced bf16 instance, 2 by value. The instances for fp8
+// and nf4 codes keep the reference: by value their allocation spilled more (sliced nf4 936 to 1636
+// bytes loaded; docs/perf.md, "The normed input from its producers' vector sums").
+template <bool BY_VALUE>
+struct RowArg {
+    using T = const OpRow&;
+};
+template <>
+struct RowArg<true> {
+    using T = OpRow;
+};
+template <bool TRACED, bool BY_VALUE>
+__device__ __noinline__ void attention_call(typename RowArg<BY_VALUE>::T op, uint32_t pos, uint4* smem) {
+    phase_attention<TRACED>(op, pos, smem, true);
+}
 
 // Runs phase f of the step on this block, which runs it: waits for the phases it depends on (those of
 // the layer before too when `chained`, see wait_for), does its share, counts it done. `trace_at`: the
@@ -121,7 +136,7 @@ __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, 
             else phase_qkv<SLICED, TRACED, CODES>(op, x_l, io.pos, ring, part);
             break;
         case OP_ATTENTION:
-            if (ATTN_CALL) attention_call<TRACED>(op, io.pos, ring.data);
+            if (ATTN_CALL) attention_call<TRACED, CODES == BF16_ROWS>(op, io.pos, ring.data);
             else phase_attention<TRACED>(op, io.pos, ring.data, true);
             break;
         case OP_O_PROJ: phase_oproj<SLICED, TRACED, CODES>(op, x_l, ring, part); break;

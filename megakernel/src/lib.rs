@@ -34,9 +34,9 @@ use kernels::{MEGAKERNEL, SPLIT, has_narrow_rows};
 use program::{Forced, Split};
 use stack::{CompiledStack, ProgramParam, StackOptions, Target};
 
-pub use kernels::{GATHER, GATHER_BLOCK, MAX_BATCH, THREADS, TRACE_STAMPS};
+pub use kernels::{GATHER, GATHER_BLOCK, MAX_BATCH, THREADS, TRACE_END, TRACE_SM, TRACE_STAMPS};
 pub use stack::PhasePlan;
-pub use trace::{PhaseShare, Trace, per_layer};
+pub use trace::{LateSms, PhaseShare, Trace, per_layer};
 
 /// How `layer_step` runs the program.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,8 +172,8 @@ impl Megakernel {
     /// Runs the whole program in one launch, as `stack_step` does in [`Mode::Fused`], with every
     /// block stamping the GPU's global timer at the start and end of each phase it runs, and in a GEMV
     /// phase also when its input is ready and when its stream is done (zero for the phases and stamps
-    /// a block does not take). `Ok` holds the stamps in ns, `(block, phase over every layer, [start,
-    /// input, streamed, end])` flattened, as a [`Trace`] of one position without a head, the launch
+    /// a block does not take). `Ok` holds the stamps, `(block, phase over every layer, [start, input,
+    /// streamed, end in ns, SM])` flattened, as a [`Trace`] of one position without a head, the launch
     /// timed by events (`Trace::step_shares` reads it).
     pub fn trace_step(
         &mut self,

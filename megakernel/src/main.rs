@@ -95,9 +95,10 @@ enum Command {
         #[arg(long)]
         trace: bool,
         /// With --trace, also write every stamp of the traced launch to FILE as a NumPy array
-        /// (`numpy.load`): u64 ns of shape (positions, blocks, phases, 4), the phases a position runs
-        /// in order (row r of layer l at l * rows + r, the head last), each phase's stamps its start,
-        /// its input in registers, its stream done and its end, 0 where a block does not take one.
+        /// (`numpy.load`): u64 of shape (positions, blocks, phases, 5), the phases a position runs in
+        /// order (row r of layer l at l * rows + r, the head last), each phase's stamps its start, its
+        /// input in registers, its stream done and its end in ns, 0 where a block does not take one,
+        /// then the SM the block ran it on. scripts/trace-blocks.py reads it.
         #[arg(long, value_name = "FILE", requires = "trace")]
         trace_stamps: Option<PathBuf>,
     },
@@ -405,7 +406,12 @@ fn print_trace(trace: &Trace) {
                 "the mean over positions {}..{}; the traced instance's machine code is not the timed one's",
                 positions.start, positions.end
             );
-            out!("{}", trace.table(&shares, &over).trim_end())
+            out!("{}", trace.table(&shares, &over).trim_end());
+            out!("the SMs whose blocks end later than half the last block's lead after the median block (their mean):");
+            for late in trace.late_sms() {
+                let sms: Vec<String> = late.sms.iter().map(u64::to_string).collect();
+                out!("{:<10} lead {:>5.2} us: {} SM(s): {}", late.what, late.lead_us, sms.len(), sms.join(" "));
+            }
         }
     }
 }

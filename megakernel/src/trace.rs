@@ -17,14 +17,15 @@ use std::fmt::Write as _;
 
 use spec::bytes::LayerOp;
 
-use crate::TRACE_STAMPS;
 use crate::program::PREV_LAYER_WAITS;
+use crate::{TRACE_END, TRACE_SM, TRACE_STAMPS};
 
 /// The stamps of a traced launch and what they are of.
 #[derive(Debug, Clone)]
 pub struct Trace {
-    /// `(positions run, grid, layers * phases + head, TRACE_STAMPS)` in ns, the head's phase last
-    /// where there is one; zero where a block does not run a phase or a stamp is not taken.
+    /// `(positions run, grid, layers * phases + head, TRACE_STAMPS)`: times in ns (start to
+    /// `TRACE_END`) then the SM (`TRACE_SM`), the head's phase last where there is one; zero where a
+    /// block does not run a phase or a stamp is not taken.
     pub stamps: Vec<u64>,
     pub grid: usize,
     /// What each row of the program (one layer's phases) computes.
@@ -59,9 +60,24 @@ pub struct PhaseShare {
 }
 
 const START: usize = 0;
-const END: usize = TRACE_STAMPS - 1;
+const END: usize = TRACE_END;
+/// A phase's times, start to end, at the front of its stamps (the SM after them).
+const TIMES: usize = TRACE_END + 1;
 /// The kind of the LM head's phase.
 const HEAD: &str = "Head";
+
+/// Which SMs run a kind of phase's late blocks: over its phases at the positions read, the last
+/// block's mean lead over the median block's end, and the SMs whose blocks end, on their mean, more
+/// than half that lead after the median (a block runs on the same SM all launch). Blocks that are late
+/// because of the SM they run on are what an even share of rows cannot absorb (docs/perf.md, "Where
+/// the later blocks' time comes from").
+#[derive(Debug, Clone, PartialEq)]
+pub struct LateSms {
+    pub what: String,
+    pub lead_us: f64,
+    /// In ascending order.
+    pub sms: Vec<u64>,
+}
 
 /// A layer's part of a token, its critical path: every kind of phase but the head's, summed and spread
 /// over `layers` (their input / stream / tail parts are not summed: they are medians of blocks).
@@ -86,9 +102,10 @@ impl Trace {
         self.plan.len() * self.layers + usize::from(self.head)
     }
 
-    /// The stamps as a NumPy `.npy` file (`numpy.load` reads it): little-endian u64 ns of shape
+    /// The stamps as a NumPy `.npy` file (`numpy.load` reads it): little-endian u64 of shape
     /// `(positions, grid, phases, TRACE_STAMPS)`, phase `l * plan.len() + r` row r of layer l, the head
-    /// last where there is one; the stamps start, input, streamed and end, zero where not taken.
+    /// last where there is one; the stamps start, input, streamed and end in ns, zero where not taken,
+    /// then the SM.
     pub fn to_npy(&self) -> Vec<u8> {
         let shape = format!("({}, {}, {}, {})", self.positions(), self.grid, self.per_position(), TRACE_STAMPS);
         let mut header = format!("{{'descr': '<u8', 'fortran_order': False, 'shape': {shape}, }}");
@@ -128,7 +145,7 @@ impl Trace {
         for b in 0..self.grid {
             let s: [u64; TRACE_STAMPS] =
                 self.stamps[((p * self.grid + b) * n + f) * TRACE_STAMPS..][..TRACE_STAMPS].try_into().ok()?;
-            let taken: Vec<u64> = s.iter().copied().filter(|&ns| ns != 0).collect();
+            let taken: Vec<u64> = s[..TIMES].iter().copied().filter(|&ns| ns != 0).collect();
             match (s[START], s[END]) {
                 (0, 0) => {}
                 (start, end) if start != 0 && end != 0 && taken.is_sorted() => spans.push(s),
@@ -182,6 +199,51 @@ impl Trace {
         self.shares_over(0..1, |_| self.spans(0, 0)?.iter().map(|s| s[START]).min())
     }
 
+    /// `LateSms` for each kind of phase but the head's, in the program's order, over `traced_positions`
+    /// (a single step's position where there are none); a kind with no phase of two blocks or more is
+    /// left out.
+    pub fn late_sms(&self) -> Vec<LateSms> {
+        let positions =
+            if self.traced_positions().is_empty() { 0..self.positions().min(1) } else { self.traced_positions() };
+        let phases = self.plan.len() * self.layers;
+        let mut kinds: Vec<String> = Vec::new();
+        for f in 0..phases {
+            if !kinds.contains(&self.kind(f)) {
+                kinds.push(self.kind(f));
+            }
+        }
+        let mut late = Vec::new();
+        for what in kinds {
+            // Per SM: the sum of its blocks' ends after the median's (ns, signed) and how many.
+            let mut per_sm: std::collections::BTreeMap<u64, (i64, i64)> = std::collections::BTreeMap::new();
+            let mut leads: Vec<i64> = Vec::new();
+            for p in positions.clone() {
+                for f in (0..phases).filter(|&f| self.kind(f) == what) {
+                    let Some(spans) = self.spans(p, f).filter(|s| s.len() > 1) else { continue };
+                    let mut ends: Vec<i64> = spans.iter().map(|s| s[END] as i64).collect();
+                    ends.sort_unstable();
+                    let median = ends[ends.len() / 2];
+                    leads.push(ends[ends.len() - 1] - median);
+                    for s in &spans {
+                        let e = per_sm.entry(s[TRACE_SM]).or_default();
+                        *e = (e.0 + s[END] as i64 - median, e.1 + 1);
+                    }
+                }
+            }
+            if leads.is_empty() {
+                continue;
+            }
+            let lead = leads.iter().sum::<i64>() as f64 / leads.len() as f64;
+            let sms = per_sm
+                .into_iter()
+                .filter(|(_, (sum, n))| *sum as f64 / *n as f64 > lead / 2.0)
+                .map(|(sm, _)| sm)
+                .collect();
+            late.push(LateSms { what, lead_us: lead / 1e3, sms });
+        }
+        late
+    }
+
     /// The table of `shares` (of `shares` or `step_shares`): a row per kind of phase, the whole step,
     /// and a layer's critical path. `over`: what the figures are the mean over, for the heading.
     pub fn table(&self, shares: &[PhaseShare], over: &str) -> String {
@@ -233,7 +295,8 @@ impl Trace {
         let us = |ns: i64| ns as f64 / 1e3;
         // The medians of input, stream and tail over the blocks that stamped all three.
         let parts = |spans: &[[u64; TRACE_STAMPS]]| -> Option<[f64; 3]> {
-            let inner: Vec<&[u64; TRACE_STAMPS]> = spans.iter().filter(|s| s.iter().all(|&ns| ns != 0)).collect();
+            let inner: Vec<&[u64; TRACE_STAMPS]> =
+                spans.iter().filter(|s| s[..TIMES].iter().all(|&ns| ns != 0)).collect();
             if inner.is_empty() {
                 return None;
             }
@@ -342,6 +405,8 @@ mod tests {
                     let at = ((p * grid + b) * n + f) * TRACE_STAMPS;
                     stamps[at + START] = start;
                     stamps[at + END] = start + work * (b as u64 + 1);
+                    // An SM below every time: read as one, it would break their order.
+                    stamps[at + TRACE_SM] = 2 * b as u64 + 1;
                     // Qkv's input takes a sixth of the work, its stream a half.
                     if f == 0 {
                         stamps[at + 1] = start + work * (b as u64 + 1) / 6;
@@ -384,6 +449,17 @@ mod tests {
             (2, 20.0, 2.0, 12.0, 6.0)
         );
         assert_eq!(per_layer(&shares, 2).span_us, 10.0);
+    }
+
+    /// Block b works (b + 1) times as long: block 2 (SM 5) ends 3 us after the median block, block 0
+    /// 3 us before it.
+    #[test]
+    fn the_late_blocks_are_named_by_their_sm() {
+        let t = trace(4, 3_000, 1_000);
+        let late = t.late_sms();
+        let named: Vec<(&str, f64, &[u64])> =
+            late.iter().map(|l| (l.what.as_str(), l.lead_us, l.sms.as_slice())).collect();
+        assert_eq!(named, [("Qkv", 3.0, &[5u64][..]), ("Down", 3.0, &[5u64][..])]);
     }
 
     #[test]

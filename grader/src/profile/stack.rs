@@ -11,7 +11,7 @@
 use std::fmt::Write as _;
 
 use cuda::{Context, Device};
-use megakernel::{Megakernel, Mode, PhaseShare, TRACE_STAMPS};
+use megakernel::{Megakernel, Mode, PhaseShare, TRACE_END, TRACE_STAMPS};
 use reference::gpu::data::generate_input;
 use reference::gpu::{DeviceCache, generate_weights};
 use serde::Serialize;
@@ -116,7 +116,7 @@ pub fn measure(
 /// before's last end to the layer's last end. `None` when a layer has no stamp.
 fn layer_times(stamps: &[u64], grid: usize, layers: usize, phases: usize) -> Option<Vec<f64>> {
     let stamp = |b: usize, f: usize, which: usize| stamps[(b * layers * phases + f) * TRACE_STAMPS + which];
-    let (start, end) = (0, TRACE_STAMPS - 1);
+    let (start, end) = (0, TRACE_END);
     let first = (0..grid).flat_map(|b| (0..phases).map(move |f| (b, f))).map(|(b, f)| stamp(b, f, start));
     let mut before = first.filter(|&t| t != 0).min()?;
     (0..layers)
@@ -189,7 +189,7 @@ mod tests {
         let mut set = |b: usize, f: usize, start: u64, end: u64| {
             let at = (b * layers * phases + f) * TRACE_STAMPS;
             stamps[at] = start;
-            stamps[at + TRACE_STAMPS - 1] = end;
+            stamps[at + TRACE_END] = end;
         };
         set(0, 0, 1_000, 5_000);
         set(1, 1, 2_000, 9_000);

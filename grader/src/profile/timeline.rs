@@ -7,8 +7,8 @@
 
 use std::fmt::Write as _;
 
-use megakernel::TRACE_STAMPS;
 use megakernel::program::Blocks;
+use megakernel::{TRACE_END, TRACE_STAMPS};
 use serde::Serialize;
 
 /// One phase of the traced launch. Times in microseconds from the launch's first stamp.
@@ -54,8 +54,8 @@ pub struct Timeline {
 }
 
 impl Timeline {
-    /// Reads the stamps of `trace_step` (`(block, phase, TRACE_STAMPS)` in ns: start, input, streamed,
-    /// end) for phases named `names`, run by the blocks `blocks_of[phase]`, whose floors (us at the
+    /// Reads the stamps of `trace_step` (`(block, phase, TRACE_STAMPS)`: start, input, streamed and end
+    /// in ns, then the SM) for phases named `names`, run by the blocks `blocks_of[phase]`, whose floors (us at the
     /// floor bandwidth) are `floors_us`. `None` when a start or end stamp is missing (zero) for a block
     /// that runs the phase, any stamp is present for one that does not, the inner stamps are present
     /// for some of a phase's blocks and not others, or stamps are out of order: a trace that cannot be
@@ -80,23 +80,26 @@ impl Timeline {
             consistent
                 && (0..blocks).all(|b| {
                     let s = at(b, p);
-                    if blocks_of[p].contains(b) { s[0] != 0 && s[3] != 0 } else { s.iter().all(|&v| v == 0) }
+                    if blocks_of[p].contains(b) { s[0] != 0 && s[TRACE_END] != 0 } else { s.iter().all(|&v| v == 0) }
                 })
         });
         if !whole {
             return None;
         }
-        let origin = stamps.iter().copied().filter(|&ns| ns != 0).min()?;
+        let origin = stamps.chunks(TRACE_STAMPS).flat_map(|s| &s[..=TRACE_END]).copied().filter(|&ns| ns != 0).min()?;
         let us = |ns: u64| (ns - origin) as f64 / 1e3;
         let spans: Vec<Vec<Option<(f64, f64)>>> = (0..blocks)
             .map(|b| {
-                (0..phases).map(|p| blocks_of[p].contains(b).then(|| (us(at(b, p)[0]), us(at(b, p)[3])))).collect()
+                (0..phases)
+                    .map(|p| blocks_of[p].contains(b).then(|| (us(at(b, p)[0]), us(at(b, p)[TRACE_END]))))
+                    .collect()
             })
             .collect();
         let ordered = spans.iter().all(|row| {
             let own: Vec<(f64, f64)> = row.iter().flatten().copied().collect();
             own.iter().all(|&(s, e)| s <= e) && own.windows(2).all(|w| w[0].1 <= w[1].0)
-        }) && (0..blocks).all(|b| (0..phases).all(|p| !inner(b, p) || at(b, p).is_sorted()));
+        }) && (0..blocks)
+            .all(|b| (0..phases).all(|p| !inner(b, p) || at(b, p)[..=TRACE_END].is_sorted()));
         if !ordered {
             return None;
         }
@@ -257,9 +260,15 @@ mod tests {
         1_000_000 + us * 1000
     }
 
+    /// A phase's four times as traced stamps: the SM (a number below the times, so that a check of the
+    /// times' order that took it in would fail) where the block ran the phase, zero where it did not.
+    fn stamped(times: [u64; 4]) -> [u64; TRACE_STAMPS] {
+        [times[0], times[1], times[2], times[3], if times[0] == 0 { 0 } else { 7 }]
+    }
+
     /// `[start, end]` pairs as traced stamps with no inner ones (attention's, or none at all).
     fn outer(pairs: &[u64]) -> Vec<u64> {
-        pairs.chunks(2).flat_map(|p| [p[0], 0, 0, p[1]]).collect()
+        pairs.chunks(2).flat_map(|p| stamped([p[0], 0, 0, p[1]])).collect()
     }
 
     #[test]
@@ -321,7 +330,7 @@ mod tests {
         assert!(bar("#d9534f").contains("y=\"40.0\"") && bar("#f0ad4e").contains("y=\"43.0\""), "{svg}");
         // A stamp where the block does not run the phase, or none where it does: not drawn.
         let mut stray = stamps.clone();
-        stray[4] = ns(11); // block 0, phase 1 (which block 0 does not run), start
+        stray[TRACE_STAMPS] = ns(11); // block 0, phase 1 (which block 0 does not run), start
         assert!(Timeline::of(&stray, 2, &names(4), &[1.0; 4], &sets).is_none());
         assert!(
             Timeline::of(&stamps, 2, &names(4), &[1.0; 4], &[span(0, 2), span(0, 2), span(0, 1), span(0, 2)]).is_none()
@@ -340,10 +349,13 @@ mod tests {
             "a phase starting before the last ended"
         );
         assert!(of(&outer(&[1, 5]), 2, &[span(0, 2)]).is_none(), "too few stamps for the grid");
-        assert!(of(&[1, 6, 3, 9], 1, &one).is_none(), "an input stamp after the stream's");
-        assert!(of(&[1, 3, 0, 9], 1, &one).is_none(), "an input stamp without the stream's");
+        assert!(of(&stamped([1, 3, 6, 9]), 1, &one).is_some(), "in order, the SM after the times");
+        assert!(of(&stamped([1, 6, 3, 9]), 1, &one).is_none(), "an input stamp after the stream's");
+        assert!(of(&stamped([1, 3, 0, 9]), 1, &one).is_none(), "an input stamp without the stream's");
+        assert!(of(&[1, 2, 3, 9], 1, &one).is_none(), "a phase's stamps without its SM: too few");
+        let one_inner: Vec<u64> = [[1, 2, 3, 9], [1, 0, 0, 9]].into_iter().flat_map(stamped).collect();
         assert!(
-            of(&[1, 2, 3, 9, 1, 0, 0, 9], 2, &[span(0, 2)]).is_none(),
+            of(&one_inner, 2, &[span(0, 2)]).is_none(),
             "inner stamps from one block of the phase and not the other"
         );
     }
@@ -352,24 +364,15 @@ mod tests {
     /// its blocks); a phase without them has no parts.
     #[test]
     fn inner_stamps_split_a_gemv_blocks_time() {
-        let stamps = [
-            ns(0),
-            ns(2),
-            ns(10),
-            ns(11),
-            ns(12),
-            0,
-            0,
-            ns(20), // block 0: GEMV 2 / 8 / 1, then attention
-            ns(0),
-            ns(4),
-            ns(10),
-            ns(13),
-            ns(13),
-            0,
-            0,
-            ns(21), // block 1: GEMV 4 / 6 / 3
-        ];
+        let stamps: Vec<u64> = [
+            [ns(0), ns(2), ns(10), ns(11)],
+            [ns(12), 0, 0, ns(20)], // block 0: GEMV 2 / 8 / 1, then attention
+            [ns(0), ns(4), ns(10), ns(13)],
+            [ns(13), 0, 0, ns(21)], // block 1: GEMV 4 / 6 / 3
+        ]
+        .into_iter()
+        .flat_map(stamped)
+        .collect();
         let t = Timeline::of(&stamps, 2, &names(2), &[1.0; 2], &[span(0, 2), span(0, 2)]).expect("a complete trace");
         // Medians of two: the larger (index len / 2).
         assert_eq!(t.phases[0].parts, Some(BusyParts { input_us: 4.0, stream_us: 8.0, tail_us: 3.0 }));
