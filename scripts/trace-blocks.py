@@ -35,6 +35,8 @@ print("SM by block: " + " ".join(str(int(x)) for x in SMID))
 
 def name_of(b):
     return f"{b} (SM {int(SMID[b])})"
+
+
 for r, name in enumerate(rows):
     late, start_lag, work_x, parts_x = [], [], [], []
     per_block = []  # per instance: each block's end minus the median end (nan where it did not run)
