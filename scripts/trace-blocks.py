@@ -10,7 +10,10 @@ machine's python has it). For each kind of phase: the last block's lead over the
 stream / tail); how much of each block's lateness is the block's own (the same every instance: an
 imbalance an even share of rows cannot absorb) and what the lead would be with each block's own mean
 lateness taken out; the latest blocks on average with the SMs they ran on, and each block's mean
-stream. docs/perf.md, "Where the later blocks' time comes from", reads its output.
+stream; and whether a block's stream measures its SM's rate: its correlation with the block's end
+lateness and with its wait since its previous phase, during which its ring fills (docs/perf.md, "SM
+weights calibrated, run on an H100"). docs/perf.md, "Where the later blocks' time comes from", reads its
+output.
 """
 import sys
 import warnings
@@ -41,6 +44,9 @@ for r, name in enumerate(rows):
     late, start_lag, work_x, parts_x = [], [], [], []
     per_block = []  # per instance: each block's end minus the median end (nan where it did not run)
     parts_all = []
+    # Per block and instance: its stream over the median block's, its wait since its previous phase's end
+    # less the median block's, and its end less the median end.
+    ratio, wait, end_late = [], [], []
     for p in range(1, P):
         for l in range(L):
             s = S[p, :, l * R + r, :]
@@ -66,6 +72,15 @@ for r, name in enumerate(rows):
                 pa = np.full((G, 3), np.nan)
                 pa[ran] = np.stack([inp[ran], stream[ran], tail[ran]], 1)
                 parts_all.append(pa)
+                # Each block's previous phase's end: at this position, or the position before's head.
+                f = l * R + r
+                before = S[p, :, :f, 3].max(1) if f > 0 else S[p - 1, :, F - 1, 3]
+                had = ran & (before != 0) & (stream > 0)
+                if had.sum() > 1:
+                    gap = s[had, 0] - before[had]
+                    ratio.extend(stream[had] / np.median(stream[had]))
+                    wait.extend(gap - np.median(gap))
+                    end_late.extend(s[had, 3] - np.median(s[had, 3]))
     if not late:
         continue
     n = len(late)
@@ -98,3 +113,7 @@ for r, name in enumerate(rows):
                   f"max {v.max():.2f} (block {ran_blocks[v.argmax()]})")
         v = pa[:, 1]
         print("  stream by block (us, blocks 0..): " + " ".join("-" if np.isnan(x) else f"{x:.1f}" for x in v))
+    if len(ratio) > 2:
+        with_end, with_wait = np.corrcoef(ratio, end_late)[0, 1], np.corrcoef(ratio, wait)[0, 1]
+        print(f"  a block's stream over the median's: correlation {with_end:.2f} with its end's lateness, "
+              f"{with_wait:.2f} with its wait since its previous phase")
