@@ -177,6 +177,17 @@ impl Trace {
         }
     }
 
+    /// The kinds of a position's first `n` phases, each once, in the program's order.
+    fn kinds(&self, n: usize) -> Vec<String> {
+        let mut kinds: Vec<String> = Vec::new();
+        for what in (0..n).map(|f| self.kind(f)) {
+            if !kinds.contains(&what) {
+                kinds.push(what);
+            }
+        }
+        kinds
+    }
+
     /// Each kind of phase's part of a token (the layer's operations in the program's order, then the
     /// head), over `traced_positions`; `None` when no position was traced, the launch ran no head, or
     /// the stamps are incomplete (a phase that no block ran, a block with one stamp of a phase's two).
@@ -206,19 +217,14 @@ impl Trace {
         let positions =
             if self.traced_positions().is_empty() { 0..self.positions().min(1) } else { self.traced_positions() };
         let phases = self.plan.len() * self.layers;
-        let mut kinds: Vec<String> = Vec::new();
-        for f in 0..phases {
-            if !kinds.contains(&self.kind(f)) {
-                kinds.push(self.kind(f));
-            }
-        }
+        let kind_of: Vec<String> = (0..phases).map(|f| self.kind(f)).collect();
         let mut late = Vec::new();
-        for what in kinds {
+        for what in self.kinds(phases) {
             // Per SM: the sum of its blocks' ends after the median's (ns, signed) and how many.
             let mut per_sm: std::collections::BTreeMap<u64, (i64, i64)> = std::collections::BTreeMap::new();
             let mut leads: Vec<i64> = Vec::new();
             for p in positions.clone() {
-                for f in (0..phases).filter(|&f| self.kind(f) == what) {
+                for f in (0..phases).filter(|&f| kind_of[f] == what) {
                     let Some(spans) = self.spans(p, f).filter(|s| s.len() > 1) else { continue };
                     let mut ends: Vec<i64> = spans.iter().map(|s| s[END] as i64).collect();
                     ends.sort_unstable();
@@ -304,22 +310,19 @@ impl Trace {
         };
         // A kind per layer operation in the program's order, then the head's; none is dropped for being
         // off the path.
-        let mut kinds: Vec<PhaseShare> = Vec::new();
-        for f in 0..n {
-            let what = self.kind(f);
-            if kinds.iter().all(|k| k.what != what) {
-                let parts_us = Some([0.0; 3]);
-                kinds.push(PhaseShare {
-                    what,
-                    phases: 0,
-                    span_us: 0.0,
-                    handoff_us: 0.0,
-                    work_us: 0.0,
-                    later_us: 0.0,
-                    parts_us,
-                });
-            }
-        }
+        let mut kinds: Vec<PhaseShare> = self
+            .kinds(n)
+            .into_iter()
+            .map(|what| PhaseShare {
+                what,
+                phases: 0,
+                span_us: 0.0,
+                handoff_us: 0.0,
+                work_us: 0.0,
+                later_us: 0.0,
+                parts_us: Some([0.0; 3]),
+            })
+            .collect();
         for p in positions.clone() {
             let start = ready(p)?;
             // Each phase's last end, the phase it waited for last (None: the position's start), its
