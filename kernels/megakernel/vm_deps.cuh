@@ -57,12 +57,15 @@ __device__ inline bool runs(const BlockSet& b) { return (blockIdx.x - b.first) %
 // layer l, and the layer before's (bits from PREV_LAYER_WAITS) when the layer is `chained` to one run
 // earlier in this launch (a stack's layers after the first; a model's first layer after a step this
 // launch ran; otherwise the launch boundary orders the step before). Call with the block converged.
-// Thread w checks phase w's bits and polls its count: one thread's walk over every phase's bits, with
-// each waited count polled in turn, cost a narrow model 0.17-0.35 us a phase (docs/perf.md, "Waits
-// polled in parallel").
+// Thread POLLERS + w checks phase w's bits and polls its count: one thread's walk over every phase's
+// bits, with each waited count polled in turn, cost a narrow model 0.17-0.35 us a phase (docs/perf.md,
+// "Waits polled in parallel"). POLLERS: 0, or WARP where thread 0 has just issued the phase's prime, so
+// that the polls do not wait in thread 0's warp for that issue (the model kernel's bf16 instances
+// without q/k norms; docs/perf.md, "The pollers in the second warp").
+template <uint32_t POLLERS = 0>
 __device__ inline void wait_for(const int64_t* program, uint64_t waits, const unsigned* phase_done, uint32_t step,
                                 uint32_t layers, uint32_t l, bool chained) {
-    const uint32_t w = threadIdx.x;
+    const uint32_t w = threadIdx.x - POLLERS;  // wraps past PROGRAM_MAX_PHASES for the threads before
     if (w < PROGRAM_MAX_PHASES) {
         const bool own = (waits >> w) & 1, before = chained && ((waits >> (PREV_LAYER_WAITS + w)) & 1);
         if (own || before) {

@@ -56,10 +56,16 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
     };
     uint32_t f = walk.next_own(0, per_step);
     static_assert(!(QK_NORM && CODES != BF16_ROWS), "the q/k-norm Qkv phase streams bf16 rows");
+    // The waits' pollers in the second warp in the bf16 instances without q/k norms (wait_for). In the
+    // q/k-norm instance the move spilled more and Qwen3-0.6B gained nothing, and the judge's layer
+    // kernels timed slower with it (docs/perf.md, "The pollers in the second warp"); the fp8 and nf4
+    // instances keep the machine code they were timed with.
+    constexpr uint32_t POLLERS = !QK_NORM && CODES == BF16_ROWS ? WARP : 0;
     if (f < per_step) prime_inputs<SLICED, CODES>(walk.op(f), ring, io.pos, norms(f));
     for (;;) {
         while (f < per_step) {
-            run_phase<PROGRAM_MAX_LAYERS, SLICED, TRACED, !QK_NORM, false, CODES>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part, trace_at(f), norms(f));
+            run_phase<PROGRAM_MAX_LAYERS, SLICED, TRACED, !QK_NORM, false, CODES, POLLERS>(walk, f, io.step != step || f >= phases, io, phase_done, ring, part,
+                                                                                         trace_at(f), norms(f));
             f = walk.next_own(f + 1, per_step);
             if (f < per_step) prime_inputs<SLICED, CODES>(walk.op(f), ring, io.pos, norms(f));
         }
@@ -72,7 +78,7 @@ __device__ __forceinline__ void run_model(const Program<PROGRAM_MAX_LAYERS>& pro
             else prime_head<SLICED>(m, d, ring, part.rows);
             // Every row of the last layer, as the layer before the head: its output is whole.
             if (TRACED && threadIdx.x == 0) trace_row = trace_at(per_step);
-            wait_for(program.words, ((1ull << phases) - 1) << PREV_LAYER_WAITS, phase_done, io.step, layers, layers, true);
+            wait_for<POLLERS>(program.words, ((1ull << phases) - 1) << PREV_LAYER_WAITS, phase_done, io.step, layers, layers, true);
             if (TRACED) stamp(TRACE_START);
             if (QK_NORM && in_slices(d)) phase_head_solo(m, out, d, ring, part);
             else phase_head<SLICED>(m, out, d, ring, part);

@@ -110,13 +110,14 @@ __device__ __noinline__ void attention_call(typename RowArg<BY_VALUE>::T op, uin
 // left phase_gateup out). ATTN_CALL: attention through attention_call (the model kernels' instances
 // without q/k norms). SPLIT: the split kernel's, which also runs Reduce rows (op_reduce.cuh); the other
 // kernels' instances compile none of it, so their machine code is what it was. CODES: the model
-// kernel's instances for fp8 and nf4 checkpoints (streams_codes).
-template <uint32_t TABLES, bool SLICED, bool TRACED = false, bool ATTN_CALL = false, bool SPLIT = false, uint32_t CODES = BF16_ROWS>
+// kernel's instances for fp8 and nf4 checkpoints (streams_codes). POLLERS: as wait_for's.
+template <uint32_t TABLES, bool SLICED, bool TRACED = false, bool ATTN_CALL = false, bool SPLIT = false, uint32_t CODES = BF16_ROWS,
+          uint32_t POLLERS = 0>
 __device__ __forceinline__ void run_phase(const Walk<TABLES>& walk, uint32_t f, bool chained, const StepIo& io, unsigned* phase_done,
                                           Ring& ring, const Partials& part, uint64_t* trace_at, const bf16* qk_norms) {
     const OpRow op = walk.op(f);
     const uint32_t l = f / walk.phases;
-    wait_for(walk.program.words, (uint64_t)op[ROW_WAITS], phase_done, io.step, walk.layers, l, chained);
+    wait_for<POLLERS>(walk.program.words, (uint64_t)op[ROW_WAITS], phase_done, io.step, walk.layers, l, chained);
     // Thread 0 alone sets and reads the trace row: no synchronisation needed.
     if (threadIdx.x == 0) trace_row = trace_at;
     stamp(TRACE_START);
