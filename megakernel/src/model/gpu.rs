@@ -235,9 +235,9 @@ impl CodedDecode {
             Err(why) => return Ok(Err(why)),
         };
         let (mut tables, mut packed, mut saved, mut matrices) = (Vec::new(), Vec::new(), 0, 0);
-        // Packing is one core's work a layer (tile_pairs' reordering: 0.5-0.7 s a layer of Llama-3.1-8B's
-        // shape, so 16-22 s of every load of its 32), so the layers are packed a thread each, as many at a
-        // time as the machine has cores (bounding the packed bytes held at once), and uploaded in order.
+        // Packing a layer is one core's work (tile_pairs' reordering: 0.5-0.7 s a layer of Llama-3.1-8B's
+        // shape, 16-22 s of every load of its 32): the layers are packed a thread each, as many at a time
+        // as the machine has cores (bounding the packed bytes held at once), and uploaded in order.
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         for (batch, at) in coded.chunks(threads).zip((0..).step_by(threads)) {
             let last = at + batch.len();
